@@ -1,0 +1,94 @@
+"""Trainer-side log-probabilities: one packed forward, no padding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlexact.models import AttnMetadata, forward_hidden, head_logprobs
+
+
+@dataclass
+class Packed:
+    """A packed token stream.
+
+    Attributes:
+        input_ids: ``[T]`` int64, all sequences concatenated.
+        position_ids: ``[T]`` int64, restarting at 0 for every sequence.
+        cu_seqlens: ``[B+1]`` int32 sequence boundaries.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+
+def pack(sequences: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str = "cpu") -> Packed:
+    """Concatenate token sequences into a :class:`Packed` stream. Empty sequences are rejected."""
+    if len(sequences) == 0:
+        raise ValueError("pack: no sequences")
+    tensors = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    lengths = [t.numel() for t in tensors]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"pack: sequence {i} is empty")
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return Packed(torch.cat(tensors).to(device), pos.to(device), cu.to(device))
+
+
+def shifted_targets(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, targets)``: rows ``[T-B]`` index the hidden state predicting ``targets [T-B]`` (each sequence's
+    tokens 1..L-1), in sequence order."""
+    ids = packed.input_ids
+    last = packed.cu_seqlens[1:].long() - 1
+    keep = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
+    keep[last] = False
+    rows = torch.nonzero(keep).squeeze(-1)
+    return rows, ids[rows + 1]
+
+
+def packed_logprobs(
+    model: nn.Module, packed: Packed, temperature: float = 1.0, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[T]`` fp32 aligned with ``packed.input_ids``: entry ``t`` is ``log p(x_t | x_<t)``;
+    the first token of each sequence gets 0. Differentiable when grad is enabled."""
+    _check_vocab(model, packed.input_ids)
+    hidden = forward_hidden(model, packed.input_ids, packed.position_ids, AttnMetadata(packed.cu_seqlens))
+    rows, targets = shifted_targets(packed)
+    logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature)
+    logp = torch.zeros(packed.input_ids.numel(), dtype=torch.float32, device=hidden.device)
+    logp = logp.index_put((rows + 1,), logp_rows)
+    ent = None
+    if with_entropy:
+        ent = torch.zeros_like(logp).index_put((rows + 1,), ent_rows)
+    return logp, ent
+
+
+def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+
+
+def sequence_logprobs(
+    model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor], temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """Trainer-path log-probs of each sequence's tokens 1..L-1: a list of ``[L-1]`` fp32 tensors.
+
+    One packed forward over all sequences (no padding). For a completion produced by
+    :class:`rlexact.rollout.Generator` on the same weights in exact mode, the last ``len(completion.token_ids)``
+    entries equal ``completion.logprobs`` bitwise.
+    """
+    device = next(model.parameters()).device
+    packed = pack(sequences, device)
+    logp, _ = packed_logprobs(model, packed, temperature)
+    return [logp[s + 1 : e] for s, e in zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())]

@@ -1,0 +1,32 @@
+"""transformers integration: :func:`exactify`, the packed forward and the log-prob head."""
+
+from rlexact.models.exactify import (
+    ATTN_IMPL,
+    SUPPORTED_MODEL_TYPES,
+    ExactState,
+    check_supported,
+    exactify,
+    get_state,
+    is_exactified,
+    use_kernels,
+)
+from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
+from rlexact.models.metadata import AttnMetadata, PagedKV
+
+__all__ = [
+    "ATTN_IMPL",
+    "SUPPORTED_MODEL_TYPES",
+    "AttnMetadata",
+    "ExactState",
+    "PagedKV",
+    "check_supported",
+    "decoder",
+    "exactify",
+    "forward_hidden",
+    "get_state",
+    "head_logits",
+    "head_logprobs",
+    "is_exactified",
+    "lm_head_weight",
+    "use_kernels",
+]

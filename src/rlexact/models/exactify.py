@@ -1,0 +1,356 @@
+"""Plug the exact ops into a transformers causal LM in place, through public extension points.
+
+* Attention: an ``AttentionInterface`` function named ``"rlexact"`` plus a matching ``AttentionMaskInterface``
+  entry, selected through ``config._attn_implementation``. It reads :class:`~rlexact.models.metadata.AttnMetadata`
+  from the forward kwargs.
+* ``nn.Linear``, RMSNorm, the gated MLP and the rotary embedding: instance ``forward`` replacements that dispatch on
+  the model's :class:`ExactState` (exact kernels, or the stock forward in ``"native"`` mode).
+
+Nothing is copied: the generator and the trainer run this very module object. ``exactify(model, enabled=False)``
+removes every replacement and restores the original attention implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlexact import ops
+from rlexact.models.metadata import AttnMetadata
+
+Kernels = Literal["exact", "native"]
+KERNELS: tuple[str, ...] = ("exact", "native")
+ATTN_IMPL = "rlexact"
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama")
+_STATE_ATTR = "_rlexact_state"
+
+
+@dataclass
+class ExactState:
+    """Per-model switch shared by every patched module of one model.
+
+    Attributes:
+        kernels: ``"exact"`` or ``"native"``; change it with :func:`use_kernels` (reentrant, try/finally).
+        original_forwards: the replaced modules and their original ``forward`` (restored by ``enabled=False``).
+        original_attn_impl: ``config._attn_implementation`` before exactify.
+        rope_tables: fp32 ``(cos, sin)`` tables over ``[0, max_position_embeddings)`` per device.
+    """
+
+    kernels: Kernels = "exact"
+    original_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
+    original_attn_impl: str | None = None
+    rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return self.kernels == "exact"
+
+
+def get_state(model: nn.Module) -> ExactState | None:
+    """The :class:`ExactState` of an exactified model, else ``None``."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def is_exactified(model: nn.Module) -> bool:
+    return get_state(model) is not None
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no transformers config; expected a transformers causal LM")
+    return str(getattr(config, "model_type", ""))
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ``ValueError`` listing the supported architectures when ``model`` is not one of them."""
+    mt = _model_type(model)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)"
+        )
+    act = getattr(model.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r}; rlexact's gated MLP kernel implements silu")
+    rope = getattr(model.config, "rope_scaling", None) or getattr(model.config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
+
+
+def _patch(state: ExactState, module: nn.Module, fn: Callable) -> None:
+    state.original_forwards.append((module, module.forward))
+    module.forward = fn  # type: ignore[method-assign]
+
+
+def _linear_forward(state: ExactState, m: nn.Linear) -> Callable:
+    orig = m.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.exact:
+            return orig(x)
+        return ops.linear(x, m.weight, m.bias)
+
+    return forward
+
+
+def _norm_forward(state: ExactState, m: nn.Module) -> Callable:
+    orig = m.forward
+    eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.exact:
+            return orig(x)
+        return ops.rms_norm(x, m.weight, eps)
+
+    return forward
+
+
+def _mlp_forward(state: ExactState, m: nn.Module) -> Callable:
+    orig = m.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not state.exact:
+            return orig(x)
+        return m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x)))
+
+    return forward
+
+
+def _rotary_forward(state: ExactState, m: nn.Module, max_positions: int) -> Callable:
+    orig = m.forward
+
+    def table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in state.rope_tables:
+            pos = torch.arange(max_positions, device=device)[None]
+            dummy = torch.empty(1, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                cos, sin = orig(dummy, pos)
+            state.rope_tables[device] = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        return state.rope_tables[device]
+
+    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not state.exact:
+            return orig(x, position_ids)
+        if int(position_ids.max()) >= max_positions:
+            raise ValueError(
+                f"position {int(position_ids.max())} exceeds max_position_embeddings={max_positions} of the model"
+            )
+        cos, sin = table(x.device)
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+
+    return forward
+
+
+def _is_rmsnorm(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+
+
+def _is_gated_mlp(m: nn.Module) -> bool:
+    return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make ``model`` compute with the exact kernels (in place), or restore it with ``enabled=False``.
+
+    Idempotent. Works on models from ``from_pretrained`` and ``from_config``, fp32 and bf16, before or after FSDP2
+    ``fully_shard``. Raises ``ValueError`` for unsupported architectures (listing the supported ones).
+    """
+    state = get_state(model)
+    if not enabled:
+        if state is None:
+            return model
+        for module, fwd in reversed(state.original_forwards):
+            if module.__dict__.get("forward") is not None:
+                del module.forward
+            if module.forward != fwd:
+                module.forward = fwd  # type: ignore[method-assign]
+        _set_attn_impl(model, state.original_attn_impl or "sdpa")
+        for m in model.modules():
+            m.__dict__.pop(_STATE_ATTR, None)
+        delattr(model, _STATE_ATTR)
+        return model
+    if state is not None:
+        return model
+    check_supported(model)
+    register_attention()
+    state = ExactState(original_attn_impl=getattr(model.config, "_attn_implementation", None))
+    max_pos = int(model.config.max_position_embeddings)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            _patch(state, m, _linear_forward(state, m))
+        elif _is_rmsnorm(m):
+            _patch(state, m, _norm_forward(state, m))
+        elif _is_gated_mlp(m):
+            _patch(state, m, _mlp_forward(state, m))
+        elif type(m).__name__.endswith("RotaryEmbedding"):
+            _patch(state, m, _rotary_forward(state, m, max_pos))
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
+            m.__dict__[_STATE_ATTR] = state
+    setattr(model, _STATE_ATTR, state)
+    _set_attn_impl(model, ATTN_IMPL)
+    return model
+
+
+def _set_attn_impl(model: nn.Module, name: str) -> None:
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+
+
+@contextlib.contextmanager
+def use_kernels(model: nn.Module, kernels: str) -> Iterator[None]:
+    """Run ``model`` with ``"exact"`` or ``"native"`` kernels inside the block; restores the previous choice."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    state = get_state(model)
+    if state is None:
+        raise ValueError("use_kernels needs an exactified model: call rlexact.exactify(model) first")
+    previous = state.kernels
+    state.kernels = kernels  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        state.kernels = previous
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# attention function and mask function registered with transformers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for s, e in zip(cu[:-1], cu[1:]):
+        if e > s:
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1)[None],
+                k[s:e].transpose(0, 1)[None],
+                v[s:e].transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torch.Tensor, scale: float):
+    """Stock-kernel attention over the paged cache: gather to contiguous keys, then SDPA."""
+    paged = meta.paged
+    assert paged is not None
+    cu = meta.cu_seqlens.tolist()
+    lens = paged.seqlens_k.tolist()
+    nqs = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    out = torch.empty_like(q)
+    if all(n == 1 for n in nqs):  # decode: one padded batch, one SDPA call
+        lmax = max(lens)
+        bs = kc.shape[1]
+        pos = torch.arange(lmax, device=q.device)
+        blocks = paged.block_tables[:, : -(-lmax // bs)].long()
+        slots = blocks.gather(1, (pos // bs)[None].expand(len(lens), -1)) * bs + pos % bs
+        kk = kc.reshape(-1, *kc.shape[2:])[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vv = vc.reshape(-1, *vc.shape[2:])[slots].transpose(1, 2)
+        valid = pos[None] < paged.seqlens_k[:, None].to(pos.dtype)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None], kk, vv, attn_mask=valid[:, None, None], scale=scale, enable_gqa=True
+        )
+        return o[:, :, 0]
+    from rlexact.ops.cpu import gather_paged
+
+    for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        if e == s:
+            continue
+        lk, nq = lens[b], e - s
+        kk = gather_paged(kc, paged.block_tables[b], lk).transpose(0, 1)[None]
+        vv = gather_paged(vc, paged.block_tables[b], lk).transpose(0, 1)[None]
+        qpos = torch.arange(lk - nq, lk, device=q.device)
+        mask = torch.arange(lk, device=q.device)[None] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def rlexact_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    rlexact_meta: AttnMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    state: ExactState | None = module.__dict__.get(_STATE_ATTR)
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if rlexact_meta is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if state is not None and state.exact and attention_mask is None and query.shape[2] == key.shape[2]:
+            b, _, t, _ = query.shape
+            cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
+            q = query.transpose(1, 2).reshape(b * t, query.shape[1], -1)
+            k = key.transpose(1, 2).reshape(b * t, key.shape[1], -1)
+            v = value.transpose(1, 2).reshape(b * t, value.shape[1], -1)
+            return ops.attention_varlen(q, k, v, cu, scale).reshape(b, t, query.shape[1], -1), None
+        if state is not None and state.exact:
+            warnings.warn(
+                "rlexact attention called without AttnMetadata on a padded or cached batch: using stock SDPA, "
+                "which is not exact; use rlexact.sequence_logprobs / rlexact.rollout.Generator",
+                stacklevel=2,
+            )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed forward expects batch dimension 1, got {query.shape[0]}")
+    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    exact = state is None or state.exact
+    if rlexact_meta.paged is None:
+        if exact:
+            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale)
+        else:
+            out = _native_varlen(q, k, v, rlexact_meta.cu_seqlens.tolist(), scale)
+    else:
+        paged = rlexact_meta.paged
+        kc, vc = paged.caches[module.layer_idx]
+        ops.write_kv(k, v, kc, vc, paged.slot_mapping)
+        if exact:
+            out = ops.attention_paged(
+                q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale
+            )
+        else:
+            out = _native_paged(q, rlexact_meta, kc, vc, scale)
+    return out[None], None
+
+
+def _rlexact_mask(*args: object, **kwargs: object) -> torch.Tensor | None:
+    """Mask function for ``"rlexact"``: no mask for unpadded inputs (causality is in the kernels), else SDPA's."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = kwargs.get("attention_mask")
+    if mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and bool(mask.all())):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> None:
+    """Register the ``"rlexact"`` attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPL, rlexact_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, _rlexact_mask)

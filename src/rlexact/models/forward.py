@@ -1,0 +1,75 @@
+"""The single model entry point shared by the generator and the trainer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlexact import ops
+from rlexact.models.exactify import get_state
+from rlexact.models.metadata import AttnMetadata
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The base transformer (``model.model`` for transformers causal LMs)."""
+    base = getattr(model, "model", None)
+    if base is None:
+        raise ValueError(f"{type(model).__name__} has no .model decoder; expected a transformers *ForCausalLM")
+    return base
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    """The ``[V, H]`` output-projection weight (tied or not)."""
+    head = getattr(model, "lm_head", None)
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError("expected a bias-free lm_head on the causal LM")
+    return head.weight
+
+
+def forward_hidden(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttnMetadata
+) -> torch.Tensor:
+    """Final hidden states ``[T, H]`` of a packed token stream.
+
+    ``input_ids [T]`` and ``position_ids [T]`` (absolute positions, int64); ``meta`` describes the packing and, for
+    the generator, the paged KV cache. The model must be exactified (it may be in ``"native"`` kernel mode).
+    """
+    if get_state(model) is None:
+        raise ValueError("forward_hidden needs an exactified model: call rlexact.exactify(model) first")
+    if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} must be [T]")
+    out = decoder(model)(
+        input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, rlexact_meta=meta
+    )
+    return out.last_hidden_state[0]
+
+
+def head_logprobs(
+    model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one log-prob function: ``(logp [T], entropy [T])`` fp32 of ``targets`` given final hidden states.
+
+    Exact mode: the fused kernel. Native mode: stock ``lm_head`` in the model dtype, then fp32 log-softmax (what
+    transformers-based trainers and inference engines do).
+    """
+    w = lm_head_weight(model)
+    state = get_state(model)
+    if state is None or state.exact:
+        return ops.token_logprobs(hidden, w, targets, temperature)
+    z = F.linear(hidden, w).float() / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), ent
+
+
+@torch.no_grad()
+def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits ``[B, V]`` and logsumexp ``[B]`` fp32 for sampling, consistent bitwise with
+    :func:`head_logprobs` (``z[i, t] - lse[i]`` is the log-prob of ``t``) in exact mode."""
+    w = lm_head_weight(model)
+    state = get_state(model)
+    if state is None or state.exact:
+        return ops.lm_head_logits(hidden, w, temperature)
+    z = F.linear(hidden, w).float() / temperature
+    return z, torch.logsumexp(z, dim=-1)

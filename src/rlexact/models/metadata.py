@@ -1,0 +1,51 @@
+"""Attention metadata passed explicitly through the transformers forward (no global context).
+
+The generator and the trainer both call the model through :func:`rlexact.models.forward_hidden` with a packed token
+stream (batch dimension 1, no padding) and one of these objects; transformers forwards it untouched to the attention
+function that :func:`rlexact.exactify` registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedKV:
+    """Paged KV cache state for one forward of the generator.
+
+    Attributes:
+        caches: per decoder layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
+        block_tables: ``[B, max_blocks]`` int32; row ``b`` lists sequence ``b``'s cache blocks in position order.
+        seqlens_k: ``[B]`` int32, keys per sequence after this forward's tokens are written.
+        slot_mapping: ``[T]`` int64, the cache slot (``block * block_size + offset``) of every new token.
+    """
+
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_tables: torch.Tensor
+    seqlens_k: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass
+class AttnMetadata:
+    """Layout of a packed forward.
+
+    Attributes:
+        cu_seqlens: ``[B+1]`` int32 boundaries of the sequences (their new tokens) in the packed stream.
+        paged: ``None`` for the training path (keys are the packed tokens themselves, each sequence starting at
+            position 0); a :class:`PagedKV` for the generator (prefill chunks and decode over the paged cache).
+    """
+
+    cu_seqlens: torch.Tensor
+    paged: PagedKV | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with B+1 >= 2 entries, got shape {tuple(self.cu_seqlens.shape)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1

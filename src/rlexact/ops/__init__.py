@@ -1,0 +1,180 @@
+"""Exact (batch-invariant, deterministic) ops shared by the generator and the trainer.
+
+Contract for every op: the result for a row (a token, or a query position) depends only on that row's inputs and the
+weights — never on how many other rows are in the call, where the row sits, or how the batch was split — and is
+bitwise reproducible. Backends: Triton on CUDA (or under ``TRITON_INTERPRET=1``), batch-invariant torch on CPU
+(:mod:`rlexact.ops.cpu`). ``backend=None`` picks from the input's device; pass ``"torch"`` or ``"triton"`` to force.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .autograd import AttentionVarlenFn, MatmulFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
+from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
+
+__all__ = [
+    "Backend",
+    "attention_paged",
+    "attention_varlen",
+    "interpreter_enabled",
+    "linear",
+    "lm_head_logits",
+    "matmul",
+    "resolve_backend",
+    "rms_norm",
+    "silu_mul",
+    "token_logprobs",
+    "triton_available",
+    "write_kv",
+]
+
+
+def _check_2d_match(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"{what}: input feature size {x.shape[-1]} does not match weight shape {tuple(w.shape)}")
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``x @ w.T``: ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``; fp32 accumulation, fixed K order."""
+    _check_2d_match(x, w, "matmul")
+    return MatmulFn.apply(x.contiguous(), w, resolve_backend(x, backend))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None):
+    """``nn.Linear`` semantics on any leading shape: ``matmul(x.reshape(-1, K), w).reshape(..., N) + bias``."""
+    _check_2d_match(x, w, "linear")
+    y = matmul(x.reshape(-1, x.shape[-1]), w, backend=backend).reshape(*x.shape[:-1], w.shape[0])
+    return y + bias if bias is not None else y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim with transformers semantics; any leading shape."""
+    if w.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
+    y = RMSNormFn.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, float(eps), resolve_backend(x, backend))
+    return y.reshape(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` computed in fp32 and cast once; any leading shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    d = gate.shape[-1]
+    y = SiluMulFn.apply(
+        gate.reshape(-1, d).contiguous(), up.reshape(-1, d).contiguous(), resolve_backend(gate, backend)
+    )
+    return y.reshape(gate.shape)
+
+
+def _check_head(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    _check_2d_match(hidden, w, "lm head")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused lm-head + temperature + log-softmax + gather: the one log-prob function of rlexact.
+
+    ``hidden [T, H]``, ``w [V, H]`` (the lm-head weight), ``targets [T]`` int64 -> ``(logp [T], entropy [T])`` fp32,
+    with ``logp[t] = z[t, targets[t]] - logsumexp(z[t])`` and ``z = (hidden @ w.T in fp32) / temperature``.
+    ``[T, V]`` fp32 logits are never materialized. Differentiable in ``hidden`` and ``w``.
+    """
+    _check_head(hidden, w, temperature)
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden rows {hidden.shape[0]}")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= w.shape[0]):
+        raise ValueError(f"targets outside the vocabulary [0, {w.shape[0]})")
+    return TokenLogprobsFn.apply(
+        hidden.contiguous(), w, targets.long().contiguous(), float(temperature), resolve_backend(hidden, backend)
+    )
+
+
+@torch.no_grad()
+def lm_head_logits(
+    hidden: torch.Tensor, w: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits ``z [B, V]`` fp32 and ``logsumexp(z) [B]`` fp32 for sampling.
+
+    Bitwise contract: ``z[i, t] - lse[i] == token_logprobs(hidden, w, t)[0][i]`` for every token ``t``.
+    """
+    _check_head(hidden, w, temperature)
+    return _impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
+
+
+def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != v.dim() or k.shape[-1] != q.shape[-1] or k.shape != v.shape:
+        raise ValueError(f"attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    hkv = k.shape[-2]
+    if q.shape[1] % hkv:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {hkv}")
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention over packed variable-length sequences (the training path). Differentiable.
+
+    ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]`` int32 -> ``[T, Hq, D]`` in ``q.dtype``. Query ``i``
+    of a sequence attends its keys ``0..i`` in key tiles anchored at position 0.
+    """
+    _check_attn(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError("attention_varlen: q and k must have the same number of tokens")
+    return AttentionVarlenFn.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, float(scale), resolve_backend(q, backend)
+    )
+
+
+@torch.no_grad()
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of new queries (prefill chunks or decode) over a paged KV cache. Inference only.
+
+    ``q [Tq, Hq, D]``; ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``; ``block_tables [B, max_blocks]`` int32;
+    ``cu_seqlens_q [B+1]`` int32; ``seqlens_k [B]`` int32 (keys per sequence, new ones included). The queries of
+    sequence ``b`` are its last ``nq_b`` positions. Each row equals :func:`attention_varlen` on the full sequence.
+    """
+    _check_attn(q, k_cache, v_cache)
+    return _impl(resolve_backend(q, backend), "attention_paged")(
+        q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale)
+    )
+
+
+@torch.no_grad()
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``k, v [T, Hkv, D]`` into slots ``slot_mapping [T]`` (``block * block_size + offset``) of the caches."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
+del cpu

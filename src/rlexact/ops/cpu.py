@@ -1,0 +1,201 @@
+"""Batch-invariant torch twins of the exact kernels (CPU backend).
+
+Plain CPU ``torch.mm`` and elementwise kernels are not batch-invariant: the BLAS picks kernels and thread splits
+from M, and vectorized elementwise loops hand a shape-dependent tail of elements to scalar code whose ``exp`` differs
+from the SIMD one. Every op here therefore runs on **fixed-shape row blocks**: the input rows are zero-padded to a
+multiple of :data:`ROW_BLOCK` and each block goes through the same torch calls with the same shape, so the result
+for a row depends only on that row (and the weights), never on how many rows came with it or where it sits.
+
+Attention reduces each query over key tiles of :data:`ATTN_BLOCK_N` keys anchored at absolute position 0, visited in
+ascending order with one online-softmax update, on fixed-shape ``[H, ATTN_BLOCK_M, D] x [H, D, ATTN_BLOCK_N]`` tiles.
+Masked keys contribute exactly zero, so tiles past a query's position are exact no-ops.
+
+All accumulation is fp32; outputs are cast to the input dtype once at the end (matmul, norm, silu-mul, attention) or
+stay fp32 (log-probs, logits, lse, entropy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_BLOCK = 64
+"""Rows per fixed-shape block for matmul, norms, elementwise ops and the log-prob head."""
+ATTN_BLOCK_M = 16
+"""Query rows per attention tile."""
+ATTN_BLOCK_N = 64
+"""Keys per attention tile; tile ``j`` covers absolute key positions ``[j * ATTN_BLOCK_N, (j + 1) * ATTN_BLOCK_N)``."""
+
+
+def _padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
+    """Zero-pad the rows of 2-D ``x`` to a multiple of ``block``; return ``(padded, original_rows)``."""
+    m = x.shape[0]
+    pad = (-m) % block
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
+    return x, m
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with fp32 accumulation. ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``."""
+    xp, m = _padded_blocks(x)
+    wf = w.float()
+    out = torch.empty((xp.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
+    for s in range(0, xp.shape[0], ROW_BLOCK):
+        out[s : s + ROW_BLOCK] = F.linear(xp[s : s + ROW_BLOCK].float(), wf)
+    return out[:m].to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers RMSNorm semantics: ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``. ``x [M, H]``."""
+    xp, m = _padded_blocks(x)
+    out_dtype = torch.promote_types(w.dtype, x.dtype)
+    out = torch.empty(xp.shape, dtype=out_dtype, device=x.device)
+    for s in range(0, xp.shape[0], ROW_BLOCK):
+        xf = xp[s : s + ROW_BLOCK].float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        out[s : s + ROW_BLOCK] = w * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return out[:m]
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``(silu(gate32) * up32).to(gate.dtype)``: one cast at the end. ``gate, up [M, I]``."""
+    gp, m = _padded_blocks(gate)
+    upp, _ = _padded_blocks(up)
+    out = torch.empty(gp.shape, dtype=gate.dtype, device=gate.device)
+    for s in range(0, gp.shape[0], ROW_BLOCK):
+        out[s : s + ROW_BLOCK] = (F.silu(gp[s : s + ROW_BLOCK].float()) * upp[s : s + ROW_BLOCK].float()).to(gate.dtype)
+    return out[:m]
+
+
+def _head_block(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits ``[ROW_BLOCK, V]`` fp32 and their logsumexp ``[ROW_BLOCK]`` for one fixed-shape row block."""
+    scaled = F.linear(h.float(), wf) / temperature
+    mx = scaled.amax(-1, keepdim=True)
+    lse = (mx + torch.log(torch.exp(scaled - mx).sum(-1, keepdim=True))).squeeze(-1)
+    return scaled, lse
+
+
+def token_logprobs(
+    hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``log softmax(hidden @ w.T / temperature)[target]`` and entropy, both fp32 ``[T]``.
+
+    Never holds more than ``[ROW_BLOCK, V]`` logits. ``logp == scaled[target] - lse`` with the same ``scaled`` and
+    ``lse`` that :func:`lm_head_logits` returns, so the sampler and the trainer agree bitwise.
+    """
+    hp, m = _padded_blocks(hidden)
+    tp, _ = _padded_blocks(targets)
+    wf = w.float()
+    logp = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)
+    for s in range(0, hp.shape[0], ROW_BLOCK):
+        scaled, lse = _head_block(hp[s : s + ROW_BLOCK], wf, temperature)
+        logp[s : s + ROW_BLOCK] = scaled.gather(-1, tp[s : s + ROW_BLOCK, None]).squeeze(-1) - lse
+        ent[s : s + ROW_BLOCK] = lse - (torch.exp(scaled - lse[:, None]) * scaled).sum(-1)
+    return logp[:m], ent[:m]
+
+
+def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits ``[B, V]`` fp32 and logsumexp ``[B]`` fp32, computed exactly as in :func:`token_logprobs`."""
+    hp, m = _padded_blocks(hidden)
+    wf = w.float()
+    logits = torch.empty((hp.shape[0], w.shape[0]), dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)
+    for s in range(0, hp.shape[0], ROW_BLOCK):
+        logits[s : s + ROW_BLOCK], lse[s : s + ROW_BLOCK] = _head_block(hp[s : s + ROW_BLOCK], wf, temperature)
+    return logits[:m], lse[:m]
+
+
+def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's queries over its keys.
+
+    ``q [nq, Hq, D]`` sit at absolute positions ``q_start .. q_start + nq - 1``; ``k, v [Lk, Hkv, D]`` at ``0 .. Lk-1``.
+    Returns ``[nq, Hq, D]`` in ``q.dtype``.
+    """
+    nq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    group = hq // hkv
+    bm, bn = ATTN_BLOCK_M, ATTN_BLOCK_N
+    n_tiles_total = -(-lk // bn)
+    kp = k.new_zeros((n_tiles_total * bn, hkv, d))
+    vp = v.new_zeros((n_tiles_total * bn, hkv, d))
+    kp[:lk], vp[:lk] = k, v
+    # [Hq, Lk_pad, D] fp32, kv heads expanded to query heads (GQA)
+    kf = kp.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+    vf = vp.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+    out = torch.empty((nq, hq, d), dtype=q.dtype, device=q.device)
+    key_offsets = torch.arange(bn, device=q.device)
+    for s in range(0, nq, bm):
+        rows = min(bm, nq - s)
+        qb = q.new_zeros((bm, hq, d))
+        qb[:rows] = q[s : s + rows]
+        qf = qb.float().permute(1, 0, 2)  # [Hq, BM, D]
+        pos = q_start + s + torch.arange(bm, device=q.device)  # absolute query positions [BM]
+        n_tiles = min(n_tiles_total, (q_start + s + rows - 1) // bn + 1)
+        m_i = torch.full((hq, bm), float("-inf"), device=q.device)
+        l_i = torch.zeros((hq, bm), device=q.device)
+        acc = torch.zeros((hq, bm, d), device=q.device)
+        for j in range(n_tiles):
+            kpos = j * bn + key_offsets
+            scores = torch.matmul(qf, kf[:, j * bn : (j + 1) * bn].transpose(1, 2)) * scale  # [Hq, BM, BN]
+            masked = (kpos[None, :] > pos[:, None]) | (kpos[None, :] >= lk)
+            scores = scores.masked_fill(masked[None], float("-inf"))
+            m_new = torch.maximum(m_i, scores.amax(-1))
+            alpha = torch.exp(m_i - m_new)
+            p = torch.exp(scores - m_new[..., None])
+            l_i = l_i * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, vf[:, j * bn : (j + 1) * bn])
+            m_i = m_new
+        o = acc / l_i[..., None]
+        out[s : s + rows] = o.permute(1, 0, 2)[:rows].to(q.dtype)
+    return out
+
+
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention over packed sequences. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]``."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        s, e = bounds[b], bounds[b + 1]
+        if e > s:
+            out[s:e] = _attend_sequence(q[s:e], k[s:e], v[s:e], 0, scale)
+    return out
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Keys (or values) ``[length, Hkv, D]`` of one sequence from a paged cache ``[num_blocks, block_size, Hkv, D]``."""
+    bs = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    slots = block_table[pos // bs].long() * bs + pos % bs
+    return cache.reshape(-1, *cache.shape[2:])[slots]
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new queries over a paged KV cache (prefill chunks and decode).
+
+    Sequence ``b`` has ``nq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, the last ``nq_b`` of its
+    ``seqlens_k[b]`` keys, already written to the cache. Row results equal :func:`attention_varlen` bitwise.
+    """
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    lens = seqlens_k.tolist()
+    for b in range(len(bounds) - 1):
+        s, e = bounds[b], bounds[b + 1]
+        if e == s:
+            continue
+        lk = lens[b]
+        k = gather_paged(k_cache, block_tables[b], lk)
+        v = gather_paged(v_cache, block_tables[b], lk)
+        out[s:e] = _attend_sequence(q[s:e], k, v, lk - (e - s), scale)
+    return out
