@@ -329,9 +329,7 @@ def rlexact_attention(
         kc, vc = paged.caches[module.layer_idx]
         ops.write_kv(k, v, kc, vc, paged.slot_mapping)
         if exact:
-            out = ops.attention_paged(
-                q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale
-            )
+            out = ops.attention_paged(q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale)
         else:
             out = _native_paged(q, rlexact_meta, kc, vc, scale)
     return out[None], None

@@ -39,9 +39,7 @@ def forward_hidden(
         raise ValueError("forward_hidden needs an exactified model: call rlexact.exactify(model) first")
     if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} must be [T]")
-    out = decoder(model)(
-        input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, rlexact_meta=meta
-    )
+    out = decoder(model)(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, rlexact_meta=meta)
     return out.last_hidden_state[0]
 
 

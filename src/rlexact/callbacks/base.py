@@ -1,0 +1,60 @@
+"""The RL-callback protocol: two-way hooks that :class:`rlexact.RLModule` calls, in callback-list order.
+
+Lightning callbacks cannot change the loss through a sanctioned hook, so RL callbacks are ordinary
+``lightning.Callback`` objects (they keep their resumable state in ``state_dict``/``load_state_dict`` and may use any
+Lightning hook) that also implement some of these hooks. The module calls them inside ``training_step``, so
+``pl_module.log`` works there. Order of one training step:
+
+1. rollout, rewards, advantages, old log-probs (by mode);
+2. ``on_rl_batch(trainer, pl_module, batch)`` for every RL callback in list order. Callbacks may *read* every field
+   and *write* ``batch.token_weights`` (multiply, never replace blindly, so corrections compose) and
+   ``batch.loss_mask`` (AND in rejections). ``batch.trainer_logprobs`` is present when any callback sets
+   ``needs_trainer_logprobs = True`` or the mode is ``recompute``.
+3. for every PPO epoch and mini-batch: a forward gives the current log-probs, then
+   ``on_rl_minibatch(trainer, pl_module, minibatch, logprobs, epoch, step)`` in list order; ``logprobs [T]`` fp32 is
+   detached; callbacks may write ``minibatch.token_weights`` / ``minibatch.loss_mask`` before the loss is formed.
+   If no token is left in the loss, the module skips that optimizer step with a warning.
+4. ``on_rl_update_end(trainer, pl_module, batch)`` after the last optimizer step of the rollout (update-direction
+   probes can score ``batch`` with the new weights here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch import Callback
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from rlexact.batch import RolloutBatch
+
+
+class RLCallback(Callback):
+    """Base class of RL callbacks; every hook is a no-op by default."""
+
+    needs_trainer_logprobs: bool = False
+    """Set to True to have ``batch.trainer_logprobs`` (pi_old^train) computed before :meth:`on_rl_batch`."""
+
+    def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        """After old log-probs are set, before the update."""
+
+    def on_rl_minibatch(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        minibatch: RolloutBatch,
+        logprobs: torch.Tensor,
+        epoch: int,
+        step: int,
+    ) -> None:
+        """Per mini-batch, with the current policy's detached log-probs, before the loss."""
+
+    def on_rl_update_end(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        """After the last optimizer step on this rollout batch."""
+
+
+def rl_callbacks(trainer: Trainer) -> list[RLCallback]:
+    """The trainer's RL callbacks in list order."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, RLCallback)]

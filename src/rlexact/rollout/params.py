@@ -1,0 +1,88 @@
+"""Sampling parameters and completions: the generator's public data types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions.
+
+    Attributes:
+        max_new_tokens: generated tokens per sample at most (> 0).
+        temperature: softmax temperature (> 0); ``0`` means greedy (argmax, log-probs reported at temperature 1).
+        top_p: nucleus mass in ``(0, 1]``; 1 disables it.
+        top_k: keep the ``k`` most likely tokens; 0 disables it.
+        seed: base seed of the keyed sampler; the draw for a token depends only on
+            ``(seed, request id, absolute position)``.
+        n: samples per prompt (a GRPO group); sample ``j`` of prompt ``i`` has request id ``i * n + j`` unless the
+            caller passes explicit request ids.
+        stop_token_ids: generation ends (inclusive) at any of these tokens; ``None`` uses the model's EOS ids.
+        ignore_eos: keep generating through EOS (benchmarks).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution whose log-probs are reported (1.0 when greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        token_ids: generated tokens (the stop token included when ``finish_reason == "stop"``).
+        logprobs: ``[len(token_ids)]`` fp32: ``log pi(token | prefix)`` under the temperature-scaled full softmax,
+            i.e. the distribution the trainer computes (top-k/top-p only restrict which tokens may be drawn).
+        finish_reason: ``"stop"`` (a stop token was produced) or ``"length"`` (``max_new_tokens`` reached).
+        request_id: the keyed-sampler id of this sample.
+        prompt_index: index of the prompt in the ``generate`` call.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: FinishReason
+    request_id: int
+    prompt_index: int
+    num_preemptions: int = field(default=0)
+
+    @property
+    def sequence(self) -> list[int]:
+        """``prompt_token_ids + token_ids``."""
+        return self.prompt_token_ids + self.token_ids
