@@ -1,0 +1,165 @@
+"""Packed-stream helpers and loss aggregation (pure torch, no Lightning).
+
+The training batch is a packed token stream without padding: per-token tensors are 1-D of length ``T`` and
+``cu_seqlens`` (int32/int64, shape ``[B + 1]``) holds the sequence boundaries, so sequence ``i`` owns tokens
+``cu_seqlens[i]:cu_seqlens[i + 1]``. Per-sequence reductions go through :func:`segment_ids` + ``index_add``.
+
+:func:`aggregate_loss` reduces an unreduced per-token loss ``[T]`` to the scalar that is back-propagated. Its modes
+follow verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``), with ``loss_mask`` playing verl's ``response_mask``:
+
+- ``token-mean``: ``sum_t m_t l_t / sum_t m_t`` (DAPO-style global token mean).
+- ``seq-mean-token-sum``: mean over sequences of ``sum_t m_t l_t``.
+- ``seq-mean-token-mean``: mean over sequences of ``sum_t m_t l_t / sum_t m_t`` (original GRPO).
+- ``seq-mean-token-sum-norm``: mean over sequences of ``sum_t m_t l_t / norm_length`` where ``norm_length`` is a
+  constant (the maximum response length), as in Dr. GRPO; verl's newest ``agg_loss`` divides by its
+  ``loss_scale_factor`` the same way.
+
+Deliberate differences from verl: the sequence means run over the sequences that have at least one unmasked token
+(verl divides by every row of the micro-batch, so a fully rejected sequence still dilutes the loss), and the
+normalizers are the local batch's; a caller that accumulates gradients over micro-batches or data-parallel ranks
+must rescale to get verl's global normalization.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LossAggMode",
+    "aggregate_loss",
+    "require_1d",
+    "require_finite",
+    "segment_ids",
+    "segment_sum",
+]
+
+
+def require_1d(name: str, tensor: Tensor, length: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is 1-D (and has ``length`` elements when given)."""
+    if not isinstance(tensor, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    if length is not None and tensor.shape[0] != length:
+        raise ValueError(f"{name} has {tensor.shape[0]} elements, expected {length} (shape mismatch)")
+
+
+def require_finite(name: str, tensor: Tensor, mask: Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming the first index where ``tensor`` is NaN or +-inf (only where ``mask`` is True)."""
+    bad = ~torch.isfinite(tensor)
+    if mask is not None:
+        bad &= mask
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{index}] = {tensor[index].item()} is not finite")
+
+
+def segment_ids(cu_seqlens: Tensor, num_tokens: int | None = None) -> Tensor:
+    """Sequence index of every token of a packed stream.
+
+    Args:
+        cu_seqlens: int32/int64 ``[B + 1]``, ``cu_seqlens[0] == 0``, non-decreasing (empty sequences allowed).
+        num_tokens: ``T``; when given, ``cu_seqlens[-1]`` must equal it.
+
+    Returns:
+        int64 ``[T]`` on ``cu_seqlens.device`` with ``seg[t] = i`` for ``cu_seqlens[i] <= t < cu_seqlens[i + 1]``.
+    """
+    require_1d("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() == 0:
+        raise ValueError("cu_seqlens must have at least one element (B + 1 with B >= 0)")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {first}")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+    if num_tokens is not None and last != num_tokens:
+        raise ValueError(f"cu_seqlens[-1] = {last} does not match the {num_tokens} tokens of the stream")
+    arange = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(arange, lengths, output_size=last)
+
+
+def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
+    """Per-sequence sums ``[num_segments]`` of per-token ``values [T]`` (differentiable; empty segments are 0)."""
+    out = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    return out.index_add(0, seg, values)
+
+
+class LossAggMode(str, Enum):
+    """How :func:`aggregate_loss` reduces per-token losses (verl's ``loss_agg_mode`` names)."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+    @classmethod
+    def parse(cls, mode: LossAggMode | str) -> LossAggMode:
+        """Return the member for ``mode`` or raise ``ValueError`` listing the valid names."""
+        try:
+            return cls(mode)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of: {valid}") from None
+
+
+def aggregate_loss(
+    token_loss: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    mode: LossAggMode | str,
+    *,
+    token_weights: Tensor | None = None,
+    norm_length: int | None = None,
+) -> Tensor:
+    """Reduce an unreduced per-token loss to a scalar (see the module docstring for the formulas).
+
+    Args:
+        token_loss: floating ``[T]``, may require grad.
+        loss_mask: bool ``[T]``; True = the token counts (a response token that was not rejected).
+        cu_seqlens: int ``[B + 1]`` sequence boundaries of the packed stream.
+        mode: a :class:`LossAggMode` or its string value.
+        token_weights: optional floating ``[T]`` (e.g. detached TIS weights) multiplied into ``token_loss`` first.
+        norm_length: the constant normalizer of ``seq-mean-token-sum-norm`` (the maximum response length);
+            required by that mode and ignored by the others.
+
+    Returns:
+        0-dim tensor of ``token_loss``'s dtype. Unmasked tokens contribute exactly nothing (selected away with
+        ``torch.where``, so NaN there cannot leak), sequences without unmasked tokens are left out of the sequence
+        means, and when no token is unmasked the result is an exact 0 that keeps a ``grad_fn`` connected to
+        ``token_loss`` (its gradient is zero). No host synchronization happens on the loss path except for the
+        ``cu_seqlens`` validation.
+    """
+    mode = LossAggMode.parse(mode)
+    require_1d("token_loss", token_loss)
+    num_tokens = token_loss.shape[0]
+    require_1d("loss_mask", loss_mask, num_tokens)
+    if not token_loss.is_floating_point():
+        raise ValueError(f"token_loss must be floating point, got {token_loss.dtype}")
+    if loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be bool, got {loss_mask.dtype}")
+    if mode is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM and (norm_length is None or norm_length <= 0):
+        raise ValueError(f"mode {mode.value!r} needs norm_length > 0 (the max response length), got {norm_length}")
+    loss = token_loss
+    if token_weights is not None:
+        require_1d("token_weights", token_weights, num_tokens)
+        loss = loss * token_weights
+    masked = torch.where(loss_mask, loss, 0.0)
+    seg = segment_ids(cu_seqlens, num_tokens)  # validates the stream in every mode
+    if mode is LossAggMode.TOKEN_MEAN:
+        return masked.sum() / loss_mask.sum().clamp(min=1)
+    num_seqs = cu_seqlens.numel() - 1
+    seq_sum = segment_sum(masked, seg, num_seqs)
+    seq_count = segment_sum(loss_mask.to(masked.dtype), seg, num_seqs)
+    if mode is LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+        per_seq = seq_sum / seq_count.clamp(min=1)
+    elif mode is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM:
+        per_seq = seq_sum / norm_length
+    else:
+        per_seq = seq_sum
+    return per_seq.sum() / (seq_count > 0).sum().clamp(min=1)
