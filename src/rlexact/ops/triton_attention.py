@@ -1,0 +1,611 @@
+"""Exact causal attention in Triton: one kernel body for training (packed varlen), chunked prefill and decode (paged).
+
+Exactness (DESIGN §2.3). A query at absolute position ``p`` reduces over keys ``[0, p]`` in key tiles of ``BLOCK_N``
+anchored at absolute position 0 (tile ``j`` = keys ``[j * BLOCK_N, (j + 1) * BLOCK_N)``), visited in ascending order
+with one online-softmax update. Masked keys get a ``-inf`` score and are loaded as 0 (so garbage or NaN in unwritten
+cache slots never enters), which makes them contribute exactly zero; a fully masked tile is an exact no-op
+(``alpha = exp2(0) = 1``, ``p = 0``), so a query tile may visit tiles up to its largest position. The tile shapes,
+warps and stages depend only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of
+sequences, or paged vs packed — and there is no split-KV. ``attention_varlen`` and ``attention_paged`` launch the same
+``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes how a key position becomes an address. Therefore a query
+row is bitwise equal whether it is computed in a training batch, in a prefill chunk of any size, or in decode.
+
+GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
+``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
+arithmetic does not depend on which row of the MMA tile it occupies, so decode (one position × ``HP`` heads per
+tile) and training (``BLOCK_M // HP`` positions × ``HP`` heads) compute every row identically, while decode loads
+each K/V tile once per KV head instead of once per query head. ``HP`` depends only on the model's head counts.
+
+Work decomposition. Programs are laid out over query tiles of all sequences flattened: sequence ``b`` owns tile slots
+``[cu[b] // P + b, cu[b+1] // P + b + 1)`` with ``P = BLOCK_M // HP`` positions per tile (at least
+``ceil(nq_b / P)`` slots; surplus slots exit at once). The grid ``(T // P + B, Hkv * g / HP)`` depends only on
+tensor shapes, so the launch needs no host synchronization and is CUDA-graph capturable.
+
+Backward (:func:`attention_varlen_backward`) is FA2-style and deterministic (no atomics): the forward kernel is rerun
+to get the log-sum-exp, one kernel computes dK/dV per key tile looping over the group's query heads and query tiles
+in a fixed order, another computes dQ per query tile looping over key tiles.
+
+Under ``TRITON_INTERPRET=1`` (CPU) the dots of 16-bit inputs are upcast to fp32 because the interpreter's bf16
+``tl.dot`` is broken; on the GPU they run on tensor cores with fp32 accumulation. fp32 dots use
+``input_precision="ieee"`` (no TF32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = math.log2(math.e)
+_SCAN = 128
+"""Sequences examined per step when a program looks up which sequence its tile belongs to."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# configuration: a function of (head_dim, dtype) only
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` for ``(head_dim, dtype)``: nothing else."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        if block_d <= 32:
+            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        if block_d <= 64:
+            return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if dtype in (torch.bfloat16, torch.float16):
+        if block_d <= 64:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        if block_d <= 128:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
+
+
+def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Backward tile shape (not part of the exactness contract, but also fixed per ``(head_dim, dtype)``)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if block_d <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _heads_per_tile(hq: int, hkv: int, block_m: int) -> int:
+    """Query heads packed into one tile: the largest divisor of the GQA group size that fits ``block_m`` rows."""
+    group = hq // hkv
+    return max(d for d in range(1, min(group, block_m) + 1) if group % d == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _locate_tile(cu_ptr, num_seqs, slot, TILE: tl.constexpr, SCAN: tl.constexpr):
+    """Map a flat tile slot to ``(sequence b, tile index within b)``; sequence ``b`` owns slots from
+    ``cu[b] // TILE + b``. Returns ``b = -1``-free results; the caller checks the tile against the length."""
+    count = slot * 0
+    for c in range(0, num_seqs, SCAN):
+        offs = c + tl.arange(0, SCAN)
+        inside = offs < num_seqs
+        start = tl.load(cu_ptr + offs, mask=inside, other=0)
+        count += tl.sum(((start // TILE + offs <= slot) & inside).to(tl.int32), axis=0)
+    b = count - 1
+    tile = slot - (tl.load(cu_ptr + b) // TILE + b)
+    return b, tile
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    cu_q,
+    seqlens_k,
+    block_tables,
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_lt,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HP: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_M // HP  # query positions per tile
+    # later (costlier) tiles first
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    hgroup = tl.program_id(1)  # which pack of HP query heads
+    kvh = (hgroup * HP) // GROUP
+
+    b, tile = _locate_tile(cu_q, num_seqs, slot, P, SCAN)
+    q_begin = tl.load(cu_q + b)
+    nq = tl.load(cu_q + b + 1) - q_begin
+    if tile * P >= nq:
+        return
+    if PAGED:
+        seqlen_k = tl.load(seqlens_k + b)
+        kv_begin = 0
+    else:
+        seqlen_k = nq
+        kv_begin = q_begin
+    q_start = seqlen_k - nq  # absolute position of the sequence's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = tile * P + rows // HP  # query index within the sequence
+    head = hgroup * HP + rows % HP
+    row_ok = (rows < P * HP) & (qi < nq)
+    pos = q_start + qi
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = Q + (q_begin + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    last_pos = q_start + tl.minimum(tile * P + P, nq) - 1
+    n_tiles = last_pos // BLOCK_N + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(0, n_tiles):
+        kpos = j * BLOCK_N + offs_n
+        k_ok = kpos < seqlen_k
+        if PAGED:
+            blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
+            krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
+        else:
+            krow = (kv_begin + kpos).to(tl.int64)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if FP32_DOT:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            pv = p.to(V.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc = tl.dot(pv, v, acc)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if STORE_LSE:
+        lse = m_i + tl.math.log2(l_i)  # base-2 log-sum-exp of the scaled scores
+        tl.store(LSE + (q_begin + qi).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    cu,
+    qk_scale,
+    sm_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_lt,
+    stride_lh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    b, tile = _locate_tile(cu, num_seqs, slot, BLOCK_N, SCAN)
+    begin = tl.load(cu + b)
+    length = tl.load(cu + b + 1) - begin
+    if tile * BLOCK_N >= length:
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kpos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < length
+    krow = (begin + kpos).to(tl.int64)
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    first = (tile * BLOCK_N) // BLOCK_M
+    n_q_tiles = tl.cdiv(length, BLOCK_M)
+    for hh in range(0, GROUP):
+        head = kvh * GROUP + hh
+        for i in range(first, n_q_tiles):
+            qpos = i * BLOCK_M + offs_m
+            q_ok = qpos < length
+            qrow = (begin + qpos).to(tl.int64)
+            qm = q_ok[:, None] & d_ok[None, :]
+            q = tl.load(Q + qrow[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+            do = tl.load(DO + qrow[:, None] * stride_dot + head * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+            lse = tl.load(LSE + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
+            delta = tl.load(DELTA + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            if FP32_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (kpos[None, :] <= qpos[:, None]) & q_ok[:, None] & k_ok[None, :]
+            p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+            if FP32_DOT:
+                dv = tl.dot(tl.trans(p), do, dv, input_precision="ieee")
+                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            else:
+                pd = p.to(DO.dtype.element_ty)
+                if UPCAST:
+                    pd = pd.to(tl.float32)
+                dv = tl.dot(tl.trans(pd), do, dv)
+                dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            if FP32_DOT:
+                dk = tl.dot(tl.trans(ds), q, dk, input_precision="ieee")
+            else:
+                dsq = ds.to(Q.dtype.element_ty)
+                if UPCAST:
+                    dsq = dsq.to(tl.float32)
+                dk = tl.dot(tl.trans(dsq), q, dk)
+    dk = dk * sm_scale
+    tl.store(
+        DK + krow[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask
+    )
+    tl.store(
+        DV + krow[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask
+    )
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    cu,
+    qk_scale,
+    sm_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_lt,
+    stride_lh,
+    stride_dqt,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    b, tile = _locate_tile(cu, num_seqs, slot, BLOCK_M, SCAN)
+    begin = tl.load(cu + b)
+    length = tl.load(cu + b + 1) - begin
+    if tile * BLOCK_M >= length:
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    qpos = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = qpos < length
+    qrow = (begin + qpos).to(tl.int64)
+    qm = q_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + qrow[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qm, other=0.0)
+    do = tl.load(DO + qrow[:, None] * stride_dot + head * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+    lse = tl.load(LSE + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
+    delta = tl.load(DELTA + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    last = tl.minimum(tile * BLOCK_M + BLOCK_M, length) - 1
+    for j in range(0, last // BLOCK_N + 1):
+        kpos = j * BLOCK_N + offs_n
+        k_ok = kpos < length
+        krow = (begin + kpos).to(tl.int64)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        visible = (kpos[None, :] <= qpos[:, None]) & q_ok[:, None] & k_ok[None, :]
+        p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if FP32_DOT:
+            dq = tl.dot(ds, k, dq, input_precision="ieee")
+        else:
+            dsk = ds.to(K.dtype.element_ty)
+            if UPCAST:
+                dsk = dsk.to(tl.float32)
+            dq = tl.dot(dsk, k, dq)
+    dq = dq * sm_scale
+    tl.store(DQ + qrow[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qm)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dtype_flags(dtype: torch.dtype) -> dict[str, bool]:
+    fp32 = dtype == torch.float32
+    return {"FP32_DOT": fp32, "UPCAST": _INTERPRET and not fp32}
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if q.shape[-1] != k.shape[-1] or k.shape != v.shape:
+        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if q.shape[1] % k.shape[-2]:
+        raise ValueError(f"attention: query heads {q.shape[1]} not a multiple of kv heads {k.shape[-2]}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attention: the head dimension of q, k, v must be contiguous")
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    seqlens_k: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> None:
+    """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged)."""
+    tq, hq, d = q.shape
+    hkv = k.shape[-2]
+    num_seqs = cu_q.shape[0] - 1
+    if tq == 0 or num_seqs <= 0:
+        return
+    cfg = _fwd_config(d, q.dtype)
+    hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
+    pos_per_tile = cfg["BLOCK_M"] // hp
+    paged = block_tables is not None
+    if paged:
+        page_size = k.shape[1]
+        stride_kt, stride_kh = k.stride(1), k.stride(2)
+        stride_vt, stride_vh = v.stride(1), v.stride(2)
+        if k.stride(0) != page_size * stride_kt or v.stride(0) != page_size * stride_vt:
+            raise ValueError("attention_paged: cache blocks must be laid out contiguously ([NB, BS, ...] strides)")
+        stride_bt = block_tables.stride(0)
+    else:
+        page_size = 1
+        stride_kt, stride_kh = k.stride(0), k.stride(1)
+        stride_vt, stride_vh = v.stride(0), v.stride(1)
+        stride_bt = 0
+    grid = (tq // pos_per_tile + num_seqs, hq // hp)
+    _attn_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse if lse is not None else out,
+        cu_q,
+        seqlens_k if seqlens_k is not None else cu_q,
+        block_tables if block_tables is not None else cu_q,
+        scale * _LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        lse.stride(0) if lse is not None else 0,
+        lse.stride(1) if lse is not None else 0,
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        HP=hp,
+        GROUP=hq // hkv,
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        STORE_LSE=lse is not None,
+        SCAN=_SCAN,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **_dtype_flags(q.dtype),
+    )
+
+
+def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention over packed variable-length sequences (the training path).
+
+    ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]`` int32 -> ``[T, Hq, D]`` in ``q.dtype`` (fp32 or
+    bf16/fp16; fp32 accumulation). Every row equals the same row from :func:`attention_paged` bitwise.
+    """
+    _check_inputs(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError("attention_varlen: q and k must have the same number of tokens")
+    out = torch.empty_like(q)
+    _forward(q, k, v, _as_int32(cu_seqlens, q.device), None, None, float(scale), out, None)
+    return out
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new queries (prefill chunks and decode, mixed in one launch) over a paged KV cache.
+
+    ``q [Tq, Hq, D]``; ``k_cache, v_cache [NB, BS, Hkv, D]``; ``block_tables [B, max_blocks]`` int32;
+    ``cu_seqlens_q [B+1]`` int32; ``seqlens_k [B]`` int32. Sequence ``b``'s queries are its last ``nq_b`` positions;
+    key ``p`` lives at slot ``block_tables[b, p // BS] * BS + p % BS``. Slots past ``seqlens_k[b]`` are never read.
+    """
+    _check_inputs(q, k_cache, v_cache)
+    if k_cache.dim() != 4:
+        raise ValueError(f"attention_paged: caches must be [NB, BS, Hkv, D], got {tuple(k_cache.shape)}")
+    out = torch.empty_like(q)
+    dev = q.device
+    _forward(
+        q,
+        k_cache,
+        v_cache,
+        _as_int32(cu_seqlens_q, dev),
+        _as_int32(seqlens_k, dev),
+        block_tables.to(device=dev, dtype=torch.int32),
+        float(scale),
+        out,
+        None,
+    )
+    return out
+
+
+def attention_varlen_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (no atomics, fixed loop orders).
+
+    Recomputes the forward (fp32 output and base-2 log-sum-exp) with the exact forward kernel, then runs a dK/dV
+    kernel (per key tile; query heads of the group and query tiles in ascending order) and a dQ kernel.
+    """
+    _check_inputs(q, k, v)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    do = do.to(q.dtype).contiguous()
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if t == 0 or num_seqs <= 0:
+        return dq, dk, dv
+    cu = _as_int32(cu_seqlens, q.device)
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    _forward(q, k, v, cu, None, None, float(scale), o, lse)
+    delta = (o * do.float()).sum(-1)  # [T, Hq] fp32: rowsum(dO * O)
+    cfg = _bwd_config(d, q.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    common = {
+        "HEAD_DIM": d,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "GROUP": hq // hkv,
+        "SCAN": _SCAN,
+        "num_warps": cfg["num_warps"],
+        "num_stages": cfg["num_stages"],
+        **_dtype_flags(q.dtype),
+    }
+    qk_scale = float(scale) * _LOG2E
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())
+    _attn_bwd_dkdv_kernel[(t // bn + num_seqs, hkv)](
+        q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, *strides, *dk.stride()[:2],
+        *dv.stride()[:2], **common,
+    )  # fmt: skip
+    _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
+        q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,293 @@
+"""Checks for the Triton attention kernels; run as a script (asserts, exits non-zero on failure) or imported.
+
+CPU: ``TRITON_INTERPRET=1 python tests/_interp_attention.py SECTION`` (the environment variable must be set before
+``triton`` is imported, hence a subprocess). GPU: ``tests/test_triton_attention.py`` imports the ``check_*`` functions
+and calls them with ``device="cuda"``.
+
+Every exactness check is ``torch.equal``; every correctness check compares with float64 through
+:mod:`rlexact.ops.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from rlexact.ops import reference
+from rlexact.ops import triton_attention as ta
+
+
+def _cu(lens: list[int], device: str) -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_inputs(lens, hq, hkv, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype=dtype, device=device) for h in (hq, hkv, hkv))
+    return q, k, v, _cu(lens, device)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-2
+
+
+class PagedCache:
+    """A paged KV cache with shuffled block order; unwritten slots and unused blocks hold NaN."""
+
+    def __init__(self, lens, hkv, d, dtype, device, block_size, seed=0):
+        g = torch.Generator().manual_seed(seed + 1)
+        self.block_size = block_size
+        need = [math.ceil(n / block_size) for n in lens]
+        total = sum(need) + 3  # a few spare blocks that stay NaN
+        perm = torch.randperm(total, generator=g).tolist()
+        width = max(need) + 2
+        # padding entries are garbage ids far out of range: they must never be dereferenced
+        self.block_tables = torch.full((len(lens), width), 10**8, dtype=torch.int32)
+        it = iter(perm)
+        for b, nb in enumerate(need):
+            for j in range(nb):
+                self.block_tables[b, j] = next(it)
+        self.block_tables = self.block_tables.to(device)
+        self.k = torch.full((total, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+        self.v = torch.full_like(self.k, float("nan"))
+
+    def write(self, b: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pos = torch.arange(start, start + k.shape[0], device=k.device)
+        slots = self.block_tables[b].long()[pos // self.block_size] * self.block_size + pos % self.block_size
+        self.k.view(-1, *self.k.shape[2:])[slots] = k
+        self.v.view(-1, *self.v.shape[2:])[slots] = v
+
+
+def run_schedule(q, k, v, lens, schedule, block_size, paged_fn=ta.attention_paged, seed=0):
+    """Feed sequences through the paged kernel in steps; ``schedule[s][b]`` = queries of sequence ``b`` at step ``s``.
+
+    K/V of the step's tokens are written to the cache before the launch. Returns outputs in packed (varlen) order.
+    """
+    device = q.device
+    starts = _cu(lens, "cpu").tolist()
+    cache = PagedCache(lens, k.shape[1], k.shape[2], k.dtype, device, block_size, seed)
+    out = torch.full_like(q, float("nan"))
+    done = [0] * len(lens)
+    scale = q.shape[-1] ** -0.5
+    for step in schedule:
+        qs, nqs, seqk = [], [], []
+        for b, n in enumerate(step):
+            n = min(n, lens[b] - done[b])
+            s = starts[b] + done[b]
+            if n:
+                cache.write(b, done[b], k[s : s + n], v[s : s + n])
+            qs.append(q[s : s + n])
+            nqs.append(n)
+            done[b] += n
+            seqk.append(done[b])
+        o = paged_fn(
+            torch.cat(qs),
+            cache.k,
+            cache.v,
+            cache.block_tables,
+            _cu(nqs, device),
+            torch.tensor(seqk, dtype=torch.int32, device=device),
+            scale,
+        )
+        off = 0
+        for b, n in enumerate(nqs):
+            s = starts[b] + done[b] - n
+            out[s : s + n] = o[off : off + n]
+            off += n
+    assert done == list(lens), (done, lens)
+    return out
+
+
+def chunk_schedule(lens, chunk):
+    steps = []
+    left = list(lens)
+    while any(left):
+        step = [min(chunk, n) for n in left]
+        left = [n - c for n, c in zip(left, step)]
+        steps.append(step)
+    return steps
+
+
+def decode_schedule(lens, prompt_lens):
+    """Prefill ``prompt_lens`` in one chunk, then one token per step (finished sequences stay with 0 queries)."""
+    steps = [list(prompt_lens)]
+    left = [n - p for n, p in zip(lens, prompt_lens)]
+    while any(left):
+        steps.append([1 if n else 0 for n in left])
+        left = [max(n - 1, 0) for n in left]
+    return steps
+
+
+def reference64(q, k, v, cu):
+    return reference.attention_varlen(q.double(), k.double(), v.double(), cu, q.shape[-1] ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_correctness(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    o = ta.attention_varlen(q, k, v, cu, d**-0.5)
+    assert o.dtype == dtype and o.shape == q.shape
+    err = (o.double() - reference64(q, k, v, cu)).abs().max().item()
+    assert err < _tol(dtype), f"varlen vs float64: max err {err} (lens {lens}, hq {hq}, hkv {hkv}, d {d})"
+    return o
+
+
+def check_exactness(lens, hq, hkv, d, dtype=torch.float32, device="cpu", chunks=(3, 7, 16), block_sizes=(4, 16)):
+    """varlen == paged full prefill == chunked prefill (each chunk size) == decode, for each block size."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    full = ta.attention_varlen(q, k, v, cu, d**-0.5)
+    assert not full.isnan().any()
+    prompts = [max(1, n // 3) for n in lens]
+    for bs in block_sizes:
+        runs = {"paged-full": [list(lens)], "decode": decode_schedule(lens, prompts)}
+        runs.update({f"chunk{c}": chunk_schedule(lens, c) for c in chunks})
+        for name, sched in runs.items():
+            out = run_schedule(q, k, v, lens, sched, bs)
+            if not torch.equal(out, full):
+                bad = (out != full).any(-1).any(-1).nonzero().flatten().tolist()
+                raise AssertionError(f"{name} (block {bs}) != varlen at tokens {bad[:10]} (lens {lens}, hq {hq})")
+
+
+def check_batch_invariance(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    """A sequence computed alone, or packed at another offset with other sequences, gives the same rows."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    full = ta.attention_varlen(q, k, v, cu, d**-0.5)
+    starts = cu.tolist()
+    for b in range(len(lens)):
+        s, e = starts[b], starts[b + 1]
+        alone = ta.attention_varlen(q[s:e], k[s:e], v[s:e], _cu([e - s], device), d**-0.5)
+        assert torch.equal(alone, full[s:e]), f"sequence {b} alone != in batch"
+    order = list(reversed(range(len(lens))))
+    idx = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in order]).to(device)
+    rev = ta.attention_varlen(q[idx], k[idx], v[idx], _cu([lens[b] for b in order], device), d**-0.5)
+    assert torch.equal(rev, full[idx]), "reordered batch != original batch"
+    # decode of one sequence alone vs in a batch of many
+    sched_alone = decode_schedule([lens[-1]], [1])
+    out_alone = run_schedule(q[starts[-2] :], k[starts[-2] :], v[starts[-2] :], [lens[-1]], sched_alone, 4)
+    assert torch.equal(out_alone, full[starts[-2] :]), "decode alone != varlen"
+
+
+def check_negative_control(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    """The equalities above can fail: re-anchoring the key tiles (another BLOCK_N) or a dense softmax over a prefix
+    changes bits somewhere, while staying correct."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    scale = d**-0.5
+    full = ta.attention_varlen(q, k, v, cu, scale)
+    orig = ta._fwd_config
+    try:
+
+        def other(head_dim, dt):
+            cfg = dict(orig(head_dim, dt))
+            cfg["BLOCK_N"] //= 2
+            return cfg
+
+        ta._fwd_config = other
+        halved = ta.attention_varlen(q, k, v, cu, scale)
+    finally:
+        ta._fwd_config = orig
+    assert (halved.double() - full.double()).abs().max().item() < _tol(dtype)
+    assert not torch.equal(halved, full), "negative control: another key-tile size gave identical bits"
+    # dense fp32 softmax of the last sequence's queries over a prefix vs over the full sequence
+    s = cu.tolist()[-2]
+    n = lens[-1]
+    qs, ks, vs = (x[s:].float() for x in (q, k, v))
+    dense_full = reference.attention_sequence(qs, ks, vs, 0, scale)
+    diffs = 0
+    for p in range(1, n):
+        dense_prefix = reference.attention_sequence(qs[p - 1 : p], ks[:p], vs[:p], p - 1, scale)
+        diffs += int(not torch.equal(dense_prefix[0], dense_full[p - 1]))
+    return diffs
+
+
+def check_backward(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    from rlexact import ops
+
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(dtype=dtype, device=device)
+    scale = d**-0.5
+    qr, kr, vr = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref = torch.autograd.grad(reference.attention_varlen(qr, kr, vr, cu, scale), (qr, kr, vr), do.double())
+    grads = ta.attention_varlen_backward(do, q, k, v, cu, scale)
+    again = ta.attention_varlen_backward(do, q, k, v, cu, scale)
+    for name, g, r, g2 in zip(("dq", "dk", "dv"), grads, ref, again):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert torch.equal(g, g2), f"{name} not deterministic"
+        err = (g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+        assert err < 5 * _tol(dtype), f"{name} vs float64: rel err {err} (lens {lens}, hq {hq}, hkv {hkv}, d {d})"
+    # through the public autograd wrapper (which calls attention_varlen_backward)
+    qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out = ops.attention_varlen(qa, ka, va, cu, scale, backend="triton")
+    assert torch.equal(out.detach(), ta.attention_varlen(q, k, v, cu, scale))
+    out.backward(do)
+    for name, a, g in zip(("dq", "dk", "dv"), (qa.grad, ka.grad, va.grad), grads):
+        assert torch.equal(a, g), f"autograd wrapper {name} differs from attention_varlen_backward"
+
+
+def check_public_api(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    """``rlexact.ops.attention_paged(..., backend='triton')`` routes to this kernel."""
+    from rlexact import ops
+
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    full = ops.attention_varlen(q, k, v, cu, d**-0.5, backend="triton")
+
+    def paged(*args):
+        return ops.attention_paged(*args, backend="triton")
+
+    out = run_schedule(q, k, v, lens, chunk_schedule(lens, 5), 4, paged_fn=paged)
+    assert torch.equal(out, full)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU sections (interpreter)
+# ---------------------------------------------------------------------------------------------------------------------
+
+LENS = [1, 5, 17, 40]
+
+
+def section_forward() -> None:
+    for hq, hkv in ((2, 2), (4, 2), (4, 1), (3, 1)):
+        check_correctness(LENS, hq, hkv, 16)
+    check_correctness([9, 33], 2, 1, 64)
+    check_correctness([7, 20], 2, 2, 24)  # head_dim not a power of two
+    check_correctness([70], 2, 1, 16)
+    check_public_api(LENS, 4, 2, 16)
+
+
+def section_exact() -> None:
+    for hq, hkv in ((2, 2), (4, 2), (4, 1)):
+        check_exactness(LENS, hq, hkv, 16)
+    check_exactness([3, 33], 4, 2, 64, chunks=(5,), block_sizes=(16,))
+    check_batch_invariance(LENS, 4, 2, 16)
+    diffs = check_negative_control(LENS, 4, 2, 16)
+    print(f"negative control: dense fp32 prefix != full in {diffs} of {LENS[-1] - 1} rows")
+
+
+def section_backward() -> None:
+    for hq, hkv in ((2, 2), (4, 2), (4, 1)):
+        check_backward(LENS, hq, hkv, 16)
+    check_backward([9, 33], 2, 1, 64)
+    check_backward([70, 3], 2, 2, 24)
+
+
+SECTIONS = {"forward": section_forward, "exact": section_exact, "backward": section_backward}
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or list(SECTIONS):
+        SECTIONS[name]()
+        print(f"{name}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
