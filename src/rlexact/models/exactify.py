@@ -55,7 +55,7 @@ class ExactState:
 
 def get_state(model: nn.Module) -> ExactState | None:
     """The :class:`ExactState` of an exactified model, else ``None``."""
-    return getattr(model, _STATE_ATTR, None)
+    return model.__dict__.get(_STATE_ATTR)
 
 
 def is_exactified(model: nn.Module) -> bool:
@@ -176,7 +176,6 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         _set_attn_impl(model, state.original_attn_impl or "sdpa")
         for m in model.modules():
             m.__dict__.pop(_STATE_ATTR, None)
-        delattr(model, _STATE_ATTR)
         return model
     if state is not None:
         return model
@@ -195,7 +194,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
             _patch(state, m, _rotary_forward(state, m, max_pos))
         if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
             m.__dict__[_STATE_ATTR] = state
-    setattr(model, _STATE_ATTR, state)
+    model.__dict__[_STATE_ATTR] = state
     _set_attn_impl(model, ATTN_IMPL)
     return model
 

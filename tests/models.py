@@ -1,0 +1,49 @@
+"""Tiny transformers models built from configs (no downloads) for the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+
+def tiny_model(
+    arch: str = "qwen3",
+    *,
+    vocab: int = 97,
+    hidden: int = 48,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 88,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_pos: int = 512,
+) -> torch.nn.Module:
+    """A randomly initialized causal LM of the given architecture, in eval mode."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(head_dim=head_dim, **common))
+    elif arch == "qwen2":
+        assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(arch)
+    # random (non-unit) norm weights so RMSNorm weight handling is exercised
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.to(dtype).eval()

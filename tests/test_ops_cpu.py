@@ -1,0 +1,230 @@
+"""Exact ops on the CPU backend: batch invariance (torch.equal), correctness vs float64, negative controls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlexact import ops
+from rlexact.ops import reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def assert_row_invariant(fn, x: torch.Tensor, max_batch: int = 64) -> None:
+    """fn on every prefix-batch size 1..max_batch and at every row position equals fn on the single row."""
+    singles = torch.stack([fn(x[i : i + 1])[0] for i in range(max_batch)])
+    for m in range(1, max_batch + 1):
+        out = fn(x[:m])
+        assert torch.equal(out, singles[:m]), f"batch size {m} differs from single-row results"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(33, 48), (64, 64), (50, 128)])
+def test_matmul_batch_invariant_and_correct(dtype: torch.dtype, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(64, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    assert_row_invariant(lambda a: ops.matmul(a, w), x)
+    # rows at every position of a larger batch (one row replicated everywhere)
+    row = x[5:6]
+    big = ops.matmul(row.expand(150, -1).contiguous(), w)
+    assert torch.equal(big, ops.matmul(row, w).expand(150, -1))
+    assert rel_err(ops.matmul(x, w), x.double() @ w.double().T) < TOL[dtype]
+
+
+def test_matmul_negative_control() -> None:
+    """Plain torch.mm on CPU is not batch-invariant for small M, so the invariance test above can fail."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(96, 128, generator=g)
+    single = torch.stack([(x[i : i + 1] @ w.T)[0] for i in range(64)])
+    assert any(not torch.equal(x[:m] @ w.T, single[:m]) for m in range(1, 65))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [48, 64, 200])
+def test_rms_norm(dtype: torch.dtype, h: int) -> None:
+    g = torch.Generator().manual_seed(h)
+    x = (torch.randn(64, h, generator=g) * 3).to(dtype)
+    w = torch.rand(h, generator=g).add(0.5).to(dtype)
+    assert_row_invariant(lambda a: ops.rms_norm(a, w, 1e-6), x)
+    assert rel_err(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x.double(), w.double(), 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(64, 88, generator=g).to(dtype) for _ in range(2))
+    singles = torch.stack([ops.silu_mul(gate[i : i + 1], up[i : i + 1])[0] for i in range(64)])
+    for m in range(1, 65):
+        assert torch.equal(ops.silu_mul(gate[:m], up[:m]), singles[:m])
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    assert rel_err(ops.silu_mul(gate, up), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,h", [(37, 48), (1000, 64), (128, 64)])
+def test_token_logprobs(dtype: torch.dtype, vocab: int, h: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    hid = torch.randn(64, h, generator=g).to(dtype)
+    w = (torch.randn(vocab, h, generator=g) / h**0.5 * 4).to(dtype)
+    tgt = torch.randint(0, vocab, (64,), generator=g)
+    lp, ent = ops.token_logprobs(hid, w, tgt)
+    singles = torch.stack([ops.token_logprobs(hid[i : i + 1], w, tgt[i : i + 1])[0][0] for i in range(64)])
+    for m in (1, 2, 3, 17, 63, 64):
+        assert torch.equal(ops.token_logprobs(hid[:m], w, tgt[:m])[0], singles[:m])
+    ref_lp, ref_ent = reference.token_logprobs(hid.double(), w.double(), tgt, 1.0)
+    assert (lp.double() - ref_lp).abs().max() < 1e-4
+    assert (ent.double() - ref_ent).abs().max() < 1e-4
+    # sampler/trainer contract: z[i, t] - lse[i] == token_logprobs bitwise
+    z, lse = ops.lm_head_logits(hid, w, 0.7)
+    lp_t, _ = ops.token_logprobs(hid, w, tgt, 0.7)
+    assert torch.equal(z.gather(1, tgt[:, None])[:, 0] - lse, lp_t)
+
+
+def test_token_logprobs_large_vocab() -> None:
+    g = torch.Generator().manual_seed(3)
+    vocab, h = 151_936, 32
+    hid = torch.randn(5, h, generator=g)
+    w = torch.randn(vocab, h, generator=g) / h**0.5
+    tgt = torch.randint(0, vocab, (5,), generator=g)
+    lp, _ = ops.token_logprobs(hid, w, tgt)
+    for i in range(5):
+        assert torch.equal(ops.token_logprobs(hid[i : i + 1], w, tgt[i : i + 1])[0][0], lp[i])
+    ref, _ = reference.token_logprobs(hid.double(), w.double(), tgt, 1.0)
+    assert (lp.double() - ref).abs().max() < 1e-4
+
+
+def test_token_logprobs_gradient() -> None:
+    g = torch.Generator().manual_seed(4)
+    hid = torch.randn(300, 24, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(53, 24, generator=g) / 5).requires_grad_()
+    tgt = torch.randint(0, 53, (300,), generator=g)
+    lp, ent = ops.token_logprobs(hid, w, tgt)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    h64, w64 = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rl, re = reference.token_logprobs(h64, w64, tgt, 1.0)
+    (rl.sum() + 0.3 * re.sum()).backward()
+    assert rel_err(hid.grad, h64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
+
+
+def test_matmul_norm_silu_gradients() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 40, generator=g, requires_grad=True)
+    w = torch.randn(30, 40, generator=g, requires_grad=True)
+    nw = torch.rand(30, generator=g).add(0.5).requires_grad_()
+    y = ops.rms_norm(ops.matmul(x, w), nw, 1e-6)
+    out = ops.silu_mul(y, y.flip(0))
+    out.square().sum().backward()
+    x64, w64, nw64 = (t.detach().double().requires_grad_() for t in (x, w, nw))
+    y64 = reference.rms_norm(x64 @ w64.T, nw64, 1e-6)
+    (torch.nn.functional.silu(y64) * y64.flip(0)).square().sum().backward()
+    for a, b in ((x.grad, x64.grad), (w.grad, w64.grad), (nw.grad, nw64.grad)):
+        assert rel_err(a, b) < 1e-5
+
+
+def _rand_seqs(g: torch.Generator, lengths: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype):
+    t = sum(lengths)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return q, k, v, cu
+
+
+def _paged_cache(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator):
+    """Write one sequence's k/v into a cache whose blocks are in shuffled order; return caches and block table."""
+    n_blocks = -(-k.shape[0] // block_size)
+    perm = torch.randperm(n_blocks + 3, generator=g)[:n_blocks].to(torch.int32)
+    kc = torch.full((n_blocks + 3, block_size, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    vc = torch.full_like(kc, float("nan"))
+    pos = torch.arange(k.shape[0])
+    slots = perm[pos // block_size].long() * block_size + pos % block_size
+    ops.write_kv(k, v, kc, vc, slots)
+    return kc, vc, perm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (4, 2, 16), (8, 2, 64)])
+def test_attention_varlen_paged_decode_equal(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    g = torch.Generator().manual_seed(hq * 100 + hkv * 10 + d)
+    lengths = [1, 5, 17, 70]
+    q, k, v, cu = _rand_seqs(g, lengths, hq, hkv, d, dtype)
+    scale = d**-0.5
+    full = ops.attention_varlen(q, k, v, cu, scale)
+    # correctness against float64
+    ref = reference.attention_varlen(q.double(), k.double(), v.double(), cu, scale)
+    assert rel_err(full, ref) < TOL[dtype]
+    # batch invariance: each sequence alone
+    for b in range(len(lengths)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        alone = ops.attention_varlen(q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s], dtype=torch.int32), scale)
+        assert torch.equal(alone, full[s:e])
+    # paged: decode one token at a time, and chunked prefill, over shuffled pages with NaN in unused slots
+    s, e = int(cu[-2]), int(cu[-1])
+    kc, vc, table = _paged_cache(k[s:e], v[s:e], 8, g)
+    n = e - s
+    for chunk in (1, 7, 16, n):
+        outs = []
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            outs.append(
+                ops.attention_paged(
+                    q[s + start : s + stop],
+                    kc,
+                    vc,
+                    table[None],
+                    torch.tensor([0, stop - start], dtype=torch.int32),
+                    torch.tensor([stop], dtype=torch.int32),
+                    scale,
+                )
+            )
+        assert torch.equal(torch.cat(outs), full[s:e]), f"chunk size {chunk} differs from the training forward"
+
+
+def test_attention_negative_control() -> None:
+    """SDPA over a prefix (decode-style) vs the full causal forward is not bitwise equal somewhere."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, _ = _rand_seqs(g, [96], 4, 2, 16, torch.float32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def native(qq, kk, vv, causal):
+        return sdpa(qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), is_causal=causal, enable_gqa=True)
+
+    full = native(q, k, v, True).transpose(0, 1)
+    diffs = 0
+    for p in range(96):
+        step = native(q[p : p + 1], k[: p + 1], v[: p + 1], False).transpose(0, 1)
+        diffs += int(not torch.equal(step[0], full[p]))
+    assert diffs > 0
+
+
+def test_attention_gradient() -> None:
+    g = torch.Generator().manual_seed(8)
+    q, k, v, cu = _rand_seqs(g, [3, 20], 4, 2, 16, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ops.attention_varlen(q, k, v, cu, 0.25).square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference.attention_varlen(q64, k64, v64, cu, 0.25).square().sum().backward()
+    for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="does not match"):
+        ops.matmul(torch.randn(3, 4), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="vocabulary"):
+        ops.token_logprobs(torch.randn(2, 4), torch.randn(7, 4), torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="temperature"):
+        ops.token_logprobs(torch.randn(2, 4), torch.randn(7, 4), torch.tensor([0, 1]), 0.0)
+    with pytest.raises(ValueError, match="kv heads"):
+        ops.attention_varlen(torch.randn(4, 3, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                             torch.tensor([0, 4], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.matmul(torch.randn(3, 4), torch.randn(5, 4), backend="cuda")
