@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
-from models import tiny_model
 
 import rlexact
+from models import tiny_model
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logprobs
 
 BLOCK = 8
