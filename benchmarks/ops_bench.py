@@ -1,0 +1,330 @@
+"""Exact ops vs native torch on one GPU; writes ``benchmarks/results/ops_h200.json``.
+
+    python benchmarks/ops_bench.py [--out benchmarks/results/ops_h200.json] [--quick]
+
+Sections (each one is independent: a failure is recorded in the JSON and the run continues):
+
+* ``matmul``: :func:`rlexact.ops.matmul` vs ``torch.mm`` (cuBLAS), bf16, Qwen3-1.7B projection shapes, M = 1 .. 16384:
+  TFLOP/s of both and the ratio exact / native (> 1 means the exact kernel is faster).
+* ``matmul_invariance``: the exact matmul's row computed at M = 1 vs the same row inside M = 4096 (``torch.equal``),
+  and the same check for ``torch.mm`` (the negative control).
+* ``attention``: :func:`rlexact.ops.attention_varlen` (64 x 512 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA
+  causal on the padded batch; :func:`rlexact.ops.attention_paged` decode (batch 64 / 256, 512-token contexts) vs SDPA
+  decode on contiguous caches.
+* ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
+  V = 151936, H = 2048, bf16: time and peak-memory delta.
+* ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
+
+Timings are medians of ``triton.testing.do_bench`` (warm-up included) on fresh random inputs (never zeros).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+QWEN_SHAPES = {  # name: (N, K) of w [N, K]
+    "qkv": (2048 + 2 * 1024, 2048),
+    "o": (2048, 2048),
+    "gate_up": (2 * 6144, 2048),
+    "down": (2048, 6144),
+}
+MS = [1, 16, 64, 256, 1024, 4096, 16384]
+
+
+def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            out[mod] = f"unavailable: {e!r}"
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def bench_matmul(quick: bool) -> dict:
+    from rlexact.ops import matmul
+
+    res = {}
+    for name, (n, k) in QWEN_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        rows = []
+        for m in MS if not quick else [1, 64, 4096]:
+            entry = {"M": m, "N": n, "K": k}
+            try:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                flop = 2.0 * m * n * k
+                t_exact = _bench(lambda x=x, w=w: matmul(x, w))
+                t_native = _bench(lambda x=x, w=w: torch.mm(x, w.T))
+                entry.update(
+                    exact_ms=t_exact,
+                    native_ms=t_native,
+                    exact_tflops=flop / t_exact / 1e9,
+                    native_tflops=flop / t_native / 1e9,
+                    ratio=t_native / t_exact,
+                )
+                try:
+                    from rlexact.ops.triton_matmul import config_for
+
+                    entry["config"] = repr(config_for(m, n, k, torch.bfloat16, x.device))
+                except Exception as e:  # noqa: BLE001
+                    entry["config"] = f"unavailable: {e!r}"
+            except Exception as e:  # noqa: BLE001
+                entry["error"] = f"{type(e).__name__}: {e}"
+                entry["traceback"] = traceback.format_exc(limit=3)
+            rows.append(entry)
+        res[name] = rows
+    return res
+
+
+def check_invariance() -> dict:
+    from rlexact.ops import matmul
+
+    out = {}
+    for name, (n, k) in QWEN_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        r = 1234
+        out[name] = {
+            "exact_row_M1_eq_M4096": bool(torch.equal(matmul(x[r : r + 1], w), matmul(x, w)[r : r + 1])),
+            "native_row_M1_eq_M4096": bool(torch.equal(x[r : r + 1] @ w.T, (x @ w.T)[r : r + 1])),
+        }
+    return out
+
+
+def bench_attention(quick: bool) -> dict:
+    import torch.nn.functional as F
+
+    from rlexact import ops
+
+    res = {}
+    hq, hkv, d = 16, 8, 128
+    scale = 1.0 / math.sqrt(d)
+    # prefill / training: 64 sequences x 512 tokens, packed
+    try:
+        b, s = (16 if quick else 64), 512
+        q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+        cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+        qp = q.view(b, s, hq, d).transpose(1, 2)
+        kp = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        vp = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        t_exact = _bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
+        t_sdpa = _bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale))
+        flop = 4.0 * b * hq * d * s * s / 2  # causal
+        res["prefill"] = {
+            "batch": b,
+            "seqlen": s,
+            "exact_ms": t_exact,
+            "sdpa_ms": t_sdpa,
+            "exact_tflops": flop / t_exact / 1e9,
+            "sdpa_tflops": flop / t_sdpa / 1e9,
+            "ratio": t_sdpa / t_exact,
+        }
+    except Exception as e:  # noqa: BLE001
+        res["prefill"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    # decode over a paged cache: one new query per sequence, 512-token contexts
+    for b in (64, 256):
+        try:
+            ctx, bs = 512, 16
+            nblk = ctx // bs
+            kc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+            perm = torch.randperm(b * nblk, device="cuda").to(torch.int32)  # scattered pages
+            tables = perm.view(b, nblk)
+            q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+            cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+            lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+            kcont = kc[tables.long()].reshape(b, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+            vcont = vc[tables.long()].reshape(b, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+            qd = q.view(b, hq, 1, d)
+            args = (q, kc, vc, tables, cu_q, lens, scale)
+            t_exact = _bench(lambda args=args: ops.attention_paged(*args))
+            sargs = (qd, kcont, vcont)
+            t_sdpa = _bench(lambda sargs=sargs: F.scaled_dot_product_attention(*sargs, scale=scale))
+            kv_bytes = 2 * b * ctx * hkv * d * 2
+            res[f"decode_b{b}"] = {
+                "batch": b,
+                "context": ctx,
+                "exact_ms": t_exact,
+                "sdpa_ms": t_sdpa,
+                "exact_kv_gbps": kv_bytes / t_exact / 1e6,
+                "ratio": t_sdpa / t_exact,
+                "note": "SDPA reads contiguous, GQA-expanded caches (no paging)",
+            }
+        except Exception as e:  # noqa: BLE001
+            res[f"decode_b{b}"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    return res
+
+
+def _peak_delta(fn) -> float:
+    """Peak extra bytes allocated while running ``fn`` once (relative to memory in use before)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return float(peak)
+
+
+def bench_logprob(quick: bool) -> dict:
+    from rlexact.ops import token_logprobs
+
+    res = {}
+    h, v = 2048, 151936
+    w = (torch.randn(v, h, device="cuda") / math.sqrt(h)).to(torch.bfloat16)
+    for t in (4096,) if quick else (4096, 16384):
+        entry = {"T": t, "V": v, "H": h}
+        try:
+            hid = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            tgt = torch.randint(0, v, (t,), device="cuda")
+
+            def native(hid=hid, tgt=tgt):
+                return torch.log_softmax((hid @ w.T).float(), dim=-1).gather(1, tgt[:, None]).squeeze(1)
+
+            def exact(hid=hid, tgt=tgt):
+                return token_logprobs(hid, w, tgt, 1.0)
+
+            lp_e = exact()[0]
+            lp_n = native()
+            entry["max_abs_diff_vs_native"] = float((lp_e - lp_n).abs().max())
+            del lp_n
+            entry["exact_peak_bytes"] = _peak_delta(exact)
+            entry["native_peak_bytes"] = _peak_delta(native)
+            entry["exact_ms"] = _bench(exact, warmup=5, rep=20)
+            entry["native_ms"] = _bench(native, warmup=5, rep=20)
+            entry["ratio"] = entry["native_ms"] / entry["exact_ms"]
+            flop = 2.0 * t * v * h
+            entry["exact_tflops"] = flop / entry["exact_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc(limit=3)
+        torch.cuda.empty_cache()
+        res[f"T{t}"] = entry
+    return res
+
+
+def bench_norm() -> dict:
+    from rlexact.ops import rms_norm, silu_mul
+
+    res = {}
+    try:
+        x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+
+        def native_norm():
+            xf = x.float()
+            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+        te, tn = _bench(lambda: rms_norm(x, w, 1e-6)), _bench(native_norm)
+        res["rms_norm_16384x2048"] = {"exact_ms": te, "native_ms": tn, "ratio": tn / te}
+        g = torch.randn(16384, 6144, device="cuda", dtype=torch.bfloat16)
+        u = torch.randn(16384, 6144, device="cuda", dtype=torch.bfloat16)
+        te = _bench(lambda: silu_mul(g, u))
+        tn = _bench(lambda: (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype))
+        res["silu_mul_16384x6144"] = {"exact_ms": te, "native_ms": tn, "ratio": tn / te}
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _table(results: dict) -> str:
+    lines = ["section            case                          exact      native     ratio(native/exact)"]
+    for name, rows in results.get("matmul", {}).items():
+        if not isinstance(rows, list):
+            continue
+        for r in rows:
+            if "error" in r:
+                lines.append(f"matmul             {name:6s} M={r['M']:<6d}            ERROR {r['error'][:60]}")
+            else:
+                lines.append(
+                    f"matmul             {name:6s} M={r['M']:<6d}  {r['exact_tflops']:8.1f}TF "
+                    f"{r['native_tflops']:8.1f}TF  {r['ratio']:6.2f}"
+                )
+    for sec in ("attention", "logprob", "norm"):
+        for case, r in results.get(sec, {}).items():
+            if not isinstance(r, dict):
+                continue
+            if "error" in r:
+                lines.append(f"{sec:18s} {case:28s}  ERROR {str(r['error'])[:60]}")
+            elif "exact_ms" in r:
+                native = r.get("native_ms", r.get("sdpa_ms", float("nan")))
+                lines.append(
+                    f"{sec:18s} {case:28s}  {r['exact_ms']:8.3f}ms {native:8.3f}ms  {r.get('ratio', float('nan')):6.2f}"
+                )
+            if "exact_peak_bytes" in r:
+                lines.append(
+                    f"{'':18s} {'  peak mem':28s}  {r['exact_peak_bytes'] / 2**20:8.0f}MB "
+                    f"{r['native_peak_bytes'] / 2**20:8.0f}MB"
+                )
+    inv = results.get("matmul_invariance", {})
+    for name, r in inv.items():
+        if isinstance(r, dict):
+            exact, native = r.get("exact_row_M1_eq_M4096"), r.get("native_row_M1_eq_M4096")
+            lines.append(f"invariance         {name:6s} exact={exact}  native={native}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ops_h200.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
+    ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ops_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    results: dict = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "versions": _versions(),
+        "notes": "ratio = native_ms / exact_ms (> 1: exact faster). do_bench medians; bf16 unless stated.",
+    }
+    sections = {
+        "matmul": lambda: bench_matmul(args.quick),
+        "invariance": check_invariance,
+        "attention": lambda: bench_attention(args.quick),
+        "logprob": lambda: bench_logprob(args.quick),
+        "norm": bench_norm,
+    }
+    for name in args.sections.split(","):
+        key = "matmul_invariance" if name == "invariance" else name
+        try:
+            results[key] = sections[name]()
+        except Exception as e:  # noqa: BLE001
+            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        torch.cuda.empty_cache()
+        print(f"[ops_bench] {name} done", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(_table(results))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

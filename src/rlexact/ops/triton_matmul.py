@@ -1,0 +1,385 @@
+"""Batch-invariant Triton matmul: ``out[M, N] = x[M, K] @ w[N, K].T`` with fp32 accumulation.
+
+Why the result for a row depends only on that row
+-------------------------------------------------
+Every output element is ``acc = 0; for k-tile in 0, 1, ..., cdiv(K, BK) - 1: acc = dot(x_tile, w_tile^T, acc)``:
+one program owns a whole ``BM x BN`` output tile (no split-K, no atomics), the K tiles are visited in ascending order,
+the accumulator is fp32 and is carried through ``tl.dot``'s accumulator operand (never ``acc += dot(...)``), and
+fp32 operands use ``input_precision="ieee"`` (no TF32). Out-of-range rows/columns/K-tail are zero-filled (TMA
+out-of-bounds fill or masked loads), so padding rows never influence real rows: matrix instructions compute each
+output element from its own row of ``x`` and column of ``w^T`` only.
+
+The tile configuration (kernel, BN, BK, warps, stages) is a function of ``(N, K, dtype, device)`` only
+(:func:`static_config`), never of M. What remains to argue is the row tile BM, which is the one thing a decode-sized
+call (M <= 64) wants to be different:
+
+* **fp32** lowers ``tl.dot(..., input_precision="ieee")`` to scalar FMA chains, ``acc = fma(a[m, k], b[k, n], acc)``
+  for k ascending -- the per-element operation sequence does not involve BM, BN or BK at all.
+* **bf16/fp16 on Hopper** lowers to ``wgmma.m64nNk16`` instructions issued per warpgroup (64 rows), chained on the
+  accumulator k16-step by k16-step in ascending K. A BM=64 tile and a BM=128 tile (two warpgroups) issue the same
+  k16 chain for every row; only the instruction's N width differs (n64 vs n256), and the tensor core computes each
+  output element with the same datapath whatever N is. This is a *hardware* property, so it is verified rather
+  than assumed: ``tests/test_triton_kernels.py::test_gpu_matmul_row_tile_variants_bitwise`` compares every variant
+  of :func:`row_tile_variants` bitwise, and the invariance tests compare rows at M = 1..64 (decode variant) with the
+  same rows inside M = 4096 / 16384 (large variant). Should a Triton/driver/GPU combination ever break this, set
+  ``RLEXACT_MATMUL_SINGLE_TILE=1`` (or :data:`USE_ROW_TILE_VARIANTS` = False) and every M uses the one static config.
+* Anything else (Triton interpreter, pre-Hopper GPUs, K or N not 16-byte aligned for TMA, Triton without tensor
+  descriptors/warp specialization) uses the portable pointer kernel with a single static config for all M.
+
+So the variant for a given M is picked from a list whose members are bitwise-equivalent per row; the list itself is
+a function of (N, K, dtype, device). With variants disabled the M-independence is by construction.
+
+Performance notes (H200): large M uses a persistent TMA kernel (grid = #SMs, tensor descriptors built on the host,
+``tl.range(..., warp_specialize=True)``), BM x BN x BK = 128 x 256 x 64 (3 stages, 8 warps); the decode variant uses
+BM = 64 with a narrow BN chosen from N so the grid covers the SMs (small M is bound by reading ``w`` once, and with
+split-K banned the only source of parallelism is N).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.3: host-side tensor descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old triton
+    TensorDescriptor = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+USE_ROW_TILE_VARIANTS = os.environ.get("RLEXACT_MATMUL_SINGLE_TILE", "0") != "1"
+"""Allow the bitwise-equivalent row-tile variants (decode / mid / large M) on Hopper. See the module docstring."""
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One kernel launch configuration. ``kernel`` is ``"tma"`` (persistent, tensor descriptors) or ``"ptr"``."""
+
+    kernel: str
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    warp_specialize: bool = False
+    subtile: bool = False
+    """Store the epilogue as two ``BM x BN/2`` halves (frees shared memory for pipeline stages)."""
+
+
+def _device_key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return ("interp",)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", idx)
+
+
+@functools.cache
+def _cuda_props(idx: int) -> tuple[int, int]:
+    p = torch.cuda.get_device_properties(idx)
+    return (p.major, p.multi_processor_count)
+
+
+def _num_sms(device: torch.device) -> int:
+    key = _device_key(device)
+    return 4 if key[0] == "interp" else _cuda_props(key[1])[1]
+
+
+def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    key = _device_key(device)
+    if key[0] != "cuda" or TensorDescriptor is None or not _HAS_WS:
+        return False
+    if _cuda_props(key[1])[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    es = torch.empty((), dtype=dtype).element_size()
+    return (K * es) % 16 == 0 and (N * es) % 16 == 0
+
+
+@functools.cache
+def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) -> MatmulConfig:
+    if device_key[0] == "interp":
+        return MatmulConfig("ptr", BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:  # FMA path (ieee); tiles only affect speed, not bits
+        return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
+    if tma:
+        if N >= 256:
+            return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, subtile=True)
+        return MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, warp_specialize=True, subtile=True)
+    return MatmulConfig("ptr", BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def static_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """The configuration used for every M when row-tile variants are off (a function of N, K, dtype, device)."""
+    return _static_config(N, K, dtype, _device_key(device), _tma_ok(N, K, dtype, device))
+
+
+def _decode_bn(N: int, num_sms: int) -> int:
+    """Widest BN in {128, 64, 32, 16} that still gives at least ~#SMs column tiles (falls back to 16)."""
+    for bn in (128, 64, 32):
+        if triton.cdiv(N, bn) >= num_sms:
+            return bn
+    return 16
+
+
+@functools.cache
+def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) -> tuple:
+    base = _static_config(N, K, dtype, device_key, tma)
+    if not (tma and USE_ROW_TILE_VARIANTS):
+        return ((None, base),)
+    sms = _cuda_props(device_key[1])[1]
+    decode = MatmulConfig("tma", 64, _decode_bn(N, sms), 64, num_warps=4, num_stages=6)
+    mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, warp_specialize=True, subtile=True)
+    return ((64, decode), (1024, mid), (None, base))
+
+
+def row_tile_variants(N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """``((max_M or None, MatmulConfig), ...)``, ascending; all members give bitwise-identical rows (see module doc)."""
+    return _variants(N, K, dtype, _device_key(device), _tma_ok(N, K, dtype, device))
+
+
+def config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    for max_m, cfg in row_tile_variants(N, K, dtype, device):
+        if max_m is None or M <= max_m:
+            return cfg
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even. ``RNE_FIX``: the Triton interpreter truncates fp32 -> bf16, so
+    round the fp32 bits to bf16 precision first (NaN payloads aside); on GPUs the conversion is RNE already."""
+    if RNE_FIX:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) tile order; any order gives the same bits, it only affects speed."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_tma_kernel(
+    x_desc,
+    w_desc,
+    o_desc,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    WS: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    """Persistent matmul over tensor descriptors: ``x_desc [M, K]`` block ``[BM, BK]``, ``w_desc [N, K]`` block
+    ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE)."""
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BK)
+    tile_id_c = start_pid - NUM_PROGS  # separate epilogue counter (helps the pipeliner, as in the Triton tutorial)
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=False, warp_specialize=WS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BM
+        offs_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
+            a = x_desc.load([offs_m, ki * BK])
+            b = w_desc.load([offs_n, ki * BK])
+            if UPCAST:  # interpreter only: its low-precision tl.dot is unreliable
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        tile_id_c += NUM_PROGS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_cm = pid_m * BM
+        offs_cn = pid_n * BN
+        if SUBTILE:
+            acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(acc3)
+            o_desc.store([offs_cm, offs_cn], cast_out(acc0, OUT_DTYPE, RNE_FIX))
+            o_desc.store([offs_cm, offs_cn + BN // 2], cast_out(acc1, OUT_DTYPE, RNE_FIX))
+        else:
+            o_desc.store([offs_cm, offs_cn], cast_out(acc, OUT_DTYPE, RNE_FIX))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_ptr_kernel(
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    """Portable pointer matmul (one output tile per program); same per-element recurrence as the TMA kernel."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BK, BN] = tile of w^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BK)):
+        k_ok = rk < K - ki * BK
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------------
+
+_WS_BROKEN: set = set()
+"""Configs whose warp-specialized compile failed on this machine (then they run without WS; same arithmetic)."""
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    x, w = _aligned(x), _aligned(w)
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK])
+    o_desc = TensorDescriptor.from_tensor(out, [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN])
+    num_tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    num_progs = max(1, min(_num_sms(x.device), num_tiles))
+    ws = cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET
+    kwargs = dict(
+        BM=cfg.BM,
+        BN=cfg.BN,
+        BK=cfg.BK,
+        GROUP_M=cfg.group_m,
+        NUM_PROGS=num_progs,
+        SUBTILE=cfg.subtile,
+        OUT_DTYPE=_TL_DTYPE[out.dtype],
+        UPCAST=_INTERPRET,
+        RNE_FIX=_INTERPRET and out.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    try:
+        _mm_tma_kernel[(num_progs,)](x_desc, w_desc, o_desc, M, N, K, WS=ws, **kwargs)
+    except Exception:
+        if not ws:
+            raise
+        # warp specialization is a scheduling choice: the same dot chain runs without it
+        _WS_BROKEN.add(cfg)
+        _mm_tma_kernel[(num_progs,)](x_desc, w_desc, o_desc, M, N, K, WS=False, **kwargs)
+
+
+def _launch_ptr(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    _mm_ptr_kernel[grid](
+        x,
+        w,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        BM=cfg.BM,
+        BN=cfg.BN,
+        BK=cfg.BK,
+        GROUP_M=cfg.group_m,
+        UPCAST=_INTERPRET and x.dtype != torch.float32,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
+        RNE_FIX=_INTERPRET and out.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> torch.Tensor:
+    """Run one explicit configuration (tests and benchmarks). ``x [M, K]``, ``w [N, K]``, same dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    if cfg.kernel == "tma":
+        _launch_tma(x, w, out, cfg)
+    else:
+        _launch_ptr(x, w, out, cfg)
+    return out
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T -> [M, N]`` in ``x.dtype``; fp32 accumulation; rows independent of M (bitwise).
+
+    Mixed dtypes run the fp32 kernel on upcast copies (products in fp32, as the CPU twin), then cast once.
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+    out_dtype = x.dtype
+    x = x.contiguous()
+    w = w.contiguous()
+    if x.dtype != w.dtype or x.dtype not in _TL_DTYPE:
+        x, w = x.float(), w.float()
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = config_for(M, N, K, x.dtype, x.device)
+    return matmul_with_config(x, w, cfg).to(out_dtype)

@@ -1,0 +1,203 @@
+"""Triton-interpreter checks of the exact kernels (run by tests/test_triton_kernels.py in a subprocess).
+
+``TRITON_INTERPRET=1`` must be set before ``triton`` is imported, so this runs as its own process:
+``TRITON_INTERPRET=1 python tests/_interp_kernels.py [matmul|norm|logprob ...]``. Every check asserts; any failure
+exits non-zero. Shapes are tiny (the interpreter executes every program in Python).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from rlexact.ops import cpu, reference  # noqa: E402
+from rlexact.ops import triton_logprob as tlp  # noqa: E402
+from rlexact.ops import triton_matmul as tmm  # noqa: E402
+from rlexact.ops import triton_norm as tnorm  # noqa: E402
+
+torch.manual_seed(1234)
+
+
+def _rel_err(got: torch.Tensor, ref64: torch.Tensor, scale: torch.Tensor) -> float:
+    return ((got.double() - ref64).abs() / scale.clamp_min(1e-30)).max().item()
+
+
+def _check_invariant(fn, pool: torch.Tensor, max_rows: int, what: str) -> None:
+    """``fn(batch)`` rows must equal ``fn(row)`` bitwise for every batch size 1..max_rows and several positions."""
+    singles = [fn(pool[i : i + 1]) for i in range(pool.shape[0])]
+    n = pool.shape[0]
+    for m in range(1, max_rows + 1):
+        for shift in (0, 5):
+            idx = [(shift + 3 * j) % n for j in range(m)]
+            out = fn(pool[idx])
+            for pos, i in enumerate(idx):
+                got = out[pos : pos + 1]
+                assert torch.equal(got, singles[i]), f"{what}: row {i} at position {pos} of batch {m} differs"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def check_matmul() -> None:
+    # correctness vs float64: odd N and K, power-of-two K, several row tiles
+    for m, n, k in [(5, 37, 40), (33, 64, 64), (17, 96, 96), (3, 1, 7), (40, 50, 128)]:
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        y = tmm.matmul(x, w)
+        ref = x.double() @ w.double().T
+        scale = x.double().abs() @ w.double().abs().T
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert _rel_err(y, ref, scale) < 1e-5, (m, n, k, _rel_err(y, ref, scale))
+    # bf16 in, bf16 out (fp32 accumulation, one rounding): equals the fp32-accumulated result rounded once
+    xb, wb = torch.randn(9, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    yb = tmm.matmul(xb, wb)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), (xb.double() @ wb.double().T).float(), rtol=2**-8 + 1e-6, atol=1e-6)
+    # matches the CPU twin semantically
+    x, w = torch.randn(11, 40), torch.randn(37, 40)
+    torch.testing.assert_close(tmm.matmul(x, w), cpu.matmul(x, w), rtol=1e-5, atol=1e-5)
+
+    # batch invariance (portable kernel, the interpreter's static config; 16-row tiles -> up to 3 row tiles)
+    for n, k, dtype in [(37, 40, torch.float32), (64, 64, torch.float32), (24, 48, torch.bfloat16)]:
+        w = torch.randn(n, k).to(dtype)
+        pool = torch.randn(26, k).to(dtype)
+        _check_invariant(lambda xb, w=w: tmm.matmul(xb, w), pool, 26 if dtype == torch.float32 else 12, f"mm{n}x{k}")
+
+    # the persistent TMA kernel (tensor descriptors) under the interpreter: correctness + invariance
+    for cfg in [
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True),
+        tmm.MatmulConfig("tma", 32, 16, 16, 4, 1),
+    ]:
+        x, w = torch.randn(37, 68), torch.randn(44, 68)
+        y = tmm.matmul_with_config(x, w, cfg)
+        ref = x.double() @ w.double().T
+        assert _rel_err(y, ref, x.double().abs() @ w.double().abs().T) < 1e-5, cfg
+    w = torch.randn(44, 68)
+    cfg = tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True)
+    _check_invariant(lambda xb: tmm.matmul_with_config(xb, w, cfg), torch.randn(20, 68), 20, "tma")
+
+    # NEGATIVE CONTROLS. (1) native CPU torch matmul is not batch-invariant here.
+    x, w = torch.randn(32, 96), torch.randn(64, 96)
+    singles = torch.cat([x[i : i + 1] @ w.T for i in range(32)])
+    assert any(not torch.equal(x[:m] @ w.T, singles[:m]) for m in range(1, 33)), "negative control: torch CPU mm"
+    # (2) the checker catches a kernel whose K tile depends on M (what the static config forbids).
+    bad = lambda xb: tmm.matmul_with_config(  # noqa: E731
+        xb, w, tmm.MatmulConfig("ptr", 16, 32, 32 if xb.shape[0] == 1 else 16, 4, 1)
+    )
+    try:
+        _check_invariant(bad, x, 8, "bad")
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("negative control: an M-dependent BK was not detected")
+    print("matmul ok")
+
+
+def check_norm() -> None:
+    for h in (1, 40, 64, 100):
+        for xd, wd in [
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.bfloat16, torch.float32),
+        ]:
+            x = (torch.randn(7, h) * 3).to(xd)
+            w = (1 + 0.1 * torch.randn(h)).to(wd)
+            y = tnorm.rms_norm(x, w, 1e-6)
+            assert y.dtype == torch.promote_types(wd, xd)
+            xf = x.double()
+            y64 = w.double() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+            if xd == torch.float32:
+                assert _rel_err(y, y64, y64.abs() + 1e-3) < 1e-5, h
+            else:  # one bf16 rounding of the normalized value (+ one of the product): compare with the CPU twin
+                torch.testing.assert_close(y, cpu.rms_norm(x, w, 1e-6), rtol=1e-2, atol=1e-2)
+                assert (y.double() - cpu.rms_norm(x, w, 1e-6).double()).ne(0).float().mean() < 0.05
+    # the chunked (two-pass) path
+    old = tnorm.MAX_NORM_BLOCK
+    tnorm.MAX_NORM_BLOCK = 32
+    try:
+        x, w = torch.randn(5, 100), torch.randn(100)
+        torch.testing.assert_close(tnorm.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    finally:
+        tnorm.MAX_NORM_BLOCK = old
+    w = 1 + 0.1 * torch.randn(100)
+    _check_invariant(lambda xb: tnorm.rms_norm(xb, w, 1e-6), torch.randn(20, 100), 20, "rms_norm")
+
+    for dtype in (torch.float32, torch.bfloat16):
+        g, u = (torch.randn(6, 1500) * 4).to(dtype), torch.randn(6, 1500).to(dtype)
+        y = tnorm.silu_mul(g, u)
+        assert y.dtype == dtype
+        ref = torch.nn.functional.silu(g.double()) * u.double()
+        if dtype == torch.float32:
+            assert _rel_err(y, ref, ref.abs() + 1e-6) < 1e-5
+        else:
+            torch.testing.assert_close(y, reference.silu_mul(g, u), rtol=1e-2, atol=1e-2)
+    _check_invariant(lambda gb: tnorm.silu_mul(gb, gb * 0.5 + 1), torch.randn(20, 1100), 20, "silu_mul")
+    print("norm ok")
+
+
+def check_logprob() -> None:
+    cases = [(6, 40, 37, 1.0), (9, 64, 300, 0.7), (5, 24, 1000, 1.3)]  # tiny vocab, several splits, larger vocab
+    for t, h, v, temp in cases:
+        hid, w = torch.randn(t, h), torch.randn(v, h) * 0.3
+        tgt = torch.randint(0, v, (t,))
+        lp, ent = tlp.token_logprobs(hid, w, tgt, temp)
+        assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (t,)
+        rl, re = reference.token_logprobs(hid.double(), w.double(), tgt, temp)
+        assert (lp.double() - rl).abs().max().item() < 1e-5 * max(1.0, rl.abs().max().item()), (t, h, v)
+        assert (ent.double() - re).abs().max().item() < 1e-5 * max(1.0, re.abs().max().item()), (t, h, v)
+        # the bitwise sampler/trainer contract: z[i, t] - lse[i] == token_logprobs(..., t)[0][i] for every t
+        z, lse = tlp.lm_head_logits(hid, w, temp)
+        assert z.shape == (t, v) and lse.shape == (t,)
+        zr = (hid.double() @ w.double().T) / temp
+        assert (z.double() - zr).abs().max().item() < 1e-5 * max(1.0, zr.abs().max().item())
+        for tok in sorted({0, v - 1, v // 2, *range(0, v, max(1, v // 5))}):
+            lp_t, _ = tlp.token_logprobs(hid, w, torch.full((t,), tok), temp)
+            assert torch.equal(z[:, tok] - lse, lp_t), f"lm_head_logits/token_logprobs contract broken at token {tok}"
+        assert torch.equal(z.gather(1, tgt[:, None]).squeeze(1) - lse, lp)
+
+    # batch invariance of logp and entropy (BM=16 in the interpreter -> batches span two row tiles)
+    h, v = 40, 300
+    w = torch.randn(v, h) * 0.3
+    pool = torch.randn(20, h)
+    tgts = torch.randint(0, v, (20,))
+    rowmap = {pool[i].numpy().tobytes(): i for i in range(20)}
+
+    def both(hb: torch.Tensor) -> torch.Tensor:
+        tb = torch.stack([tgts[rowmap[r.numpy().tobytes()]] for r in hb])
+        return torch.stack(tlp.token_logprobs(hb, w, tb, 0.8), dim=1)
+
+    _check_invariant(both, pool, 18, "token_logprobs")
+    _check_invariant(lambda hb: torch.cat(tlp.lm_head_logits(hb, w, 0.8)[0:1], 1), pool, 6, "lm_head_logits")
+
+    # the TMA (tensor descriptor) variant of the head kernel under the interpreter
+    cfg = tlp.HeadConfig(BM=16, BV=32, BK=16, VS=64, num_warps=4, num_stages=1, tma=True)
+    hid, w = torch.randn(7, 48), torch.randn(150, 48) * 0.3
+    tgt = torch.randint(0, 150, (7,))
+    _, lp, ent, lse = tlp._run_head(hid, w, tgt, 0.9, store_z=False, cfg=cfg)
+    rl, re = reference.token_logprobs(hid.double(), w.double(), tgt, 0.9)
+    assert (lp.double() - rl).abs().max().item() < 1e-5 and (ent.double() - re).abs().max().item() < 1e-5
+    z, _, _, lse2 = tlp._run_head(hid, w, None, 0.9, store_z=True, cfg=cfg)
+    assert torch.equal(lse, lse2) and torch.equal(z.gather(1, tgt[:, None]).squeeze(1) - lse2, lp)
+
+    # bf16 inputs (upcast inside the kernel under the interpreter)
+    hid, w = torch.randn(4, 32).bfloat16(), (torch.randn(100, 32) * 0.3).bfloat16()
+    tgt = torch.randint(0, 100, (4,))
+    lp, ent = tlp.token_logprobs(hid, w, tgt, 1.0)
+    rl, re = reference.token_logprobs(hid.double(), w.double(), tgt, 1.0)
+    assert (lp.double() - rl).abs().max().item() < 1e-5 and (ent.double() - re).abs().max().item() < 1e-5
+    print("logprob ok")
+
+
+CHECKS = {"matmul": check_matmul, "norm": check_norm, "logprob": check_logprob}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(CHECKS)
+    for name in names:
+        t0 = time.time()
+        CHECKS[name]()
+        print(f"{name}: {time.time() - t0:.1f}s", flush=True)

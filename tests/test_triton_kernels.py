@@ -1,0 +1,277 @@
+"""Triton kernels: correctness vs float64, bitwise batch invariance, the lm-head contract, negative controls.
+
+* CPU: the kernels run under the Triton interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before triton
+  is imported), see ``tests/_interp_kernels.py``.
+* GPU (``@pytest.mark.gpu``, skipped without CUDA): the same properties at real shapes (Qwen3-1.7B: hidden 2048,
+  intermediate 6144, q 2048, kv 1024, vocab 151936), bf16 and fp32, every M in 1..64 at every position and M up to
+  16384.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: Triton interpreter (subprocess)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("which", ["matmul", "norm", "logprob"])
+def test_interpreter_kernels(which: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_interp_kernels.py"), which],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
+    assert f"{which} ok" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------------------------
+
+QWEN_LINEARS = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144)]  # (N, K): qkv, o, gate_up, down
+ODD_LINEARS = [(1000, 1000), (37, 200), (96, 999), (256, 64)]
+
+
+def _dev() -> torch.device:
+    return torch.device("cuda")
+
+
+def _tm():
+    from rlexact.ops import triton_matmul
+
+    return triton_matmul
+
+
+def _rows_match_singles(fn, pool: torch.Tensor, batches, what: str) -> None:
+    """For each batch (a list of pool indices), every output row equals ``fn(pool[i:i+1])`` bitwise."""
+    singles = {}
+    for idx in batches:
+        out = fn(pool[idx])
+        for pos, i in enumerate(idx):
+            if i not in singles:
+                singles[i] = fn(pool[i : i + 1])
+            assert torch.equal(out[pos : pos + 1], singles[i]), f"{what}: row {i} at position {pos} of M={len(idx)}"
+
+
+def _small_batches(n_pool: int, max_m: int = 64) -> list[list[int]]:
+    """Every M in 1..max_m, rows placed at shifted positions so each row is seen at many positions."""
+    out = []
+    for m in range(1, max_m + 1):
+        out.append([(m * 7 + 3 * j) % n_pool for j in range(m)])
+    return out
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nk", QWEN_LINEARS + ODD_LINEARS)
+def test_gpu_matmul_correct(dtype: torch.dtype, nk: tuple[int, int]) -> None:
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 7, 64, 300):
+        x = torch.randn(m, k, device=_dev(), generator=g).to(dtype)
+        w = torch.randn(n, k, device=_dev(), generator=g).to(dtype)
+        y = _tm().matmul(x, w)
+        assert y.dtype == dtype and y.shape == (m, n)
+        ref = x.double() @ w.double().T
+        scale = x.double().abs() @ w.double().abs().T
+        err = ((y.double() - ref).abs() / scale).max().item()
+        tol = 1e-5 if dtype == torch.float32 else 2**-8 + 1e-4  # one bf16 rounding of the fp32 accumulator
+        assert err < tol, (m, n, k, dtype, err)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nk", [(4096, 2048), (2048, 6144), (1000, 1000), (96, 999)])
+def test_gpu_matmul_invariant_small_m(dtype: torch.dtype, nk: tuple[int, int]) -> None:
+    """Every M in 1..64 and rows at many positions: bitwise equal to the single-row result."""
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(n, k, device=_dev(), generator=g).to(dtype)
+    pool = torch.randn(80, k, device=_dev(), generator=g).to(dtype)
+    _rows_match_singles(lambda xb: _tm().matmul(xb, w), pool, _small_batches(80), f"mm {n}x{k} {dtype}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nk", QWEN_LINEARS + [(1000, 1000)])
+def test_gpu_matmul_invariant_large_m(dtype: torch.dtype, nk: tuple[int, int]) -> None:
+    """Rows inside M = 65 .. 16384 (every row-tile variant) equal the same rows computed alone and at M = 64."""
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(n, k, device=_dev(), generator=g).to(dtype)
+    probe = torch.randn(16, k, device=_dev(), generator=g).to(dtype)
+    singles = torch.cat([_tm().matmul(probe[i : i + 1], w) for i in range(16)])
+    assert torch.equal(_tm().matmul(probe, w), singles)
+    ms = (65, 129, 1000, 1025, 4096, 16384) if dtype == torch.bfloat16 else (65, 1000, 4096)
+    for m in ms:
+        x = torch.randn(m, k, device=_dev(), generator=g).to(dtype)
+        pos = torch.randperm(m, generator=torch.Generator().manual_seed(m))[:16].to(_dev())
+        pos[0], pos[-1] = 0, m - 1  # first and last row (a partial last tile) included
+        x[pos] = probe
+        y = _tm().matmul(x, w)
+        assert torch.equal(y[pos], singles), f"M={m}: rows differ from their single-row results"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk", [(4096, 2048), (2048, 6144), (12288, 2048), (256, 64), (1000, 1000)])
+def test_gpu_matmul_row_tile_variants_bitwise(nk: tuple[int, int]) -> None:
+    """All row-tile variants (decode / mid / large) give identical bits (the premise of M-bucketed dispatch)."""
+    n, k = nk
+    tm = _tm()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(n, k, device=_dev(), generator=g).bfloat16()
+    x = torch.randn(300, k, device=_dev(), generator=g).bfloat16()
+    variants = [cfg for _, cfg in tm.row_tile_variants(n, k, torch.bfloat16, _dev())]
+    outs = [tm.matmul_with_config(x, w, cfg) for cfg in variants]
+    for cfg, out in zip(variants[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), f"variant {cfg} differs from {variants[0]}"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_matmul_negative_control() -> None:
+    """cuBLAS bf16 (torch.mm) is not batch-invariant: some row differs between M=1 and a larger M."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w = torch.randn(2048, 6144, device=_dev(), generator=g).bfloat16()
+    probe = torch.randn(8, 6144, device=_dev(), generator=g).bfloat16()
+    singles = torch.cat([probe[i : i + 1] @ w.T for i in range(8)])
+    differs = False
+    for m in (8, 64, 256, 4096, 16384):
+        x = torch.randn(m, 6144, device=_dev(), generator=g).bfloat16()
+        x[:8] = probe
+        differs |= not torch.equal((x @ w.T)[:8], singles)
+    assert differs, "negative control: torch.mm happened to be batch-invariant for every M tried"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h", [2048, 1000, 6144, 40])
+def test_gpu_rms_norm(dtype: torch.dtype, h: int) -> None:
+    from rlexact.ops import cpu, triton_norm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (1 + 0.1 * torch.randn(h, device=_dev(), generator=g)).to(dtype)
+    pool = (3 * torch.randn(80, h, device=_dev(), generator=g)).to(dtype)
+    y = triton_norm.rms_norm(pool, w, 1e-6)
+    ref = cpu.rms_norm(pool.cpu(), w.cpu(), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.cpu(), ref, rtol=tol, atol=tol)
+    _rows_match_singles(lambda xb: triton_norm.rms_norm(xb, w, 1e-6), pool, _small_batches(80), "rms_norm")
+    big = torch.randn(5000, h, device=_dev(), generator=g).to(dtype)
+    big[1234] = pool[3]
+    assert torch.equal(triton_norm.rms_norm(big, w, 1e-6)[1234], triton_norm.rms_norm(pool[3:4], w, 1e-6)[0])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_silu_mul(dtype: torch.dtype) -> None:
+    from rlexact.ops import reference, triton_norm
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    gate = (4 * torch.randn(300, 6144, device=_dev(), generator=g)).to(dtype)
+    up = torch.randn(300, 6144, device=_dev(), generator=g).to(dtype)
+    y = triton_norm.silu_mul(gate, up)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, reference.silu_mul(gate, up), rtol=tol, atol=tol)
+    assert torch.equal(triton_norm.silu_mul(gate[7:8], up[7:8])[0], y[7])
+
+
+def _head_inputs(t: int, h: int, v: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hid = torch.randn(t, h, device=_dev(), generator=g).to(dtype)
+    w = (torch.randn(v, h, device=_dev(), generator=g) / h**0.5 * 4).to(dtype)
+    tgt = torch.randint(0, v, (t,), device=_dev(), generator=g)
+    return hid, w, tgt
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hv", [(2048, 151936), (1000, 37), (64, 5000)])
+def test_gpu_token_logprobs_correct_and_contract(dtype: torch.dtype, hv: tuple[int, int]) -> None:
+    from rlexact.ops import reference
+    from rlexact.ops import triton_logprob as tlp
+
+    h, v = hv
+    hid, w, tgt = _head_inputs(24, h, v, dtype, 7)
+    for temp in (1.0, 0.7):
+        lp, ent = tlp.token_logprobs(hid, w, tgt, temp)
+        rl, re = reference.token_logprobs(hid.double(), w.double(), tgt, temp)
+        assert (lp.double() - rl).abs().max().item() < 2e-5 * max(1.0, rl.abs().max().item())
+        assert (ent.double() - re).abs().max().item() < 2e-5 * max(1.0, re.abs().max().item())
+        z, lse = tlp.lm_head_logits(hid, w, temp)
+        for tok in sorted({0, 1, v // 3, v - 1, *tgt.tolist()}):
+            lp_t, _ = tlp.token_logprobs(hid, w, torch.full_like(tgt, tok), temp)
+            assert torch.equal(z[:, tok] - lse, lp_t), f"contract broken at token {tok}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_token_logprobs_invariant(dtype: torch.dtype) -> None:
+    from rlexact.ops import triton_logprob as tlp
+
+    h, v = 2048, 151936
+    hid, w, tgt = _head_inputs(80, h, v, dtype, 8)
+    fn = lambda idx: torch.stack(tlp.token_logprobs(hid[idx], w, tgt[idx], 0.9), 1)  # noqa: E731
+    singles = torch.cat([fn([i]) for i in range(80)])
+    for m in range(1, 65):
+        idx = [(m * 7 + 3 * j) % 80 for j in range(m)]
+        assert torch.equal(fn(idx), singles[idx]), f"M={m}"
+    big_t = 4096 if dtype == torch.bfloat16 else 1024
+    hb, _, tb = _head_inputs(big_t, h, v, dtype, 9)
+    pos = torch.randperm(big_t, generator=torch.Generator().manual_seed(0))[:80].to(_dev())
+    hb[pos], tb[pos] = hid, tgt
+    assert torch.equal(torch.stack(tlp.token_logprobs(hb, w, tb, 0.9), 1)[pos], singles)
+    z1, l1 = tlp.lm_head_logits(hid[:5], w, 0.9)
+    z2, l2 = tlp.lm_head_logits(hid, w, 0.9)
+    assert torch.equal(z1, z2[:5]) and torch.equal(l1, l2[:5])
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_logprob_negative_control() -> None:
+    """The materialized torch path (cuBLAS bf16 + log_softmax) is not batch-invariant for the lm head."""
+    h, v = 2048, 151936
+    hid, w, tgt = _head_inputs(8, h, v, torch.bfloat16, 10)
+
+    def native(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((x @ w.T).float(), -1).gather(1, t[:, None]).squeeze(1)
+
+    singles = torch.cat([native(hid[i : i + 1], tgt[i : i + 1]) for i in range(8)])
+    differs = False
+    for m in (8, 64, 512, 2048):
+        hb, _, tb = _head_inputs(m, h, v, torch.bfloat16, 11 + m)
+        hb[:8], tb[:8] = hid, tgt
+        differs |= not torch.equal(native(hb, tb)[:8], singles)
+    assert differs
