@@ -7,7 +7,8 @@ multiple of :data:`ROW_BLOCK` and each block goes through the same torch calls w
 for a row depends only on that row (and the weights), never on how many rows came with it or where it sits.
 
 Attention reduces each query over key tiles of :data:`ATTN_BLOCK_N` keys anchored at absolute position 0, visited in
-ascending order with one online-softmax update, on fixed-shape ``[H, ATTN_BLOCK_M, D] x [H, D, ATTN_BLOCK_N]`` tiles.
+ascending order with one online-softmax update, on fixed-shape ``[G, H, ATTN_BLOCK_M, D] x [G, H, D, ATTN_BLOCK_N]``
+products over groups of ``ATTN_GROUP`` query tiles.
 Masked keys contribute exactly zero, so tiles past a query's position are exact no-ops.
 
 All accumulation is fp32; outputs are cast to the input dtype once at the end (matmul, norm, silu-mul, attention) or
@@ -15,6 +16,8 @@ stay fp32 (log-probs, logits, lse, entropy).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -107,62 +110,110 @@ def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) ->
     return logits[:m], lse[:m]
 
 
-def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence's queries over its keys.
+ATTN_GROUP = 8
+"""Query tiles processed together in one fixed-shape batched matmul (padded with idle tiles)."""
 
-    ``q [nq, Hq, D]`` sit at absolute positions ``q_start .. q_start + nq - 1``; ``k, v [Lk, Hkv, D]`` at ``0 .. Lk-1``.
-    Returns ``[nq, Hq, D]`` in ``q.dtype``.
+
+@dataclass
+class _QueryTile:
+    """``ATTN_BLOCK_M`` query rows of one sequence: rows ``[q_lo, q_hi)`` of the output, first at position ``pos0``."""
+
+    q_lo: int
+    q_hi: int
+    pos0: int
+    seq: int
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    tiles: list[_QueryTile],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for query tiles over per-sequence keys.
+
+    ``q [Tq, Hq, D]``; ``keys[s], values[s] [Lk_s, Hkv, D]`` hold sequence ``s``'s keys at positions ``0..Lk_s-1``.
+    Tiles are processed ``ATTN_GROUP`` at a time on fixed-shape ``[G, Hq, BM, D] x [G, Hq, D, BN]`` products; idle
+    slots and tiles past a query's position are fully masked and leave its online-softmax state bit-identical.
     """
-    nq, hq, d = q.shape
-    lk, hkv, _ = k.shape
+    _, hq, d = q.shape
+    hkv = keys[0].shape[1] if keys else hq
     group = hq // hkv
-    bm, bn = ATTN_BLOCK_M, ATTN_BLOCK_N
-    n_tiles_total = -(-lk // bn)
-    kp = k.new_zeros((n_tiles_total * bn, hkv, d))
-    vp = v.new_zeros((n_tiles_total * bn, hkv, d))
-    kp[:lk], vp[:lk] = k, v
-    # [Hq, Lk_pad, D] fp32, kv heads expanded to query heads (GQA)
-    kf = kp.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
-    vf = vp.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
-    out = torch.empty((nq, hq, d), dtype=q.dtype, device=q.device)
-    key_offsets = torch.arange(bn, device=q.device)
-    for s in range(0, nq, bm):
-        rows = min(bm, nq - s)
-        qb = q.new_zeros((bm, hq, d))
-        qb[:rows] = q[s : s + rows]
-        qf = qb.float().permute(1, 0, 2)  # [Hq, BM, D]
-        pos = q_start + s + torch.arange(bm, device=q.device)  # absolute query positions [BM]
-        n_tiles = min(n_tiles_total, (q_start + s + rows - 1) // bn + 1)
-        m_i = torch.full((hq, bm), float("-inf"), device=q.device)
-        l_i = torch.zeros((hq, bm), device=q.device)
-        acc = torch.zeros((hq, bm, d), device=q.device)
-        for j in range(n_tiles):
-            kpos = j * bn + key_offsets
-            scores = torch.matmul(qf, kf[:, j * bn : (j + 1) * bn].transpose(1, 2)) * scale  # [Hq, BM, BN]
-            masked = (kpos[None, :] > pos[:, None]) | (kpos[None, :] >= lk)
-            scores = scores.masked_fill(masked[None], float("-inf"))
+    bm, bn, gsz = ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_GROUP
+    dev = q.device
+    # fp32 keys/values per sequence, padded to whole tiles, heads expanded: [Hq, L_pad, D]
+    kf, vf = [], []
+    for k, v in zip(keys, values):
+        lp = -(-k.shape[0] // bn) * bn
+        kp = k.new_zeros((lp, hkv, d))
+        vp = v.new_zeros((lp, hkv, d))
+        kp[: k.shape[0]], vp[: v.shape[0]] = k, v
+        kf.append(kp.float().permute(1, 0, 2).repeat_interleave(group, dim=0))
+        vf.append(vp.float().permute(1, 0, 2).repeat_interleave(group, dim=0))
+    lens = [k.shape[0] for k in keys]
+    out = torch.empty_like(q)
+    rows = torch.arange(bm, device=dev)
+    offs = torch.arange(bn, device=dev)
+    zero_tile = torch.zeros((hq, bn, d), device=dev)
+    for g0 in range(0, len(tiles), gsz):
+        grp = tiles[g0 : g0 + gsz]
+        qb = torch.zeros((gsz, bm, hq, d), device=dev)
+        pos = torch.zeros((gsz, bm), dtype=torch.long, device=dev)
+        klen = torch.zeros((gsz,), dtype=torch.long, device=dev)
+        n_tiles = []
+        for i, t in enumerate(grp):
+            qb[i, : t.q_hi - t.q_lo] = q[t.q_lo : t.q_hi].float()
+            pos[i] = t.pos0 + rows
+            klen[i] = lens[t.seq]
+            n_tiles.append(min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1))
+        pos[len(grp) :] = -1  # idle slots: every key masked
+        qf = qb.permute(0, 2, 1, 3)  # [G, Hq, BM, D]
+        m_i = torch.full((gsz, hq, bm), float("-inf"), device=dev)
+        l_i = torch.zeros((gsz, hq, bm), device=dev)
+        acc = torch.zeros((gsz, hq, bm, d), device=dev)
+        for j in range(max(n_tiles)):
+            kt = torch.stack(
+                [kf[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
+                + [zero_tile] * (gsz - len(grp))
+            )
+            vt = torch.stack(
+                [vf[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
+                + [zero_tile] * (gsz - len(grp))
+            )
+            kpos = j * bn + offs
+            scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
+            masked = (kpos[None, None, :] > pos[:, :, None]) | (kpos[None, None, :] >= klen[:, None, None])
+            scores = scores.masked_fill(masked[:, None], float("-inf"))
             m_new = torch.maximum(m_i, scores.amax(-1))
             alpha = torch.exp(m_i - m_new)
             p = torch.exp(scores - m_new[..., None])
             l_i = l_i * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.matmul(p, vf[:, j * bn : (j + 1) * bn])
+            acc = acc * alpha[..., None] + torch.matmul(p, vt)
             m_i = m_new
-        o = acc / l_i[..., None]
-        out[s : s + rows] = o.permute(1, 0, 2)[:rows].to(q.dtype)
+        o = (acc / l_i[..., None]).permute(0, 2, 1, 3)  # [G, BM, Hq, D]
+        for i, t in enumerate(grp):
+            out[t.q_lo : t.q_hi] = o[i, : t.q_hi - t.q_lo].to(q.dtype)
     return out
+
+
+def _query_tiles(cu_q: list[int], starts: list[int]) -> list[_QueryTile]:
+    """Split each sequence's queries (absolute start ``starts[b]``) into tiles of ``ATTN_BLOCK_M`` rows."""
+    tiles = []
+    for b, (s, e) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+        for lo in range(s, e, ATTN_BLOCK_M):
+            tiles.append(_QueryTile(lo, min(e, lo + ATTN_BLOCK_M), starts[b] + lo - s, b))
+    return tiles
 
 
 def attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Causal attention over packed sequences. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]``."""
-    out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for b in range(len(bounds) - 1):
-        s, e = bounds[b], bounds[b + 1]
-        if e > s:
-            out[s:e] = _attend_sequence(q[s:e], k[s:e], v[s:e], 0, scale)
-    return out
+    cu = cu_seqlens.tolist()
+    keys = [k[s:e] for s, e in zip(cu[:-1], cu[1:])]
+    values = [v[s:e] for s, e in zip(cu[:-1], cu[1:])]
+    return _attend(q, keys, values, _query_tiles(cu, [0] * (len(cu) - 1)), scale)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -187,15 +238,9 @@ def attention_paged(
     Sequence ``b`` has ``nq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, the last ``nq_b`` of its
     ``seqlens_k[b]`` keys, already written to the cache. Row results equal :func:`attention_varlen` bitwise.
     """
-    out = torch.empty_like(q)
-    bounds = cu_seqlens_q.tolist()
+    cu = cu_seqlens_q.tolist()
     lens = seqlens_k.tolist()
-    for b in range(len(bounds) - 1):
-        s, e = bounds[b], bounds[b + 1]
-        if e == s:
-            continue
-        lk = lens[b]
-        k = gather_paged(k_cache, block_tables[b], lk)
-        v = gather_paged(v_cache, block_tables[b], lk)
-        out[s:e] = _attend_sequence(q[s:e], k, v, lk - (e - s), scale)
-    return out
+    keys = [gather_paged(k_cache, block_tables[b], lens[b]) for b in range(len(lens))]
+    values = [gather_paged(v_cache, block_tables[b], lens[b]) for b in range(len(lens))]
+    starts = [lens[b] - (cu[b + 1] - cu[b]) for b in range(len(lens))]
+    return _attend(q, keys, values, _query_tiles(cu, starts), scale)
