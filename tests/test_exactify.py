@@ -22,21 +22,24 @@ def _paged_logprobs(model: torch.nn.Module, seq: torch.Tensor, chunk: int, shuff
     n = seq.numel()
     n_blocks = -(-n // BLOCK) + 2
     dtype = next(model.parameters()).dtype
+    dev = seq.device
     hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     caches = [
-        (torch.full((n_blocks, BLOCK, hkv, d), float("nan"), dtype=dtype),
-         torch.full((n_blocks, BLOCK, hkv, d), float("nan"), dtype=dtype))
+        (
+            torch.full((n_blocks, BLOCK, hkv, d), float("nan"), dtype=dtype, device=dev),
+            torch.full((n_blocks, BLOCK, hkv, d), float("nan"), dtype=dtype, device=dev),
+        )
         for _ in range(cfg.num_hidden_layers)
     ]
-    table = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(shuffle_seed)).to(torch.int32)
+    table = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(shuffle_seed)).to(torch.int32).to(dev)
     out = []
     for start in range(0, n - 1, chunk):
         stop = min(n - 1, start + chunk)
-        pos = torch.arange(start, stop)
+        pos = torch.arange(start, stop, device=dev)
         slots = table[pos // BLOCK].long() * BLOCK + pos % BLOCK
         meta = AttnMetadata(
-            torch.tensor([0, stop - start], dtype=torch.int32),
-            PagedKV(caches, table[None], torch.tensor([stop], dtype=torch.int32), slots),
+            torch.tensor([0, stop - start], dtype=torch.int32, device=dev),
+            PagedKV(caches, table[None], torch.tensor([stop], dtype=torch.int32, device=dev), slots),
         )
         hidden = forward_hidden(model, seq[start:stop], pos, meta)
         lp, _ = head_logprobs(model, hidden, seq[start + 1 : stop + 1], 1.0)
@@ -89,8 +92,11 @@ def test_native_path_differs(dtype) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
-    kwargs = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch != "qwen2" else dict(hidden=64, heads=4,
-                                                                                             kv_heads=2, head_dim=16)
+    kwargs = (
+        dict(hidden=64, heads=4, kv_heads=2, head_dim=16)
+        if arch != "qwen2"
+        else dict(hidden=64, heads=4, kv_heads=2, head_dim=16)
+    )
     ref = tiny_model(arch, **kwargs)
     model = rlexact.exactify(copy.deepcopy(ref))
     g = torch.Generator().manual_seed(3)
