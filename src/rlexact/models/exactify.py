@@ -244,28 +244,38 @@ def _native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[i
 
 
 def _native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torch.Tensor, scale: float):
-    """Stock-kernel attention over the paged cache: gather to contiguous keys, then SDPA."""
+    """Stock-kernel attention over the paged cache: gather keys to contiguous memory, then SDPA.
+
+    Decode steps (one query per sequence) run as one padded SDPA call with the query heads of a KV group as the
+    query length (no GQA expansion of K/V); keys are padded to ``paged.max_seqlen_k`` when given (a static bound, so
+    the step is CUDA-graph capturable: no host sync when ``max_seqlen_q`` and ``max_seqlen_k`` are set), else to
+    ``max(seqlens_k)``. Other steps loop over sequences (eager only).
+    """
     paged = meta.paged
     assert paged is not None
-    cu = meta.cu_seqlens.tolist()
-    lens = paged.seqlens_k.tolist()
-    nqs = [e - s for s, e in zip(cu[:-1], cu[1:])]
-    out = torch.empty_like(q)
-    if all(n == 1 for n in nqs):  # decode: one padded batch, one SDPA call
-        lmax = max(lens)
+    num_seqs = meta.num_seqs
+    max_q = paged.max_seqlen_q
+    if max_q is None:
+        max_q = int((meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).max())
+    if max_q == 1 and q.shape[0] == num_seqs:  # decode: one padded batch, one SDPA call
         bs = kc.shape[1]
-        pos = torch.arange(lmax, device=q.device)
-        blocks = paged.block_tables[:, : -(-lmax // bs)].long()
-        slots = blocks.gather(1, (pos // bs)[None].expand(len(lens), -1)) * bs + pos % bs
-        kk = kc.reshape(-1, *kc.shape[2:])[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vv = vc.reshape(-1, *vc.shape[2:])[slots].transpose(1, 2)
-        valid = pos[None] < paged.seqlens_k[:, None].to(pos.dtype)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None], kk, vv, attn_mask=valid[:, None, None], scale=scale, enable_gqa=True
-        )
-        return o[:, :, 0]
+        lmax = paged.max_seqlen_k if paged.max_seqlen_k is not None else int(paged.seqlens_k.max())
+        nblk = -(-lmax // bs)
+        hq, d = q.shape[1], q.shape[2]
+        hkv = kc.shape[2]
+        blocks = paged.block_tables[:, :nblk].long()
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=q.device)).reshape(num_seqs, nblk * bs)
+        kk = kc.reshape(-1, hkv, d)[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vv = vc.reshape(-1, hkv, d)[slots].transpose(1, 2)
+        valid = torch.arange(nblk * bs, device=q.device)[None] < paged.seqlens_k[:, None].long()
+        qg = q.reshape(num_seqs, hkv, hq // hkv, d)  # the group's query heads act as query rows
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=valid[:, None, None], scale=scale)
+        return o.reshape(num_seqs, hq, d)
     from rlexact.ops.cpu import gather_paged
 
+    out = torch.empty_like(q)
+    cu = meta.cu_seqlens.tolist()
+    lens = paged.seqlens_k.tolist()
     for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         if e == s:
             continue

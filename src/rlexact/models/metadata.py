@@ -21,12 +21,18 @@ class PagedKV:
         block_tables: ``[B, max_blocks]`` int32; row ``b`` lists sequence ``b``'s cache blocks in position order.
         seqlens_k: ``[B]`` int32, keys per sequence after this forward's tokens are written.
         slot_mapping: ``[T]`` int64, the cache slot (``block * block_size + offset``) of every new token.
+        max_seqlen_q: optional host-side ``max(nq_b)`` (``1`` for a pure decode step); lets kernels that branch on it
+            (the native path) avoid a device-to-host sync, e.g. inside a CUDA-graph capture.
+        max_seqlen_k: optional host-side upper bound of ``seqlens_k`` (at most ``block_tables.shape[1] * block_size``);
+            the native decode path pads keys to it, so a captured graph can use a static bound.
     """
 
     caches: list[tuple[torch.Tensor, torch.Tensor]]
     block_tables: torch.Tensor
     seqlens_k: torch.Tensor
     slot_mapping: torch.Tensor
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""Generator configuration (validated in ``__post_init__``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlexact.models.exactify import KERNELS
+
+
+@dataclass
+class GeneratorConfig:
+    """How :class:`rlexact.rollout.Generator` schedules and executes.
+
+    KV-cache size: ``num_kv_blocks`` if set, else ``ceil(kv_cache_tokens / block_size)`` if set, else on CUDA the
+    blocks that fit in ``kv_cache_memory_fraction`` of the free device memory (free + cached-but-unused in torch's
+    allocator) at the start of ``generate``; on CPU, enough blocks for every request at full length. In every case
+    the cache is capped at what the call can use (``max_num_seqs`` longest requests at full length), so small calls
+    allocate small caches.
+    """
+
+    kernels: Literal["exact", "native"] = "exact"
+    """``"exact"``: the batch-invariant kernels (log-probs equal the trainer's bitwise). ``"native"``: the same engine
+    under :func:`rlexact.use_kernels` ``"native"`` (stock cuBLAS/SDPA/torch) — the controlled mismatch baseline."""
+    max_num_seqs: int = 256
+    """Sequences running concurrently at most (also the largest CUDA-graph batch)."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per packed forward at most (decodes + prefill chunks); also the chunk size of :meth:`Generator.score`."""
+    chunked_prefill: bool = True
+    """Split prompts into chunks that fit the token budget (mixed with decodes). If ``False`` a prompt is prefilled in
+    one step, so ``prompt + max_new_tokens`` (the recompute length) must fit ``max_num_batched_tokens``."""
+    block_size: int = 16
+    """Tokens per KV-cache block (page)."""
+    num_kv_blocks: int | None = None
+    """KV-cache size in blocks (overrides ``kv_cache_tokens`` and ``kv_cache_memory_fraction``)."""
+    kv_cache_tokens: int | None = None
+    """KV-cache size in tokens (rounded up to whole blocks)."""
+    kv_cache_memory_fraction: float = 0.85
+    """CUDA only, when no explicit size is given: fraction of the free device memory for the KV cache."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + generated); defaults to the model's ``max_position_embeddings``."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only). If capture fails the engine
+    warns once, records the reason in ``Generator.stats['cuda_graphs_disabled']`` and runs eagerly."""
+    graph_batch_sizes: tuple[int, ...] | None = None
+    """Batch-size buckets of the decode graphs; default ``1, 2, 4, 8, 16, 32, 48, ...`` up to ``max_num_seqs``."""
+    keep_kv_cache: bool = False
+    """Keep the KV cache (and captured graphs) between ``generate`` calls; by default both are freed so the trainer
+    gets the memory back."""
+    shuffle_blocks: bool = False
+    """Hand out KV blocks in a seeded random order (tests: results must not depend on page order)."""
+    block_seed: int = 0
+    """Seed of the block shuffle."""
+    progress: bool = False
+    """Show a tqdm bar with generated tokens/s."""
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_kv_blocks", "kv_cache_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.graph_batch_sizes is not None:
+            sizes = tuple(sorted({int(b) for b in self.graph_batch_sizes}))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"graph_batch_sizes must be positive ints, got {self.graph_batch_sizes!r}")
+            self.graph_batch_sizes = sizes
+
+    def batch_buckets(self) -> tuple[int, ...]:
+        """Decode-graph batch sizes (ascending); the last one is at least ``max_num_seqs``."""
+        if self.graph_batch_sizes is not None:
+            sizes = [b for b in self.graph_batch_sizes if b < self.max_num_seqs]
+        else:
+            sizes = [b for b in (1, 2, 4, 8, 16) if b < self.max_num_seqs]
+            sizes += list(range(32, self.max_num_seqs, 16))
+        return tuple(sizes) + (self.max_num_seqs,)

@@ -1,0 +1,359 @@
+"""The in-process generator: continuous batching over a paged KV cache on the training module itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import nn
+
+from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
+from rlexact.rollout.block_manager import BlockManager
+from rlexact.rollout.config import GeneratorConfig
+from rlexact.rollout.distributed import gathered_parameters
+from rlexact.rollout.params import Completion, SamplingParams
+from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
+from rlexact.rollout.scheduler import Scheduler
+from rlexact.rollout.sequence import Sequence
+
+
+def _eos_ids(model: nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is None:
+            continue
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        if ids:
+            break
+    return ids
+
+
+class Generator:
+    """Samples completions from ``model`` with log-probs equal (bitwise, exact mode) to the trainer's.
+
+    ``Generator(model, config)`` or ``Generator(model, kernels="exact", max_num_seqs=..., ...)`` (keyword arguments
+    are :class:`GeneratorConfig` fields; with both, the keywords override the config). The model must be a
+    transformers causal LM supported by :func:`rlexact.exactify`; if it is not exactified yet the generator calls
+    ``rlexact.exactify(model)`` on it (in place — the same object the trainer uses). It holds a reference, never a
+    copy: after an optimizer step the next ``generate`` uses the new weights.
+
+    ``kernels="native"`` runs the same engine under ``rlexact.use_kernels(model, "native")`` (stock kernels): the
+    controlled training-inference-mismatch baseline.
+
+    FSDP2: if submodules are ``fully_shard`` modules, full parameters are gathered once per ``generate``/``score``
+    call (see :func:`rlexact.rollout.distributed.gathered_parameters`); call it on every rank with the same arguments.
+
+    The KV cache is allocated at the start of each call and freed at its end (``keep_kv_cache=True`` keeps it, and
+    the captured CUDA graphs, while the dtype, device and size still fit). ``stats`` holds counters of the last call.
+    """
+
+    def __init__(self, model: nn.Module, config: GeneratorConfig | None = None, **kwargs: object) -> None:
+        if config is None:
+            config = GeneratorConfig(**kwargs)  # type: ignore[arg-type]
+        elif kwargs:
+            config = dataclasses.replace(config, **kwargs)  # type: ignore[arg-type]
+        if not isinstance(config, GeneratorConfig):
+            raise TypeError(f"config must be a GeneratorConfig, got {type(config).__name__}")
+        if not is_exactified(model):
+            exactify(model)
+        self.model = model
+        self.config = config
+        self.stats: dict[str, object] = {}
+        self._cache: KVCache | None = None
+        self._graph_state: GraphState | None = None
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # properties of the model
+    # ---------------------------------------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest allowed sequence: ``min(config.max_model_len, max_position_embeddings)``."""
+        limit = int(getattr(self.model.config, "max_position_embeddings", 1 << 62))
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        return limit
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # validation
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _check_tokens(self, seqs: Seq[Seq[int]], what: str) -> list[list[int]]:
+        if isinstance(seqs, torch.Tensor) or not isinstance(seqs, (list, tuple)):
+            raise ValueError(f"{what} must be a list of token-id lists, got {type(seqs).__name__}")
+        if len(seqs) == 0:
+            raise ValueError(f"{what} is empty: pass at least one sequence of token ids")
+        vocab = self.vocab_size
+        out = []
+        for i, s in enumerate(seqs):
+            toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
+            if len(toks) == 0:
+                raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
+            try:
+                toks = [int(t) for t in toks]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{what}[{i}] must contain integer token ids") from exc
+            lo, hi = min(toks), max(toks)
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{what}[{i}] has token id {bad} outside the vocabulary [0, {vocab})")
+            out.append(toks)
+        return out
+
+    def _cache_plan(self, seqs: list[Sequence], device: torch.device, dtype: torch.dtype) -> int:
+        """Number of KV blocks for this call; raises ``ValueError`` when one sequence cannot fit."""
+        cfg = self.config
+        bs = cfg.block_size
+        needs = sorted((-(-self._cache_tokens(s) // bs) for s in seqs), reverse=True)
+        demand = sum(needs[: cfg.max_num_seqs])
+        layers, kv_heads, head_dim = model_kv_shape(self.model)
+        block_bytes = KVCache.bytes_per_block(layers, bs, kv_heads, head_dim, dtype)
+        if cfg.num_kv_blocks is not None:
+            budget, source = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}"
+        elif cfg.kv_cache_tokens is not None:
+            budget = -(-cfg.kv_cache_tokens // bs)
+            source = f"kv_cache_tokens={cfg.kv_cache_tokens}"
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if self._cache is not None:
+                reusable += self._cache.data.numel() * self._cache.data.element_size()
+            budget = int((free + reusable) * cfg.kv_cache_memory_fraction) // block_bytes
+            source = (
+                f"kv_cache_memory_fraction={cfg.kv_cache_memory_fraction} of "
+                f"{(free + reusable) / 2**30:.2f} GiB free ({block_bytes} bytes per block)"
+            )
+        else:
+            budget, source = demand, "demand"
+        s = max(seqs, key=self._cache_tokens)
+        need = -(-self._cache_tokens(s) // bs)
+        if need > budget:
+            raise ValueError(
+                f"KV cache too small: it holds {budget} blocks of {bs} tokens ({budget * bs} tokens, from {source}) "
+                f"but sequence {s.index} needs {need} blocks ({s.num_prompt_tokens} prompt + {s.max_new_tokens} new "
+                f"tokens); it could never finish. Increase the KV budget or shorten the request."
+            )
+        return max(1, min(budget, demand))
+
+    @staticmethod
+    def _cache_tokens(seq: Sequence) -> int:
+        """Cache slots a sequence can occupy: every token but the last sampled one (all tokens when scoring)."""
+        return seq.num_prompt_tokens if seq.score_only else seq.max_len - 1
+
+    def _check_lengths(self, seqs: list[Sequence]) -> None:
+        limit = self.max_model_len
+        for s in seqs:
+            if s.max_len > limit:
+                extra = f" + max_new_tokens {s.max_new_tokens}" if not s.score_only else ""
+                raise ValueError(
+                    f"sequence {s.index}: length {s.num_prompt_tokens}{extra} = {s.max_len} exceeds the model "
+                    f"context {limit} (max_position_embeddings / GeneratorConfig.max_model_len)"
+                )
+            if not self.config.chunked_prefill and self._cache_tokens(s) > self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"sequence {s.index} needs a prefill of up to {self._cache_tokens(s)} tokens (prompt + generated, "
+                    f"on recompute) but chunked_prefill=False and max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+                )
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # public API
+    # ---------------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_token_ids: Seq[Seq[int]],
+        params: SamplingParams | None = None,
+        request_ids: Seq[int] | None = None,
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt.
+
+        Args:
+            prompt_token_ids: non-empty list of non-empty token-id lists (ids in ``[0, vocab)``).
+            params: sampling parameters (default ``SamplingParams()``).
+            request_ids: optional keyed-sampler ids, one per sample (``len(prompts) * n``, prompt-major); default
+                ``i * n + j`` for sample ``j`` of prompt ``i``. A request samples the same tokens whatever else is in
+                the batch, so pass the same id to reproduce a sample in another call.
+
+        Returns:
+            ``len(prompts) * n`` completions, prompt-major (prompt ``i``'s ``n`` samples are consecutive). Each has
+            ``logprobs`` fp32 under the full tempered softmax; in exact mode they equal
+            ``rlexact.sequence_logprobs(model, [c.sequence], temperature)[0][-len(c.token_ids):]`` bitwise.
+
+        Raises:
+            ValueError: empty input, empty prompt, ids outside the vocabulary, ``prompt + max_new_tokens`` beyond the
+                context (checked up front), a KV budget smaller than one sequence, bad ``request_ids``.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompts = self._check_tokens(prompt_token_ids, "prompt_token_ids")
+        n = params.n
+        total = len(prompts) * n
+        if request_ids is None:
+            rids = list(range(total))
+        else:
+            rids = [int(r) for r in request_ids]
+            if len(rids) != total:
+                raise ValueError(
+                    f"request_ids has {len(rids)} entries, expected len(prompts) * n = {len(prompts)} * {n} = {total}"
+                )
+            if any(r < 0 or r >= 1 << 63 for r in rids):
+                raise ValueError("request_ids must be in [0, 2**63)")
+        seqs = [
+            Sequence(i * n + j, p, rids[i * n + j], i, params.max_new_tokens)
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        self._check_lengths(seqs)
+        stop = set(params.stop_token_ids) if params.stop_token_ids is not None else _eos_ids(self.model)
+        if params.ignore_eos:
+            stop -= _eos_ids(self.model)
+        sampling = SamplingSetup(
+            greedy=params.greedy,
+            temperature=params.logprob_temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+        )
+        self._run(seqs, sampling, stop, progress_total=total * params.max_new_tokens)
+        return [s.to_completion() for s in seqs]
+
+    @torch.no_grad()
+    def score(self, sequences: Seq[Seq[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced log-probs of tokens ``1..L-1`` of each sequence through the generator's numeric path.
+
+        Paged prefill in chunks of at most ``max_num_batched_tokens`` tokens (the generator's kernels and KV cache).
+        Same format as :func:`rlexact.sequence_logprobs`: a list of ``[L-1]`` fp32 CPU tensors. Exact mode: bitwise
+        equal to ``sequence_logprobs``; native mode: the native inference path (e.g. for the update-direction probe).
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        toks = self._check_tokens(sequences, "sequences")
+        seqs = [Sequence(i, t, i, i, 0, score_only=True) for i, t in enumerate(toks)]
+        self._check_lengths(seqs)
+        for s in seqs:
+            s.score_logprobs = torch.zeros(len(s) - 1, dtype=torch.float32)
+        todo = [s for s in seqs if len(s) > 1]
+        if todo:
+            self._run(todo, None, set(), progress_total=0, temperature=float(temperature))
+        return [s.score_logprobs for s in seqs]  # type: ignore[misc]
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # the loop
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _get_cache(self, num_blocks: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+        cfg = self.config
+        if self._cache is not None and self._cache.matches(num_blocks, cfg.block_size, dtype, device):
+            return self._cache
+        self._cache = None
+        self._graph_state = None
+        layers, kv_heads, head_dim = model_kv_shape(self.model)
+        return KVCache(layers, num_blocks, cfg.block_size, kv_heads, head_dim, dtype, device)
+
+    def _run(
+        self,
+        seqs: list[Sequence],
+        sampling: SamplingSetup | None,
+        stop: set[int],
+        progress_total: int,
+        temperature: float = 1.0,
+    ) -> None:
+        cfg = self.config
+        model = self.model
+        t0 = time.perf_counter()
+        stats: dict[str, object] = {"kernels": cfg.kernels, "num_sequences": len(seqs)}
+        self.stats = stats
+        cache = runner = None
+        bar = None
+        try:
+            with gathered_parameters(model), use_kernels(model, cfg.kernels):
+                lm_head_weight(model)  # fail early on models without a bias-free lm head
+                embed = model.get_input_embeddings().weight
+                device, dtype = embed.device, embed.dtype
+                num_blocks = self._cache_plan(seqs, device, dtype)
+                cache = self._get_cache(num_blocks, device, dtype)
+                width = max(-(-self._cache_tokens(s) // cfg.block_size) for s in seqs)
+                bm = BlockManager(
+                    cache.num_blocks, cfg.block_size, cfg.max_num_seqs, width, cfg.shuffle_blocks, cfg.block_seed
+                )
+                sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill)
+                runner = ModelRunner(
+                    model,
+                    cfg,
+                    cache,
+                    bm,
+                    sampling,
+                    native=cfg.kernels == "native",
+                    graph_state=self._graph_state if cfg.keep_kv_cache else None,
+                    stats=stats,
+                )
+                stats.update(kv_blocks=cache.num_blocks, block_size=cfg.block_size, cuda_graphs=runner.use_graphs)
+                for s in seqs:
+                    sched.add(s)
+                if cfg.progress and progress_total:
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=progress_total, unit="tok", desc=f"generate[{cfg.kernels}]", dynamic_ncols=True)
+                steps = generated = prefill_tokens = 0
+                while not sched.done:
+                    batch = sched.schedule()
+                    steps += 1
+                    prefill_tokens += sum(
+                        n for s, n in zip(batch.seqs, batch.num_new) if s.num_computed < s.num_prompt_tokens
+                    )
+                    if sampling is None:
+                        runner.score_step(batch, temperature)
+                        for s in batch.seqs:
+                            if s.num_computed == len(s):
+                                sched.finish(s, "length")
+                        continue
+                    results = runner.step(batch)
+                    for seq, tok, lp in results:
+                        seq.append(tok, lp)
+                        if tok in stop:
+                            sched.finish(seq, "stop")
+                        elif seq.num_generated >= seq.max_new_tokens:
+                            sched.finish(seq, "length")
+                    generated += len(results)
+                    if bar is not None:
+                        bar.update(len(results))
+                        el = time.perf_counter() - t0
+                        bar.set_postfix(
+                            tok_s=f"{generated / max(el, 1e-9):,.0f}", running=len(sched.running), refresh=False
+                        )
+                elapsed = time.perf_counter() - t0
+                stats.update(
+                    steps=steps,
+                    generated_tokens=generated,
+                    prefill_tokens=prefill_tokens,
+                    preemptions=sched.num_preemptions,
+                    elapsed_s=elapsed,
+                    tokens_per_s=generated / elapsed if elapsed > 0 else 0.0,
+                    cuda_graphs=runner.use_graphs,
+                )
+                if cfg.keep_kv_cache:
+                    self._cache = cache
+                    self._graph_state = runner.graph_state
+        finally:
+            if bar is not None:
+                bar.close()
+            if not cfg.keep_kv_cache:
+                self.release()
+            cache = runner = None
+            if torch.cuda.is_available() and not cfg.keep_kv_cache:
+                torch.cuda.empty_cache()
+
+    def release(self) -> None:
+        """Free a kept KV cache and captured graphs."""
+        self._cache = None
+        self._graph_state = None

@@ -1,0 +1,417 @@
+"""Model execution for the generator: paged KV cache, packed step inputs, decode CUDA graphs, sampling, scoring.
+
+Every step is one call of :func:`rlexact.models.forward_hidden` on a packed token stream (prefill chunks and decodes
+mixed) with :class:`~rlexact.models.PagedKV` metadata; K/V of the new tokens are written to the cache inside the
+attention function before attention reads them. The lm head runs only on the rows that sample (each sequence's last
+fed token), through :func:`rlexact.models.head_logits`, whose ``z - lse`` is bitwise the trainer's log-prob in exact
+mode.
+
+Step inputs are built with vectorized torch ops from the block manager's block-table tensor (no per-token Python
+loops). Pure decode steps replay CUDA graphs captured lazily per batch-size bucket (and, in native mode, per padded
+key-length bucket) on static buffers; padding rows write their K/V to a scratch block and are discarded. A graph
+captures forward + lm head + sampler, so a replay has no host synchronization until the sampled tokens are read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logits, head_logprobs
+from rlexact.rollout.block_manager import BlockManager
+from rlexact.rollout.config import GeneratorConfig
+from rlexact.rollout.sampler import sample
+from rlexact.rollout.scheduler import ScheduledBatch
+from rlexact.rollout.sequence import Sequence
+
+
+def model_kv_shape(model: nn.Module) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` from a transformers config."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(cfg.num_hidden_layers), kv_heads, head_dim
+
+
+class KVCache:
+    """Paged K/V storage: per layer ``(k, v)`` of ``[num_blocks + 1, block_size, Hkv, D]``.
+
+    Block ``num_blocks`` is a scratch block that only padding rows of captured decode graphs write to. The cache is
+    zero-initialized so padded (masked) reads in the native path never see NaN.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.data = torch.zeros(
+            (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.caches = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    def matches(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (
+            self.num_blocks >= num_blocks
+            and self.block_size == block_size
+            and self.dtype == dtype
+            and self.device == device
+        )
+
+
+@dataclass(frozen=True)
+class SamplingSetup:
+    """Per-call sampling constants (baked into captured graphs)."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass
+class GraphState:
+    """Static buffers and captured decode graphs of one generate call (or several, with ``keep_kv_cache``)."""
+
+    signature: tuple
+    max_bs: int
+    width: int
+    ints: torch.Tensor  # [5, max_bs] int64: input ids, positions, slot mapping, seqlens_k, request ids
+    block_tables: torch.Tensor  # [max_bs, width] int32
+    cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
+    seqlens_k: torch.Tensor  # [max_bs] int32
+    out_tokens: torch.Tensor  # [max_bs] int64
+    out_logprobs: torch.Tensor  # [max_bs] fp32
+    pool: object = None
+    graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Executes scheduled steps of one generate/score call."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: GeneratorConfig,
+        cache: KVCache,
+        block_manager: BlockManager,
+        sampling: SamplingSetup | None,
+        native: bool,
+        graph_state: GraphState | None = None,
+        stats: dict | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.cache = cache
+        self.bm = block_manager
+        self.sampling = sampling
+        self.native = native
+        self.device = cache.device
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("graph_steps", 0)
+        self.stats.setdefault("eager_steps", 0)
+        self.stats.setdefault("graph_captures", 0)
+        self.stats.setdefault("cuda_graphs_disabled", None)
+        self._pin = self.device.type == "cuda"
+        self.buckets = config.batch_buckets()
+        self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
+        self._signature = self.signature() if self.use_graphs else None
+        self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # helpers
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
+        """``[B, w]`` int32 CPU block tables of ``seqs`` (``w`` = most blocks held by one of them)."""
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.long)
+        width = max(len(s.block_table) for s in seqs)
+        return self.bm.table.index_select(0, rows)[:, :width], width
+
+    def _head_sample(
+        self, hidden: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sp = self.sampling
+        assert sp is not None
+        z, lse = head_logits(self.model, hidden, sp.temperature)
+        return sample(
+            z,
+            lse,
+            greedy=sp.greedy,
+            top_k=sp.top_k,
+            top_p=sp.top_p,
+            seed=sp.seed,
+            request_ids=request_ids,
+            positions=positions,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # eager packed step (prefill chunks + decodes)
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _prepare(self, batch: ScheduledBatch) -> dict[str, torch.Tensor | int]:
+        seqs, num_new = batch.seqs, batch.num_new
+        bs = self.cache.block_size
+        ids: list[int] = []
+        for s, n in zip(seqs, num_new):
+            ids.extend(s.tokens[s.num_computed : s.num_computed + n])
+        n_t = torch.tensor(num_new, dtype=torch.long)
+        start_t = torch.tensor([s.num_computed for s in seqs], dtype=torch.long)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(n_t, 0, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
+        pos = torch.arange(total) - (cu[:-1] - start_t)[seq_of_token]
+        bt, _ = self._block_tables(seqs)
+        slots = bt.long()[seq_of_token, pos // bs] * bs + pos % bs
+        seqlens = start_t + n_t
+        return {
+            "ids": torch.tensor(ids, dtype=torch.long),
+            "pos": pos,
+            "slots": slots,
+            "cu": cu.to(torch.int32),
+            "bt": bt,
+            "seqlens": seqlens.to(torch.int32),
+            "max_q": max(num_new),
+            "max_k": int(seqlens.max()),
+        }
+
+    def _eager_forward(self, inp: dict) -> torch.Tensor:
+        d = {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+        meta = AttnMetadata(
+            d["cu"],
+            PagedKV(
+                self.cache.caches, d["bt"], d["seqlens"], d["slots"], max_seqlen_q=d["max_q"], max_seqlen_k=d["max_k"]
+            ),
+        )
+        self.stats["eager_steps"] += 1
+        return forward_hidden(self.model, d["ids"], d["pos"], meta)
+
+    def step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
+        """Run one generation step; advance ``num_computed``; return ``(seq, token, logprob)`` for sampled rows."""
+        if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
+            out = self._graph_decode(batch)
+            if out is not None:
+                return out
+        inp = self._prepare(batch)
+        hidden = self._eager_forward(inp)
+        sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.tokens)]
+        for s, n in zip(batch.seqs, batch.num_new):
+            s.num_computed += n
+        if not sampled:
+            return []
+        idx = torch.tensor(sampled, dtype=torch.long)
+        rows = inp["cu"][1:].long()[idx] - 1
+        rid = torch.tensor([batch.seqs[i].request_id for i in sampled], dtype=torch.long)
+        pos = inp["pos"][rows] + 1
+        tok, lp = self._head_sample(hidden[self._to_device(rows)], self._to_device(rid), self._to_device(pos))
+        return self._collect([batch.seqs[i] for i in sampled], tok, lp)
+
+    @staticmethod
+    def _collect(seqs: list[Sequence], tok: torch.Tensor, lp: torch.Tensor) -> list[tuple[Sequence, int, float]]:
+        both = torch.stack([tok.double(), lp.double()]).cpu()
+        toks = both[0].long().tolist()
+        lps = both[1].tolist()
+        return list(zip(seqs, toks, lps))
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # CUDA-graph decode
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def signature(self) -> tuple:
+        """Everything a captured graph bakes in; graphs are reused only while it is unchanged."""
+        params = tuple(p.data_ptr() for p in self.model.parameters())
+        return (
+            self.cache.data.data_ptr(),
+            self.bm.width,
+            self.buckets,
+            self.sampling,
+            self.native,
+            hash(params),
+        )
+
+    def _ensure_graph_state(self) -> GraphState:
+        if self.graph_state is not None:
+            return self.graph_state
+        sig = self._signature
+        max_bs, width = self.buckets[-1], self.bm.width
+        scratch = self.cache.scratch_block
+        dev = self.device
+        ints = torch.zeros((5, max_bs), dtype=torch.long, device=dev)
+        ints[2].fill_(scratch * self.cache.block_size)
+        gs = GraphState(
+            signature=sig,
+            max_bs=max_bs,
+            width=width,
+            ints=ints,
+            block_tables=torch.full((max_bs, width), scratch, dtype=torch.int32, device=dev),
+            cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            seqlens_k=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            out_tokens=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            out_logprobs=torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            pool=torch.cuda.graph_pool_handle(),
+        )
+        self.graph_state = gs
+        return gs
+
+    def _kv_bucket(self, width_used: int) -> int | None:
+        """Native mode pads decode keys to a static length: the next power of two of blocks (capped at the width)."""
+        if not self.native:
+            return None
+        nblk = 1
+        while nblk < width_used:
+            nblk *= 2
+        return min(nblk, self.bm.width) * self.cache.block_size
+
+    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None):
+        ids, pos, slots, rid = gs.ints[0, :bucket], gs.ints[1, :bucket], gs.ints[2, :bucket], gs.ints[4, :bucket]
+        meta = AttnMetadata(
+            gs.cu_seqlens[: bucket + 1],
+            PagedKV(
+                self.cache.caches,
+                gs.block_tables[:bucket],
+                gs.seqlens_k[:bucket],
+                slots,
+                max_seqlen_q=1,
+                max_seqlen_k=kv_len,
+            ),
+        )
+
+        def run() -> None:
+            hidden = forward_hidden(self.model, ids, pos, meta)
+            tok, lp = self._head_sample(hidden, rid, pos + 1)
+            gs.out_tokens[:bucket].copy_(tok)
+            gs.out_logprobs[:bucket].copy_(lp)
+
+        return run
+
+    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
+        run = self._graph_fn(gs, bucket, kv_len)
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                run()  # warm-up: compiles kernels, fills caches outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=gs.pool):
+                run()
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001
+                pass
+            reason = f"{type(exc).__name__}: {exc}".strip()[:2000]
+            self.stats["cuda_graphs_disabled"] = reason
+            self.use_graphs = False
+            warnings.warn(
+                f"rlexact Generator: CUDA-graph capture failed, running decode eagerly ({reason.splitlines()[0]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        self.stats["graph_captures"] += 1
+        return graph
+
+    def _graph_decode(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]] | None:
+        seqs = batch.seqs
+        b = len(seqs)
+        bucket = next(x for x in self.buckets if x >= b)
+        gs = self._ensure_graph_state()
+        bs = self.cache.block_size
+        bt, width_used = self._block_tables(seqs)
+        kv_len = self._kv_bucket(width_used)
+        key = (bucket, kv_len)
+        graph = gs.graphs.get(key)
+        if graph is None:
+            graph = self._capture(gs, bucket, kv_len)
+            if graph is None:
+                return None
+            gs.graphs[key] = graph
+        pos = torch.tensor([s.num_computed for s in seqs], dtype=torch.long)
+        ints = torch.empty((5, b), dtype=torch.long)
+        ints[0] = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)
+        ints[1] = pos
+        ints[2] = bt[torch.arange(b), pos // bs].long() * bs + pos % bs
+        ints[3] = pos + 1
+        ints[4] = torch.tensor([s.request_id for s in seqs], dtype=torch.long)
+        ints_d = self._to_device(ints)
+        bt_d = self._to_device(bt)
+        gs.ints[:, :b].copy_(ints_d)
+        gs.seqlens_k[:b].copy_(ints_d[3])
+        gs.block_tables[:b, :width_used].copy_(bt_d)
+        if bucket > b:  # padding rows: position 0 of the scratch block
+            gs.ints[:, b:bucket].zero_()
+            gs.ints[2, b:bucket].fill_(self.cache.scratch_block * bs)
+            gs.seqlens_k[b:bucket].fill_(1)
+            gs.block_tables[b:bucket, 0].fill_(self.cache.scratch_block)
+        graph.replay()
+        for s in seqs:
+            s.num_computed += 1
+        self.stats["graph_steps"] += 1
+        return self._collect(seqs, gs.out_tokens[:b], gs.out_logprobs[:b])
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # scoring (teacher forcing)
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def score_step(self, batch: ScheduledBatch, temperature: float) -> None:
+        """Feed a step of score-only sequences; store the log-prob of every fed token's successor."""
+        inp = self._prepare(batch)
+        hidden = self._eager_forward(inp)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), torch.tensor(batch.num_new))
+        lengths = torch.tensor([len(s) for s in batch.seqs], dtype=torch.long)
+        pos = inp["pos"]
+        has_target = pos + 1 < lengths[seq_of_token]
+        rows = torch.nonzero(has_target).squeeze(-1)
+        for s, n in zip(batch.seqs, batch.num_new):
+            s.num_computed += n
+        if rows.numel() == 0:
+            return
+        targets = torch.tensor(
+            [batch.seqs[i].tokens[p + 1] for i, p in zip(seq_of_token[rows].tolist(), pos[rows].tolist())],
+            dtype=torch.long,
+        )
+        logp, _ = head_logprobs(self.model, hidden[self._to_device(rows)], self._to_device(targets), temperature)
+        logp = logp.float().cpu()
+        owner = seq_of_token[rows].tolist()
+        p_rows = pos[rows].tolist()
+        start = 0
+        while start < len(owner):
+            end = start
+            while end < len(owner) and owner[end] == owner[start]:
+                end += 1
+            seq = batch.seqs[owner[start]]
+            assert seq.score_logprobs is not None
+            seq.score_logprobs[p_rows[start] : p_rows[end - 1] + 1] = logp[start:end]
+            start = end

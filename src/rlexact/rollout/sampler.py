@@ -1,0 +1,169 @@
+"""Keyed sampling: the draw for a token depends only on ``(seed, request id, absolute position)``.
+
+Gumbel-max with counter-based noise. For the row that samples position ``p`` of request ``r`` under seed ``s``, the
+noise of vocabulary entry ``v`` is ``g = -log(-log(u))`` with ``u = ((h >> 9) + 0.5) * 2**-23`` and
+``h = H(s, r, p, v)``, a 32-bit integer hash (lowbias32 rounds, see :func:`mix32`) computed with int64 torch ops
+masked to 32 bits — every intermediate stays below ``2**49``, so there is no signed-overflow ambiguity. The sampled
+token is ``argmax(z + g)`` over the allowed tokens (first index on ties), ``z`` the temperature-scaled logits. No
+global RNG and no batch-shaped noise: a request samples the same tokens alone or in a batch of 500, and again after
+preemption and recompute.
+
+Order: temperature (already in ``z``, from :func:`rlexact.models.head_logits`) -> top-k -> top-p -> draw. top-k keeps
+the tokens whose logit is at least the k-th largest (ties at the boundary are all kept); top-p then keeps the
+smallest prefix of the top-k tokens sorted by logit whose renormalized mass reaches ``top_p`` (again extended to
+boundary ties). Both only restrict the draw. The reported log-prob is always ``z[t] - lse`` — the full tempered
+softmax, i.e. the trainer's ``pi`` — not the log-prob under the truncated distribution. Greedy (temperature 0) is
+``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1.
+
+On CUDA the noise + argmax runs as one fused Triton kernel (:func:`_gumbel_argmax_triton`) that never materializes
+``[B, V]`` noise; it uses the same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
+token can differ between the two implementations on rare near-ties; within one device and implementation the draw is
+deterministic and batch-invariant). ``RLEXACT_SAMPLER=torch`` forces the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B
+_ROW_SALT = 0x9E3779B9
+_TRITON_BLOCK_V = 2048
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow (16-bit split of ``c``)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 permutation of 32-bit values held in int64 (``[0, 2**32)`` in, ``[0, 2**32)`` out)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, request_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys ``(ka, kb)`` per row from ``(seed, request id, absolute position)``; int64 ``[B]`` each.
+
+    ``request_ids`` and ``positions`` are int64 ``[B]`` (non-negative, below ``2**63``); ``seed`` a Python int.
+    """
+    seed &= (1 << 64) - 1
+    s_lo, s_hi = seed & MASK32, seed >> 32
+    rid = request_ids.long()
+    pos = positions.long()
+    k = mix32(torch.full_like(rid, s_lo ^ _ROW_SALT))
+    k = mix32(k ^ s_hi)
+    k = mix32(k ^ (rid & MASK32))
+    k = mix32(k ^ ((rid >> 32) & MASK32))
+    k = mix32(k ^ (pos & MASK32))
+    ka = mix32(k ^ ((pos >> 32) & MASK32))
+    kb = mix32(ka ^ _ROW_SALT)
+    return ka, kb
+
+
+def token_hash(ka: torch.Tensor, kb: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``h [B, V]`` int64 in ``[0, 2**32)``: ``mix32(mix32(ka ^ v) ^ kb)`` for every vocabulary id ``v``."""
+    v = torch.arange(vocab, device=ka.device, dtype=torch.int64)
+    return mix32(mix32(ka[:, None] ^ v[None, :]) ^ kb[:, None])
+
+
+def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise fp32 from 32-bit hashes: ``-log(-log(u))``, ``u = ((h >> 9) + 0.5) * 2**-23``."""
+    u = ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_noise(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Keyed Gumbel noise ``[B, V]`` fp32 (torch implementation)."""
+    ka, kb = row_keys(seed, request_ids, positions)
+    return gumbel_from_hash(token_hash(ka, kb, vocab))
+
+
+def top_k_top_p_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
+    """Per-row logit threshold ``[B, 1]``: tokens with ``z < threshold`` are excluded from the draw; ``None`` if no
+    truncation. Depends on each row alone (row-wise ``topk``/``sort``/``cumsum``)."""
+    vocab = z.shape[-1]
+    use_k = 0 < top_k < vocab
+    use_p = top_p < 1.0
+    if not use_k and not use_p:
+        return None
+    if use_k and not use_p:
+        return torch.topk(z, top_k, dim=-1).values[:, -1:]
+    cand = torch.topk(z, top_k, dim=-1).values if use_k else torch.sort(z, dim=-1, descending=True).values
+    probs = torch.softmax(cand, dim=-1)  # renormalized over the top-k candidates
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = (mass_before < top_p).sum(-1, keepdim=True).clamp_(min=1)  # >= 1: the top token is always kept
+    return cand.gather(-1, keep - 1)
+
+
+def _gumbel_argmax_torch(
+    z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    scores = z + gumbel_noise(seed, request_ids, positions, z.shape[-1])
+    if threshold is not None:
+        scores = scores.masked_fill(z < threshold, float("-inf"))
+    return scores.argmax(-1)
+
+
+def _use_triton(z: torch.Tensor) -> bool:
+    if os.environ.get("RLEXACT_SAMPLER", "") == "torch":
+        return False
+    if not z.is_cuda and os.environ.get("RLEXACT_SAMPLER", "") != "triton":
+        return False
+    from rlexact.ops.backend import triton_available
+
+    return triton_available()
+
+
+def gumbel_argmax(
+    z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """``argmax(z + keyed Gumbel noise)`` over ``z >= threshold`` per row -> int64 ``[B]``. Host-sync free."""
+    if _use_triton(z):
+        from rlexact.rollout._sampler_triton import gumbel_argmax_triton
+
+        ka, kb = row_keys(seed, request_ids, positions)
+        return gumbel_argmax_triton(z, threshold, ka, kb)
+    return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions)
+
+
+def sample(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    greedy: bool,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    request_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and report its log-prob.
+
+    Args:
+        z: ``[B, V]`` fp32 temperature-scaled logits (temperature 1 when greedy), from ``head_logits``.
+        lse: ``[B]`` fp32 ``logsumexp(z)`` from the same call.
+        greedy: argmax instead of a draw (top-k/top-p are irrelevant then).
+        top_k, top_p: truncation of the draw (0 / 1.0 disable).
+        seed: base seed.
+        request_ids: ``[B]`` int64 request ids.
+        positions: ``[B]`` int64 absolute position of the token being sampled.
+
+    Returns:
+        ``(tokens [B] int64, logprobs [B] fp32)`` with ``logprobs = z[tokens] - lse`` (full tempered softmax).
+        Contains no host synchronization (CUDA-graph capturable).
+    """
+    if greedy:
+        tokens = z.argmax(-1)
+    else:
+        threshold = top_k_top_p_threshold(z, top_k, top_p)
+        tokens = gumbel_argmax(z, threshold, seed, request_ids, positions)
+    logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    return tokens, logprobs
