@@ -1,0 +1,302 @@
+"""Validated configuration of :class:`rlexact.RLModule`: rollout, algorithm, optimizer and FSDP2 settings.
+
+Frozen dataclasses, validated in ``__post_init__`` (a bad value raises ``ValueError`` naming the field), with attribute
+docstrings that jsonargparse / LightningCLI turn into ``--help`` text. In YAML they are nested under the module::
+
+    model:
+      class_path: rlexact.RLModule
+      init_args:
+        model_path: /ckpt/Qwen3-1.7B
+        rollout: {n: 8, max_new_tokens: 8192, temperature: 1.0}
+        algorithm: {objective: dapo, clip_low: 0.2, clip_high: 0.28, loss_agg_mode: seq-mean-token-sum-norm}
+        optim: {lr: 1.0e-6, betas: [0.9, 0.95]}
+
+Units. ``RolloutConfig.n`` is samples per prompt; a data batch of ``P`` prompts yields ``P * n`` sequences on each
+rank. ``AlgorithmConfig.mini_batch_size`` and ``micro_batch_size`` count **sequences on one rank** (not prompts, not
+tokens): the paper's "mini-batch 16 prompts x 8 samples" is ``mini_batch_size: 128``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "ESTIMATORS",
+    "KERNELS",
+    "LOSS_AGG_MODES",
+    "OBJECTIVES",
+    "OLD_LOGPROB_MODES",
+    "AlgorithmConfig",
+    "FSDPConfig",
+    "OptimConfig",
+    "RolloutConfig",
+]
+
+Objective = Literal["grpo", "ppo", "dapo", "gspo", "reinforce"]
+Estimator = Literal["grpo", "rloo", "reinforce"]
+OldLogprobMode = Literal["exact", "recompute", "bypass"]
+Kernels = Literal["exact", "native"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k3"]
+
+OBJECTIVES: tuple[str, ...] = ("grpo", "ppo", "dapo", "gspo", "reinforce")
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce")
+OLD_LOGPROB_MODES: tuple[str, ...] = ("exact", "recompute", "bypass")
+KERNELS: tuple[str, ...] = ("exact", "native")
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _finite(name: str, value: Any, *, low: float | None = None, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+
+
+def _check_generator_kwargs(kwargs: dict[str, Any]) -> None:
+    try:
+        from dataclasses import fields as _fields
+
+        from rlexact.rollout.config import GeneratorConfig
+    except ImportError:  # pragma: no cover - the generator is optional at config time
+        return
+    known = {f.name for f in _fields(GeneratorConfig)} - {"kernels"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown rollout.generator keys {unknown}; GeneratorConfig fields: {sorted(known)}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the module samples completions (passed to :class:`rlexact.rollout.Generator` and ``SamplingParams``)."""
+
+    n: int = 8
+    """Samples per prompt (the GRPO group size). GRPO/RLOO need ``n >= 2``."""
+    max_new_tokens: int = 1024
+    """Maximum response length in tokens; also the normalizer of ``seq-mean-token-sum-norm``."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). The trainer computes log-probs at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables it. Log-probs are always of the full temperature-scaled softmax."""
+    top_k: int = 0
+    """Keep the k most likely tokens when sampling; 0 disables it."""
+    seed: int = 0
+    """Base seed of the keyed sampler. Each rollout step and rank derive their own seed from it, so a resumed run
+    samples what the uninterrupted run would have sampled."""
+    kernels: Kernels = "exact"
+    """Generator kernels: ``"exact"`` (bitwise equal to the trainer) or ``"native"`` (stock transformers / SDPA
+    kernels: the non-exact training-inference-mismatch baseline)."""
+    stop_token_ids: list[int] | None = None
+    """Generation stops at any of these ids; None uses the model's / tokenizer's EOS ids."""
+    max_context: int | None = None
+    """Prompt + response must fit in this many tokens; None uses the model's ``max_position_embeddings``. A prompt
+    longer than ``max_context - max_new_tokens`` is an error naming the prompt."""
+    skip_special_tokens: bool = True
+    """Decode completions for the reward with ``skip_special_tokens``."""
+    generator: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``Generator(model, kernels=..., **generator)`` (KV-cache size, block size, chunked
+    prefill budget, ...), passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        _positive_int("rollout.n", self.n)
+        _positive_int("rollout.max_new_tokens", self.max_new_tokens)
+        _finite("rollout.temperature", self.temperature, low=0.0, low_open=True)
+        _finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
+        if self.top_p > 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"rollout.seed must be an int >= 0, got {self.seed!r}")
+        _choice("rollout.kernels", self.kernels, KERNELS)
+        _positive_int("rollout.max_context", self.max_context, allow_none=True)
+        if self.max_context is not None and self.max_context <= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.max_context={self.max_context} leaves no room for a prompt with "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", [int(t) for t in self.stop_token_ids])
+        if not isinstance(self.generator, dict):
+            raise ValueError(f"rollout.generator must be a dict of Generator keyword arguments, got {self.generator!r}")
+        if "kernels" in self.generator:
+            raise ValueError("set the generator kernels with rollout.kernels, not rollout.generator.kernels")
+        _check_generator_kwargs(self.generator)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL objective: advantages, policy loss, PPO epochs and mini-batches, pi_old mode, KL and entropy terms.
+
+    Objectives (all critic-free, outcome rewards):
+
+    - ``grpo`` / ``ppo`` / ``dapo``: the token-level clipped surrogate ``max(-A r, -A clip(r, 1-clip_low,
+      1+clip_high))`` (identical code; ``dapo`` is the name for ``clip_high > clip_low``, usually with
+      ``dynamic_sampling`` and ``token-mean``). ``dual_clip`` adds dual-clip PPO for ``A < 0``.
+    - ``gspo``: the sequence-ratio clipped surrogate (GSPO; use small clips such as 3e-4 / 4e-4).
+    - ``reinforce``: ``-A log pi``, exactly one optimizer step per rollout batch (``ppo_epochs=1``, no mini-batches),
+      batch-whitened advantages (``estimator="reinforce"``).
+    """
+
+    objective: Objective = "grpo"
+    """Policy loss: ``grpo``, ``ppo``, ``dapo``, ``gspo`` or ``reinforce``."""
+    estimator: Estimator | None = None
+    """Advantage estimator: ``grpo`` (group mean/std), ``rloo`` (leave-one-out) or ``reinforce`` (batch whitening).
+    None picks ``reinforce`` for the reinforce objective and ``grpo`` otherwise."""
+    normalize_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    adv_eps: float = 1e-6
+    """Epsilon added to the std in GRPO / REINFORCE whitening."""
+    clip_low: float = 0.2
+    """Lower clip epsilon: the ratio is clipped at ``1 - clip_low``."""
+    clip_high: float = 0.2
+    """Upper clip epsilon: the ratio is clipped at ``1 + clip_high`` (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant ``c > 1`` for ``A < 0`` tokens (verl ``clip_ratio_c``, 3.0); None disables it."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """Loss aggregation: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
+    ``seq-mean-token-sum-norm`` (per-sequence token sum divided by ``rollout.max_new_tokens``, then mean over
+    sequences)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int | None = None
+    """Sequences per optimizer step on one rank (a mini-batch; ``prompts x n``); None = the whole rollout batch
+    (one step per epoch). Sequences are shuffled with a generator seeded by ``(shuffle_seed, rollout_step, epoch)``."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward inside a mini-batch (gradient accumulation to bound memory); None = the whole
+    mini-batch in one packed forward. The loss is normalized over the whole mini-batch, so the gradient does not
+    depend on this setting."""
+    shuffle: bool = True
+    """Shuffle sequences before splitting into mini-batches."""
+    shuffle_seed: int = 0
+    """Seed of the mini-batch shuffle."""
+    old_logprob_mode: OldLogprobMode = "exact"
+    """Where pi_old comes from: ``exact`` (the rollout log-probs, bitwise equal to the trainer's, so no recompute
+    forward; needs ``rollout.kernels="exact"``), ``recompute`` (a no-grad trainer forward at the rollout weights) or
+    ``bypass`` (the rollout log-probs used as pi_old even when the generator is not exact)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to a frozen reference model (a copy of the initial policy); 0 disables it (and the
+    reference model is never built)."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator: ``k1`` (log-ratio) or ``k3`` (Schulman's non-negative low-variance estimator)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop the groups whose rewards are all equal (they carry zero advantage). If every
+    group is dropped the rollout step makes no optimizer step (with a warning)."""
+
+    def __post_init__(self) -> None:
+        _choice("algorithm.objective", self.objective, OBJECTIVES)
+        if self.estimator is None:
+            object.__setattr__(self, "estimator", "reinforce" if self.objective == "reinforce" else "grpo")
+        _choice("algorithm.estimator", self.estimator, ESTIMATORS)
+        _choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("algorithm.old_logprob_mode", self.old_logprob_mode, OLD_LOGPROB_MODES)
+        _choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _finite("algorithm.adv_eps", self.adv_eps, low=0.0)
+        _finite("algorithm.clip_low", self.clip_low, low=0.0)
+        if self.clip_low >= 1.0:
+            raise ValueError(f"algorithm.clip_low must be in [0, 1), got {self.clip_low}")
+        _finite("algorithm.clip_high", self.clip_high, low=0.0)
+        if self.dual_clip is not None:
+            _finite("algorithm.dual_clip", self.dual_clip)
+            if self.dual_clip <= 1.0:
+                raise ValueError(f"algorithm.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        _positive_int("algorithm.ppo_epochs", self.ppo_epochs)
+        _positive_int("algorithm.mini_batch_size", self.mini_batch_size, allow_none=True)
+        _positive_int("algorithm.micro_batch_size", self.micro_batch_size, allow_none=True)
+        _finite("algorithm.kl_coef", self.kl_coef, low=0.0)
+        _finite("algorithm.entropy_coef", self.entropy_coef)
+        if self.objective == "reinforce":
+            if self.ppo_epochs != 1:
+                raise ValueError(
+                    f"algorithm.objective='reinforce' makes one update per rollout batch: ppo_epochs must be 1, "
+                    f"got {self.ppo_epochs}"
+                )
+            if self.mini_batch_size is not None:
+                raise ValueError(
+                    "algorithm.objective='reinforce' makes one update per rollout batch: mini_batch_size must be "
+                    f"None (the whole batch), got {self.mini_batch_size}"
+                )
+        if self.objective == "dapo" and self.clip_high < self.clip_low:
+            raise ValueError(
+                f"algorithm.objective='dapo' (clip-higher) needs clip_high >= clip_low, got clip_low={self.clip_low}, "
+                f"clip_high={self.clip_high}"
+            )
+
+    @property
+    def needs_groups(self) -> bool:
+        """True when the estimator is group-relative (GRPO / RLOO need ``n >= 2`` samples per prompt)."""
+        return self.estimator in ("grpo", "rloo")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and an optional linear warmup. Schedulers step once per optimizer step (not per rollout step)."""
+
+    lr: float = 1e-6
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas (the paper's GRPO recipe uses (0.9, 0.95))."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value (``self.clip_gradients``); None disables clipping (the norm is
+    still logged)."""
+    warmup_steps: int = 0
+    """Linear warmup from ``lr / warmup_steps`` to ``lr`` over this many optimizer steps; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        _finite("optim.lr", self.lr, low=0.0, low_open=True)
+        betas = tuple(float(b) for b in self.betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", betas)
+        _finite("optim.eps", self.eps, low=0.0, low_open=True)
+        _finite("optim.weight_decay", self.weight_decay, low=0.0)
+        if self.grad_clip is not None:
+            _finite("optim.grad_clip", self.grad_clip, low=0.0, low_open=True)
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2 settings used in ``configure_model`` under Lightning's ``ModelParallelStrategy``.
+
+    Each decoder layer is ``fully_shard``-ed, then the root model. The generator and the trainer run the same sharded
+    module; during the rollout (and other no-grad scoring) all parameters are gathered once and kept gathered, so
+    every rank may run a different number of decode steps without mismatched collectives.
+    """
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Mixed precision: the dtype parameters are all-gathered in (the computation dtype; the sharded master weights
+    and optimizer state stay in the loaded dtype). None = no mixed precision. Forward inputs are never cast
+    (``cast_forward_inputs=False``) and the rotary tables stay fp32."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = "float32"
+    """Gradient reduce-scatter dtype under mixed precision."""
+    reshard_after_forward: bool = True
+    """Free the gathered layer parameters after each training forward (ZeRO-3); False keeps them (ZeRO-2)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, name)
+            if v is not None:
+                _choice(f"fsdp.{name}", v, ("float32", "bfloat16", "float16"))

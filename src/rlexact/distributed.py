@@ -1,0 +1,149 @@
+"""FSDP2 helpers for :class:`rlexact.RLModule` (Lightning ``ModelParallelStrategy``, ``fully_shard``).
+
+Why these exist:
+
+* The trainer's packed forward and the generator do not go through ``model.forward`` (they call the decoder and the
+  fused log-prob head directly), so FSDP2's root pre/post-forward hooks would never run. :func:`apply_fsdp` registers
+  one trampoline method on the root with ``register_fsdp_forward_method`` and :func:`fsdp_call` runs any function
+  through it: the root's parameters (embeddings, final norm, lm head) are gathered, and its post-backward reduces
+  their gradients.
+* Every rank samples responses of different lengths, so it runs a different number of decode steps. A collective per
+  layer forward would then deadlock. :func:`gathered_params` all-gathers every parameter once (the same number of
+  collectives on every rank), keeps them gathered while the rollout and other no-grad scoring run, and reshards at the
+  end. Training forwards/backwards run with normal per-layer FSDP; the module pads the number of micro-batches to the
+  maximum over ranks so that their collectives line up.
+
+Exactness under FSDP2: the all-gather copies parameters bit for bit, so every rank runs the same kernels on the same
+full weights as a single process would (no tensor- or sequence-parallel reduction inside the forward), and rollout and
+trainer log-probs stay bitwise equal on every rank. With a ``MixedPrecisionPolicy`` both paths see the same
+``param_dtype`` copies; forward inputs are not cast and the rotary tables stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlexact.config import FSDPConfig
+from rlexact.models import decoder
+
+__all__ = ["apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "reduce_scalars"]
+
+T = TypeVar("T")
+_CALL = "_rlexact_fsdp_call"
+_RESHARD_ATTR = "_rlexact_reshard_after_forward"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _fsdp_module_cls() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True when ``model`` (the root) was ``fully_shard``-ed."""
+    cls = _fsdp_module_cls()
+    return cls is not None and isinstance(model, cls)
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """Every FSDP2-managed module under ``model`` (root included), in ``modules()`` order."""
+    cls = _fsdp_module_cls()
+    if cls is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _trampoline(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig | None = None) -> nn.Module:
+    """``fully_shard`` every decoder layer, then the root, on ``mesh`` (the data-parallel 1-D mesh).
+
+    Registers the trampoline used by :func:`fsdp_call`. Returns ``model`` (sharded in place).
+    """
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import (
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
+    config = config or FSDPConfig()
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if config.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[config.param_dtype],
+            reduce_dtype=_DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
+            cast_forward_inputs=False,
+        )
+    layers = getattr(decoder(model), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        setattr(layer, _RESHARD_ATTR, config.reshard_after_forward)
+    fully_shard(model, **kwargs)
+    setattr(model, _RESHARD_ATTR, False)  # FSDP2 keeps the root gathered between forward and backward
+    model.__dict__[_CALL] = _trampoline
+    register_fsdp_forward_method(model, _CALL)
+    return model
+
+
+def fsdp_call(model: nn.Module, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` as a forward of the FSDP2 root ``model`` (plain call when ``model`` is not sharded)."""
+    if is_fsdp(model):
+        call = getattr(model, _CALL, None)
+        if call is None:
+            raise RuntimeError("the FSDP model was not sharded with rlexact.distributed.apply_fsdp")
+        return call(fn)
+    return fn()
+
+
+@contextlib.contextmanager
+def gathered_params(model: nn.Module) -> Iterator[None]:
+    """Keep every parameter of an FSDP2 ``model`` gathered inside the block (no-op without FSDP).
+
+    Each rank issues exactly one all-gather per FSDP module on entry, so the block may run any number of forwards
+    (e.g. decode steps) without per-forward collectives. Use it for no-grad work only.
+    """
+    mods = fsdp_modules(model)
+    if not mods:
+        yield
+        return
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in mods:
+            m.unshard()
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(bool(getattr(m, _RESHARD_ATTR, True)), recurse=False)
+
+
+def reduce_scalars(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
+    """All-reduce a few Python scalars (``op`` in sum / max / min) over the default group; identity when not
+    distributed. ``device`` must suit the backend (CUDA for NCCL)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(t, op=red)
+    return t.tolist()
