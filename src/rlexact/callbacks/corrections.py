@@ -1,0 +1,291 @@
+"""Post-hoc TIM corrections as RL callbacks: truncated importance sampling and rejection sampling (paper §4.2).
+
+Thin adapters over :func:`~rlexact.callbacks.functional.tis_weights` and
+:func:`~rlexact.callbacks.functional.rejection_mask`:
+
+- :class:`TruncatedIS` *multiplies* ``batch.token_weights`` by ``w = min(r_corr, cap)`` (detached) in
+  ``on_rl_batch``;
+- :class:`RejectionSampling` *ANDs* its keep-mask into ``loss_mask``: on the whole rollout batch in ``on_rl_batch``
+  for ``signal="corr"`` (``r_corr = pi_old^train / pi_old^rollout``), on every PPO mini-batch in
+  ``on_rl_minibatch`` for ``signal="ppo"`` (``r_ppo^rollout = pi_theta / pi_old^rollout``, which moves with every
+  optimizer step).
+
+Both score the *raw* response tokens (``batch.response_mask``), never the loss mask left by earlier callbacks, so
+stacked corrections commute and give exactly :func:`~rlexact.callbacks.functional.apply_correction`'s
+``keep * w``. In list order ``[TruncatedIS, RejectionSampling]`` the objective becomes
+``loss_mask_t * w_t * loss_t``. A step whose loss mask ends empty is skipped by the module (with a warning); the
+callbacks themselves never fail on empty masks.
+
+:func:`correction_callbacks` builds the paper's four presets (``functional.PRESETS``); the YAML files in
+``configs/corrections/`` are the same lists as LightningCLI ``trainer.callbacks`` fragments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlexact.callbacks import functional as F
+from rlexact.callbacks.aggregation import MetricReducer, log_scalars
+from rlexact.callbacks.base import RLCallback
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from rlexact.batch import RolloutBatch
+
+__all__ = ["RejectionSampling", "TruncatedIS", "correction_callbacks", "require_trainer_logprobs"]
+
+
+def require_trainer_logprobs(batch: RolloutBatch, who: str) -> torch.Tensor:
+    """``batch.trainer_logprobs``, or a ``RuntimeError`` explaining that the module did not compute them."""
+    if batch.trainer_logprobs is None:
+        raise RuntimeError(
+            f"{who} needs batch.trainer_logprobs (pi_old^train): it sets needs_trainer_logprobs=True, so the module "
+            "must recompute them before on_rl_batch"
+        )
+    return batch.trainer_logprobs
+
+
+def _seqs_with_tokens(batch: RolloutBatch, mask: torch.Tensor) -> int:
+    """Number of sequences with at least one ``mask`` token (a count for cross-rank fractions)."""
+    if batch.num_seqs == 0:
+        return 0
+    per_seq = torch.zeros(batch.num_seqs, dtype=torch.long, device=mask.device)
+    per_seq.index_add_(0, batch.seq_ids.to(mask.device), mask.long())
+    return int((per_seq > 0).sum())
+
+
+class TruncatedIS(RLCallback):
+    """Truncated importance sampling on ``r_corr``: ``token_weights *= min(r_corr, cap)`` (Yao et al., 2025).
+
+    Turns the trainer-referenced PPO ratio ``r_ppo^train`` into (the truncated) ``r_ppo^rollout`` in effect.
+    ``level="token"``: ``w_t = min(r_corr,t, cap)``; ``level="sequence"``: ``w_i = min(prod_t r_corr,t, cap)`` over the
+    sequence's response tokens. Weights are detached and *multiply* the existing ``token_weights``.
+    Exactly 1.0 everywhere when the rollout and trainer log-probs are bitwise equal.
+
+    Logs (``<prefix>`` = ``tis``): ``mean``, ``min``, ``max`` of the weights over response tokens and
+    ``truncated_frac`` (weights whose untruncated value exceeded ``cap``; over tokens, or over sequences at sequence
+    level), all reduced across data-parallel ranks.
+
+    Args:
+        level: ``"token"`` or ``"sequence"``.
+        cap: the truncation ``tau`` (``>= 1``; paper ``tau_tok = 2``).
+        prefix: metric prefix; give stacked instances different prefixes.
+    """
+
+    needs_trainer_logprobs = True
+
+    def __init__(self, level: F.TISLevel = "token", cap: float = 2.0, prefix: str = "tis") -> None:
+        self.spec = F.TISSpec(level=level, cap=float(cap))
+        self.prefix = prefix
+        self.steps = 0
+        """Rollout steps corrected so far (resumable)."""
+        self.truncated_total = 0.0
+        self.units_total = 0.0
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(level=self.spec.level, cap=self.spec.cap, prefix=self.prefix)
+
+    def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
+        log_r = F.signal_log_ratio("corr", rollout_logp=batch.rollout_logprobs, old_logp=trainer_lp)
+        mask = batch.response_mask
+        weights, info = F.tis_weights(log_r, batch.cu_seqlens, mask, level=self.spec.level, cap=self.spec.cap)
+        batch.token_weights = batch.token_weights * weights.to(batch.token_weights.dtype)
+
+        n_tok = int(mask.sum())
+        units = n_tok if self.spec.level == "token" else _seqs_with_tokens(batch, mask)
+        p = self.prefix
+        red = MetricReducer()
+        red.add_mean(f"{p}/mean", info["mean"], n_tok, empty=1.0)
+        red.add_min(f"{p}/min", info["min"] if n_tok else None, empty=1.0)
+        red.add_max(f"{p}/max", info["max"] if n_tok else None, empty=1.0)
+        red.add_mean(f"{p}/truncated_frac", info["truncated_frac"], units)
+        red.add_sum(f"{p}/truncated_count", info["truncated_frac"] * units)
+        red.add_sum(f"{p}/units", units)
+        metrics = red.reduce(batch.token_weights.device)
+        self.truncated_total += metrics.pop(f"{p}/truncated_count")
+        self.units_total += metrics.pop(f"{p}/units")
+        self.steps += 1
+        self.last_metrics = metrics
+        log_scalars(trainer, pl_module, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "truncated_total": self.truncated_total, "units_total": self.units_total}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict["steps"])
+        self.truncated_total = float(state_dict["truncated_total"])
+        self.units_total = float(state_dict["units_total"])
+
+
+class RejectionSampling(RLCallback):
+    """Reject tokens or whole sequences whose mismatch score exceeds a threshold (ANDed into ``loss_mask``).
+
+    Per response token ``K_t = K(q_t)`` with ``K`` in ``{k1, k2, k3}`` and ``q`` the signal; the granularity decides
+    what is dropped (see :func:`rlexact.callbacks.functional.rejection_mask`): ``token`` (``K_t > threshold``),
+    ``sequence_sum`` (the paper's ``S_seq = sum_t K_t > tau_seq``), ``sequence_mean`` or ``sequence_max``.
+
+    - ``signal="corr"``: ``q = r_corr = pi_old^train / pi_old^rollout``, once per rollout batch in ``on_rl_batch``
+      (needs ``batch.trainer_logprobs``).
+    - ``signal="ppo"``: ``q = r_ppo^rollout = pi_theta / pi_old^rollout``, on every mini-batch in
+      ``on_rl_minibatch`` with the current policy's log-probs.
+
+    Logs (``<prefix>`` = ``rejection``): ``rejected_token_frac`` (over response tokens), ``rejected_seq_frac``
+    (sequences that lost a token, over sequences with response tokens) and ``empty_loss_frac`` (1.0 when no token
+    is left in the loss after this callback; the module then skips the update). For ``signal="ppo"`` they are
+    totals over all mini-batches of the rollout step, logged in ``on_rl_update_end``. Reduced across ranks.
+
+    Args:
+        signal: ``"corr"`` or ``"ppo"``.
+        granularity: ``"token"``, ``"sequence_sum"``, ``"sequence_mean"`` or ``"sequence_max"``.
+        estimator: ``"k1"`` (signed), ``"k2"`` or ``"k3"``.
+        threshold: drop when the score is strictly greater (paper ``tau_seq = 0.001``).
+        prefix: metric prefix; give stacked instances different prefixes.
+    """
+
+    def __init__(
+        self,
+        signal: F.Signal = "corr",
+        granularity: F.Granularity = "sequence_sum",
+        estimator: F.Estimator = "k3",
+        threshold: float = 0.001,
+        prefix: str = "rejection",
+    ) -> None:
+        self.spec = F.RejectionSpec(signal=signal, granularity=granularity, estimator=estimator, threshold=threshold)
+        self.prefix = prefix
+        self.needs_trainer_logprobs = signal == "corr"
+        self.steps = 0
+        self.rejected_tokens_total = 0.0
+        self.tokens_total = 0.0
+        self.empty_steps = 0
+        """Rollout steps (``corr``) or mini-batches (``ppo``) that ended with an empty loss mask."""
+        self.last_metrics: dict[str, float] = {}
+        self.last_minibatch_metrics: list[dict[str, float]] = []
+        self._acc: dict[str, float] = {}
+
+    @property
+    def state_key(self) -> str:
+        s = self.spec
+        return self._generate_state_key(
+            signal=s.signal, granularity=s.granularity, estimator=s.estimator, threshold=s.threshold, prefix=self.prefix
+        )
+
+    # ------------------------------------------------------------------------------------------------------ hooks
+    def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        self._acc = {"rej_tok": 0.0, "tok": 0.0, "rej_seq": 0.0, "seq": 0.0, "empty": 0.0, "n": 0.0}
+        self.last_minibatch_metrics = []
+        if self.spec.signal != "corr":
+            return
+        trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
+        log_q = F.signal_log_ratio("corr", rollout_logp=batch.rollout_logprobs, old_logp=trainer_lp)
+        counts = self._apply(batch, log_q)
+        metrics = self._reduce(counts, batch.loss_mask.device)
+        self._finish_step(trainer, pl_module, metrics)
+
+    def on_rl_minibatch(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        minibatch: RolloutBatch,
+        logprobs: torch.Tensor,
+        epoch: int,
+        step: int,
+    ) -> None:
+        if self.spec.signal != "ppo":
+            return
+        log_q = F.signal_log_ratio("ppo", rollout_logp=minibatch.rollout_logprobs, logp=logprobs)
+        counts = self._apply(minibatch, log_q)
+        for key, value in counts.items():
+            self._acc[key] = self._acc.get(key, 0.0) + value
+        metrics = self._reduce(counts, minibatch.loss_mask.device)
+        self.last_minibatch_metrics.append({"epoch": float(epoch), "step": float(step), **metrics})
+
+    def on_rl_update_end(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        if self.spec.signal != "ppo" or not self._acc.get("n"):
+            return
+        metrics = self._reduce(self._acc, batch.loss_mask.device)
+        self._finish_step(trainer, pl_module, metrics)
+
+    # ---------------------------------------------------------------------------------------------------- helpers
+    def _apply(self, batch: RolloutBatch, log_q: torch.Tensor) -> dict[str, float]:
+        s = self.spec
+        mask = batch.response_mask
+        keep, info = F.rejection_mask(
+            log_q, batch.cu_seqlens, mask, granularity=s.granularity, estimator=s.estimator, threshold=s.threshold
+        )
+        batch.loss_mask = batch.loss_mask & keep
+        n_tok = int(mask.sum())
+        n_seq = _seqs_with_tokens(batch, mask)
+        return {
+            "rej_tok": info["rejected_token_frac"] * n_tok,
+            "tok": float(n_tok),
+            "rej_seq": info["rejected_seq_frac"] * n_seq,
+            "seq": float(n_seq),
+            "kept": float(batch.loss_mask.sum()),
+            "n": 1.0,
+        }
+
+    def _reduce(self, counts: dict[str, float], device: torch.device) -> dict[str, float]:
+        p = self.prefix
+        red = MetricReducer()
+        red.add_sum("rej_tok", round(counts["rej_tok"]))
+        red.add_sum("tok", counts["tok"])
+        red.add_sum("rej_seq", round(counts["rej_seq"]))
+        red.add_sum("seq", counts["seq"])
+        red.add_sum("kept", counts.get("kept", 0.0))
+        s = red.reduce(device)
+        out = {
+            f"{p}/rejected_token_frac": s["rej_tok"] / s["tok"] if s["tok"] else 0.0,
+            f"{p}/rejected_seq_frac": s["rej_seq"] / s["seq"] if s["seq"] else 0.0,
+            f"{p}/empty_loss_frac": 1.0 if s["kept"] == 0 else 0.0,
+        }
+        self._last_totals = (s["rej_tok"], s["tok"])
+        return out
+
+    def _finish_step(self, trainer: Trainer, pl_module: LightningModule, metrics: dict[str, float]) -> None:
+        rejected, total = self._last_totals
+        self.rejected_tokens_total += rejected
+        self.tokens_total += total
+        self.empty_steps += int(metrics[f"{self.prefix}/empty_loss_frac"] == 1.0)
+        self.steps += 1
+        self.last_metrics = metrics
+        log_scalars(trainer, pl_module, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "rejected_tokens_total": self.rejected_tokens_total,
+            "tokens_total": self.tokens_total,
+            "empty_steps": self.empty_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict["steps"])
+        self.rejected_tokens_total = float(state_dict["rejected_tokens_total"])
+        self.tokens_total = float(state_dict["tokens_total"])
+        self.empty_steps = int(state_dict["empty_steps"])
+
+
+def correction_callbacks(preset_name: str) -> list[RLCallback]:
+    """The callbacks of a paper preset (appendix A.4), in the order they must run: optional token TIS, then
+    sequence rejection. Names: ``srs-k3-corr-ratio``, ``srs-k3-ppo-ratio``, ``tis-srs-k3-corr-ratio``,
+    ``tis-srs-k1-corr-ratio`` (``tau_tok = 2``, ``tau_seq = 0.001``; see ``functional.PRESETS``).
+    ``configs/corrections/<name>.yaml`` holds the same list for LightningCLI."""
+    tis, rejection = F.correction_preset(preset_name)
+    callbacks: list[RLCallback] = []
+    if tis is not None:
+        callbacks.append(TruncatedIS(level=tis.level, cap=tis.cap))
+    callbacks.append(
+        RejectionSampling(
+            signal=rejection.signal,
+            granularity=rejection.granularity,
+            estimator=rejection.estimator,
+            threshold=rejection.threshold,
+        )
+    )
+    return callbacks

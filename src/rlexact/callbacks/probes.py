@@ -1,0 +1,411 @@
+"""Mismatch and update-direction probes (paper §4.1, DESIGN §6): thin adapters over ``callbacks.functional``.
+
+:class:`MismatchProbe` measures training-inference mismatch on every rollout step (``on_rl_batch``) and the
+surrogate contributions ``C(r_ppo^train)`` / ``C(r_ppo^rollout)`` on every PPO mini-step (``on_rl_minibatch``).
+:class:`UpdateDirectionProbe` re-scores the trained batch through the generator after the update
+(``on_rl_update_end``) and counts tokens whose log-prob moved against their advantage.
+
+All statistics are taken over the raw response tokens (``batch.response_mask``), before any rejection, so the
+probes see what the corrections act on; they never modify the batch. Values are reduced across data-parallel ranks
+(sums and counts, then divided; maxima by ``MAX``) -- see :mod:`rlexact.callbacks.aggregation`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlexact.callbacks import functional as F
+from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
+from rlexact.callbacks.base import RLCallback
+from rlexact.callbacks.corrections import _seqs_with_tokens, require_trainer_logprobs
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from rlexact.batch import RolloutBatch
+
+__all__ = ["MismatchProbe", "UpdateDirectionProbe", "policy_model", "rollout_temperature"]
+
+
+# ----------------------------------------------------------------------------------------------- module plumbing
+def policy_model(pl_module: Any) -> torch.nn.Module | None:
+    """The trained causal LM of an RL module (``.model``, ``.policy`` or the generator's ``.model``), else ``None``."""
+    for owner, name in ((pl_module, "model"), (pl_module, "policy"), (getattr(pl_module, "generator", None), "model")):
+        model = getattr(owner, name, None) if owner is not None else None
+        if isinstance(model, torch.nn.Module):
+            return model
+    return None
+
+
+def rollout_temperature(pl_module: Any) -> float:
+    """The sampling temperature the rollout log-probs were reported at (``pl_module.rollout.temperature``; 1.0 if the
+    module does not say)."""
+    for owner in (getattr(pl_module, "rollout", None), getattr(pl_module, "rollout_config", None), pl_module):
+        temperature = getattr(owner, "temperature", None) if owner is not None else None
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            return float(temperature) if temperature > 0 else 1.0
+    return 1.0
+
+
+def _sequences(batch: RolloutBatch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens.tolist()
+    return [batch.input_ids[s:e] for s, e in zip(cu[:-1], cu[1:])]
+
+
+def _unpack_scores(scores: Sequence[torch.Tensor] | torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """Generator scores -> ``[T]`` fp32 aligned with ``batch.input_ids`` (0 on each sequence's first token).
+
+    Accepts a packed ``[T]`` tensor or one tensor per sequence of length ``L`` (aligned) or ``L - 1`` (tokens 1..L-1,
+    the :func:`rlexact.sequence_logprobs` convention)."""
+    if isinstance(scores, torch.Tensor):
+        if scores.shape != (batch.num_tokens,):
+            raise ValueError(f"generator.score returned shape {tuple(scores.shape)}, expected ({batch.num_tokens},)")
+        return scores.float()
+    out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
+    cu = batch.cu_seqlens.tolist()
+    if len(scores) != len(cu) - 1:
+        raise ValueError(f"generator.score returned {len(scores)} sequences, expected {len(cu) - 1}")
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        lp = torch.as_tensor(scores[i]).to(out.device, torch.float32).reshape(-1)
+        if lp.numel() == e - s - 1:
+            out[s + 1 : e] = lp
+        elif lp.numel() == e - s:
+            out[s:e] = lp
+        else:
+            raise ValueError(f"generator.score: sequence {i} has {e - s} tokens but {lp.numel()} log-probs")
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- MismatchProbe
+class MismatchProbe(RLCallback):
+    """Per-rollout-step training-inference mismatch and per-mini-step surrogate contributions.
+
+    ``on_rl_batch`` (needs ``batch.trainer_logprobs`` = pi_old^train; ``d = trainer - rollout = log r_corr`` over
+    response tokens), metrics under ``<prefix>/`` (default ``mismatch/``):
+
+    - ``bitwise_equal_frac``: fraction of response tokens whose two log-probs have identical bits (1.0 exact);
+    - ``abs_diff_mean``, ``abs_diff_max``: of ``|d|``; ``prob_diff_max``: ``max |p_train - p_rollout|``;
+    - ``argmax_flip_rate``: fraction of response positions whose top-1 token differs between the trainer and the
+      generator numeric paths (``argmax=True``; see below);
+    - ``k1_mean``, ``k2_mean``, ``k3_mean``: mean ``K(r_corr)``; ``chi2``: ``E[r_corr^2] - 1``;
+      ``log_ppl_diff``: mean over sequences of ``log PPL_train - log PPL_rollout``; ``num_tokens``;
+    - histograms ``delta_logp`` (``d``) and ``r_corr`` (``exp d``), raw, before any masking.
+
+    ``on_rl_minibatch`` (``logprobs`` = pi_theta): ``C(r) = -(r - 1) A`` for ``r_ppo^train = pi_theta /
+    pi_old^train`` and ``r_ppo^rollout = pi_theta / pi_old^rollout``, averaged over response tokens with ``A > 0`` and
+    with ``A < 0`` (paper Fig. 5). Summed over every mini-step of the rollout step and logged in
+    ``on_rl_update_end`` as ``c_ppo_train_pos``, ``c_ppo_train_neg``, ``c_ppo_rollout_pos``, ``c_ppo_rollout_neg``,
+    with histograms ``r_ppo_train`` and ``r_ppo_rollout`` of all mini-steps' ratios. ``log_ministeps=True`` also
+    writes each mini-step's four values to the loggers under ``<prefix>_ministep/`` at ``trainer.global_step`` (one
+    optimizer step each); :attr:`last_minibatch_metrics` keeps them for the last rollout step.
+
+    **Argmax flip rate.** The batch carries only the sampled tokens' log-probs, so the top-1 tokens are recomputed:
+    trainer side by a packed no-grad forward of the policy (``rlexact.models.forward_hidden`` +
+    ``head_logits``, in row chunks of ``argmax_chunk_tokens``) with the model's current (trainer) kernels; rollout
+    side by the same packed forward under the generator's kernels (``pl_module.generator.kernels``), i.e. the
+    generator's numeric path for a prefill of the sequence rather than the value seen at decode time (equal bit for
+    bit in exact mode by the contract; under native kernels this captures the kernel difference, not
+    decode-vs-prefill differences). When both paths use the same kernels one forward serves both and the rate is 0
+    by construction. :class:`~rlexact.callbacks.injection.MismatchInjection` perturbs log-probs only, so it leaves
+    the flip rate at 0. Without a policy model on the module the metric is skipped with a one-time warning.
+
+    Args:
+        argmax: compute ``argmax_flip_rate`` (one or two extra no-grad forwards per rollout step).
+        histograms: write TensorBoard histograms (when a ``TensorBoardLogger`` is attached).
+        histogram_every_n_steps: histograms on one rollout step in ``n``.
+        log_ministeps: also log each mini-step's contributions.
+        argmax_chunk_tokens: rows of ``[rows, V]`` logits materialized at once for the argmax.
+        prefix: metric prefix.
+    """
+
+    needs_trainer_logprobs = True
+
+    def __init__(
+        self,
+        argmax: bool = True,
+        histograms: bool = True,
+        histogram_every_n_steps: int = 1,
+        log_ministeps: bool = False,
+        argmax_chunk_tokens: int = 1024,
+        prefix: str = "mismatch",
+    ) -> None:
+        if histogram_every_n_steps < 1 or argmax_chunk_tokens < 1:
+            raise ValueError("histogram_every_n_steps and argmax_chunk_tokens must be >= 1")
+        self.argmax = argmax
+        self.histograms = histograms
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.log_ministeps = log_ministeps
+        self.argmax_chunk_tokens = argmax_chunk_tokens
+        self.prefix = prefix
+        self.steps = 0
+        """Rollout steps probed (resumable)."""
+        self.tokens_total = 0.0
+        self.unequal_tokens_total = 0.0
+        self.abs_diff_max_seen = 0.0
+        self.last_metrics: dict[str, float] = {}
+        self.last_minibatch_metrics: list[dict[str, float]] = []
+        self._acc: dict[str, float] = {}
+        self._ratios: dict[str, list[torch.Tensor]] = {}
+        self._hist_now = False
+        self._warned: set[str] = set()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
+
+    # ---------------------------------------------------------------------------------------------- rollout step
+    def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
+        rollout_lp = batch.rollout_logprobs
+        mask = batch.response_mask
+        p = self.prefix
+        stats = F.mismatch_stats(rollout_lp, trainer_lp, mask, batch.cu_seqlens)
+        n = stats["num_tokens"]
+        n_seq = _seqs_with_tokens(batch, mask)
+        red = MetricReducer()
+        red.add_mean(f"{p}/bitwise_equal_frac", stats["bitwise_equal_frac"], n, empty=1.0)
+        red.add_mean(f"{p}/abs_diff_mean", stats["abs_diff_mean"], n)
+        red.add_max(f"{p}/abs_diff_max", stats["abs_diff_max"] if n else None)
+        red.add_max(f"{p}/prob_diff_max", stats["prob_diff_max"] if n else None)
+        flips = self._argmax_flip(pl_module, batch) if self.argmax else None
+        if flips is not None:
+            red.add_mean(f"{p}/argmax_flip_rate", flips, n)
+        for key in ("k1_mean", "k2_mean", "k3_mean"):
+            red.add_mean(f"{p}/{key}", stats[key], n)
+        red.add_mean(f"{p}/chi2", stats["chi2"], n)
+        red.add_mean(f"{p}/log_ppl_diff", stats["log_ppl_diff"], n_seq)
+        red.add_sum(f"{p}/num_tokens", n)
+        metrics = red.reduce(rollout_lp.device)
+
+        self.tokens_total += metrics[f"{p}/num_tokens"]
+        self.unequal_tokens_total += round((1.0 - metrics[f"{p}/bitwise_equal_frac"]) * metrics[f"{p}/num_tokens"])
+        self.abs_diff_max_seen = max(self.abs_diff_max_seen, metrics[f"{p}/abs_diff_max"])
+        self.last_metrics = dict(metrics)
+        log_scalars(trainer, pl_module, metrics)
+
+        self._hist_now = self.histograms and self.steps % self.histogram_every_n_steps == 0
+        if self._hist_now:
+            d = (trainer_lp.detach().float() - rollout_lp.detach().float())[mask]
+            log_histograms(trainer, {f"{p}/delta_logp": d, f"{p}/r_corr": d.exp()})
+        self.steps += 1
+        self._acc = {}
+        self._ratios = {"r_ppo_train": [], "r_ppo_rollout": []}
+        self.last_minibatch_metrics = []
+
+    # ------------------------------------------------------------------------------------------------- mini-steps
+    def on_rl_minibatch(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        minibatch: RolloutBatch,
+        logprobs: torch.Tensor,
+        epoch: int,
+        step: int,
+    ) -> None:
+        mask = minibatch.response_mask
+        adv = minibatch.advantages
+        logp = logprobs.detach().float()
+        refs = {"rollout": minibatch.rollout_logprobs}
+        if minibatch.trainer_logprobs is not None:
+            refs = {"train": minibatch.trainer_logprobs, **refs}
+        red = MetricReducer()
+        local: dict[str, float] = {}
+        for side, ref in refs.items():
+            log_r = logp - ref.detach().float()
+            contrib = F.surrogate_contribution(log_r, adv)
+            split = F.split_by_advantage_sign(contrib, adv, mask)
+            for sign in ("pos", "neg"):
+                key = f"c_ppo_{side}_{sign}"
+                count = split[f"{sign}_count"]
+                red.add_mean(key, split[sign], count)
+                local[f"{key}/sum"] = split[sign] * count
+                local[f"{key}/count"] = float(count)
+            if self._hist_now:
+                self._ratios.setdefault(f"r_ppo_{side}", []).append(log_r[mask].exp())
+        for key, value in local.items():
+            self._acc[key] = self._acc.get(key, 0.0) + value
+        values = red.reduce(logp.device)
+        self.last_minibatch_metrics.append({"epoch": float(epoch), "step": float(step), **values})
+        if self.log_ministeps and trainer is not None:
+            named = {f"{self.prefix}_ministep/{k}": v for k, v in values.items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(named, step=int(trainer.global_step))
+
+    def on_rl_update_end(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        if not self._acc:
+            return
+        red = MetricReducer()
+        keys = sorted({k.rsplit("/", 1)[0] for k in self._acc})
+        for key in keys:
+            total, count = self._acc[f"{key}/sum"], self._acc[f"{key}/count"]
+            red.add_mean(f"{self.prefix}/{key}", total / count if count else 0.0, count)
+        metrics = red.reduce(batch.rollout_logprobs.device)
+        self.last_metrics.update(metrics)
+        log_scalars(trainer, pl_module, metrics)
+        if self._hist_now:
+            hist = {}
+            for name in ("r_ppo_train", "r_ppo_rollout"):
+                parts = self._ratios.get(name) or []
+                values = torch.cat(parts) if parts else batch.rollout_logprobs.new_zeros(0)
+                hist[f"{self.prefix}/{name}"] = values
+            log_histograms(trainer, hist)
+        self._acc = {}
+        self._ratios = {}
+
+    # ----------------------------------------------------------------------------------------------------- argmax
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def _argmax_flip(self, pl_module: Any, batch: RolloutBatch) -> float | None:
+        from rlexact.models import get_state, use_kernels
+
+        model = policy_model(pl_module)
+        if model is None or get_state(model) is None:
+            self._warn_once(
+                "model", "MismatchProbe: no exactified policy model on the module; argmax_flip_rate is skipped"
+            )
+            return None
+        mask = batch.response_mask
+        rows = torch.nonzero(mask).squeeze(-1)
+        starts = batch.cu_seqlens[:-1].long()[batch.seq_ids[rows]]
+        if bool((rows <= starts).any()):
+            self._warn_once("first", "MismatchProbe: a response token starts a sequence; argmax_flip_rate skipped")
+            return None
+        state = get_state(model)
+        trainer_kernels = state.kernels
+        generator = getattr(pl_module, "generator", None)
+        rollout_kernels = getattr(generator, "kernels", trainer_kernels)
+        trainer_arg = self._argmax_tokens(model, batch, rows - 1)
+        if rollout_kernels == trainer_kernels:
+            rollout_arg = trainer_arg
+        else:
+            with use_kernels(model, rollout_kernels):
+                rollout_arg = self._argmax_tokens(model, batch, rows - 1)
+        full_r = torch.zeros_like(batch.input_ids)
+        full_t = torch.zeros_like(batch.input_ids)
+        full_r[rows] = rollout_arg
+        full_t[rows] = trainer_arg
+        return F.argmax_flip_rate(full_r, full_t, mask)
+
+    @torch.no_grad()
+    def _argmax_tokens(self, model: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
+        from rlexact.models import AttnMetadata, forward_hidden, head_logits
+
+        hidden = forward_hidden(model, batch.input_ids, batch.position_ids, AttnMetadata(batch.cu_seqlens))
+        out = []
+        for chunk in rows.split(self.argmax_chunk_tokens):
+            logits, _ = head_logits(model, hidden[chunk], 1.0)
+            out.append(logits.argmax(dim=-1))
+        return torch.cat(out) if out else rows.new_zeros(0)
+
+    # ------------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "tokens_total": self.tokens_total,
+            "unequal_tokens_total": self.unequal_tokens_total,
+            "abs_diff_max_seen": self.abs_diff_max_seen,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict["steps"])
+        self.tokens_total = float(state_dict["tokens_total"])
+        self.unequal_tokens_total = float(state_dict["unequal_tokens_total"])
+        self.abs_diff_max_seen = float(state_dict["abs_diff_max_seen"])
+
+
+# ------------------------------------------------------------------------------------------- UpdateDirectionProbe
+class UpdateDirectionProbe(RLCallback):
+    """Did the update move each token's generator log-prob in the direction of its advantage? (paper §4.1)
+
+    In ``on_rl_update_end`` the trained batch's sequences are scored through the generator's numeric path with the
+    *new* weights (``pl_module.generator.score(sequences, temperature)``) and compared with the log-probs before the
+    update. Over response tokens with ``A != 0``, ``delta = logp_after - logp_before``; a token is misaligned when
+    ``sign(delta) != sign(A)`` (an unchanged token counts as misaligned). The paper measures 17.3% misaligned with a
+    non-exact engine and 0% with the exact one.
+
+    ``before="rollout"`` (default) uses ``batch.rollout_logprobs``, what the generator reported while sampling (same
+    numeric path, pre-update weights). ``before="rescore"`` instead scores the batch through the generator in
+    ``on_rl_batch``, before any optimizer step (one more scoring pass; useful when the rollout log-probs were
+    perturbed by :class:`~rlexact.callbacks.injection.MismatchInjection`, which the generator's re-scoring does
+    not see). Note that with MismatchInjection and ``before="rollout"`` the measured misalignment includes the
+    injected noise, as it would for an engine whose reported numbers are noisy but whose re-scoring is not.
+
+    Logs ``update_direction/misaligned_frac``, ``unchanged_frac``, ``misaligned_count``, ``num_tokens`` (reduced
+    across ranks) and keeps lifetime counts (``misaligned_total``, ``tokens_total``) in its state.
+
+    Args:
+        before: ``"rollout"`` or ``"rescore"``.
+        every_n_steps: probe one rollout step in ``n`` (each costs a generator scoring pass).
+    """
+
+    def __init__(self, before: str = "rollout", every_n_steps: int = 1) -> None:
+        if before not in ("rollout", "rescore"):
+            raise ValueError(f"before must be 'rollout' or 'rescore', got {before!r}")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.before = before
+        self.every_n_steps = every_n_steps
+        self.steps_seen = 0
+        self.misaligned_total = 0.0
+        self.tokens_total = 0.0
+        self.last_metrics: dict[str, float] = {}
+        self._before_lp: torch.Tensor | None = None
+        self._active = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(before=self.before, every_n_steps=self.every_n_steps)
+
+    def score(self, pl_module: Any, batch: RolloutBatch) -> torch.Tensor:
+        """``[T]`` fp32 log-probs of ``batch``'s tokens through the generator's numeric path (current weights)."""
+        generator = getattr(pl_module, "generator", None)
+        if generator is None or not hasattr(generator, "score"):
+            raise RuntimeError("UpdateDirectionProbe needs pl_module.generator with a score(sequences, temperature)")
+        with torch.no_grad():
+            scores = generator.score(_sequences(batch), rollout_temperature(pl_module))
+        return _unpack_scores(scores, batch).to(batch.rollout_logprobs.device)
+
+    def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        self._active = self.steps_seen % self.every_n_steps == 0
+        self.steps_seen += 1
+        self._before_lp = None
+        if self._active and self.before == "rescore":
+            self._before_lp = self.score(pl_module, batch)
+
+    def on_rl_update_end(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
+        if not self._active:
+            return
+        before = self._before_lp if self._before_lp is not None else batch.rollout_logprobs
+        after = self.score(pl_module, batch)
+        stats = F.update_direction_stats(before, after, batch.advantages, batch.response_mask)
+        n = stats["num_tokens"]
+        red = MetricReducer()
+        red.add_mean("update_direction/misaligned_frac", stats["misaligned_frac"], n)
+        red.add_mean("update_direction/unchanged_frac", stats["unchanged_frac"], n)
+        red.add_sum("update_direction/misaligned_count", round(stats["misaligned_frac"] * n))
+        red.add_sum("update_direction/num_tokens", n)
+        metrics = red.reduce(after.device)
+        self.misaligned_total += metrics["update_direction/misaligned_count"]
+        self.tokens_total += metrics["update_direction/num_tokens"]
+        self.last_metrics = metrics
+        self._before_lp = None
+        log_scalars(trainer, pl_module, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps_seen": self.steps_seen,
+            "misaligned_total": self.misaligned_total,
+            "tokens_total": self.tokens_total,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps_seen = int(state_dict["steps_seen"])
+        self.misaligned_total = float(state_dict["misaligned_total"])
+        self.tokens_total = float(state_dict["tokens_total"])

@@ -1,0 +1,662 @@
+"""RL callbacks as Lightning adapters: probes, corrections, guards, injection, aggregation, presets, logging, resume.
+
+The formulas themselves are covered by the functional tests; here: exact mode reports exactly zero mismatch and
+the corrections are exact no-ops, injected/native mismatch is seen and acted on, composition follows list order,
+empty masks do not crash, state survives checkpoints, values land in TensorBoard event files, and cross-rank
+aggregation divides global sums by global counts.
+
+Part 1 drives the callbacks with a scripted LightningModule (a real ``lightning.Trainer``; hand-built
+``RolloutBatch`` objects) that follows the protocol of ``rlexact.callbacks.base``. Part 2 (end to end) uses
+``rlexact.RLModule`` when it is available.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rlexact.batch import RolloutBatch
+from rlexact.callbacks import (
+    ExactnessError,
+    ExactnessGuard,
+    MetricReducer,
+    MismatchInjection,
+    MismatchProbe,
+    RejectionSampling,
+    RLCallback,
+    TruncatedIS,
+    UpdateDirectionProbe,
+    correction_callbacks,
+    functional,
+    gather_cat,
+    rl_callbacks,
+)
+from rlexact.callbacks._extra import first_bitwise_mismatch, perturb_logprobs
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "corrections"
+PRESETS = sorted(functional.PRESETS)
+
+
+# ------------------------------------------------------------------------------------------------- batch factory
+def make_batch(
+    seed: int = 0,
+    num_seqs: int = 6,
+    prompt_len: int = 3,
+    max_resp: int = 7,
+    mismatch: float = 0.0,
+) -> RolloutBatch:
+    """A packed batch of ``num_seqs`` sequences (prompt + response), random log-probs; trainer log-probs equal the
+    rollout ones bitwise when ``mismatch == 0`` (exact mode: the module sets old = rollout)."""
+    g = torch.Generator().manual_seed(seed)
+    resp_lens = torch.randint(2, max_resp + 1, (num_seqs,), generator=g)
+    lens = resp_lens + prompt_len
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    t = int(cu[-1])
+    ids = torch.randint(0, 50, (t,), generator=g)
+    pos = torch.cat([torch.arange(int(n)) for n in lens])
+    resp = pos >= prompt_len
+    rollout = torch.where(resp, -torch.rand(t, generator=g) * 3 - 0.01, 0.0)
+    trainer = rollout.clone()
+    if mismatch:
+        trainer = torch.where(resp, rollout + mismatch * torch.randn(t, generator=g), 0.0).clamp(max=0.0)
+    seq_adv = torch.randn(num_seqs, generator=g)
+    seq_adv[0] = 0.0
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs), lens)
+    adv = torch.where(resp, seq_adv[seq_ids], 0.0)
+    return RolloutBatch(
+        input_ids=ids,
+        position_ids=pos,
+        cu_seqlens=cu,
+        response_mask=resp,
+        rollout_logprobs=rollout,
+        old_logprobs=rollout.clone(),
+        advantages=adv,
+        token_weights=torch.ones(t),
+        loss_mask=resp.clone(),
+        rewards=torch.randn(num_seqs, generator=g),
+        group_ids=torch.arange(num_seqs) // 2,
+        seq_advantages=seq_adv,
+        trainer_logprobs=trainer,
+    )
+
+
+# ------------------------------------------------------------------------------------------ scripted RL module
+class ScriptedRLModule(pl.LightningModule):
+    """Follows the RL-callback protocol of ``rlexact.callbacks.base`` on hand-built batches.
+
+    The "policy" is one scalar ``shift``; the current log-probs of a mini-batch are ``old_logprobs + drift * k``
+    for the k-th mini-step, so ratios move away from 1 during the PPO epochs. Records what the loss would see.
+    """
+
+    def __init__(self, mismatch: float = 0.0, epochs: int = 2, mini_batches: int = 2, drift: float = 0.01) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.shift = torch.nn.Parameter(torch.zeros(()))
+        self.mismatch = mismatch
+        self.epochs = epochs
+        self.mini_batches = mini_batches
+        self.drift = drift
+        self.old_logprob_mode = "recompute"  # pi_old = the trainer's log-probs (== rollout ones when exact)
+        self.seen: list[dict] = []
+        self.skipped = 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch_idx_tensor, batch_idx):
+        batch = make_batch(seed=batch_idx, mismatch=self.mismatch)
+        callbacks = rl_callbacks(self.trainer)
+        if not any(cb.needs_trainer_logprobs for cb in callbacks):
+            batch.trainer_logprobs = None
+        for cb in callbacks:
+            cb.on_rl_batch(self.trainer, self, batch)
+        record = {"batch": batch, "minibatches": []}
+        opt = self.optimizers()
+        k = 0
+        for epoch in range(self.epochs):
+            chunks = torch.arange(batch.num_seqs).chunk(self.mini_batches)
+            for step, idx in enumerate(chunks):
+                mb = batch.select(idx)
+                logprobs = (mb.old_logprobs + self.drift * k * mb.response_mask).detach()
+                for cb in callbacks:
+                    cb.on_rl_minibatch(self.trainer, self, mb, logprobs, epoch, step)
+                record["minibatches"].append(mb)
+                k += 1
+                if not bool(mb.loss_mask.any()):
+                    warnings.warn("no token left in the loss; skipping the optimizer step", stacklevel=1)
+                    self.skipped += 1
+                    continue
+                opt.zero_grad()
+                loss = (self.shift - 1.0) ** 2 * (mb.token_weights * mb.loss_mask).sum()
+                self.manual_backward(loss)
+                opt.step()
+        for cb in callbacks:
+            cb.on_rl_update_end(self.trainer, self, batch)
+        self.seen.append(record)
+
+    def train_dataloader(self):
+        data = torch.arange(100).reshape(-1, 1)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=None)
+
+
+def fit(callbacks, tmp_path, steps=2, module=None, ckpt_path=None, logger=True, **kwargs):
+    module = module if module is not None else ScriptedRLModule()
+    trainer = pl.Trainer(
+        max_steps=-1,
+        limit_train_batches=steps,
+        max_epochs=1,
+        callbacks=callbacks,
+        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0) if logger else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def read_events(tmp_path) -> EventAccumulator:
+    acc = EventAccumulator(str(Path(tmp_path) / "tb" / "version_0"), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def all_probes():
+    return [TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False), ExactnessGuard()]
+
+
+# ===================================================================================== part 1: adapters (scripted)
+def test_exact_mode_reports_zero_and_corrections_are_noops(tmp_path):
+    probe, tis, rs = MismatchProbe(argmax=False), TruncatedIS(), RejectionSampling(threshold=0.0)
+    guard = ExactnessGuard()
+    trainer, module = fit([tis, rs, probe, guard], tmp_path)
+    m = probe.last_metrics
+    assert m["mismatch/bitwise_equal_frac"] == 1.0
+    for key in ("abs_diff_mean", "abs_diff_max", "prob_diff_max", "k1_mean", "k2_mean", "k3_mean", "chi2"):
+        assert m[f"mismatch/{key}"] == 0.0, key
+    assert m["mismatch/log_ppl_diff"] == 0.0
+    assert m["mismatch/num_tokens"] > 0
+    for rec in module.seen:
+        batch = rec["batch"]
+        assert torch.equal(batch.token_weights, torch.ones_like(batch.token_weights))
+        assert torch.equal(batch.loss_mask, batch.response_mask)
+    assert tis.last_metrics == {"tis/mean": 1.0, "tis/min": 1.0, "tis/max": 1.0, "tis/truncated_frac": 0.0}
+    assert rs.last_metrics["rejection/rejected_token_frac"] == 0.0
+    assert rs.last_metrics["rejection/rejected_seq_frac"] == 0.0
+    assert guard.checks_passed == 2
+    # first mini-step of each rollout step: pi_theta == pi_old^train == pi_old^rollout -> C == 0 on both sides
+    first = probe.last_minibatch_metrics[0]
+    for key in ("c_ppo_train_pos", "c_ppo_train_neg", "c_ppo_rollout_pos", "c_ppo_rollout_neg"):
+        assert first[key] == 0.0
+    # exact: trainer- and rollout-referenced contributions are identical at every mini-step
+    for mb in probe.last_minibatch_metrics:
+        assert mb["c_ppo_train_pos"] == mb["c_ppo_rollout_pos"] and mb["c_ppo_train_neg"] == mb["c_ppo_rollout_neg"]
+
+
+def test_injection_is_seen_by_probes_and_corrections_act(tmp_path):
+    inj = MismatchInjection(scale=0.3, seed=1)
+    tis = TruncatedIS(cap=1.2)
+    rs = RejectionSampling(granularity="sequence_sum", estimator="k3", threshold=0.001)
+    probe = MismatchProbe(argmax=False)
+    trainer, module = fit([inj, tis, rs, probe], tmp_path)
+    m = probe.last_metrics
+    assert m["mismatch/bitwise_equal_frac"] < 0.2
+    assert m["mismatch/abs_diff_mean"] > 0.05 and m["mismatch/abs_diff_max"] > m["mismatch/abs_diff_mean"]
+    assert m["mismatch/k3_mean"] > 0 and m["mismatch/k2_mean"] > 0 and m["mismatch/chi2"] != 0
+    batch = module.seen[-1]["batch"]
+    resp = batch.response_mask
+    assert not torch.equal(batch.token_weights[resp], torch.ones(int(resp.sum())))
+    assert bool(batch.token_weights.max() <= torch.tensor(1.2))
+    assert tis.last_metrics["tis/truncated_frac"] > 0
+    assert 0 < rs.last_metrics["rejection/rejected_seq_frac"] <= 1
+    assert rs.rejected_tokens_total > 0
+    # the contributions now differ between the trainer- and rollout-referenced ratios
+    mb = probe.last_minibatch_metrics[0]
+    assert mb["c_ppo_train_pos"] == 0.0 and mb["c_ppo_rollout_pos"] != 0.0
+
+
+def test_injection_in_exact_mode_perturbs_old_logprobs_only_when_they_are_rollout(tmp_path):
+    batch = make_batch()
+    clean = batch.rollout_logprobs.clone()
+    trainer_lp = batch.trainer_logprobs
+    for policy, follows in (("follow", True), ("keep", False), ("auto", True)):
+        b = make_batch()
+        MismatchInjection(scale=0.1, old_logprobs=policy).on_rl_batch(None, None, b)
+        assert torch.equal(b.old_logprobs, b.rollout_logprobs) is follows
+        assert torch.equal(b.trainer_logprobs, trainer_lp)  # trainer side never touched
+    b = make_batch()
+
+    class Recompute:
+        class algorithm:  # noqa: N801
+            old_logprob_mode = "recompute"
+
+    MismatchInjection(scale=0.1).on_rl_batch(None, Recompute(), b)
+    assert torch.equal(b.old_logprobs, clean) and not torch.equal(b.rollout_logprobs, clean)
+    # prompt tokens untouched, perturbed values stay log-probs
+    assert torch.equal(b.rollout_logprobs[~b.response_mask], clean[~b.response_mask])
+    assert float(b.rollout_logprobs.max()) <= 0.0
+
+
+def test_injection_is_deterministic_per_seed_and_step():
+    def run(seed, steps):
+        inj = MismatchInjection(scale=0.2, seed=seed)
+        outs = []
+        for _ in range(steps):
+            b = make_batch()
+            inj.on_rl_batch(None, None, b)
+            outs.append(b.rollout_logprobs)
+        return outs, inj
+
+    a, inj = run(0, 3)
+    b, _ = run(0, 3)
+    c, _ = run(1, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], a[1])
+    resumed = MismatchInjection(scale=0.2, seed=0)
+    resumed.load_state_dict(inj.state_dict() | {"rollout_step": 2})
+    bb = make_batch()
+    resumed.on_rl_batch(None, None, bb)
+    assert torch.equal(bb.rollout_logprobs, a[2])
+
+
+@pytest.mark.parametrize("target", ["logprobs", "logits"])
+def test_perturb_logprobs_targets(target):
+    lp = torch.tensor([0.0, -1e-6, -0.1, -0.7, -3.0, -20.0, -float("inf")])
+    mask = torch.ones(7, dtype=torch.bool)
+    noise = torch.full((7,), 0.5, dtype=torch.float64)
+    out = perturb_logprobs(lp, noise, mask, target)
+    assert out.dtype == lp.dtype and bool((out <= 0).all())
+    assert torch.equal(perturb_logprobs(lp, torch.zeros(7, dtype=torch.float64), mask, target), lp)
+    if target == "logits":
+        shift = (out - lp)[1:6]
+        assert out[0] == 0.0 and out[-1] == -float("inf")
+        assert bool((shift[1:] >= shift[:-1]).all())  # confident tokens move least
+        assert abs(float(shift[-1]) - 0.5) < 1e-6  # p -> 0: log-odds ~ log p
+    with pytest.raises(ValueError, match="target"):
+        perturb_logprobs(lp, noise, mask, "bad")
+
+
+def test_injection_must_come_first(tmp_path):
+    with pytest.raises(ValueError, match="MismatchInjection must come before"):
+        fit([MismatchProbe(argmax=False), MismatchInjection()], tmp_path, steps=1)
+
+
+def test_composition_tis_then_rejection_multiplies_and_ands(tmp_path):
+    """[inj, TIS(cap), TIS(cap2), RS] == functional.apply_correction on the same batch; weights multiply."""
+    inj = MismatchInjection(scale=0.3, seed=3)
+    tis1, tis2 = TruncatedIS(cap=1.5), TruncatedIS(level="sequence", cap=3.0, prefix="tis_seq")
+    rs = RejectionSampling(signal="corr", granularity="sequence_max", estimator="k2", threshold=0.02)
+    trainer, module = fit([inj, tis1, tis2, rs], tmp_path, steps=1)
+    batch = module.seen[0]["batch"]
+    log_r = batch.trainer_logprobs - batch.rollout_logprobs
+    w1, _ = functional.tis_weights(log_r, batch.cu_seqlens, batch.response_mask, level="token", cap=1.5)
+    w2, _ = functional.tis_weights(log_r, batch.cu_seqlens, batch.response_mask, level="sequence", cap=3.0)
+    assert torch.equal(batch.token_weights, w1 * w2)
+    _, keep, _ = functional.apply_correction(
+        None,
+        functional.RejectionSpec("corr", "sequence_max", "k2", 0.02),
+        rollout_logp=batch.rollout_logprobs,
+        old_logp=batch.trainer_logprobs,
+        cu_seqlens=batch.cu_seqlens,
+        mask=batch.response_mask,
+    )
+    assert torch.equal(batch.loss_mask, keep)
+    assert 0 < int(keep.sum()) < int(batch.response_mask.sum())
+    # the opposite order gives the same result (both read raw ratios and the raw response mask)
+    trainer2, module2 = fit(
+        [MismatchInjection(scale=0.3, seed=3), rs.__class__(**_rs_args(rs)), TruncatedIS(cap=1.5)],
+        tmp_path / "b",
+        steps=1,
+    )
+    b2 = module2.seen[0]["batch"]
+    assert torch.equal(b2.loss_mask, keep) and torch.equal(b2.token_weights, w1)
+
+
+def _rs_args(rs: RejectionSampling) -> dict:
+    s = rs.spec
+    return {"signal": s.signal, "granularity": s.granularity, "estimator": s.estimator, "threshold": s.threshold}
+
+
+def test_ppo_signal_rejection_acts_per_minibatch(tmp_path):
+    rs = RejectionSampling(signal="ppo", granularity="token", estimator="k3", threshold=1e-5)
+    module = ScriptedRLModule(epochs=2, mini_batches=2, drift=0.05)
+    assert rs.needs_trainer_logprobs is False
+    trainer, module = fit([rs], tmp_path, steps=1, module=module)
+    mbs = module.seen[0]["minibatches"]
+    # first mini-step: pi_theta == pi_old^rollout -> nothing rejected; later: drift > threshold -> all rejected
+    assert torch.equal(mbs[0].loss_mask, mbs[0].response_mask)
+    assert not bool(mbs[-1].loss_mask.any())
+    assert rs.last_minibatch_metrics[0]["rejection/rejected_token_frac"] == 0.0
+    assert rs.last_minibatch_metrics[-1]["rejection/rejected_token_frac"] == 1.0
+    assert rs.last_minibatch_metrics[-1]["rejection/empty_loss_frac"] == 1.0
+    assert 0 < rs.last_metrics["rejection/rejected_token_frac"] < 1
+    assert module.skipped == 3
+
+
+def test_all_rejected_step_is_skipped_without_crash(tmp_path):
+    inj = MismatchInjection(scale=0.5, seed=0)
+    rs = RejectionSampling(granularity="token", estimator="k2", threshold=0.0)
+    probe = MismatchProbe(argmax=False)
+    with pytest.warns(UserWarning, match="skipping"):
+        trainer, module = fit([inj, rs, probe], tmp_path, steps=2)
+    assert rs.last_metrics["rejection/rejected_token_frac"] == 1.0
+    assert rs.last_metrics["rejection/empty_loss_frac"] == 1.0
+    assert rs.empty_steps == 2
+    assert module.skipped == 2 * 2 * 2 and trainer.global_step == 0
+    assert float(module.shift) == 0.0
+
+
+def test_callbacks_survive_empty_batches():
+    """A rank can end up with no response tokens: every callback returns neutral values."""
+    b = make_batch(num_seqs=2)
+    b.response_mask = torch.zeros_like(b.response_mask)
+    b.loss_mask = torch.zeros_like(b.loss_mask)
+    for cb in [MismatchInjection(scale=0.2), TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False)]:
+        cb.on_rl_batch(None, None, b)
+        cb.on_rl_minibatch(None, None, b, b.old_logprobs, 0, 0)
+        cb.on_rl_update_end(None, None, b)
+    ExactnessGuard().on_rl_batch(None, None, b)
+    assert torch.equal(b.token_weights, torch.ones_like(b.token_weights))
+
+
+def test_missing_trainer_logprobs_is_a_clear_error():
+    b = make_batch()
+    b.trainer_logprobs = None
+    for cb in (TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False), ExactnessGuard()):
+        with pytest.raises(RuntimeError, match="needs batch.trainer_logprobs"):
+            cb.on_rl_batch(None, None, b)
+
+
+def test_exactness_guard_names_the_first_difference(tmp_path):
+    b = make_batch(num_seqs=4, prompt_len=3)
+    t = int(b.cu_seqlens[2]) + 3 + 1  # sequence 2, token position 4 = response token 1
+    b.trainer_logprobs = b.trainer_logprobs.clone()
+    b.trainer_logprobs[t] = torch.nextafter(b.trainer_logprobs[t], torch.tensor(0.0))  # one ulp
+    with pytest.raises(ExactnessError) as info:
+        ExactnessGuard().on_rl_batch(None, None, b)
+    err = info.value
+    assert (err.seq_index, err.position, err.response_position, err.num_mismatched) == (2, 4, 1, 1)
+    assert err.rollout_value == float(b.rollout_logprobs[t]) and err.trainer_value == float(b.trainer_logprobs[t])
+    msg = str(err)
+    assert "sequence 2" in msg and "token position 4" in msg and "response token 1" in msg
+    assert isinstance(err, RuntimeError)
+    # -0.0 vs 0.0 on a response token is a difference (bits, not values); on a prompt token it is ignored
+    b2 = make_batch()
+    b2.trainer_logprobs = b2.trainer_logprobs.clone()
+    b2.trainer_logprobs[0] = -0.0
+    ExactnessGuard().on_rl_batch(None, None, b2)
+    assert first_bitwise_mismatch(torch.tensor([0.0]), torch.tensor([-0.0]), torch.tensor([True])) == (1, 0)
+
+
+def test_exactness_guard_raises_under_injection_in_training(tmp_path):
+    with pytest.raises(ExactnessError, match=r"sequence \d+ of the batch, token position \d+"):
+        fit([MismatchInjection(scale=1e-3), ExactnessGuard()], tmp_path, steps=1)
+
+
+def test_exactness_guard_every_n_steps(tmp_path):
+    guard = ExactnessGuard(every_n_steps=2)
+    fit([guard], tmp_path, steps=3)
+    assert (guard.steps_seen, guard.checks_passed) == (3, 2)
+    with pytest.raises(ValueError):
+        ExactnessGuard(every_n_steps=0)
+
+
+# ------------------------------------------------------------------------------------- logging to TensorBoard
+def test_scalars_and_histograms_in_tensorboard_event_files(tmp_path):
+    inj = MismatchInjection(scale=0.2)
+    tis, rs, probe = TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False)
+    fit([inj, tis, rs, probe], tmp_path, steps=2)
+    acc = read_events(tmp_path)
+    scalars = set(acc.Tags()["scalars"])
+    expected = {
+        "mismatch/bitwise_equal_frac",
+        "mismatch/abs_diff_mean",
+        "mismatch/abs_diff_max",
+        "mismatch/prob_diff_max",
+        "mismatch/k1_mean",
+        "mismatch/k2_mean",
+        "mismatch/k3_mean",
+        "mismatch/chi2",
+        "mismatch/log_ppl_diff",
+        "mismatch/c_ppo_train_pos",
+        "mismatch/c_ppo_train_neg",
+        "mismatch/c_ppo_rollout_pos",
+        "mismatch/c_ppo_rollout_neg",
+        "tis/mean",
+        "tis/min",
+        "tis/max",
+        "tis/truncated_frac",
+        "rejection/rejected_token_frac",
+        "rejection/rejected_seq_frac",
+        "injection/abs_shift_mean",
+    }
+    assert expected <= scalars, expected - scalars
+    events = acc.Scalars("mismatch/abs_diff_mean")
+    assert [e.step for e in events] == [0, 1]
+    assert events[-1].value == pytest.approx(probe.last_metrics["mismatch/abs_diff_mean"], rel=1e-6)
+    hists = set(acc.Tags()["histograms"])
+    assert {"mismatch/delta_logp", "mismatch/r_corr", "mismatch/r_ppo_train", "mismatch/r_ppo_rollout"} <= hists
+    h = acc.Histograms("mismatch/delta_logp")
+    assert [e.step for e in h] == [0, 1]
+    assert h[-1].histogram_value.num == probe.last_metrics["mismatch/num_tokens"]  # raw, before masking
+    # r_ppo histograms hold every mini-step's ratios (2 epochs x all response tokens)
+    assert acc.Histograms("mismatch/r_ppo_rollout")[-1].histogram_value.num == 2 * h[-1].histogram_value.num
+
+
+def test_ministep_logging(tmp_path):
+    probe = MismatchProbe(argmax=False, log_ministeps=True, histograms=False)
+    fit([MismatchInjection(scale=0.2), probe], tmp_path, steps=1)
+    acc = read_events(tmp_path)
+    events = acc.Scalars("mismatch_ministep/c_ppo_rollout_neg")
+    assert [e.step for e in events] == [0, 1, 2, 3]
+    assert "mismatch/delta_logp" not in acc.Tags()["histograms"]
+
+
+# ---------------------------------------------------------------------------------------------- resumable state
+def test_state_dict_round_trip():
+    cbs = [MismatchInjection(scale=0.0), TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False)]
+    cbs += [ExactnessGuard()]
+    for _ in range(2):
+        b = make_batch(mismatch=0.0)
+        for cb in cbs:
+            cb.on_rl_batch(None, None, b)
+    for cb in cbs:
+        state = cb.state_dict()
+        fresh = type(cb)()
+        fresh.load_state_dict(state)
+        assert fresh.state_dict() == state and state, type(cb).__name__
+    keys = [cb.state_key for cb in [TruncatedIS(), TruncatedIS(prefix="x"), RejectionSampling()]]
+    assert len(set(keys)) == 3
+
+
+def test_lightning_resume_restores_callback_state(tmp_path):
+    def callbacks():
+        return [
+            MismatchInjection(scale=0.2, seed=5),
+            TruncatedIS(),
+            RejectionSampling(),
+            MismatchProbe(argmax=False),
+        ]
+
+    ckpt = tmp_path / "a.ckpt"
+
+    class SaveAfterSecondStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                trainer.save_checkpoint(ckpt)
+
+    first = callbacks()
+    fit([*first, SaveAfterSecondStep()], tmp_path / "a", steps=3)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert saved[first[0].state_key] == {"rollout_step": 2}
+
+    # uninterrupted 3-step run vs 2 steps + resume for the 3rd: same injection noise on step 3, same counters
+    full = callbacks()
+    _, m_full = fit(full, tmp_path / "full", steps=3)
+    resumed = callbacks()
+    _, m_res = fit(resumed, tmp_path / "res", steps=3, ckpt_path=str(ckpt))
+    assert len(m_res.seen) == 1
+    assert torch.equal(m_res.seen[0]["batch"].rollout_logprobs, m_full.seen[2]["batch"].rollout_logprobs)
+    for a, b in zip(full, resumed):
+        assert a.state_dict() == b.state_dict(), type(a).__name__
+
+
+# ------------------------------------------------------------------------------------------------------ presets
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_factory_matches_functional_presets(name):
+    tis_spec, rs_spec = functional.PRESETS[name]
+    cbs = correction_callbacks(name)
+    if tis_spec is None:
+        assert [type(c) for c in cbs] == [RejectionSampling]
+    else:
+        assert [type(c) for c in cbs] == [TruncatedIS, RejectionSampling]
+        assert cbs[0].spec == tis_spec
+    assert cbs[-1].spec == rs_spec
+    assert cbs[-1].spec.threshold == 0.001 and (tis_spec is None or tis_spec.cap == 2.0)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_yaml_matches_factory(name):
+    from lightning.pytorch.cli import instantiate_class
+
+    cfg = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    items = cfg["trainer"]["callbacks"]
+    cbs = [instantiate_class((), item) for item in items]
+    ref = correction_callbacks(name)
+    assert [type(c) for c in cbs] == [type(c) for c in ref]
+    assert [c.spec for c in cbs] == [c.spec for c in ref]
+
+
+def test_preset_yaml_parses_with_lightning_cli(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        ScriptedRLModule,
+        run=False,
+        args=["--config", str(CONFIGS / "tis-srs-k3-corr-ratio.yaml"), "--trainer.logger=false"],
+        save_config_callback=None,
+    )
+    got = [c for c in cli.trainer.callbacks if isinstance(c, RLCallback)]
+    assert [type(c) for c in got] == [TruncatedIS, RejectionSampling]
+    assert got[1].spec == functional.PRESETS["tis-srs-k3-corr-ratio"][1]
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown correction preset"):
+        correction_callbacks("nope")
+
+
+# -------------------------------------------------------------------------------------------------- aggregation
+def test_metric_reducer_single_process_is_exact():
+    red = MetricReducer()
+    red.add_mean("m", 0.1 + 0.2, 3)
+    red.add_mean("e", 0.5, 0, empty=1.0)
+    red.add_max("mx", None, empty=-1.0)
+    red.add_min("mn", 2.5)
+    red.add_sum("s", 7)
+    assert red.reduce() == {"m": 0.1 + 0.2, "e": 1.0, "s": 7.0, "mx": -1.0, "mn": 2.5}
+    assert torch.equal(gather_cat(torch.arange(3.0)), torch.arange(3.0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        red = MetricReducer()
+        # rank 0: 1 token with mean 1.0; rank 1: 3 tokens with mean 3.0 -> global mean 2.5 (not (1 + 3) / 2)
+        red.add_mean("mean", [1.0, 3.0][rank], [1, 3][rank])
+        red.add_mean("empty_on_0", [0.0, 4.0][rank], [0, 2][rank])
+        red.add_max("max", [5.0, None][rank])
+        red.add_min("min", [None, -2.0][rank], empty=9.0)
+        red.add_sum("sum", rank + 1)
+        values = red.reduce()
+        gathered = gather_cat(torch.arange(rank + 2, dtype=torch.float32) + 10 * rank)
+        # a whole callback: TIS on each rank's half; the reduced mean must equal the single-process mean
+        b = make_batch(seed=11, mismatch=0.2)
+        half = b.select(list(range(rank * 3, rank * 3 + 3)))
+        tis = TruncatedIS(cap=1.1)
+        tis.on_rl_batch(None, None, half)
+        probe = MismatchProbe(argmax=False)
+        probe.on_rl_batch(None, None, half)
+        torch.save({"values": values, "gathered": gathered, "tis": tis.last_metrics, "probe": probe.last_metrics}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_entry(rank: int, port: int, outs: list[str]) -> None:
+    _two_rank_worker(rank, port, outs[rank])
+
+
+def test_two_process_gloo_aggregation(tmp_path):
+    import torch.multiprocessing as mp
+
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    mp.start_processes(_spawn_entry, args=(_free_port(), outs), nprocs=2, join=True, start_method="fork")
+    res = [torch.load(o, weights_only=False) for o in outs]
+    for r in res:
+        v = r["values"]
+        assert v["mean"] == 2.5 and v["empty_on_0"] == 4.0 and v["max"] == 5.0 and v["min"] == -2.0
+        assert v["sum"] == 3.0
+        assert r["gathered"].tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
+    assert res[0]["tis"] == res[1]["tis"] and res[0]["probe"] == res[1]["probe"]
+    whole = make_batch(seed=11, mismatch=0.2)
+    tis = TruncatedIS(cap=1.1)
+    tis.on_rl_batch(None, None, whole)
+    probe = MismatchProbe(argmax=False)
+    probe.on_rl_batch(None, None, whole)
+    for key, value in tis.last_metrics.items():
+        assert res[0]["tis"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    for key, value in probe.last_metrics.items():
+        assert res[0]["probe"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert math.isfinite(res[0]["probe"]["mismatch/chi2"])
+
+
+def test_update_direction_probe_with_a_scripted_generator():
+    """after - before is +A-aligned on half the tokens and misaligned on the rest; scores in both layouts."""
+    b = make_batch(seed=4)
+    resp, adv = b.response_mask, b.advantages
+    active = resp & (adv != 0)
+    flip = torch.zeros_like(resp)
+    flip[torch.nonzero(active).squeeze(-1)[::2]] = True
+    after = b.rollout_logprobs + 0.01 * torch.sign(adv) * torch.where(flip, -1.0, 1.0)
+
+    class Gen:
+        def score(self, sequences, temperature):
+            cu = b.cu_seqlens.tolist()
+            return [after[s + 1 : e] for s, e in zip(cu[:-1], cu[1:])]
+
+    class Module:
+        generator = Gen()
+
+    probe = UpdateDirectionProbe()
+    probe.on_rl_batch(None, Module(), b)
+    probe.on_rl_update_end(None, Module(), b)
+    m = probe.last_metrics
+    assert m["update_direction/num_tokens"] == int(active.sum())
+    assert m["update_direction/misaligned_count"] == int(flip.sum())
+    assert m["update_direction/misaligned_frac"] == int(flip.sum()) / int(active.sum())
+    assert m["update_direction/unchanged_frac"] == 0.0
+    assert probe.state_dict()["tokens_total"] == int(active.sum())
