@@ -750,7 +750,9 @@ class RLModule(L.LightningModule):
                 else:
                     micro = mb.select([0])
                     micro.loss_mask = torch.zeros_like(micro.loss_mask)
-                lp, en = self._call_fsdp(self.model, lambda micro=micro: self._logprobs(self.model, micro, True))
+                lp, en = self._call_fsdp(
+                    self.model, lambda micro=micro: self._logprobs(self.model, micro, with_entropy=True)
+                )
             loss = self._micro_loss(micro, lp, en, local_tokens, local_seqs, stats)
             self.manual_backward(loss)
             loss_sum += float(loss.detach())
