@@ -1,0 +1,387 @@
+"""Rollout engine on CPU: exactness against the trainer path under batching, chunking, preemption and page order;
+keyed sampling; native negative control; weight sharing; scoring; bad inputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import rlexact
+from rlexact.rollout import Completion, Generator, GeneratorConfig, SamplingParams
+from rlexact.rollout import sampler as S
+from rlexact.rollout.distributed import gathered_parameters
+
+
+def make_model(
+    arch: str = "qwen3",
+    *,
+    dtype: torch.dtype = torch.float32,
+    vocab: int = 97,
+    hidden: int = 48,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    layers: int = 2,
+    max_pos: int = 256,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A tiny randomly initialized, exactified causal LM (no downloads)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden - 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+    )
+    cls, cfg = (Qwen3ForCausalLM, Qwen3Config) if arch == "qwen3" else (LlamaForCausalLM, LlamaConfig)
+    model = cls(cfg(**common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 2:
+                p.mul_(2.5)  # sharper distributions: sampled tokens differ from uniform noise
+    return rlexact.exactify(model.to(dtype).eval())
+
+
+def prompts_for(n: int, vocab: int, lo: int = 1, hi: int = 20, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_exact(model: torch.nn.Module, outs: list[Completion], temperature: float = 1.0) -> None:
+    """THE invariant: every reported log-prob equals the trainer path bitwise."""
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs], temperature)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.logprobs.dtype == torch.float32
+        assert o.logprobs.shape == (len(o.token_ids),) and len(o.token_ids) > 0
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :]), f"completion {i} log-probs differ from the trainer"
+
+
+@pytest.fixture(scope="module")
+def qwen() -> torch.nn.Module:
+    return make_model("qwen3", kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def llama_bf16() -> torch.nn.Module:
+    return make_model("llama", dtype=torch.bfloat16, vocab=61, hidden=64, kv_heads=1, seed=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# exactness
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_exact_batch_sizes_1_to_64(qwen):
+    """One call per batch size; mixed prompt lengths; every token's log-prob equals the trainer's."""
+    gen = Generator(qwen, block_size=8)
+    params = SamplingParams(max_new_tokens=5, seed=3)
+    all_outs = []
+    for size in (1, 2, 3, 7, 16, 33, 64):
+        outs = gen.generate(prompts_for(size, 97, seed=size), params)
+        assert len(outs) == size
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        all_outs += outs
+    assert_exact(qwen, all_outs)
+
+
+@pytest.mark.parametrize("budget", [4, 11, 29])
+def test_exact_chunked_prefill_bf16(llama_bf16, budget):
+    """Prompts split into chunks mixed with decodes in the same packed forward (Llama, bf16, MQA)."""
+    gen = Generator(llama_bf16, max_num_batched_tokens=budget, max_num_seqs=5, block_size=4)
+    prompts = prompts_for(7, 61, lo=5, hi=34, seed=budget)
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=5, seed=1, temperature=0.8))
+    assert gen.stats["steps"] > 5  # really chunked / interleaved
+    assert_exact(llama_bf16, outs, temperature=0.8)
+
+
+def test_chunk_size_does_not_change_results(qwen):
+    prompts = prompts_for(6, 97, lo=10, hi=30, seed=7)
+    params = SamplingParams(max_new_tokens=6, seed=11)
+    a = Generator(qwen, max_num_batched_tokens=5, block_size=4).generate(prompts, params)
+    b = Generator(qwen, chunked_prefill=False, block_size=16).generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and torch.equal(x.logprobs, y.logprobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_preemption_and_shuffled_pages(dtype):
+    """A KV budget small enough to force preemption + recompute, with shuffled free blocks (Qwen3, head_dim 64)."""
+    model = make_model("qwen3", dtype=dtype, hidden=64, heads=4, kv_heads=4, head_dim=64, seed=2)
+    prompts = prompts_for(7, 97, lo=4, hi=14, seed=5)
+    params = SamplingParams(max_new_tokens=8, seed=5, n=2)
+    gen = Generator(model, num_kv_blocks=10, block_size=4, max_num_batched_tokens=24, shuffle_blocks=True)
+    outs = gen.generate(prompts, params)
+    assert gen.stats["preemptions"] > 0
+    assert any(o.num_preemptions > 0 for o in outs)
+    assert_exact(model, outs)
+    # same samples without memory pressure, pages in order
+    roomy = Generator(model, block_size=4, max_num_batched_tokens=24).generate(prompts, params)
+    assert roomy and all(o.num_preemptions == 0 for o in roomy)
+    for x, y in zip(outs, roomy):
+        assert x.token_ids == y.token_ids and torch.equal(x.logprobs, y.logprobs)
+
+
+def test_score_equals_sequence_logprobs(qwen):
+    seqs = prompts_for(9, 97, lo=1, hi=45, seed=9)
+    gen = Generator(qwen, max_num_batched_tokens=7, block_size=4)
+    for temp in (1.0, 0.7):
+        got = gen.score(seqs, temperature=temp)
+        ref = rlexact.sequence_logprobs(qwen, seqs, temp)
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            assert g.dtype == torch.float32 and g.shape == r.shape
+            assert torch.equal(g, r)
+
+
+def test_top_k_top_p_report_full_softmax_logprobs(qwen):
+    prompts = prompts_for(5, 97, seed=12)
+    for top_k, top_p in ((5, 1.0), (0, 0.6), (7, 0.8)):
+        outs = Generator(qwen).generate(
+            prompts, SamplingParams(max_new_tokens=6, temperature=0.9, top_k=top_k, top_p=top_p, seed=2)
+        )
+        assert_exact(qwen, outs, temperature=0.9)
+
+
+def test_greedy(qwen):
+    prompts = prompts_for(4, 97, seed=13)
+    a = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))
+    b = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, seed=2))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert_exact(qwen, a, temperature=1.0)  # greedy reports temperature-1 log-probs
+    for o in a:  # every greedy token is the argmax of the trainer's distribution
+        for k, t in enumerate(o.token_ids):
+            prefix = o.prompt_token_ids + o.token_ids[:k]
+            alts = rlexact.sequence_logprobs(qwen, [prefix + [v] for v in range(97)])
+            best = torch.stack([x[-1] for x in alts]).argmax().item()
+            assert t == best
+            break
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# keyed sampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_request_alone_equals_request_in_batch(qwen):
+    """Same seed and request id: identical tokens and log-probs alone and inside a batch of 50 others."""
+    target = [5, 17, 3, 88, 41, 9]
+    others = prompts_for(50, 97, lo=1, hi=25, seed=21)
+    params = SamplingParams(max_new_tokens=8, seed=123, top_p=0.95)
+    alone = Generator(qwen).generate([target], params, request_ids=[777])[0]
+    batch = [*others[:20], target, *others[20:]]
+    rids = [1000 + i for i in range(20)] + [777] + [2000 + i for i in range(30)]
+    crowd = Generator(qwen, max_num_batched_tokens=200, block_size=4).generate(batch, params, request_ids=rids)
+    assert crowd[20].request_id == 777
+    assert crowd[20].token_ids == alone.token_ids
+    assert torch.equal(crowd[20].logprobs, alone.logprobs)
+
+
+def test_n_samples_prompt_major_and_distinct(qwen):
+    prompts = prompts_for(3, 97, seed=31)
+    outs = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=8, n=4, seed=0))
+    assert [o.prompt_index for o in outs] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [o.request_id for o in outs] == list(range(12))
+    assert all(o.prompt_token_ids == prompts[o.prompt_index] for o in outs)
+    assert len({tuple(o.token_ids) for o in outs[:4]}) > 1  # different request ids draw differently
+    again = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=8, n=4, seed=0))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    other_seed = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=8, n=4, seed=1))
+    assert [o.token_ids for o in other_seed] != [o.token_ids for o in outs]
+
+
+def test_keyed_gumbel_matches_softmax():
+    """Frequencies of keyed Gumbel-max draws over many positions match softmax(z); truncation restricts support."""
+    torch.manual_seed(0)
+    z = torch.randn(1, 7) * 1.5
+    n = 20000
+    pos = torch.arange(n)
+    rid = torch.full((n,), 3)
+    zz = z.expand(n, -1).contiguous()
+    toks = S._gumbel_argmax_torch(zz, None, 42, rid, pos)
+    freq = torch.bincount(toks, minlength=7).float() / n
+    p = torch.softmax(z[0], -1)
+    assert (freq - p).abs().max() < 0.015
+    thr = S.top_k_top_p_threshold(zz, 3, 1.0)
+    allowed = set(torch.topk(z[0], 3).indices.tolist())
+    assert set(S._gumbel_argmax_torch(zz, thr, 42, rid, pos).unique().tolist()) <= allowed
+    thr = S.top_k_top_p_threshold(zz, 0, 0.5)
+    order = torch.argsort(z[0], descending=True)
+    cum = torch.cumsum(p[order], 0)
+    keep = set(order[: int((cum - p[order] < 0.5).sum())].tolist())
+    assert set(S._gumbel_argmax_torch(zz, thr, 42, rid, pos).unique().tolist()) <= keep
+    # no overflow: extreme keys stay 32-bit
+    ka, kb = S.row_keys(2**64 - 1, torch.tensor([2**63 - 1, 0]), torch.tensor([2**62, 0]))
+    h = S.token_hash(ka, kb, 11)
+    assert int(h.min()) >= 0 and int(h.max()) < 2**32
+
+
+def test_triton_sampler_matches_torch_under_interpreter():
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from rlexact.rollout import sampler as S\n"
+        "from rlexact.rollout._sampler_triton import gumbel_argmax_triton\n"
+        "torch.manual_seed(0)\n"
+        "z = torch.randn(6, 3001) * 2\n"
+        "rid = torch.tensor([0, 1, 2, 2**40, 5, 6]); pos = torch.tensor([3, 4, 5, 6, 2**33, 0])\n"
+        "ka, kb = S.row_keys(9, rid, pos)\n"
+        "thr = S.top_k_top_p_threshold(z, 20, 0.9)\n"
+        "for t in (None, thr):\n"
+        "    assert torch.equal(gumbel_argmax_triton(z, t, ka, kb), S._gumbel_argmax_torch(z, t, 9, rid, pos))\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# negative control, weight sharing, stop tokens, FSDP hook
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_native_kernels_differ_from_trainer(qwen):
+    """Negative control: the stock-kernel path is not bitwise equal to the trainer path (so the tests can fail)."""
+    prompts = prompts_for(8, 97, lo=5, hi=30, seed=41)
+    outs = Generator(qwen, kernels="native", block_size=4).generate(prompts, SamplingParams(max_new_tokens=8, seed=4))
+    ref = rlexact.sequence_logprobs(qwen, [o.sequence for o in outs])
+    diffs = [(o.logprobs - r[-len(o.token_ids) :]).abs().max().item() for o, r in zip(outs, ref)]
+    assert max(diffs) > 0, "native path unexpectedly bitwise equal to the exact trainer path"
+    assert max(diffs) < 1e-3  # but it is the same model
+    assert rlexact.models.get_state(qwen).kernels == "exact"  # restored after the call
+    sc = Generator(qwen, kernels="native", max_num_batched_tokens=9).score([o.sequence for o in outs])
+    assert any(not torch.equal(a, b) for a, b in zip(sc, ref))
+
+
+def test_weight_update_is_seen_without_copy():
+    model = make_model("qwen3", kv_heads=1, seed=4)
+    gen = Generator(model, keep_kv_cache=True)
+    prompts = prompts_for(4, 97, seed=51)
+    params = SamplingParams(max_new_tokens=6, seed=8)
+    before = gen.generate(prompts, params)
+    assert_exact(model, before)
+    with torch.no_grad():  # simulate an optimizer step, in place
+        model.model.layers[0].mlp.up_proj.weight.add_(0.05 * torch.randn_like(model.model.layers[0].mlp.up_proj.weight))
+    after = gen.generate(prompts, params)
+    assert_exact(model, after)
+    assert any(a.token_ids != b.token_ids or not torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+    gen.release()
+
+
+def test_stop_tokens_and_ignore_eos(qwen):
+    prompts = prompts_for(4, 97, seed=61)
+    free = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=10, seed=2))
+    stop_tok = free[0].token_ids[3]
+    outs = Generator(qwen).generate(prompts, SamplingParams(max_new_tokens=10, seed=2, stop_token_ids=(stop_tok,)))
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == stop_tok
+    for o, f in zip(outs, free):
+        cut = f.token_ids.index(stop_tok) + 1 if stop_tok in f.token_ids else len(f.token_ids)
+        assert o.token_ids == f.token_ids[:cut]
+        assert o.finish_reason == ("stop" if stop_tok in f.token_ids else "length")
+    assert_exact(qwen, outs)
+    # EOS from the model config, and ignore_eos
+    qwen.generation_config.eos_token_id = stop_tok
+    try:
+        eos = Generator(qwen).generate(prompts[:1], SamplingParams(max_new_tokens=10, seed=2))
+        assert eos[0].finish_reason == "stop"
+        ign = Generator(qwen).generate(prompts[:1], SamplingParams(max_new_tokens=10, seed=2, ignore_eos=True))
+        assert ign[0].finish_reason == "length" and len(ign[0].token_ids) == 10
+    finally:
+        qwen.generation_config.eos_token_id = None
+
+
+def test_generator_exactifies_and_config(qwen):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=61, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    plain = Qwen3ForCausalLM(cfg).eval()
+    assert not rlexact.is_exactified(plain)
+    gen = Generator(plain, GeneratorConfig(block_size=4), max_num_seqs=3, progress=True)
+    assert rlexact.is_exactified(plain) and gen.model is plain
+    assert gen.config.block_size == 4 and gen.config.max_num_seqs == 3
+    outs = gen.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=3))
+    assert_exact(plain, outs)
+    assert gen.stats["generated_tokens"] == 6 and gen.stats["kv_blocks"] >= 1
+    assert GeneratorConfig(max_num_seqs=20).batch_buckets() == (1, 2, 4, 8, 16, 20)
+    assert GeneratorConfig(max_num_seqs=64).batch_buckets()[-3:] == (32, 48, 64)
+    for bad in (
+        dict(kernels="fast"),
+        dict(max_num_seqs=0),
+        dict(block_size=-1),
+        dict(max_num_batched_tokens=1.5),
+        dict(num_kv_blocks=0),
+        dict(kv_cache_memory_fraction=1.5),
+        dict(graph_batch_sizes=(0, 4)),
+    ):
+        with pytest.raises(ValueError):
+            GeneratorConfig(**bad)
+
+
+def test_gathered_parameters_is_noop_without_fsdp(qwen):
+    with gathered_parameters(qwen) as mods:
+        assert mods == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bad inputs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "gen_kwargs", "match"),
+    [
+        ([], {}, {}, "empty"),
+        ([[1, 2], []], {}, {}, r"prompt_token_ids\[1\] is empty"),
+        ([[1, 97]], {}, {}, "outside the vocabulary"),
+        ([[-1, 3]], {}, {}, "outside the vocabulary"),
+        ([[1] * 250], dict(max_new_tokens=10), {}, "exceeds the model context 256"),
+        ([[1] * 300], dict(max_new_tokens=1), {}, "exceeds the model context"),
+        ([[1] * 20], dict(max_new_tokens=20), dict(max_model_len=32), "exceeds the model context 32"),
+        ([[1] * 10], dict(max_new_tokens=8), dict(num_kv_blocks=3, block_size=4), r"KV cache too small.*needs 5"),
+        ([[1] * 10], dict(max_new_tokens=8), dict(kv_cache_tokens=8, block_size=4), "KV cache too small"),
+        ([[1] * 10], dict(max_new_tokens=8), dict(chunked_prefill=False, max_num_batched_tokens=8), "chunked"),
+    ],
+)
+def test_bad_inputs_raise_value_error(qwen, prompts, kwargs, gen_kwargs, match):
+    gen = Generator(qwen, **gen_kwargs)
+    with pytest.raises(ValueError, match=match):
+        gen.generate(prompts, SamplingParams(**kwargs))
+
+
+def test_bad_sampling_params_and_misc(qwen):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=-3)
+    for p in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=p)
+    gen = Generator(qwen)
+    with pytest.raises(ValueError, match="request_ids has 1 entries"):
+        gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), request_ids=[0])
+    with pytest.raises(ValueError, match="sequences is empty"):
+        gen.score([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.score([[0, 1000]])
+    with pytest.raises(ValueError, match="temperature"):
+        gen.score([[0, 1]], temperature=0.0)
+    # a length-1 sequence scores to an empty tensor, like sequence_logprobs
+    assert gen.score([[5]])[0].shape == (0,)
+    # the generator is still usable after errors
+    assert_exact(qwen, gen.generate([[1, 2]], SamplingParams(max_new_tokens=2)))
