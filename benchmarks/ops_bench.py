@@ -5,7 +5,8 @@
 Sections (each one is independent: a failure is recorded in the JSON and the run continues):
 
 * ``matmul``: :func:`rlexact.ops.matmul` vs ``torch.mm`` (cuBLAS), bf16, Qwen3-1.7B projection shapes, M = 1 .. 16384:
-  TFLOP/s of both and the ratio exact / native (> 1 means the exact kernel is faster).
+  TFLOP/s of both and the ratio native_ms / exact_ms (> 1 means the exact kernel is faster), eager (``do_bench``)
+  and as CUDA-graph replays (``graph_ratio``: GPU time without host launch overhead).
 * ``matmul_invariance``: the exact matmul's row computed at M = 1 vs the same row inside M = 4096 (``torch.equal``),
   and the same check for ``torch.mm`` (the negative control).
 * ``attention``: :func:`rlexact.ops.attention_varlen` (64 x 512 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA
@@ -50,6 +51,13 @@ def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def _bench_graph(fn, rep: int = 50) -> float:
+    """Median milliseconds of CUDA-graph replays (GPU time without Python/launch overhead)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
 def _versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("triton", "transformers"):
@@ -82,6 +90,12 @@ def bench_matmul(quick: bool) -> dict:
                     native_tflops=flop / t_native / 1e9,
                     ratio=t_native / t_exact,
                 )
+                try:  # GPU time without host launch overhead (CUDA-graph replay), as the rollout runs decode
+                    g_exact = _bench_graph(lambda x=x, w=w: matmul(x, w))
+                    g_native = _bench_graph(lambda x=x, w=w: torch.mm(x, w.T))
+                    entry.update(exact_graph_ms=g_exact, native_graph_ms=g_native, graph_ratio=g_native / g_exact)
+                except Exception as e:  # noqa: BLE001
+                    entry["graph_error"] = f"{type(e).__name__}: {e}"
                 try:
                     from rlexact.ops.triton_matmul import config_for
 
@@ -251,7 +265,9 @@ def bench_norm() -> dict:
 
 
 def _table(results: dict) -> str:
-    lines = ["section            case                          exact      native     ratio(native/exact)"]
+    lines = [
+        "section            case                          exact      native     ratio(native/exact)  [graph ratio]"
+    ]
     for name, rows in results.get("matmul", {}).items():
         if not isinstance(rows, list):
             continue
@@ -261,7 +277,7 @@ def _table(results: dict) -> str:
             else:
                 lines.append(
                     f"matmul             {name:6s} M={r['M']:<6d}  {r['exact_tflops']:8.1f}TF "
-                    f"{r['native_tflops']:8.1f}TF  {r['ratio']:6.2f}"
+                    f"{r['native_tflops']:8.1f}TF  {r['ratio']:6.2f}  [{r.get('graph_ratio', float('nan')):5.2f}]"
                 )
     for sec in ("attention", "logprob", "norm"):
         for case, r in results.get(sec, {}).items():

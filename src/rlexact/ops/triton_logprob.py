@@ -64,7 +64,7 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
         else:
             es = torch.empty((), dtype=dtype).element_size()
             tma = major >= 9 and TensorDescriptor is not None and _HAS_WS and (H * es) % 16 == 0
-            bm, bv, bk, warps, stages = 128, 128, 64, 8, 3
+            bm, bv, bk, warps, stages = 128, 128, 64, 8, 4
     chunks = triton.cdiv(V, bv)
     vs = triton.cdiv(chunks, target) * bv
     return HeadConfig(bm, bv, bk, vs, warps, stages, tma)
