@@ -261,11 +261,15 @@ def section_forward() -> None:
     check_correctness([7, 20], 2, 2, 24)  # head_dim not a power of two
     check_correctness([70], 2, 1, 16)
     check_public_api(LENS, 4, 2, 16)
+    # bf16 through the interpreter (dots upcast in-kernel; P and dS still rounded to bf16 as on the GPU)
+    check_correctness(LENS, 4, 2, 16, dtype=torch.bfloat16)
+    check_exactness(LENS, 4, 2, 16, dtype=torch.bfloat16, chunks=(7,), block_sizes=(4,))
 
 
 def section_exact() -> None:
-    for hq, hkv in ((2, 2), (4, 2), (4, 1)):
-        check_exactness(LENS, hq, hkv, 16)
+    check_exactness(LENS, 4, 2, 16)  # GQA 2: chunks 3/7/16, block sizes 4/16, full prefill, decode
+    for hq, hkv in ((2, 2), (4, 1)):  # GQA 1 and 4: a lighter matrix
+        check_exactness(LENS, hq, hkv, 16, chunks=(7,), block_sizes=(4,))
     check_exactness([3, 33], 4, 2, 64, chunks=(5,), block_sizes=(16,))
     check_batch_invariance(LENS, 4, 2, 16)
     diffs = check_negative_control(LENS, 4, 2, 16)
@@ -277,16 +281,132 @@ def section_backward() -> None:
         check_backward(LENS, hq, hkv, 16)
     check_backward([9, 33], 2, 1, 64)
     check_backward([70, 3], 2, 2, 24)
+    check_backward(LENS, 4, 2, 16, dtype=torch.bfloat16)
 
 
 SECTIONS = {"forward": section_forward, "exact": section_exact, "backward": section_backward}
 
 
 def main(argv: list[str]) -> int:
-    for name in argv or list(SECTIONS):
+    for name in argv or ["forward", "exact", "backward"]:
         SECTIONS[name]()
         print(f"{name}: ok")
     return 0
+
+
+QWEN3_SHAPE = (16, 8, 128)
+
+
+def _bench_prefill(b: int, n: int, dtype: torch.dtype, backward: bool = True) -> str:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    hq, hkv, d = QWEN3_SHAPE
+    scale = d**-0.5
+    q, k, v, cu = make_inputs([n] * b, hq, hkv, d, dtype, "cuda")
+    qd, kd, vd = (x.view(b, n, -1, d).transpose(1, 2) for x in (q, k, v))
+    kd, vd = (x.repeat_interleave(hq // hkv, dim=1).contiguous() for x in (kd, vd))
+    qd = qd.contiguous()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        t_ref = do_bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
+    t_ours = do_bench(lambda: ta.attention_varlen(q, k, v, cu, scale))
+    line = f"prefill B={b} L={n}: ours {t_ours:.3f} ms, sdpa-flash {t_ref:.3f} ms, sdpa/ours {t_ref / t_ours:.2f}"
+    if backward:
+        do = torch.randn_like(q)
+        qd.requires_grad_(True)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o_ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+            dod = torch.randn_like(o_ref)
+            t_ref_b = do_bench(lambda: torch.autograd.grad(o_ref, qd, dod, retain_graph=True))
+        t_ours_b = do_bench(lambda: ta.attention_varlen_backward(do, q, k, v, cu, scale))
+        line += f" | bwd(+fwd recompute) ours {t_ours_b:.3f} ms, sdpa-flash bwd {t_ref_b:.3f} ms, "
+        line += f"sdpa/ours {t_ref_b / t_ours_b:.2f}"
+    return line
+
+
+def _bench_decode(b: int, ctx: int, dtype: torch.dtype, page: int = 16) -> str:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    hq, hkv, d = QWEN3_SHAPE
+    scale = d**-0.5
+    lens = [ctx] * b
+    _, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, "cuda")
+    cache = PagedCache(lens, hkv, d, dtype, "cuda", page)
+    starts = cu.tolist()
+    for i in range(b):
+        cache.write(i, 0, k[starts[i] : starts[i + 1]], v[starts[i] : starts[i + 1]])
+    qdec = torch.randn(b, hq, d, dtype=dtype, device="cuda")
+    cuq = _cu([1] * b, "cuda")
+    seqk = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    t_ours = do_bench(lambda: ta.attention_paged(qdec, cache.k, cache.v, cache.block_tables, cuq, seqk, scale))
+    kd, vd = (x.view(b, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    qd = qdec.view(b, hq, 1, d)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        t_ref = do_bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+    return (
+        f"decode B={b} ctx={ctx} page={page}: ours(paged) {t_ours * 1e3:.1f} us, "
+        f"sdpa-flash(dense) {t_ref * 1e3:.1f} us, "
+        f"sdpa/ours {t_ref / t_ours:.2f}"
+    )
+
+
+def bench(dtype: torch.dtype = torch.bfloat16) -> None:
+    """GPU timing vs SDPA (flash) at Qwen3-1.7B shapes: ``python tests/_interp_attention.py bench``."""
+    print(f"config {ta._fwd_config(QWEN3_SHAPE[2], dtype)} bwd {ta._bwd_config(QWEN3_SHAPE[2], dtype)}")
+    for b, n in ((1, 8192), (4, 4096), (16, 1024), (64, 256)):
+        print(_bench_prefill(b, n, dtype), flush=True)
+    for b, ctx in ((64, 512), (128, 512), (256, 512), (256, 2048)):
+        print(_bench_decode(b, ctx, dtype), flush=True)
+
+
+def tune() -> None:
+    """Forward timings of candidate (BLOCK_M, BLOCK_N, warps, stages) for head_dim 128 bf16."""
+    orig = ta._fwd_config
+    cands = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 3)]
+    try:
+        for bm, bn, w, st in cands:
+            ta._fwd_config = lambda _d, _t, c=(bm, bn, w, st): dict(
+                zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c)
+            )
+            print((bm, bn, w, st), _bench_prefill(4, 4096, torch.bfloat16, backward=False), flush=True)
+            print((bm, bn, w, st), _bench_decode(256, 512, torch.bfloat16), flush=True)
+    finally:
+        ta._fwd_config = orig
+
+
+def tune_bwd() -> None:
+    """Backward timings of candidate (dkdv, dq) tiles for head_dim 128 bf16."""
+    orig = ta._bwd_config
+    cands = [
+        ((64, 64, 4, 2), (64, 64, 4, 2)),
+        ((64, 64, 4, 3), (64, 64, 4, 3)),
+        ((32, 64, 4, 2), (64, 64, 4, 2)),
+        ((64, 64, 8, 2), (128, 64, 8, 2)),
+        ((64, 64, 4, 2), (128, 32, 8, 2)),
+        ((64, 64, 4, 2), (64, 32, 4, 2)),
+        ((128, 64, 8, 2), (128, 64, 8, 3)),
+    ]
+    try:
+        for dkdv, dq in cands:
+            ta._bwd_config = lambda _d, _t, c=(dkdv, dq): {"dkdv": c[0], "dq": c[1]}
+            print(dkdv, dq, _bench_prefill(4, 4096, torch.bfloat16), flush=True)
+            print(dkdv, dq, _bench_prefill(16, 1024, torch.bfloat16), flush=True)
+    finally:
+        ta._bwd_config = orig
+
+
+def bench_pages() -> None:
+    for page in (16, 64, 256):
+        print(_bench_decode(256, 512, torch.bfloat16, page), flush=True)
+
+
+SECTIONS["bench_pages"] = bench_pages
+SECTIONS["bench"] = bench
+SECTIONS["tune_bwd"] = tune_bwd
+SECTIONS["tune"] = tune
 
 
 if __name__ == "__main__":

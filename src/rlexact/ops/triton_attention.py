@@ -70,14 +70,16 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
 
 
-def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Backward tile shape (not part of the exactness contract, but also fixed per ``(head_dim, dtype)``)."""
+def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int, int]]:
+    """Backward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the dK/dV and dQ kernels, per ``(head_dim,
+    dtype)``. Not part of the exactness contract (backward only has to be deterministic and correct)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    if block_d <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return {"dkdv": (32, 32, 4, 1), "dq": (32, 32, 4, 1)}
+    if block_d > 128:
+        return {"dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+    # measured on an H200 (head_dim 128, bf16): 64x64 tiles, 4 warps, 2 stages beat 32x128 / 128x64 / 8 warps
+    return {"dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
 
 
 def _heads_per_tile(hq: int, hkv: int, block_m: int) -> int:
@@ -113,6 +115,7 @@ def _attn_fwd_kernel(
     V,
     Out,
     LSE,
+    DELTA,
     cu_q,
     seqlens_k,
     block_tables,
@@ -137,7 +140,7 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    BWD_PREP: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
@@ -217,10 +220,15 @@ def _attn_fwd_kernel(
 
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if STORE_LSE:
-        lse = m_i + tl.math.log2(l_i)  # base-2 log-sum-exp of the scaled scores
-        tl.store(LSE + (q_begin + qi).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if BWD_PREP:
+        # backward preprocessing: Out holds dO; store the base-2 log-sum-exp and delta = rowsum(dO * O) (fp32 O)
+        do = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        lrow = (q_begin + qi).to(tl.int64) * stride_lt + head * stride_lh
+        tl.store(LSE + lrow, m_i + tl.math.log2(l_i), mask=row_ok)
+        tl.store(DELTA + lrow, tl.sum(out * do, 1), mask=row_ok)
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -260,6 +268,8 @@ def _attn_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
 ):
+    """dK, dV of one key tile (``BLOCK_N`` keys) of one KV head; loops over the group's query heads, then over query
+    chunks of ``BLOCK_M`` in ascending order. Works in the transposed frame (``[keys, queries]``)."""
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     b, tile = _locate_tile(cu, num_seqs, slot, BLOCK_N, SCAN)
@@ -282,44 +292,48 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     offs_m = tl.arange(0, BLOCK_M)
     first = (tile * BLOCK_N) // BLOCK_M
-    n_q_tiles = tl.cdiv(length, BLOCK_M)
+    n_chunks = tl.cdiv(length, BLOCK_M)
     for hh in range(0, GROUP):
         head = kvh * GROUP + hh
-        for i in range(first, n_q_tiles):
+        for i in range(first, n_chunks):
             qpos = i * BLOCK_M + offs_m
             q_ok = qpos < length
             qrow = (begin + qpos).to(tl.int64)
-            qm = q_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + qrow[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qm, other=0.0)
-            do = tl.load(DO + qrow[:, None] * stride_dot + head * stride_doh + offs_d[None, :], mask=qm, other=0.0)
+            qt_mask = d_ok[:, None] & q_ok[None, :]
+            qT = tl.load(Q + qrow[None, :] * stride_qt + head * stride_qh + offs_d[:, None], mask=qt_mask, other=0.0)
+            do = tl.load(
+                DO + qrow[:, None] * stride_dot + head * stride_doh + offs_d[None, :],
+                mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             lse = tl.load(LSE + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
             delta = tl.load(DELTA + qrow * stride_lt + head * stride_lh, mask=q_ok, other=0.0)
             if UPCAST:
-                q = q.to(tl.float32)
+                qT = qT.to(tl.float32)
                 do = do.to(tl.float32)
             if FP32_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                sT = tl.dot(k, qT, input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
-            visible = (kpos[None, :] <= qpos[:, None]) & q_ok[:, None] & k_ok[None, :]
-            p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+                sT = tl.dot(k, qT)
+            visible = (kpos[:, None] <= qpos[None, :]) & q_ok[None, :]
+            pT = tl.where(visible, tl.math.exp2(sT * qk_scale - lse[None, :]), 0.0)
             if FP32_DOT:
-                dv = tl.dot(tl.trans(p), do, dv, input_precision="ieee")
-                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                dv = tl.dot(pT, do, dv, input_precision="ieee")
+                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
             else:
-                pd = p.to(DO.dtype.element_ty)
+                p16 = pT.to(DO.dtype.element_ty)
                 if UPCAST:
-                    pd = pd.to(tl.float32)
-                dv = tl.dot(tl.trans(pd), do, dv)
-                dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+                    p16 = p16.to(tl.float32)
+                dv = tl.dot(p16, do, dv)
+                dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])
             if FP32_DOT:
-                dk = tl.dot(tl.trans(ds), q, dk, input_precision="ieee")
+                dk = tl.dot(dsT, tl.trans(qT), dk, input_precision="ieee")
             else:
-                dsq = ds.to(Q.dtype.element_ty)
+                ds16 = dsT.to(Q.dtype.element_ty)
                 if UPCAST:
-                    dsq = dsq.to(tl.float32)
-                dk = tl.dot(tl.trans(dsq), q, dk)
+                    ds16 = ds16.to(tl.float32)
+                dk = tl.dot(ds16, tl.trans(qT), dk)
     dk = dk * sm_scale
     tl.store(
         DK + krow[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask
@@ -363,6 +377,7 @@ def _attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
 ):
+    """dQ of one query tile (``BLOCK_M`` queries) of one query head; loops over key chunks of ``BLOCK_N``."""
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
@@ -391,28 +406,28 @@ def _attn_bwd_dq_kernel(
         kpos = j * BLOCK_N + offs_n
         k_ok = kpos < length
         krow = (begin + kpos).to(tl.int64)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        kt_mask = d_ok[:, None] & k_ok[None, :]
+        kT = tl.load(K + krow[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=kt_mask, other=0.0)
+        vT = tl.load(V + krow[None, :] * stride_vt + kvh * stride_vh + offs_d[:, None], mask=kt_mask, other=0.0)
         if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            kT = kT.to(tl.float32)
+            vT = vT.to(tl.float32)
         if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            s = tl.dot(q, kT, input_precision="ieee")
+            dp = tl.dot(do, vT, input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
-        visible = (kpos[None, :] <= qpos[:, None]) & q_ok[:, None] & k_ok[None, :]
+            s = tl.dot(q, kT)
+            dp = tl.dot(do, vT)
+        visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
         p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
         if FP32_DOT:
-            dq = tl.dot(ds, k, dq, input_precision="ieee")
+            dq = tl.dot(ds, tl.trans(kT), dq, input_precision="ieee")
         else:
-            dsk = ds.to(K.dtype.element_ty)
+            ds16 = ds.to(K.dtype.element_ty)
             if UPCAST:
-                dsk = dsk.to(tl.float32)
-            dq = tl.dot(dsk, k, dq)
+                ds16 = ds16.to(tl.float32)
+            dq = tl.dot(ds16, tl.trans(kT), dq)
     dq = dq * sm_scale
     tl.store(DQ + qrow[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qm)
 
@@ -447,9 +462,14 @@ def _forward(
     block_tables: torch.Tensor | None,
     scale: float,
     out: torch.Tensor,
-    lse: torch.Tensor | None,
+    lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged)."""
+    """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
+
+    With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
+    dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead.
+    """
+    lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
     hkv = k.shape[-2]
     num_seqs = cu_q.shape[0] - 1
@@ -478,6 +498,7 @@ def _forward(
         v,
         out,
         lse if lse is not None else out,
+        delta if delta is not None else out,
         cu_q,
         seqlens_k if seqlens_k is not None else cu_q,
         block_tables if block_tables is not None else cu_q,
@@ -502,7 +523,7 @@ def _forward(
         GROUP=hq // hkv,
         PAGED=paged,
         PAGE_SIZE=page_size,
-        STORE_LSE=lse is not None,
+        BWD_PREP=lse is not None,
         SCAN=_SCAN,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -526,7 +547,7 @@ def attention_varlen(
     if k.shape[0] != q.shape[0]:
         raise ValueError("attention_varlen: q and k must have the same number of tokens")
     out = torch.empty_like(q)
-    _forward(q, k, v, _as_int32(cu_seqlens, q.device), None, None, float(scale), out, None)
+    _forward(q, k, v, _as_int32(cu_seqlens, q.device), None, None, float(scale), out)
     return out
 
 
@@ -559,7 +580,6 @@ def attention_paged(
         block_tables.to(device=dev, dtype=torch.int32),
         float(scale),
         out,
-        None,
     )
     return out
 
@@ -569,8 +589,8 @@ def attention_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Deterministic gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (no atomics, fixed loop orders).
 
-    Recomputes the forward (fp32 output and base-2 log-sum-exp) with the exact forward kernel, then runs a dK/dV
-    kernel (per key tile; query heads of the group and query tiles in ascending order) and a dQ kernel.
+    Reruns the forward kernel to get the base-2 log-sum-exp and ``delta = rowsum(dO * O)`` (O in fp32), then a dK/dV
+    kernel (per key tile; query heads of the group, then query chunks, in ascending order) and a dQ kernel.
     """
     _check_inputs(q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -582,30 +602,22 @@ def attention_varlen_backward(
     if t == 0 or num_seqs <= 0:
         return dq, dk, dv
     cu = _as_int32(cu_seqlens, q.device)
-    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
-    _forward(q, k, v, cu, None, None, float(scale), o, lse)
-    delta = (o * do.float()).sum(-1)  # [T, Hq] fp32: rowsum(dO * O)
+    delta = torch.empty_like(lse)
+    _forward(q, k, v, cu, None, None, float(scale), do, (lse, delta))
     cfg = _bwd_config(d, q.dtype)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    common = {
-        "HEAD_DIM": d,
-        "BLOCK_D": max(16, triton.next_power_of_2(d)),
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
-        "GROUP": hq // hkv,
-        "SCAN": _SCAN,
-        "num_warps": cfg["num_warps"],
-        "num_stages": cfg["num_stages"],
-        **_dtype_flags(q.dtype),
-    }
+    common = {"HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "GROUP": hq // hkv, "SCAN": _SCAN}
+    common.update(_dtype_flags(q.dtype))
     qk_scale = float(scale) * _LOG2E
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())
+    bm, bn, warps, stages = cfg["dkdv"]
     _attn_bwd_dkdv_kernel[(t // bn + num_seqs, hkv)](
         q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, *strides, *dk.stride()[:2],
-        *dv.stride()[:2], **common,
+        *dv.stride()[:2], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
+    bm, bn, warps, stages = cfg["dq"]
     _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
-        q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], **common,
+        q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], BLOCK_M=bm,
+        BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
     return dq, dk, dv
