@@ -1,0 +1,194 @@
+"""The ``rlexact`` LightningCLI: the paper recipes parse (nothing loaded), unknown keys and bad values error, a
+placeholder model path errors clearly, and a tiny end-to-end ``fit`` / ``validate`` with class_path callbacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlexact.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = ["grpo_qwen3_1p7b.yaml", "reinforce_qwen3_1p7b.yaml"]
+
+
+def print_config(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *args, "--print_config"])
+    assert exc.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipes_parse(recipe: str, capsys: pytest.CaptureFixture) -> None:
+    cfg = print_config(capsys, "--config", str(CONFIGS / recipe))
+    init = cfg["model"]["init_args"]
+    assert cfg["model"]["class_path"] == "rlexact.module.RLModule"
+    assert init["model_path"] == "/path/to/Qwen3-1.7B"
+    assert init["rollout"]["n"] == 8 and init["rollout"]["max_new_tokens"] == 8192
+    assert init["optim"]["lr"] == 1e-6 and init["optim"]["betas"] == [0.9, 0.95]
+    assert cfg["data"]["init_args"]["batch_size"] == 64
+    assert cfg["trainer"]["strategy"]["init_args"]["tensor_parallel_size"] == 1
+    algo = init["algorithm"]
+    if recipe.startswith("grpo"):
+        assert algo["objective"] == "grpo" and algo["estimator"] == "grpo"
+        assert (algo["clip_low"], algo["clip_high"]) == (0.2, 0.28)
+        assert algo["loss_agg_mode"] == "seq-mean-token-sum-norm"
+        assert algo["mini_batch_size"] == 16 * 8  # 16 prompts x 8 samples, in sequences
+    else:
+        assert algo["objective"] == "reinforce" and algo["estimator"] == "reinforce"
+        assert algo["ppo_epochs"] == 1 and algo["mini_batch_size"] is None
+    # the nested values build valid config dataclasses
+    from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+
+    AlgorithmConfig(**algo)
+    RolloutConfig(**init["rollout"])
+    OptimConfig(**{**init["optim"], "betas": tuple(init["optim"]["betas"])})
+
+
+def test_cli_override(capsys: pytest.CaptureFixture) -> None:
+    cfg = print_config(
+        capsys,
+        "--config",
+        str(CONFIGS / RECIPES[0]),
+        "--model.init_args.algorithm.old_logprob_mode",
+        "recompute",
+        "--model.init_args.rollout.kernels",
+        "native",
+    )
+    assert cfg["model"]["init_args"]["algorithm"]["old_logprob_mode"] == "recompute"
+    assert cfg["model"]["init_args"]["rollout"]["kernels"] == "native"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model.init_args.algorithm.bogus", "1"],
+        ["--model.init_args.no_such_arg", "1"],
+        ["--trainer.no_such_arg", "1"],
+        ["--model.init_args.algorithm.old_logprob_mode", "fast"],
+        ["--model.init_args.algorithm.loss_agg_mode", "sum"],
+    ],
+)
+def test_unknown_key_or_bad_value_errors(args: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(CONFIGS / RECIPES[0]), *args, "--print_config"])
+    assert exc.value.code not in (0, None)
+
+
+def test_unknown_key_in_yaml_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = yaml.safe_load((CONFIGS / RECIPES[0]).read_text())
+    cfg["model"]["init_args"]["algorithm"]["clip_hgih"] = 0.3
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exc.value.code not in (0, None)
+    assert "clip_hgih" in capsys.readouterr().err
+
+
+def test_placeholder_model_path_errors_clearly() -> None:
+    with pytest.raises(Exception) as exc:  # noqa: PT011 - jsonargparse wraps the module's FileNotFoundError
+        main(["--config", str(CONFIGS / RECIPES[0]), "--trainer.accelerator", "cpu"], run=False)
+    chain, e = [], exc.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(isinstance(x, FileNotFoundError) and "set model.init_args.model_path" in str(x) for x in chain), [
+        type(x).__name__ for x in chain
+    ]
+
+
+def test_console_script_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from rlexact.cli import main; main()", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0
+    assert "fit" in proc.stdout and "validate" in proc.stdout
+    assert "predict" not in proc.stdout.split("Available subcommands", 1)[-1][:400]
+
+
+def tiny_yaml(tmp_path: Path) -> Path:
+    from rlexact.demo.task import make_dataset, write_jsonl
+    from rlexact.demo.tokenizer import build_char_tokenizer
+
+    write_jsonl(tmp_path / "train.jsonl", make_dataset(8, seed=0, max_operand=9))
+    write_jsonl(tmp_path / "val.jsonl", make_dataset(4, seed=1, max_operand=9))
+    vocab = len(build_char_tokenizer())
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "limit_val_batches": 1,
+            "callbacks": [
+                {"class_path": "rlexact.callbacks.MismatchProbe", "init_args": {"argmax": False, "histograms": False}},
+                {"class_path": "rlexact.callbacks.ExactnessGuard"},
+            ],
+        },
+        "model": {
+            "class_path": "rlexact.module.RLModule",
+            "init_args": {
+                "model_config": {
+                    "model_type": "qwen3",
+                    "vocab_size": vocab,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "head_dim": 16,
+                    "max_position_embeddings": 32,
+                },
+                "tokenizer": "demo-char",
+                "reward": "arithmetic",
+                "reward_kwargs": {"partial_credit": True},
+                "rollout": {"n": 2, "max_new_tokens": 4},
+                "algorithm": {"objective": "grpo", "clip_high": 0.28},
+                "optim": {"lr": 1e-3},
+            },
+        },
+        "data": {
+            "class_path": "rlexact.data.PromptDataModule",
+            "init_args": {
+                "path": str(tmp_path / "train.jsonl"),
+                "tokenizer": "demo-char",
+                "batch_size": 2,
+                "val_path": str(tmp_path / "val.jsonl"),
+            },
+        },
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_tiny_fit_and_validate(tmp_path: Path) -> None:
+    path = tiny_yaml(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = main(["fit", "--config", str(path)])
+    trainer, module = cli.trainer, cli.model
+    assert module.rollout_step == 2 and trainer.global_step == 2
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["mismatch/bitwise_equal_frac"] == 1.0  # exact rollout, seen by a class_path callback
+    assert metrics["clipfrac"] == 0.0
+    assert (tmp_path / "tiny.yaml").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = main(["validate", "--config", str(path)])
+    assert "val/reward" in cli.trainer.callback_metrics
