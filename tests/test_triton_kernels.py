@@ -261,17 +261,20 @@ def test_gpu_token_logprobs_invariant(dtype: torch.dtype) -> None:
 @gpu
 @pytest.mark.gpu
 def test_gpu_logprob_negative_control() -> None:
-    """The materialized torch path (cuBLAS bf16 + log_softmax) is not batch-invariant for the lm head."""
-    h, v = 2048, 151936
-    hid, w, tgt = _head_inputs(8, h, v, torch.bfloat16, 10)
+    """The materialized torch path (cuBLAS bf16 + log_softmax) is not batch-invariant for some lm-head shape.
 
-    def native(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    (On an H200 cuBLAS happened to be row-invariant for H=2048, V=151936 at M <= 2048; a long-K head is not.)
+    """
+
+    def native(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((x @ w.T).float(), -1).gather(1, t[:, None]).squeeze(1)
 
-    singles = torch.cat([native(hid[i : i + 1], tgt[i : i + 1]) for i in range(8)])
     differs = False
-    for m in (8, 64, 512, 2048):
-        hb, _, tb = _head_inputs(m, h, v, torch.bfloat16, 11 + m)
-        hb[:8], tb[:8] = hid, tgt
-        differs |= not torch.equal(native(hb, tb)[:8], singles)
-    assert differs
+    for h, v in ((2048, 151936), (6144, 2048)):
+        hid, w, tgt = _head_inputs(8, h, v, torch.bfloat16, 10)
+        singles = torch.cat([native(hid[i : i + 1], w, tgt[i : i + 1]) for i in range(8)])
+        for m in (8, 64, 512, 4096):
+            hb, _, tb = _head_inputs(m, h, v, torch.bfloat16, 11 + m)
+            hb[:8], tb[:8] = hid, tgt
+            differs |= not torch.equal(native(hb, w, tb)[:8], singles)
+    assert differs, "negative control: the native lm head was batch-invariant for every shape and M tried"
