@@ -115,7 +115,7 @@ def fit(module: RLModule, steps: int, callbacks: list | None = None, data: DataL
     rec = Recorder()
     trainer = L.Trainer(
         max_steps=steps,
-        accelerator="cpu",
+        accelerator=kw.pop("accelerator", "cpu"),
         logger=False,
         enable_checkpointing=kw.pop("enable_checkpointing", False),
         enable_progress_bar=False,
@@ -135,12 +135,15 @@ def fit(module: RLModule, steps: int, callbacks: list | None = None, data: DataL
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exact_mode_first_ministep_ratio_is_one(dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "precision"), [("float32", "32-true"), ("bfloat16", "32-true"), ("float32", "bf16-true")]
+)
+def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> None:
     module = make_module(dtype, algorithm={"old_logprob_mode": "exact", "clip_low": 0.2, "clip_high": 0.28})
     probe = Inspect()
-    trainer, rec = fit(module, 2, [probe])
-    assert module.model.dtype == getattr(torch, dtype)
+    trainer, rec = fit(module, 2, [probe], precision=precision)
+    assert module.model.dtype == (torch.bfloat16 if precision == "bf16-true" else getattr(torch, dtype))
+    assert module.model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE tables stay fp32
     assert probe.trainer_eq_rollout == [True, True]  # trainer forward == rollout, bitwise
     assert probe.first_eq_old == [True, True]  # train-mode forward with grad == pi_old (the rollout), bitwise
     assert probe.first_ratio_one_all == [True, True]
@@ -534,3 +537,59 @@ def test_validation_between_training_steps() -> None:
         trainer.fit(module, loader(), val_dataloaders=loader(2))
     assert module.rollout_step == 2 and trainer.global_step == 2
     assert "val/reward" in trainer.callback_metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU (skipped without CUDA): the same invariants through the Triton kernels, single device and FSDP2 (1 rank)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def gpu_config() -> dict:
+    return {
+        **tiny_config(max_pos=128),
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setup", ["bf16", "fsdp-bf16-mixed"])
+def test_gpu_exact_first_ministep(setup: str) -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    kw: dict = {"accelerator": "gpu", "devices": 1}
+    if setup == "fsdp-bf16-mixed":
+        module = make_module(
+            "float32",
+            model_config=gpu_config(),
+            rollout={"n": 4, "max_new_tokens": 24},
+            fsdp={"param_dtype": "bfloat16"},
+            algorithm={"micro_batch_size": 3},
+        )
+        kw["strategy"] = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    else:
+        module = make_module("bfloat16", model_config=gpu_config(), rollout={"n": 4, "max_new_tokens": 24})
+    probe = Inspect()
+    _, rec = fit(module, 3, [probe], data=loader(8, 4), **kw)
+    assert probe.trainer_eq_rollout == [True] * 3
+    assert probe.first_eq_old == [True] * 3
+    for m in rec.steps:
+        assert m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0 and m["clipfrac"] == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_native_recompute_is_not_exact() -> None:
+    module = make_module(
+        "bfloat16",
+        model_config=gpu_config(),
+        rollout={"kernels": "native", "n": 4, "max_new_tokens": 24},
+        algorithm={"old_logprob_mode": "recompute"},
+    )
+    probe = Inspect()
+    fit(module, 2, [probe], data=loader(8, 4), accelerator="gpu", devices=1)
+    assert probe.trainer_eq_rollout == [False, False]
+    assert probe.first_eq_old == [True, True]
+    assert probe.first_eq_rollout == [False, False]

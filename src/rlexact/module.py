@@ -36,11 +36,12 @@ whitening uses the global batch statistics (an all-reduce of three scalars).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal
 
@@ -287,18 +288,20 @@ class RLModule(L.LightningModule):
             )
         return self.__dict__["_generator"]
 
-    def _restore_fp32_rope(self) -> None:
-        """Keep the rotary ``inv_freq`` fp32 when a ``*-true`` trainer precision cast the module's buffers."""
-        if self.model is None:
+    def _restore_fp32_rope(self, model: nn.Module | None = None) -> None:
+        """Keep the rotary ``inv_freq`` fp32 when a ``*-true`` trainer precision (``module.to(dtype)``) cast the
+        model's buffers; the exact kernels' RoPE tables are rebuilt from it."""
+        model = self.model if model is None else model
+        if model is None:
             return
         changed = False
-        for name, m in self.model.named_modules():
+        for name, m in model.named_modules():
             saved = self._rope_fp32.get(name)
             buf = getattr(m, "inv_freq", None)
             if saved is not None and isinstance(buf, torch.Tensor) and buf.dtype != torch.float32:
                 m.inv_freq = saved.to(buf.device)
                 changed = True
-        state = get_state(self.model)
+        state = get_state(model)
         if changed and state is not None:
             state.rope_tables.clear()
 
@@ -315,7 +318,9 @@ class RLModule(L.LightningModule):
         self._check_precision()
         self._restore_fp32_rope()
         if self.ref_model is not None and not is_fsdp(self.ref_model):
-            self.ref_model.to(self.device)
+            dtype = next(self.model.parameters()).dtype  # follow a `*-true` precision conversion of the policy
+            self.ref_model.to(device=self.device, dtype=dtype)
+            self._restore_fp32_rope(self.ref_model)
 
     def on_validation_start(self) -> None:
         self._restore_fp32_rope()
@@ -559,6 +564,11 @@ class RLModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------------------------
 
     def training_step(self, batch: list[dict], batch_idx: int = 0) -> None:
+        """One rollout step (see the module docstring). Returns None (manual optimization)."""
+        with _default_dtype(torch.float32):
+            self._training_step(batch)
+
+    def _training_step(self, batch: list[dict]) -> None:
         items = batch
         prompts = self._check_prompts(items)
         n = self.rollout_cfg.n
@@ -646,8 +656,6 @@ class RLModule(L.LightningModule):
         return getattr(type(cb), hook, None) is not getattr(RLCallback, hook)
 
     def _gathered_if(self, callbacks: list[RLCallback], hook: str):
-        import contextlib
-
         if is_fsdp(self.model) and any(self._overrides(cb, hook) for cb in callbacks):
             return gathered_params(self.model)
         return contextlib.nullcontext()
@@ -862,6 +870,10 @@ class RLModule(L.LightningModule):
 
     def validation_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One sample per prompt at the rollout temperature; logs ``val/reward`` (epoch mean) and response length."""
+        with _default_dtype(torch.float32):
+            self._validation_step(batch)
+
+    def _validation_step(self, batch: list[dict]) -> None:
         prompts = self._check_prompts(batch)
         params = self.sampling_params(n=1)
         completions = self.generate(prompts, params)
@@ -880,6 +892,18 @@ class RLModule(L.LightningModule):
         self.log(
             "val/response_length", lengths.mean(), on_step=False, on_epoch=True, batch_size=len(batch), sync_dist=sync
         )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run with ``dtype`` as torch's default dtype. Lightning's ``*-true`` precisions set the default dtype to the
+    half type during the step; the rollout, the kernels and the loss bookkeeping allocate fp32 tensors by default."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class _Stats:
