@@ -316,26 +316,25 @@ class ModelRunner:
 
     def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
         run = self._graph_fn(gs, bucket, kv_len)
+        dev = self.device
+        prev_stream = torch.cuda.current_stream(dev)
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(prev_stream)
             with torch.cuda.stream(side):
                 run()  # warm-up: compiles kernels, fills caches outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            prev_stream.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=gs.pool):
                 run()
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(dev)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception:  # noqa: BLE001
-                pass
-            reason = f"{type(exc).__name__}: {exc}".strip()[:2000]
+            _recover_from_failed_capture(dev, prev_stream)
+            reason = _describe_capture_failure(exc)
             self.stats["cuda_graphs_disabled"] = reason
             self.use_graphs = False
             warnings.warn(
-                f"rlexact Generator: CUDA-graph capture failed, running decode eagerly ({reason.splitlines()[0]})",
+                f"rlexact Generator: CUDA-graph capture failed, running decode eagerly: {reason}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -415,3 +414,45 @@ class ModelRunner:
             assert seq.score_logprobs is not None
             seq.score_logprobs[p_rows[start] : p_rows[end - 1] + 1] = logp[start:end]
             start = end
+
+
+def _describe_capture_failure(exc: BaseException) -> str:
+    """The root cause of a failed capture: the first exception of the chain (usually a host sync such as
+    ``.item()`` inside the captured step) and the innermost frame of the model/kernel code that raised it."""
+    import traceback
+
+    chain = [exc]
+    while chain[-1].__context__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__context__)
+    root = chain[-1]
+    frames = traceback.extract_tb(root.__traceback__)
+    where = ""
+    for fr in reversed(frames):
+        if "rlexact" in fr.filename or "transformers" in fr.filename:
+            where = f" at {fr.filename}:{fr.lineno} ({fr.name}: {(fr.line or '').strip()})"
+            break
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    return f"{type(root).__name__}: {first_line}{where}"
+
+
+def _recover_from_failed_capture(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Undo what a failed ``torch.cuda.graph`` capture leaves behind.
+
+    ``CUDAGraph.capture_end`` raises before it restores the caller's stream and before the CUDA generator leaves
+    capture mode, after which any RNG use fails ("Offset increment outside graph capture"). Restore the stream and
+    run one trivial capture (its prologue/epilogue reset the generator state).
+    """
+    torch.cuda.set_stream(stream)
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        probe = torch.zeros(1, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            probe.add_(1)
+        torch.cuda.synchronize(device)
+        del graph
+    except Exception:  # noqa: BLE001
+        torch.cuda.set_stream(stream)

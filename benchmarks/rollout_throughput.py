@@ -1,0 +1,245 @@
+"""Rollout throughput: rlexact exact vs native vs transformers ``generate`` on one randomly initialized model.
+
+Default: a Qwen3-1.7B-shaped bf16 model (random weights), batches 64 and 256, 128 random prompt tokens, 256 new
+tokens, EOS ignored, sampling at temperature 1 (no top-k/top-p). Every section is timed after a short warm-up call
+(Triton JIT, cuBLAS handles); a failing section is recorded and the others still run. Writes
+``benchmarks/results/rollout_h200.json`` with the command, hardware, versions, date, tokens/s per engine and batch,
+ratios exact/native and exact/hf_generate, generator stats, and an exactness spot check.
+
+    python benchmarks/rollout_throughput.py                 # the H200 benchmark (~4-6 min)
+    python benchmarks/rollout_throughput.py --tiny          # CPU smoke run with a tiny config (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import rlexact  # noqa: E402
+from rlexact.rollout import Generator, SamplingParams  # noqa: E402
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if args.tiny:
+        cfg = Qwen3Config(
+            vocab_size=1003, hidden_size=64, intermediate_size=160, num_hidden_layers=args.layers or 2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+    else:
+        cfg = Qwen3Config(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers or 28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+            tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_rlexact(model, kernels: str, prompts, args, device) -> tuple[dict, list]:
+    gen = Generator(
+        model,
+        kernels=kernels,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=max(8192, 2 * len(prompts)),
+        cuda_graphs=not args.no_graphs,
+    )
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    warm = SamplingParams(max_new_tokens=min(8, args.new_tokens), temperature=1.0, seed=1, ignore_eos=True)
+    gen.generate(prompts, warm)
+    sync(device)
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, params)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    stats = {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}, outs
+
+
+def run_hf(model, prompts, args, device) -> dict:
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    kw = dict(
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    rlexact.exactify(model, enabled=False)  # the stock transformers model (sdpa), same weights
+    try:
+        with torch.no_grad():
+            warm = min(8, args.new_tokens)
+            model.generate(ids, max_new_tokens=warm, min_new_tokens=warm, **kw)
+            sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kw)
+            sync(device)
+            elapsed = time.perf_counter() - t0
+    finally:
+        rlexact.exactify(model)
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def spot_check(model, outs, k: int = 4) -> dict:
+    sub = outs[:k]
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in sub])
+    diffs = [(o.logprobs - r[-len(o.token_ids) :].cpu()).abs().max().item() for o, r in zip(sub, ref)]
+    equal = [torch.equal(o.logprobs, r[-len(o.token_ids) :].cpu()) for o, r in zip(sub, ref)]
+    return {"completions": len(sub), "all_bitwise_equal": all(equal), "max_abs_diff": max(diffs)}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"unavailable: {exc}"
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 64 256; tiny: 4 16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens per sequence (default 256)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
+    ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
+    ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
+    ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
+    ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
+    ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
+    args = ap.parse_args()
+    args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
+    args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
+    out_path = (
+        Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / ("rollout_tiny.json" if args.tiny else "rollout_h200.json")
+    )
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result: dict = {
+        "benchmark": "rollout_throughput",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": versions(),
+        "setup": {
+            "model": "tiny Qwen3" if args.tiny else "Qwen3-1.7B shape (random init)",
+            "dtype": str(dtype).replace("torch.", ""),
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "batches": args.batches,
+            "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
+            "cuda_graphs": not args.no_graphs,
+        },
+        "results": {},
+        "errors": {},
+    }
+    if args.note:
+        result["note"] = args.note
+    t_start = time.perf_counter()
+    try:
+        model = build_model(args, device, dtype)
+        result["setup"]["layers"] = model.config.num_hidden_layers
+        result["setup"]["params"] = sum(p.numel() for p in model.parameters())
+        rlexact.exactify(model)
+    except Exception:  # noqa: BLE001
+        result["errors"]["build_model"] = traceback.format_exc()
+        write(out_path, result)
+        return 1
+
+    vocab = model.config.vocab_size
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=g).tolist()
+        res: dict = {}
+        result["results"][str(batch)] = res
+        exact_outs = native_outs = None
+        for engine in args.engines:
+            key = f"{engine}@{batch}"
+            print(f"[rollout_throughput] {key} ...", flush=True)
+            try:
+                if engine in ("exact", "native"):
+                    r, outs = run_rlexact(model, engine, prompts, args, device)
+                    if engine == "exact":
+                        exact_outs = outs
+                    else:
+                        native_outs = outs
+                else:
+                    r = run_hf(model, prompts, args, device)
+                res[engine] = r
+                print(f"[rollout_throughput] {key}: {r['tokens_per_s']:,.0f} tok/s ({r['seconds']:.2f} s)", flush=True)
+            except Exception:  # noqa: BLE001
+                result["errors"][key] = traceback.format_exc()
+                print(f"[rollout_throughput] {key} FAILED\n{result['errors'][key]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        tps = {k: v["tokens_per_s"] for k, v in res.items()}
+        if "exact" in tps and "native" in tps:
+            res["ratio_exact_over_native"] = tps["exact"] / tps["native"]
+        if "exact" in tps and "hf_generate" in tps:
+            res["ratio_exact_over_hf_generate"] = tps["exact"] / tps["hf_generate"]
+        for name, outs in (("exactness_spot_check", exact_outs), ("native_spot_check", native_outs)):
+            if outs is None:
+                continue
+            try:
+                res[name] = spot_check(model, outs)
+            except Exception:  # noqa: BLE001
+                result["errors"][f"{name}@{batch}"] = traceback.format_exc()
+        write(out_path, result)  # partial results survive a later crash
+    result["total_seconds"] = time.perf_counter() - t_start
+    write(out_path, result)
+    summary = {
+        b: {k: (v.get("tokens_per_s", v) if isinstance(v, dict) else v) for k, v in r.items()}
+        for b, r in result["results"].items()
+    }
+    print(json.dumps(summary, indent=1, default=str))
+    return 0 if not result["errors"] else 1
+
+
+def write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if os.environ.get("OUT"):
+        try:
+            (Path(os.environ["OUT"]) / path.name).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
