@@ -23,7 +23,8 @@ One ``training_step`` is one *rollout step* (manual optimization):
 7. ``on_rl_update_end`` hooks.
 
 Counters: Lightning's ``global_step`` counts **optimizer steps** (``ppo_epochs x mini-batches`` per rollout step, or
-fewer when mini-steps are skipped), so ``Trainer(max_steps=...)`` bounds optimizer steps. :attr:`RLModule.rollout_step`
+fewer when mini-steps are skipped), so ``Trainer(max_steps=...)`` bounds optimizer steps (checked after each
+rollout step, so the last rollout step may overshoot by up to its mini-steps minus one). :attr:`RLModule.rollout_step`
 counts rollout steps (training_step calls); it is logged as ``rollout_step``, saved in checkpoints, and seeds the
 sampler and the mini-batch shuffle, so a resumed run continues the same sequence. LR schedulers step once per
 optimizer step.
@@ -31,7 +32,11 @@ optimizer step.
 Data parallelism (FSDP2 via ``ModelParallelStrategy``): every rank generates for its own shard of the prompts (the
 DataLoader is sharded by rank), with its own sampler seed. All ``n`` samples of a prompt stay on the rank that holds
 the prompt, so GRPO/RLOO groups are never split across ranks and group advantages are computed locally; REINFORCE
-whitening uses the global batch statistics (an all-reduce of three scalars).
+whitening uses the global batch statistics (an all-reduce of a few scalars). The loss is aggregated per rank and FSDP
+averages gradients over ranks. Rollout and no-grad scoring run with every parameter gathered once (ranks decode
+different numbers of steps); ranks may keep different numbers of sequences (dynamic sampling), so the number of
+mini- and micro-batches is padded to the maximum over ranks with no-loss placeholder batches, keeping FSDP's
+collectives aligned. Exactness holds per rank: FSDP all-gathers whole parameters, nothing is reduced inside a forward.
 """
 
 from __future__ import annotations
