@@ -128,6 +128,7 @@ def tiny_yaml(tmp_path: Path) -> Path:
         "trainer": {
             "accelerator": "cpu",
             "devices": 1,
+            "default_root_dir": str(tmp_path),  # LightningCLI saves config.yaml there
             "max_steps": 2,
             "logger": False,
             "enable_checkpointing": False,
@@ -187,7 +188,7 @@ def test_tiny_fit_and_validate(tmp_path: Path) -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["mismatch/bitwise_equal_frac"] == 1.0  # exact rollout, seen by a class_path callback
     assert metrics["clipfrac"] == 0.0
-    assert (tmp_path / "tiny.yaml").exists()
+    assert (tmp_path / "config.yaml").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cli = main(["validate", "--config", str(path)])
