@@ -105,3 +105,43 @@ def test_gpu_negative_control(checks, dtype) -> None:
 @pytest.mark.parametrize("shape", [QWEN3, (8, 2, 64)], ids=str)
 def test_gpu_backward(checks, dtype, shape) -> None:
     checks.check_backward(GPU_LENS, *shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_decode(checks) -> None:
+    """attention_paged needs no host sync: it captures into a CUDA graph, and replays track in-place input updates."""
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    lens = [100, 200, 37, 1]
+    q, k, v, cu = checks.make_inputs(lens, hq, hkv, d, torch.bfloat16, "cuda")
+    cache = checks.PagedCache(lens, hkv, d, torch.bfloat16, "cuda", 16)
+    starts = cu.tolist()
+    for b in range(len(lens)):
+        cache.write(b, 0, k[starts[b] : starts[b + 1]], v[starts[b] : starts[b + 1]])
+    full = ta.attention_varlen(q, k, v, cu, d**-0.5)
+    last = torch.tensor(starts[1:], device="cuda") - 1
+    qd = q[last].clone()
+    cuq = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    seqk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def step():
+        return ta.attention_paged(qd, cache.k, cache.v, cache.block_tables, cuq, seqk, d**-0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    assert torch.equal(out, full[last])
+    # one step earlier for every sequence (length >= 2), updated in place
+    earlier = torch.tensor([n - 2 if n > 1 else 0 for n in lens], device="cuda") + cu[:-1].long()
+    qd.copy_(q[earlier])
+    seqk.copy_(torch.tensor([max(n - 1, 1) for n in lens], dtype=torch.int32, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, full[earlier])

@@ -108,7 +108,7 @@ def _locate_tile(cu_ptr, num_seqs, slot, TILE: tl.constexpr, SCAN: tl.constexpr)
     return b, tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _attn_fwd_kernel(
     Q,
     K,
