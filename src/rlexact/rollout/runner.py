@@ -14,6 +14,7 @@ captures forward + lm head + sampler, so a replay has no host synchronization un
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -111,6 +112,9 @@ class GraphState:
 class ModelRunner:
     """Executes scheduled steps of one generate/score call."""
 
+    REUSE_STEPS = 8
+    """Decode steps a larger captured graph is replayed (padded) before a graph for a smaller bucket is captured."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -134,11 +138,14 @@ class ModelRunner:
         self.stats.setdefault("eager_steps", 0)
         self.stats.setdefault("graph_captures", 0)
         self.stats.setdefault("cuda_graphs_disabled", None)
+        for key in ("graph_s", "eager_s", "capture_s"):
+            self.stats.setdefault(key, 0.0)
         self._pin = self.device.type == "cuda"
         self.buckets = config.batch_buckets()
         self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
+        self._reuse_count: dict[tuple[int, int | None], int] = {}
 
     # ---------------------------------------------------------------------------------------------------------------
     # helpers
@@ -217,11 +224,21 @@ class ModelRunner:
         return forward_hidden(self.model, d["ids"], d["pos"], meta)
 
     def step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
-        """Run one generation step; advance ``num_computed``; return ``(seq, token, logprob)`` for sampled rows."""
+        """Run one generation step; advance ``num_computed``; return ``(seq, token, logprob)`` for sampled rows.
+
+        Wall time (the step ends with a device-to-host read, so it includes the device work) is added to
+        ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
+        t0 = time.perf_counter()
         if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
             out = self._graph_decode(batch)
             if out is not None:
+                self.stats["graph_s"] += time.perf_counter() - t0
                 return out
+        out = self._eager_step(batch)
+        self.stats["eager_s"] += time.perf_counter() - t0
+        return out
+
+    def _eager_step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
         inp = self._prepare(batch)
         hidden = self._eager_forward(inp)
         sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.tokens)]
@@ -284,13 +301,35 @@ class ModelRunner:
         return gs
 
     def _kv_bucket(self, width_used: int) -> int | None:
-        """Native mode pads decode keys to a static length: the next power of two of blocks (capped at the width)."""
+        """Native mode pads decode keys to a static length (graphs are keyed by it): ``width_used`` blocks rounded
+        up to the next of 1, 2, 3, 4, 6, 8, 12, 16, ... blocks (at most 50% padding, logarithmically many graphs),
+        capped at the block-table width. Exact mode: ``None`` (the kernel reads exactly ``seqlens_k`` keys)."""
         if not self.native:
             return None
         nblk = 1
         while nblk < width_used:
-            nblk *= 2
+            half = nblk + nblk // 2
+            nblk = half if nblk >= 2 and half >= width_used else 2 * nblk
         return min(nblk, self.bm.width) * self.cache.block_size
+
+    def _pick_graph(self, gs: GraphState, b: int, kv_len: int | None) -> tuple[int, torch.cuda.CUDAGraph | None]:
+        """The bucket to replay for ``b`` rows. Prefer the smallest bucket that fits; while it is not captured yet,
+        replay an already captured larger one (padding) for up to ``REUSE_STEPS`` steps before paying a capture —
+        a shrinking tail batch would otherwise capture a new graph for every one or two steps."""
+        bucket = next(x for x in self.buckets if x >= b)
+        graph = gs.graphs.get((bucket, kv_len))
+        if graph is not None:
+            return bucket, graph
+        larger = [x for x in self.buckets if x > bucket and (x, kv_len) in gs.graphs]
+        if larger:
+            waited = self._reuse_count.get((bucket, kv_len), 0)
+            if waited < self.REUSE_STEPS:
+                self._reuse_count[(bucket, kv_len)] = waited + 1
+                return larger[0], gs.graphs[(larger[0], kv_len)]
+        graph = self._capture(gs, bucket, kv_len)
+        if graph is not None:
+            gs.graphs[(bucket, kv_len)] = graph
+        return bucket, graph
 
     def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None):
         ids, pos, slots, rid = gs.ints[0, :bucket], gs.ints[1, :bucket], gs.ints[2, :bucket], gs.ints[4, :bucket]
@@ -315,6 +354,13 @@ class ModelRunner:
         return run
 
     def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
+        t0 = time.perf_counter()
+        try:
+            return self._capture_inner(gs, bucket, kv_len)
+        finally:
+            self.stats["capture_s"] += time.perf_counter() - t0
+
+    def _capture_inner(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
         run = self._graph_fn(gs, bucket, kv_len)
         dev = self.device
         prev_stream = torch.cuda.current_stream(dev)
@@ -345,18 +391,13 @@ class ModelRunner:
     def _graph_decode(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]] | None:
         seqs = batch.seqs
         b = len(seqs)
-        bucket = next(x for x in self.buckets if x >= b)
         gs = self._ensure_graph_state()
         bs = self.cache.block_size
         bt, width_used = self._block_tables(seqs)
         kv_len = self._kv_bucket(width_used)
-        key = (bucket, kv_len)
-        graph = gs.graphs.get(key)
+        bucket, graph = self._pick_graph(gs, b, kv_len)
         if graph is None:
-            graph = self._capture(gs, bucket, kv_len)
-            if graph is None:
-                return None
-            gs.graphs[key] = graph
+            return None
         pos = torch.tensor([s.num_computed for s in seqs], dtype=torch.long)
         ints = torch.empty((5, b), dtype=torch.long)
         ints[0] = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)
