@@ -11,9 +11,10 @@ as a ``trainer_logprobs`` that *is* ``rollout_logprobs``, keep the clean values)
 - ``batch.rollout_logprobs`` on response tokens (the "engine" side of the mismatch);
 - ``batch.old_logprobs`` the same way **when pi_old is the rollout log-prob**, i.e. ``old_logprob_mode`` ``"exact"``
   or ``"bypass"`` (an engine that reports perturbed numbers would hand those to the loss); in ``"recompute"`` mode
-  pi_old is the trainer's and stays clean. The mode is read from ``pl_module.algorithm.old_logprob_mode`` (or
-  ``pl_module.old_logprob_mode``); if the module does not say, ``old_logprobs="auto"`` lets pi_old follow when it
-  was bitwise equal to the clean rollout log-probs. Force either with ``old_logprobs="follow"`` / ``"keep"``.
+  pi_old is the trainer's and stays clean. The mode is read from ``pl_module.algo.old_logprob_mode`` (``RLModule``;
+  also ``pl_module.algorithm.old_logprob_mode`` or ``pl_module.old_logprob_mode``); if the module does not say,
+  ``old_logprobs="auto"`` lets pi_old follow when it was bitwise equal to the clean rollout log-probs. Force either
+  with ``old_logprobs="follow"`` / ``"keep"``.
 - never ``batch.trainer_logprobs`` (the trainer is the reference) and never the generator: a later re-scoring
   through the generator (e.g. :class:`~rlexact.callbacks.probes.UpdateDirectionProbe` after the update) is clean.
 
@@ -52,7 +53,8 @@ OldFollow = Literal["auto", "follow", "keep"]
 
 def old_logprob_mode(pl_module: Any) -> str | None:
     """The module's pi_old mode (``"exact"``, ``"recompute"``, ``"bypass"``) if it exposes one, else ``None``."""
-    for owner in (getattr(pl_module, "algorithm", None), pl_module, getattr(pl_module, "hparams", None)):
+    owners = (getattr(pl_module, "algo", None), getattr(pl_module, "algorithm", None), pl_module)
+    for owner in owners:
         mode = getattr(owner, "old_logprob_mode", None) if owner is not None else None
         if isinstance(mode, str):
             return mode

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from rlexact.batch import RolloutBatch
 
-__all__ = ["MismatchProbe", "UpdateDirectionProbe", "policy_model", "rollout_temperature"]
+__all__ = ["MismatchProbe", "UpdateDirectionProbe", "policy_model", "rollout_kernels", "rollout_temperature"]
 
 
 # ----------------------------------------------------------------------------------------------- module plumbing
@@ -42,13 +42,32 @@ def policy_model(pl_module: Any) -> torch.nn.Module | None:
 
 
 def rollout_temperature(pl_module: Any) -> float:
-    """The sampling temperature the rollout log-probs were reported at (``pl_module.rollout.temperature``; 1.0 if the
-    module does not say)."""
-    for owner in (getattr(pl_module, "rollout", None), getattr(pl_module, "rollout_config", None), pl_module):
-        temperature = getattr(owner, "temperature", None) if owner is not None else None
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-            return float(temperature) if temperature > 0 else 1.0
+    """The temperature of the rollout's reported log-probs: ``pl_module.logprob_temperature`` (``RLModule``), else
+    ``pl_module.rollout_cfg.temperature``; 1.0 if the module says neither."""
+    value = getattr(pl_module, "logprob_temperature", None)
+    if value is None:
+        value = getattr(getattr(pl_module, "rollout_cfg", None), "temperature", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
     return 1.0
+
+
+def rollout_kernels(pl_module: Any) -> str | None:
+    """The generator's kernels (``"exact"``/``"native"``): ``pl_module.rollout_cfg.kernels``, else the existing
+    generator's ``config.kernels``; ``None`` if unknown (the generator is never created just to ask)."""
+    kernels = getattr(getattr(pl_module, "rollout_cfg", None), "kernels", None)
+    if kernels is None and pl_module is not None:
+        generator = pl_module.__dict__.get("_generator") if hasattr(pl_module, "__dict__") else None
+        kernels = getattr(getattr(generator, "config", None), "kernels", None)
+    return kernels if isinstance(kernels, str) else None
+
+
+def _module_call(pl_module: Any, model: torch.nn.Module, fn: Any) -> Any:
+    """Run ``fn()`` as a forward of ``model`` the way the module does (FSDP2 root call), with parameters gathered."""
+    from rlexact.distributed import fsdp_call, gathered_params
+
+    with gathered_params(model):
+        return fsdp_call(model, fn)
 
 
 def _sequences(batch: RolloutBatch) -> list[torch.Tensor]:
@@ -277,16 +296,14 @@ class MismatchProbe(RLCallback):
         if bool((rows <= starts).any()):
             self._warn_once("first", "MismatchProbe: a response token starts a sequence; argmax_flip_rate skipped")
             return None
-        state = get_state(model)
-        trainer_kernels = state.kernels
-        generator = getattr(pl_module, "generator", None)
-        rollout_kernels = getattr(generator, "kernels", trainer_kernels)
-        trainer_arg = self._argmax_tokens(model, batch, rows - 1)
-        if rollout_kernels == trainer_kernels:
+        trainer_kernels = get_state(model).kernels
+        gen_kernels = rollout_kernels(pl_module) or trainer_kernels
+        trainer_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, rows - 1))
+        if gen_kernels == trainer_kernels:
             rollout_arg = trainer_arg
         else:
-            with use_kernels(model, rollout_kernels):
-                rollout_arg = self._argmax_tokens(model, batch, rows - 1)
+            with use_kernels(model, gen_kernels):
+                rollout_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, rows - 1))
         full_r = torch.zeros_like(batch.input_ids)
         full_t = torch.zeros_like(batch.input_ids)
         full_r[rows] = rollout_arg
@@ -368,8 +385,21 @@ class UpdateDirectionProbe(RLCallback):
         generator = getattr(pl_module, "generator", None)
         if generator is None or not hasattr(generator, "score"):
             raise RuntimeError("UpdateDirectionProbe needs pl_module.generator with a score(sequences, temperature)")
-        with torch.no_grad():
-            scores = generator.score(_sequences(batch), rollout_temperature(pl_module))
+        model = policy_model(pl_module)
+        sequences = [seq.tolist() for seq in _sequences(batch)]
+        temperature = rollout_temperature(pl_module)
+        was_training = model.training if model is not None else False
+        try:
+            if model is not None:
+                model.eval()  # as the module does around generate (no dropout: the numerics do not change)
+            with torch.no_grad():
+                if model is None:
+                    scores = generator.score(sequences, temperature)
+                else:
+                    scores = _module_call(pl_module, model, lambda: generator.score(sequences, temperature))
+        finally:
+            if model is not None:
+                model.train(was_training)
         return _unpack_scores(scores, batch).to(batch.rollout_logprobs.device)
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
