@@ -45,8 +45,8 @@ def gathered_parameters(model: nn.Module) -> Iterator[list[nn.Module]]:
     all-gathering per forward; on exit (``finally``) the previous reshard setting is restored and ``reshard()`` frees
     the full parameters. Every rank must enter and leave together (the all-gathers are collectives). With no FSDP
     modules this is a no-op. Per-rank compute is unchanged by FSDP (DESIGN §2.5), so exactness holds on every rank.
-    Note that every rank must run the same number of forwards only during ``unshard``/``reshard``; the decode loop
-    itself does no collectives once parameters are gathered.
+    Between ``unshard`` and ``reshard`` the forwards issue no collectives, so ranks may run different numbers of
+    steps (different prompts, different finish times) inside one generate call.
     """
     modules = fsdp_modules(model)
     if not modules:

@@ -183,6 +183,12 @@ class Generator:
                 ``i * n + j`` for sample ``j`` of prompt ``i``. A request samples the same tokens whatever else is in
                 the batch, so pass the same id to reproduce a sample in another call.
 
+        Stop tokens: ``params.stop_token_ids`` if given, else the model's EOS ids (``generation_config`` /
+        ``config.eos_token_id``); ``ignore_eos`` removes the EOS ids from that set (explicit non-EOS stop ids still
+        apply). The stop token is included in ``token_ids`` (``finish_reason="stop"``); otherwise generation ends
+        after ``max_new_tokens`` (``"length"``). A sequence whose ``prompt + max_new_tokens`` exceeds the context is
+        rejected up front rather than truncated.
+
         Returns:
             ``len(prompts) * n`` completions, prompt-major (prompt ``i``'s ``n`` samples are consecutive). Each has
             ``logprobs`` fp32 under the full tempered softmax; in exact mode they equal
