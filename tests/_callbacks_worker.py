@@ -1,9 +1,12 @@
-"""Helpers shared by tests/test_callbacks.py, and its two-process gloo worker.
+"""Helpers shared by tests/test_callbacks.py, and its two-process workers (kept free of pytest imports so the
+processes start quickly).
 
-``python tests/_callbacks_worker.py RANK OUT`` (with ``MASTER_ADDR`` / ``MASTER_PORT`` set) joins a 2-rank gloo
-group, reduces known per-rank statistics with :class:`rlexact.callbacks.MetricReducer`, gathers tensors with
-``gather_cat``, runs ``TruncatedIS`` and ``MismatchProbe`` on this rank's half of a batch, and saves the results.
-Kept free of pytest / tensorboard imports so the two processes start quickly.
+- ``python tests/_callbacks_worker.py RANK OUT`` (``MASTER_ADDR`` / ``MASTER_PORT`` set): joins a 2-rank gloo group,
+  reduces known per-rank statistics with :class:`rlexact.callbacks.MetricReducer`, gathers tensors with
+  ``gather_cat``, runs ``TruncatedIS`` and ``MismatchProbe`` on this rank's half of a batch, saves the results.
+- ``python tests/_callbacks_worker.py fsdp OUT``: ``rlexact.RLModule`` under Lightning's ``ModelParallelStrategy``
+  (FSDP2, 2 CPU ranks, gloo; the strategy re-launches this script for rank 1) with the exact engine and the RL
+  callbacks; writes every callback's last metrics and the local response-token counts to ``OUT/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -84,5 +87,80 @@ def main(rank: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def fsdp_main(out: str) -> None:
+    import json
+    import os
+
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from rlexact.callbacks import (
+        ExactnessGuard,
+        MismatchProbe,
+        RejectionSampling,
+        RLCallback,
+        TruncatedIS,
+        UpdateDirectionProbe,
+    )
+    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.module import RLModule
+
+    class LocalTokens(RLCallback):
+        def __init__(self) -> None:
+            self.counts: list[int] = []
+
+        def on_rl_batch(self, trainer, pl_module, batch) -> None:
+            self.counts.append(int(batch.response_mask.sum()))
+
+    tok = build_char_tokenizer()
+    cfg = dict(
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    texts = [f"{i}+{i}=" for i in range(8)]
+    data = [
+        {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)
+    ]
+    module = RLModule(
+        model_config=cfg,
+        tokenizer=tok,
+        reward=lambda prompts, completions, answers: [float(sum(map(ord, c)) % 7) for c in completions],
+        rollout=dict(n=3, max_new_tokens=6, seed=1),
+        algorithm=dict(mini_batch_size=4, ppo_epochs=2),
+        optim=dict(lr=1e-4),
+    )
+    local = LocalTokens()
+    cbs = [TruncatedIS(), RejectionSampling(), MismatchProbe(), UpdateDirectionProbe(), ExactnessGuard(), local]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_epochs=1,
+        limit_train_batches=2,
+        callbacks=cbs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2, collate_fn=list))
+    result = {type(c).__name__: c.last_metrics for c in cbs if hasattr(c, "last_metrics")}
+    result["local_tokens"] = local.counts
+    result["is_fsdp"] = type(module.model).__name__.startswith("FSDP")
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    if sys.argv[1] == "fsdp":
+        fsdp_main(sys.argv[2])
+    else:
+        main(int(sys.argv[1]), sys.argv[2])

@@ -569,6 +569,28 @@ def test_two_process_gloo_aggregation(tmp_path):
     assert math.isfinite(res[0]["probe"]["mismatch/chi2"])
 
 
+def test_two_rank_fsdp_rl_module_metrics_are_global(tmp_path):
+    """RLModule under FSDP2 on two CPU ranks with the exact engine: every callback reports the same (global) values
+    on both ranks, token counts are the sum over ranks, and exact mode still reads exactly zero mismatch."""
+    import json
+
+    worker = Path(__file__).with_name("_callbacks_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(worker), "fsdp", str(tmp_path)], env=env, timeout=240)
+    assert proc.returncode == 0
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert res[0]["is_fsdp"] and res[1]["is_fsdp"]
+    names = ["TruncatedIS", "RejectionSampling", "MismatchProbe", "UpdateDirectionProbe", "ExactnessGuard"]
+    for name in names:
+        assert res[0][name] == res[1][name], name
+    probe = res[0]["MismatchProbe"]
+    assert probe["mismatch/num_tokens"] == res[0]["local_tokens"][-1] + res[1]["local_tokens"][-1]
+    assert probe["mismatch/bitwise_equal_frac"] == 1.0 and probe["mismatch/abs_diff_max"] == 0.0
+    assert probe["mismatch/argmax_flip_rate"] == 0.0
+    assert res[0]["TruncatedIS"] == {"tis/mean": 1.0, "tis/min": 1.0, "tis/max": 1.0, "tis/truncated_frac": 0.0}
+    assert res[0]["ExactnessGuard"] == {"exactness/mismatched_tokens": 0.0}
+
+
 def test_update_direction_probe_with_a_scripted_generator():
     """after - before is +A-aligned on half the tokens and misaligned on the rest; scores in both layouts."""
     b = make_batch(seed=4)

@@ -63,11 +63,13 @@ def rollout_kernels(pl_module: Any) -> str | None:
 
 
 def _module_call(pl_module: Any, model: torch.nn.Module, fn: Any) -> Any:
-    """Run ``fn()`` as a forward of ``model`` the way the module does (FSDP2 root call), with parameters gathered."""
-    from rlexact.distributed import fsdp_call, gathered_params
+    """Run ``fn()`` as a forward of ``model`` the way the module does (an FSDP2 root call; a plain call otherwise).
 
-    with gathered_params(model):
-        return fsdp_call(model, fn)
+    ``RLModule`` already keeps the parameters gathered around ``on_rl_batch`` / ``on_rl_update_end`` of callbacks
+    that override them, and the generator gathers them itself, so no extra gathering here."""
+    from rlexact.distributed import fsdp_call
+
+    return fsdp_call(model, fn)
 
 
 def _sequences(batch: RolloutBatch) -> list[torch.Tensor]:
