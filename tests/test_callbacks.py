@@ -494,25 +494,37 @@ def test_preset_yaml_matches_factory(name):
     from lightning.pytorch.cli import instantiate_class
 
     cfg = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
-    items = cfg["trainer"]["callbacks"]
+    items = cfg["trainer"]["callbacks+"]
     cbs = [instantiate_class((), item) for item in items]
     ref = correction_callbacks(name)
     assert [type(c) for c in cbs] == [type(c) for c in ref]
     assert [c.spec for c in cbs] == [c.spec for c in ref]
 
 
-def test_preset_yaml_parses_with_lightning_cli(tmp_path):
+def test_preset_yaml_appends_to_the_recipe_with_lightning_cli(tmp_path):
     from lightning.pytorch.cli import LightningCLI
 
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "trainer:\n  logger: false\n  callbacks:\n    - class_path: rlexact.callbacks.MismatchProbe\n"
+        "      init_args: {argmax: false}\n"
+    )
     cli = LightningCLI(
         ScriptedRLModule,
         run=False,
-        args=["--config", str(CONFIGS / "tis-srs-k3-corr-ratio.yaml"), "--trainer.logger=false"],
+        args=["--config", str(recipe), "--config", str(CONFIGS / "tis-srs-k3-corr-ratio.yaml")],
         save_config_callback=None,
     )
     got = [c for c in cli.trainer.callbacks if isinstance(c, RLCallback)]
-    assert [type(c) for c in got] == [TruncatedIS, RejectionSampling]
-    assert got[1].spec == functional.PRESETS["tis-srs-k3-corr-ratio"][1]
+    assert [type(c) for c in got] == [MismatchProbe, TruncatedIS, RejectionSampling]
+    assert got[2].spec == functional.PRESETS["tis-srs-k3-corr-ratio"][1]
+    cli = LightningCLI(
+        ScriptedRLModule,
+        run=False,
+        args=["--config", str(CONFIGS / "srs-k3-ppo-ratio.yaml"), "--trainer.logger=false"],
+        save_config_callback=None,
+    )
+    assert [type(c) for c in cli.trainer.callbacks if isinstance(c, RLCallback)] == [RejectionSampling]
 
 
 def test_unknown_preset():
