@@ -454,12 +454,16 @@ def test_prompt_longer_than_context() -> None:
 
 
 def test_empty_inputs() -> None:
-    from rlexact.data import PromptDataModule
-
     module = make_module()
     module.configure_model()
     with pytest.raises(ValueError, match="empty batch"):
         module.training_step([], 0)
+
+
+def test_empty_dataset() -> None:
+    pytest.importorskip("datasets")
+    from rlexact.data import PromptDataModule
+
     with pytest.raises(ValueError, match="is empty"):
         PromptDataModule([], tokenizer=TOK).setup("fit")
 
