@@ -813,3 +813,35 @@ def test_e2e_lightning_resume(tmp_path):
     for x, y in zip(full, resumed):
         assert x.state_dict() == y.state_dict(), type(x).__name__
     assert resumed[0].rollout_step == 2
+
+
+def test_argmax_tokens_align_with_the_model_and_ignore_chunking():
+    """The probe's top-1 tokens are those of the unmodified transformers forward, whatever the chunking."""
+    import rlexact
+    from models import tiny_model
+
+    model = tiny_model(vocab=50)
+    reference = tiny_model(vocab=50)
+    rlexact.exactify(model)
+    b = make_batch(seed=6, num_seqs=5)
+    probe = MismatchProbe(argmax_chunk_tokens=3)
+    mask = b.response_mask
+    got = probe._argmax_tokens(model, b, mask, 2)
+    assert torch.equal(got, probe._argmax_tokens(model, b, mask, 5))
+    cu = b.cu_seqlens.tolist()
+    with torch.no_grad():
+        for s, e in zip(cu[:-1], cu[1:]):
+            logits = reference(b.input_ids[s:e][None]).logits[0]
+            want = logits.argmax(-1)[:-1]  # prediction for positions 1..L-1
+            m = mask[s + 1 : e]
+            assert torch.equal(got[s + 1 : e][m], want[m])
+    assert bool((got[~mask] == 0).all())
+
+    class Module:
+        def __init__(self, kernels):
+            self.model = model
+            self.rollout_cfg = type("RolloutCfg", (), {"kernels": kernels})()
+
+    assert probe._argmax_flip(Module("exact"), b) == 0.0  # same kernels: one forward serves both sides
+    native = probe._argmax_flip(Module("native"), b)  # a second forward under the native kernels
+    assert 0.0 <= native <= 1.0

@@ -62,6 +62,16 @@ def rollout_kernels(pl_module: Any) -> str | None:
     return kernels if isinstance(kernels, str) else None
 
 
+def _score_chunk(pl_module: Any) -> int | None:
+    """Sequences per no-grad forward, as ``RLModule.score_batch`` chunks them (micro, else mini-batch size)."""
+    algo = getattr(pl_module, "algo", None)
+    for name in ("micro_batch_size", "mini_batch_size"):
+        value = getattr(algo, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _module_call(pl_module: Any, model: torch.nn.Module, fn: Any) -> Any:
     """Run ``fn()`` as a forward of ``model`` the way the module does (an FSDP2 root call; a plain call otherwise).
 
@@ -125,9 +135,10 @@ class MismatchProbe(RLCallback):
     optimizer step each); :attr:`last_minibatch_metrics` keeps them for the last rollout step.
 
     **Argmax flip rate.** The batch carries only the sampled tokens' log-probs, so the top-1 tokens are recomputed:
-    trainer side by a packed no-grad forward of the policy (``rlexact.models.forward_hidden`` +
-    ``head_logits``, in row chunks of ``argmax_chunk_tokens``) with the model's current (trainer) kernels; rollout
-    side by the same packed forward under the generator's kernels (``pl_module.generator.kernels``), i.e. the
+    trainer side by packed no-grad forwards of the policy (``rlexact.models.forward_hidden`` + ``head_logits``;
+    sequences in chunks of the module's micro/mini-batch size, logits in row chunks of ``argmax_chunk_tokens``)
+    with the model's current (trainer) kernels; rollout
+    side by the same packed forward under the generator's kernels (``pl_module.rollout_cfg.kernels``), i.e. the
     generator's numeric path for a prefill of the sequence rather than the value seen at decode time (equal bit for
     bit in exact mode by the contract; under native kernels this captures the kernel difference, not
     decode-vs-prefill differences). When both paths use the same kernels one forward serves both and the rate is 0
@@ -284,6 +295,7 @@ class MismatchProbe(RLCallback):
             warnings.warn(message, stacklevel=3)
 
     def _argmax_flip(self, pl_module: Any, batch: RolloutBatch) -> float | None:
+        """Local argmax flip rate over response tokens (``None`` when the module has no exactified policy model)."""
         from rlexact.models import get_state, use_kernels
 
         model = policy_model(pl_module)
@@ -292,36 +304,42 @@ class MismatchProbe(RLCallback):
                 "model", "MismatchProbe: no exactified policy model on the module; argmax_flip_rate is skipped"
             )
             return None
-        mask = batch.response_mask
-        rows = torch.nonzero(mask).squeeze(-1)
-        starts = batch.cu_seqlens[:-1].long()[batch.seq_ids[rows]]
-        if bool((rows <= starts).any()):
-            self._warn_once("first", "MismatchProbe: a response token starts a sequence; argmax_flip_rate skipped")
-            return None
+        # a response token that starts its sequence has no prediction row; it never happens with non-empty prompts
+        mask = batch.response_mask & (batch.position_ids > 0)
         trainer_kernels = get_state(model).kernels
         gen_kernels = rollout_kernels(pl_module) or trainer_kernels
-        trainer_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, rows - 1))
+        chunk = _score_chunk(pl_module) or batch.num_seqs
+        trainer_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, mask, chunk))
         if gen_kernels == trainer_kernels:
             rollout_arg = trainer_arg
         else:
             with use_kernels(model, gen_kernels):
-                rollout_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, rows - 1))
-        full_r = torch.zeros_like(batch.input_ids)
-        full_t = torch.zeros_like(batch.input_ids)
-        full_r[rows] = rollout_arg
-        full_t[rows] = trainer_arg
-        return F.argmax_flip_rate(full_r, full_t, mask)
+                rollout_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, mask, chunk))
+        return F.argmax_flip_rate(rollout_arg, trainer_arg, mask)
 
     @torch.no_grad()
-    def _argmax_tokens(self, model: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _argmax_tokens(
+        self, model: torch.nn.Module, batch: RolloutBatch, mask: torch.Tensor, chunk_seqs: int
+    ) -> torch.Tensor:
+        """``[T]`` int64: the top-1 next token predicted for every ``mask`` position (from the hidden state of the
+        previous token), 0 elsewhere. Packed forwards over ``chunk_seqs`` sequences at a time, ``[rows, V]`` logits
+        over ``argmax_chunk_tokens`` rows at a time."""
         from rlexact.models import AttnMetadata, forward_hidden, head_logits
 
-        hidden = forward_hidden(model, batch.input_ids, batch.position_ids, AttnMetadata(batch.cu_seqlens))
-        out = []
-        for chunk in rows.split(self.argmax_chunk_tokens):
-            logits, _ = head_logits(model, hidden[chunk], 1.0)
-            out.append(logits.argmax(dim=-1))
-        return torch.cat(out) if out else rows.new_zeros(0)
+        out = torch.zeros_like(batch.input_ids)
+        cu = batch.cu_seqlens.long().tolist()
+        for first in range(0, batch.num_seqs, max(chunk_seqs, 1)):
+            last = min(first + chunk_seqs, batch.num_seqs)
+            lo, hi = cu[first], cu[last]
+            if hi == lo or not bool(mask[lo:hi].any()):
+                continue
+            sub_cu = batch.cu_seqlens[first : last + 1] - batch.cu_seqlens[first]
+            hidden = forward_hidden(model, batch.input_ids[lo:hi], batch.position_ids[lo:hi], AttnMetadata(sub_cu))
+            targets = torch.nonzero(mask[lo:hi]).squeeze(-1)
+            for rows in targets.split(self.argmax_chunk_tokens):
+                logits, _ = head_logits(model, hidden[rows - 1], 1.0)
+                out[lo + rows] = logits.argmax(dim=-1)
+        return out
 
     # ------------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
