@@ -60,7 +60,10 @@ def _seqs_with_tokens(batch: RolloutBatch, mask: torch.Tensor) -> int:
 class TruncatedIS(RLCallback):
     """Truncated importance sampling on ``r_corr``: ``token_weights *= min(r_corr, cap)`` (Yao et al., 2025).
 
-    Turns the trainer-referenced PPO ratio ``r_ppo^train`` into (the truncated) ``r_ppo^rollout`` in effect.
+    Turns the trainer-referenced PPO ratio ``r_ppo^train`` into (the truncated) ``r_ppo^rollout`` in effect, which
+    is what it is for: ``old_logprob_mode="recompute"`` (pi_old = pi_old^train). In ``exact`` mode the weights are
+    exactly 1; in ``bypass`` mode the ratio is already rollout-referenced and TIS would reweight by ``r_corr`` a
+    second time.
     ``level="token"``: ``w_t = min(r_corr,t, cap)``; ``level="sequence"``: ``w_i = min(prod_t r_corr,t, cap)`` over the
     sequence's response tokens. Weights are detached and *multiply* the existing ``token_weights``.
     Exactly 1.0 everywhere when the rollout and trainer log-probs are bitwise equal.
