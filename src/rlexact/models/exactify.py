@@ -140,11 +140,12 @@ def _rotary_forward(state: ExactState, m: nn.Module, max_positions: int) -> Call
     def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not state.exact:
             return orig(x, position_ids)
-        if int(position_ids.max()) >= max_positions:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(position_ids.max()) >= max_positions:
             raise ValueError(
                 f"position {int(position_ids.max())} exceeds max_position_embeddings={max_positions} of the model"
             )
-        cos, sin = table(x.device)
+        cos, sin = table(x.device)  # built before capture: the generator runs eager steps first
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
     return forward
