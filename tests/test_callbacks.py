@@ -491,6 +491,7 @@ def test_preset_factory_matches_functional_presets(name):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_yaml_matches_factory(name):
+    pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import instantiate_class
 
     cfg = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
@@ -502,6 +503,7 @@ def test_preset_yaml_matches_factory(name):
 
 
 def test_preset_yaml_appends_to_the_recipe_with_lightning_cli(tmp_path):
+    pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import LightningCLI
 
     recipe = tmp_path / "recipe.yaml"
