@@ -1,17 +1,38 @@
-"""rlexact: zero-mismatch LLM reinforcement learning on PyTorch Lightning."""
+"""rlexact: zero-mismatch LLM reinforcement learning on PyTorch Lightning.
 
-from rlexact import ops
+Public surface (see the README and ``../DESIGN.md`` §5): :func:`exactify`, :func:`sequence_logprobs`,
+:mod:`rlexact.rollout` (``Generator``, ``SamplingParams``), :class:`RLModule` with its config dataclasses,
+:class:`PromptDataModule`, :mod:`rlexact.callbacks` and the pure :mod:`rlexact.algorithms`.
+"""
+
+from rlexact import algorithms, callbacks, ops, rollout
+from rlexact.batch import RolloutBatch
+from rlexact.callbacks import RLCallback
+from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from rlexact.data import PromptDataModule
 from rlexact.logprobs import Packed, pack, packed_logprobs, sequence_logprobs
-from rlexact.models import exactify, is_exactified, use_kernels
+from rlexact.models import SUPPORTED_MODEL_TYPES, exactify, is_exactified, use_kernels
+from rlexact.module import RLModule
 
 __version__ = "0.1.0"
 __all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "AlgorithmConfig",
+    "OptimConfig",
     "Packed",
+    "PromptDataModule",
+    "RLCallback",
+    "RLModule",
+    "RolloutBatch",
+    "RolloutConfig",
+    "algorithms",
+    "callbacks",
     "exactify",
     "is_exactified",
     "ops",
     "pack",
     "packed_logprobs",
+    "rollout",
     "sequence_logprobs",
     "use_kernels",
 ]
