@@ -238,7 +238,8 @@ class Generator:
         """Teacher-forced log-probs of tokens ``1..L-1`` of each sequence through the generator's numeric path.
 
         Paged prefill in chunks of at most ``max_num_batched_tokens`` tokens (the generator's kernels and KV cache).
-        Same format as :func:`rlexact.sequence_logprobs`: a list of ``[L-1]`` fp32 CPU tensors. Exact mode: bitwise
+        Same format as :func:`rlexact.sequence_logprobs`: a list of ``[L-1]`` fp32 tensors on the model's device
+        (``[0]`` for a one-token sequence). Exact mode: bitwise
         equal to ``sequence_logprobs``; native mode: the native inference path (e.g. for the update-direction probe).
         """
         if not temperature > 0:
@@ -251,7 +252,8 @@ class Generator:
         todo = [s for s in seqs if len(s) > 1]
         if todo:
             self._run(todo, None, set(), progress_total=0, temperature=float(temperature))
-        return [s.score_logprobs for s in seqs]  # type: ignore[misc]
+        device = self.model.get_input_embeddings().weight.device
+        return [s.score_logprobs.to(device) for s in seqs]  # type: ignore[union-attr]
 
     # ---------------------------------------------------------------------------------------------------------------
     # the loop
