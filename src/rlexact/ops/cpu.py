@@ -142,6 +142,7 @@ def _attend(
     group = hq // hkv
     bm, bn, gsz = ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_GROUP
     dev = q.device
+    f32 = torch.float32  # explicit: never the (possibly bf16) default dtype
     # fp32 keys/values per sequence, padded to whole tiles, heads expanded: [Hq, L_pad, D]
     kf, vf = [], []
     for k, v in zip(keys, values):
@@ -155,10 +156,10 @@ def _attend(
     out = torch.empty_like(q)
     rows = torch.arange(bm, device=dev)
     offs = torch.arange(bn, device=dev)
-    zero_tile = torch.zeros((hq, bn, d), device=dev)
+    zero_tile = torch.zeros((hq, bn, d), dtype=f32, device=dev)
     for g0 in range(0, len(tiles), gsz):
         grp = tiles[g0 : g0 + gsz]
-        qb = torch.zeros((gsz, bm, hq, d), device=dev)
+        qb = torch.zeros((gsz, bm, hq, d), dtype=f32, device=dev)
         pos = torch.zeros((gsz, bm), dtype=torch.long, device=dev)
         klen = torch.zeros((gsz,), dtype=torch.long, device=dev)
         n_tiles = []
@@ -169,9 +170,9 @@ def _attend(
             n_tiles.append(min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1))
         pos[len(grp) :] = -1  # idle slots: every key masked
         qf = qb.permute(0, 2, 1, 3)  # [G, Hq, BM, D]
-        m_i = torch.full((gsz, hq, bm), float("-inf"), device=dev)
-        l_i = torch.zeros((gsz, hq, bm), device=dev)
-        acc = torch.zeros((gsz, hq, bm, d), device=dev)
+        m_i = torch.full((gsz, hq, bm), float("-inf"), dtype=f32, device=dev)
+        l_i = torch.zeros((gsz, hq, bm), dtype=f32, device=dev)
+        acc = torch.zeros((gsz, hq, bm, d), dtype=f32, device=dev)
         for j in range(max(n_tiles)):
             kt = torch.stack(
                 [kf[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
