@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from models import tiny_rl_config
 from rlexact.batch import RolloutBatch
 
 
@@ -113,18 +114,7 @@ def fsdp_main(out: str) -> None:
             self.counts.append(int(batch.response_mask.sum()))
 
     tok = build_char_tokenizer()
-    cfg = dict(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_rl_config(len(tok))
     texts = [f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

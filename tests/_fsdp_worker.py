@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
+from models import tiny_rl_config
 from rlexact.callbacks.base import RLCallback
 from rlexact.demo.tokenizer import build_char_tokenizer
 from rlexact.export import save_pretrained
@@ -74,18 +75,7 @@ def main() -> None:
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
-    cfg = dict(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_rl_config(len(tok))
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

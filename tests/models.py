@@ -47,3 +47,19 @@ def tiny_model(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model.to(dtype).eval()
+
+
+def tiny_rl_config(vocab_size: int, max_pos: int = 64) -> dict:
+    """``model_config`` dict of the tiny Qwen3 used by the RLModule, callback and FSDP tests."""
+    return dict(
+        model_type="qwen3",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+    )

@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from _callbacks_worker import make_batch
+from models import tiny_rl_config
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks import (
     ExactnessError,
@@ -643,18 +644,7 @@ def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, same
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()
-    cfg = dict(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_rl_config(len(tok))
     texts = ["3+4=" if same_prompts else f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

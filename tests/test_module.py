@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from models import tiny_rl_config
 from rlexact import algorithms as alg
 from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
@@ -24,18 +25,7 @@ TOK = build_char_tokenizer()
 
 
 def tiny_config(max_pos: int = 64) -> dict:
-    return dict(
-        model_type="qwen3",
-        vocab_size=len(TOK),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=True,
-    )
+    return tiny_rl_config(len(TOK), max_pos)
 
 
 def length_reward(prompts, completions, answers):
