@@ -1,0 +1,494 @@
+"""The embedded demo: GRPO with exact rollouts teaches a tiny Qwen3 model 2-digit addition on CPU.
+
+``python -m rlexact.demo`` (or ``python -m rlexact.demo.run``) runs, in a few minutes on 2 CPU cores:
+
+1. loads the packaged start checkpoint (``rlexact/demo/assets/checkpoint``: a ~0.45M-parameter ``Qwen3ForCausalLM``
+   and its character tokenizer, produced by ``python -m rlexact.demo.sft``);
+2. evaluates the mean reward on held-out problems (sampled at temperature 1 with :class:`rlexact.rollout.Generator`);
+3. trains with GRPO (:class:`rlexact.RLModule`, ``Trainer.fit``) with exact rollouts: the rollout log-probs are the
+   trainer's bit for bit, so pi_old needs no recompute; :class:`rlexact.callbacks.MismatchProbe` recomputes them
+   anyway on every step and counts the tokens whose two log-probs differ in any bit. The progress bar shows
+   ``reward/mean``; TensorBoard logs go to ``<out>/demo``;
+4. evaluates again and prints the summary: reward before and after, and how many rollout tokens differed bitwise
+   from the trainer (0). ``<out>/summary.json`` keeps it.
+
+The reward is :class:`rlexact.rewards.ArithmeticReward` with partial credit (1 for the exact sum, graded credit in
+``[0.1, 0.9)`` for a well-formed wrong integer, 0 otherwise); the summary also reports exact-answer accuracy.
+Everything is seeded, so a run is reproducible on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.resources
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DemoConfig",
+    "build_datamodule",
+    "build_module",
+    "checkpoint_path",
+    "demo_rows",
+    "evaluate",
+    "main",
+    "run_demo",
+]
+
+TRAIN_FILE_ROWS = 8192
+"""Rows of the packaged ``train.jsonl``."""
+EVAL_FILE_ROWS = 500
+"""Rows of the packaged ``eval.jsonl`` (the SFT's held-out problems)."""
+
+DEMO_MODEL = "demo"
+"""Name accepted by :func:`resolve_model_path` for the packaged checkpoint (also ``rlexact://demo``)."""
+
+
+@dataclass
+class DemoConfig:
+    """Settings of the demo (the defaults are the documented run).
+
+    Attributes:
+        out: output folder (TensorBoard logs under ``<out>/demo``, ``summary.json``).
+        steps: rollout steps (one GRPO optimizer step each).
+        prompts_per_step: prompts per rollout step.
+        n: samples per prompt (GRPO group size).
+        lr: AdamW learning rate.
+        warmup_steps: linear learning-rate warmup (optimizer steps).
+        clip: PPO clip epsilon (low and high).
+        max_new_tokens: response budget (answers have at most 3 digits plus ``<|im_end|>``).
+        eval_prompts: held-out prompts of the before/after evaluation.
+        eval_n: samples per held-out prompt.
+        seed: seed of the sampler, the data order and the evaluation draws.
+        partial_credit: train and report the partial-credit reward (else 0/1 accuracy).
+        threads: torch intra-op threads (None: leave torch's default).
+        checkpoint: start checkpoint (``"demo"`` = the packaged one, or a local folder).
+        progress: show the Lightning progress bar.
+    """
+
+    out: str = "runs"
+    steps: int = 100
+    prompts_per_step: int = 32
+    n: int = 8
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    clip: float = 0.2
+    max_new_tokens: int = 6
+    eval_prompts: int = 200
+    eval_n: int = 4
+    seed: int = 0
+    partial_credit: bool = False
+    threads: int | None = None
+    checkpoint: str = DEMO_MODEL
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "eval_prompts", "eval_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n < 2:
+            raise ValueError(f"GRPO needs n >= 2 samples per prompt, got {self.n}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the packaged checkpoint and data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_path() -> str:
+    """Folder of the packaged start checkpoint (``save_pretrained`` model + tokenizer + ``sft.json``)."""
+    path = importlib.resources.files("rlexact.demo").joinpath("assets", "checkpoint")
+    return os.fspath(path)
+
+
+def resolve_model_path(path: str) -> str:
+    """``"demo"`` / ``"rlexact://demo"`` -> :func:`checkpoint_path`; any other string is returned unchanged."""
+    if path in (DEMO_MODEL, f"rlexact://{DEMO_MODEL}"):
+        return checkpoint_path()
+    return path
+
+
+def _sft_report(ckpt: str) -> dict:
+    from rlexact.demo.sft import SFT_JSON
+
+    try:
+        with open(os.path.join(ckpt, SFT_JSON), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def data_path(split: str) -> str:
+    """The packaged prompt file of ``split`` (``"train"`` or ``"eval"``): ``rlexact/demo/assets/data/<split>.jsonl``
+    (what :func:`write_data` writes; ``configs/demo.yaml`` reads it)."""
+    return os.fspath(importlib.resources.files("rlexact.demo").joinpath("assets", "data", f"{split}.jsonl"))
+
+
+def write_data(folder: str, train_size: int = TRAIN_FILE_ROWS, eval_size: int = EVAL_FILE_ROWS) -> list[str]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` (rows of :func:`demo_rows`) into ``folder``; returns the paths."""
+    from rlexact.demo.task import write_jsonl
+
+    return [
+        write_jsonl(os.path.join(folder, "train.jsonl"), demo_rows("train", train_size)),
+        write_jsonl(os.path.join(folder, "eval.jsonl"), demo_rows("eval", eval_size)),
+    ]
+
+
+def demo_rows(split: str, size: int, ckpt: str | None = None) -> list[dict[str, str]]:
+    """Prompt rows of the demo: ``"eval"`` = the SFT's held-out problems, ``"train"`` = other problems of the same
+    task (task seed 2, with the held-out prompts removed). Deterministic."""
+    from rlexact.demo.task import ArithmeticTask
+
+    settings = _sft_report(ckpt or checkpoint_path()).get("settings", {})
+    max_operand = int(settings.get("max_operand", 99))
+    ops = tuple(settings.get("ops", ("+",)))
+    eval_seed = int(settings.get("eval_seed", 1))
+    if split == "eval":
+        return ArithmeticTask(seed=eval_seed, max_operand=max_operand, ops=ops).generate(size)
+    if split != "train":
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    held_out_size = int(settings.get("eval_size", EVAL_FILE_ROWS))
+    task = ArithmeticTask(seed=eval_seed, max_operand=max_operand, ops=ops)
+    held_out = {r["prompt"] for r in task.generate(held_out_size)}
+    rows: list[dict[str, str]] = []
+    for row in ArithmeticTask(seed=2, max_operand=max_operand, ops=ops):
+        if row["prompt"] not in held_out:
+            rows.append(row)
+            if len(rows) == size:
+                return rows
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# module, data, evaluation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def build_module(cfg: DemoConfig, ckpt: str):
+    """The :class:`rlexact.RLModule` of the demo (GRPO, exact rollouts, pi_old = rollout log-probs)."""
+    from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+    from rlexact.demo.tokenizer import EOS_ID
+    from rlexact.module import RLModule
+
+    return RLModule(
+        model_path=ckpt,
+        tokenizer=ckpt,
+        reward="arithmetic",
+        reward_kwargs={"partial_credit": cfg.partial_credit},
+        rollout=RolloutConfig(
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=1.0,
+            seed=cfg.seed,
+            kernels="exact",
+            stop_token_ids=[EOS_ID],
+        ),
+        algorithm=AlgorithmConfig(
+            objective="grpo",
+            clip_low=cfg.clip,
+            clip_high=cfg.clip,
+            loss_agg_mode="token-mean",
+            ppo_epochs=1,
+            old_logprob_mode="exact",
+        ),
+        optim=OptimConfig(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, grad_clip=1.0, warmup_steps=cfg.warmup_steps),
+        dtype="float32",
+    )
+
+
+def build_datamodule(cfg: DemoConfig, ckpt: str):
+    """Training prompts (raw ``"12+7="`` strings, no chat template): the first ``steps x prompts_per_step`` rows of
+    :func:`demo_rows` ``("train")``, each used once, in a seeded order."""
+    from rlexact.data import PromptDataModule
+
+    return PromptDataModule(
+        demo_rows("train", cfg.steps * cfg.prompts_per_step, ckpt),
+        tokenizer=ckpt,
+        batch_size=cfg.prompts_per_step,
+        use_chat_template=False,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=True,
+    )
+
+
+@torch.no_grad()
+def evaluate(module, rows: Sequence[dict], n: int, seed: int, max_new_tokens: int) -> dict[str, Any]:
+    """Sample ``n`` completions per held-out row at temperature 1 with the module's generator and score them.
+
+    Returns ``reward`` (the training reward's mean), ``accuracy`` (exact answers), ``samples``, and the exactness
+    check of this rollout: ``tokens`` and ``tokens_differing`` (generator log-prob vs the trainer's packed forward,
+    :func:`rlexact.sequence_logprobs`, compared bitwise).
+    """
+    from rlexact.data import encode_prompts
+    from rlexact.logprobs import sequence_logprobs
+    from rlexact.rewards import ArithmeticReward
+    from rlexact.rollout import SamplingParams
+
+    items = [{"prompt_text": r["prompt"], "answer": r["answer"]} for r in rows]
+    prompts = encode_prompts(module.tokenizer, [r["prompt"] for r in rows], use_chat_template=False)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        seed=seed,
+        n=n,
+        stop_token_ids=module._stop_token_ids(),
+    )
+    completions = module.generate(prompts, params)
+    rewards = module.compute_rewards(items, completions, n)
+    texts = [module.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    answers = [rows[k // n]["answer"] for k in range(len(completions))]
+    acc = ArithmeticReward(partial_credit=False)([""] * len(texts), texts, answers)
+    trainer_lp = sequence_logprobs(module.model, [c.sequence for c in completions], temperature=1.0)
+    differing = 0
+    tokens = 0
+    for c, lp in zip(completions, trainer_lp):
+        m = len(c.token_ids)
+        if m:
+            a = torch.as_tensor(c.logprobs, dtype=torch.float32).reshape(-1)
+            b = lp[-m:].float().cpu()
+            differing += int((a.view(torch.int32) != b.view(torch.int32)).sum())
+            tokens += m
+    return {
+        "reward": float(rewards.double().mean()),
+        "accuracy": sum(acc) / len(acc),
+        "samples": len(completions),
+        "tokens": tokens,
+        "tokens_differing": differing,
+    }
+
+
+def _progress_bar():
+    """A tqdm bar that shows the logged ``reward/mean`` and ``rollout_step`` (and no logger version)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class DemoProgressBar(TQDMProgressBar):
+        def get_metrics(self, trainer, pl_module):
+            metrics = super().get_metrics(trainer, pl_module)
+            metrics.pop("v_num", None)
+            return metrics
+
+    return DemoProgressBar(refresh_rate=1)
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's hints that do not apply to a CPU demo (no GPU, few workers, tiny dataset)."""
+    with warnings.catch_warnings():
+        for pattern in (
+            ".*does not have many workers.*",
+            ".*GPU available but not used.*",
+            ".*The number of training batches.*",
+            ".*smaller than the logging interval.*",
+        ):
+            warnings.filterwarnings("ignore", message=pattern)
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the demo
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict[str, Any]:
+    """Run the demo (see the module docstring) and return the summary dict.
+
+    Args:
+        args: a :class:`DemoConfig`, a dict of its fields, an ``argparse.Namespace`` with (some of) its fields
+            (the ``rlexact demo`` subcommand hook), or None for the defaults.
+    """
+    cfg = _as_config(args)
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from rlexact.callbacks import MismatchProbe
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    ckpt = resolve_model_path(cfg.checkpoint)
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(
+            f"demo checkpoint {ckpt!r} not found; build it with python -m rlexact.demo.sft --out ..."
+        )
+    os.makedirs(cfg.out, exist_ok=True)
+    t_start = time.perf_counter()
+    L.seed_everything(cfg.seed, verbose=False)
+
+    module = build_module(cfg, ckpt)
+    module.configure_model()
+    data = build_datamodule(cfg, ckpt)
+    eval_rows = demo_rows("eval", cfg.eval_prompts, ckpt)
+    reward_name = "ArithmeticReward(partial_credit=True)" if cfg.partial_credit else "ArithmeticReward (0/1)"
+
+    _say(f"rlexact demo: GRPO with exact rollouts on {_describe_model(module.model)}, CPU")
+    _say(f"  checkpoint {ckpt}")
+    t0 = time.perf_counter()
+    before = evaluate(module, eval_rows, cfg.eval_n, cfg.seed + 1_000_003, cfg.max_new_tokens)
+    _say(
+        f"before: mean reward {before['reward']:.3f}, accuracy {before['accuracy']:.3f} "
+        f"({before['samples']} held-out samples, {time.perf_counter() - t0:.1f} s)"
+    )
+
+    probe = MismatchProbe(argmax=False, histograms=True, histogram_every_n_steps=10)
+    logger = TensorBoardLogger(save_dir=cfg.out, name="demo", default_hp_metric=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=cfg.steps,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[probe, _progress_bar()] if cfg.progress else [probe],
+        enable_checkpointing=False,
+        enable_progress_bar=cfg.progress,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        deterministic=False,
+    )
+    t0 = time.perf_counter()
+    with _quiet_lightning():
+        trainer.fit(module, datamodule=data)
+    train_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    after = evaluate(module, eval_rows, cfg.eval_n, cfg.seed + 1_000_003, cfg.max_new_tokens)
+    _say(
+        f"after:  mean reward {after['reward']:.3f}, accuracy {after['accuracy']:.3f} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
+    wall = time.perf_counter() - t_start
+    train_tokens = int(probe.tokens_total)
+    train_diff = int(probe.unequal_tokens_total)
+    summary = {
+        "reward": reward_name,
+        "reward_before": round(before["reward"], 4),
+        "reward_after": round(after["reward"], 4),
+        "reward_rise": round(after["reward"] - before["reward"], 4),
+        "accuracy_before": round(before["accuracy"], 4),
+        "accuracy_after": round(after["accuracy"], 4),
+        "eval_samples": before["samples"],
+        "rollout_steps": int(module.rollout_step),
+        "train_rollout_tokens": train_tokens,
+        "train_rollout_tokens_differing": train_diff,
+        "eval_tokens": before["tokens"] + after["tokens"],
+        "eval_tokens_differing": before["tokens_differing"] + after["tokens_differing"],
+        "train_seconds": round(train_s, 1),
+        "wall_seconds": round(wall, 1),
+        "tensorboard": os.path.abspath(logger.log_dir),
+        "config": asdict(cfg),
+        "threads": torch.get_num_threads(),
+        "versions": _versions(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    }
+    with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    exact = s["train_rollout_tokens_differing"] == 0 and s["eval_tokens_differing"] == 0
+    lines = [
+        "",
+        "=" * 78,
+        "rlexact demo summary",
+        f"  reward: mean {s['reward']} on {s['eval_samples']} held-out samples (temperature 1)",
+        f"    before {s['reward_before']:.3f}  ->  after {s['reward_after']:.3f}   (rise {s['reward_rise']:+.3f})",
+        f"  exact-answer accuracy: {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}",
+        f"  rollout tokens whose log-prob differed bitwise from the trainer: {s['train_rollout_tokens_differing']} of "
+        f"{s['train_rollout_tokens']} (training, MismatchProbe), {s['eval_tokens_differing']} of {s['eval_tokens']} "
+        "(evaluations)",
+        "    -> " + ("exact: every rollout log-prob equals the trainer's bit for bit" if exact else "NOT EXACT"),
+        f"  {s['rollout_steps']} GRPO steps in {s['train_seconds']:.0f} s; total {s['wall_seconds']:.0f} s "
+        f"on {s['threads']} CPU threads",
+        f"  TensorBoard: tensorboard --logdir {s['tensorboard']}",
+        "=" * 78,
+    ]
+    _say("\n".join(lines))
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _describe_model(model) -> str:
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return (
+        f"{type(model).__name__} ({params / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden {c.hidden_size})"
+    )
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def _as_config(args: Any) -> DemoConfig:
+    if args is None:
+        return DemoConfig()
+    if isinstance(args, DemoConfig):
+        return args
+    names = {f.name for f in fields(DemoConfig)}
+    values = dict(args) if isinstance(args, dict) else vars(args)
+    unknown = sorted(k for k in values if k not in names and isinstance(args, dict))
+    if unknown:
+        raise ValueError(f"unknown demo settings {unknown}; valid: {sorted(names)}")
+    return DemoConfig(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the demo's options (the :class:`DemoConfig` fields) to ``parser``."""
+    defaults = DemoConfig()
+    for f in fields(DemoConfig):
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "threads":
+            parser.add_argument(flag, type=int, default=None)
+        else:
+            parser.add_argument(flag, type=type(value), default=None, help=f"default {value!r}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``python -m rlexact.demo`` / ``python -m rlexact.demo.run`` (``--help`` lists the options)."""
+    parser = argparse.ArgumentParser(prog="python -m rlexact.demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument(
+        "--write-data",
+        metavar="DIR",
+        default=None,
+        help="only write the demo's train.jsonl / eval.jsonl into DIR (e.g. src/rlexact/demo/assets/data) and exit",
+    )
+    args = parser.parse_args(argv)
+    if args.write_data:
+        for path in write_data(args.write_data):
+            _say(f"wrote {path}")
+        return {}
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    main()
