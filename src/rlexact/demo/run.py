@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 __all__ = [
     "DemoConfig",
@@ -71,7 +73,9 @@ class DemoConfig:
         eval_n: samples per held-out prompt.
         seed: seed of the sampler, the data order and the evaluation draws.
         partial_credit: train and report the partial-credit reward (else 0/1 accuracy).
-        threads: torch intra-op threads (None: leave torch's default).
+        threads: torch intra-op threads during the demo (restored afterwards); 0 leaves torch's setting. Default 1:
+            on 2 idle cores a second thread saves only ~12% of the demo's time, but with another busy process on
+            the same 2 cores 15 GRPO steps took 348 s with 2 threads against 26 s with 1 thread.
         checkpoint: start checkpoint (``"demo"`` = the packaged one, or a local folder).
         progress: show the Lightning progress bar.
     """
@@ -88,7 +92,7 @@ class DemoConfig:
     eval_n: int = 4
     seed: int = 0
     partial_credit: bool = False
-    threads: int | None = None
+    threads: int = 1
     checkpoint: str = DEMO_MODEL
     progress: bool = True
 
@@ -100,6 +104,8 @@ class DemoConfig:
             raise ValueError(f"GRPO needs n >= 2 samples per prompt, got {self.n}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.threads}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -270,31 +276,62 @@ def evaluate(module, rows: Sequence[dict], n: int, seed: int, max_new_tokens: in
     }
 
 
-def _progress_bar():
-    """A tqdm bar that shows the logged ``reward/mean`` and ``rollout_step`` (and no logger version)."""
-    from lightning.pytorch.callbacks import TQDMProgressBar
+class DemoProgressBar(TQDMProgressBar):
+    """The tqdm bar of the demo: ``GRPO`` steps with the logged ``reward/mean`` (no logger version)."""
 
-    class DemoProgressBar(TQDMProgressBar):
-        def get_metrics(self, trainer, pl_module):
-            metrics = super().get_metrics(trainer, pl_module)
-            metrics.pop("v_num", None)
-            return metrics
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
 
-    return DemoProgressBar(refresh_rate=1)
+    def on_train_epoch_start(self, trainer, *args) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description("GRPO")
+
+
+class RewardHistory(Callback):
+    """Keeps the logged ``reward/mean`` of every rollout step (for the summary)."""
+
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("reward/mean")
+        if value is not None:
+            self.rewards.append(float(value))
 
 
 @contextlib.contextmanager
-def _quiet_lightning() -> Iterator[None]:
-    """Silence Lightning's hints that do not apply to a CPU demo (no GPU, few workers, tiny dataset)."""
-    with warnings.catch_warnings():
-        for pattern in (
-            ".*does not have many workers.*",
-            ".*GPU available but not used.*",
-            ".*The number of training batches.*",
-            ".*smaller than the logging interval.*",
-        ):
-            warnings.filterwarnings("ignore", message=pattern)
-        yield
+def _quiet() -> Iterator[None]:
+    """Silence library chatter that does not apply to a CPU demo (GPU/TPU availability, tips, the transformers
+    weight-loading bar, hints about workers and validation); warnings that matter still show."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    bar_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            for pattern in (
+                ".*does not have many workers.*",
+                ".*GPU available but not used.*",
+                ".*The number of training batches.*",
+                ".*smaller than the logging interval.*",
+                ".*validation_step.*no .val_dataloader.*",
+                ".*isinstance.treespec, LeafSpec.*",
+            ):
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if bar_enabled:
+            hf_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -303,45 +340,55 @@ def _quiet_lightning() -> Iterator[None]:
 
 
 def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict[str, Any]:
-    """Run the demo (see the module docstring) and return the summary dict.
+    """Run the demo (see the module docstring) and return the summary dict (also written to ``<out>/summary.json``).
 
     Args:
         args: a :class:`DemoConfig`, a dict of its fields, an ``argparse.Namespace`` with (some of) its fields
             (the ``rlexact demo`` subcommand hook), or None for the defaults.
     """
     cfg = _as_config(args)
+    ckpt = resolve_model_path(cfg.checkpoint)
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(
+            f"demo checkpoint {ckpt!r} not found; build it with python -m rlexact.demo.sft --out DIR"
+        )
+    threads = torch.get_num_threads()
+    try:
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        with _quiet():
+            return _run(cfg, ckpt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from rlexact.callbacks import MismatchProbe
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    ckpt = resolve_model_path(cfg.checkpoint)
-    if not os.path.isdir(ckpt):
-        raise FileNotFoundError(
-            f"demo checkpoint {ckpt!r} not found; build it with python -m rlexact.demo.sft --out ..."
-        )
-    os.makedirs(cfg.out, exist_ok=True)
     t_start = time.perf_counter()
+    os.makedirs(cfg.out, exist_ok=True)
     L.seed_everything(cfg.seed, verbose=False)
-
     module = build_module(cfg, ckpt)
     module.configure_model()
     data = build_datamodule(cfg, ckpt)
     eval_rows = demo_rows("eval", cfg.eval_prompts, ckpt)
-    reward_name = "ArithmeticReward(partial_credit=True)" if cfg.partial_credit else "ArithmeticReward (0/1)"
+    eval_seed = cfg.seed + 1_000_003  # the same held-out draws before and after training
 
     _say(f"rlexact demo: GRPO with exact rollouts on {_describe_model(module.model)}, CPU")
-    _say(f"  checkpoint {ckpt}")
+    _say(f"  start checkpoint: {ckpt}")
+    _say(f"  reward: {_reward_name(cfg)}")
     t0 = time.perf_counter()
-    before = evaluate(module, eval_rows, cfg.eval_n, cfg.seed + 1_000_003, cfg.max_new_tokens)
+    before = evaluate(module, eval_rows, cfg.eval_n, eval_seed, cfg.max_new_tokens)
     _say(
-        f"before: mean reward {before['reward']:.3f}, accuracy {before['accuracy']:.3f} "
-        f"({before['samples']} held-out samples, {time.perf_counter() - t0:.1f} s)"
+        f"before training: mean reward {before['reward']:.3f} on {before['samples']} held-out samples "
+        f"({time.perf_counter() - t0:.1f} s)"
     )
 
     probe = MismatchProbe(argmax=False, histograms=True, histogram_every_n_steps=10)
+    history = RewardHistory()
     logger = TensorBoardLogger(save_dir=cfg.out, name="demo", default_hp_metric=False)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -349,48 +396,43 @@ def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict
         max_steps=cfg.steps,
         max_epochs=1,
         logger=logger,
-        callbacks=[probe, _progress_bar()] if cfg.progress else [probe],
+        callbacks=[probe, history] + ([DemoProgressBar(refresh_rate=1)] if cfg.progress else []),
         enable_checkpointing=False,
         enable_progress_bar=cfg.progress,
         enable_model_summary=False,
         log_every_n_steps=1,
         num_sanity_val_steps=0,
-        deterministic=False,
     )
     t0 = time.perf_counter()
-    with _quiet_lightning():
-        trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data)
     train_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    after = evaluate(module, eval_rows, cfg.eval_n, cfg.seed + 1_000_003, cfg.max_new_tokens)
-    _say(
-        f"after:  mean reward {after['reward']:.3f}, accuracy {after['accuracy']:.3f} "
-        f"({time.perf_counter() - t0:.1f} s)"
-    )
-    wall = time.perf_counter() - t_start
-    train_tokens = int(probe.tokens_total)
-    train_diff = int(probe.unequal_tokens_total)
+    after = evaluate(module, eval_rows, cfg.eval_n, eval_seed, cfg.max_new_tokens)
+    _say(f"after training:  mean reward {after['reward']:.3f} ({time.perf_counter() - t0:.1f} s)")
+    k = min(5, len(history.rewards))
     summary = {
-        "reward": reward_name,
+        "reward": _reward_name(cfg),
         "reward_before": round(before["reward"], 4),
         "reward_after": round(after["reward"], 4),
         "reward_rise": round(after["reward"] - before["reward"], 4),
         "accuracy_before": round(before["accuracy"], 4),
         "accuracy_after": round(after["accuracy"], 4),
         "eval_samples": before["samples"],
+        "train_reward_first5": round(sum(history.rewards[:k]) / k, 4) if k else None,
+        "train_reward_last5": round(sum(history.rewards[-k:]) / k, 4) if k else None,
         "rollout_steps": int(module.rollout_step),
-        "train_rollout_tokens": train_tokens,
-        "train_rollout_tokens_differing": train_diff,
+        "train_rollout_tokens": int(probe.tokens_total),
+        "train_rollout_tokens_differing": int(probe.unequal_tokens_total),
         "eval_tokens": before["tokens"] + after["tokens"],
         "eval_tokens_differing": before["tokens_differing"] + after["tokens_differing"],
         "train_seconds": round(train_s, 1),
-        "wall_seconds": round(wall, 1),
+        "wall_seconds": round(time.perf_counter() - t_start, 1),
         "tensorboard": os.path.abspath(logger.log_dir),
         "config": asdict(cfg),
         "threads": torch.get_num_threads(),
         "versions": _versions(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": platform.machine(),
     }
     with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -399,23 +441,32 @@ def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict
     return summary
 
 
+def _reward_name(cfg: DemoConfig) -> str:
+    if cfg.partial_credit:
+        return "ArithmeticReward(partial_credit=True): 1 for the exact sum, graded credit for a wrong integer"
+    return "ArithmeticReward: 1 if the sampled answer is the exact sum, else 0 (= exact-answer accuracy)"
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     exact = s["train_rollout_tokens_differing"] == 0 and s["eval_tokens_differing"] == 0
+    verdict = "exact: every rollout log-prob equals the trainer's, bit for bit" if exact else "NOT EXACT"
     lines = [
         "",
-        "=" * 78,
+        "=" * 80,
         "rlexact demo summary",
-        f"  reward: mean {s['reward']} on {s['eval_samples']} held-out samples (temperature 1)",
+        f"  reward: {s['reward']}",
+        f"  mean reward on {s['eval_samples']} held-out samples (temperature 1):",
         f"    before {s['reward_before']:.3f}  ->  after {s['reward_after']:.3f}   (rise {s['reward_rise']:+.3f})",
-        f"  exact-answer accuracy: {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}",
-        f"  rollout tokens whose log-prob differed bitwise from the trainer: {s['train_rollout_tokens_differing']} of "
-        f"{s['train_rollout_tokens']} (training, MismatchProbe), {s['eval_tokens_differing']} of {s['eval_tokens']} "
-        "(evaluations)",
-        "    -> " + ("exact: every rollout log-prob equals the trainer's bit for bit" if exact else "NOT EXACT"),
-        f"  {s['rollout_steps']} GRPO steps in {s['train_seconds']:.0f} s; total {s['wall_seconds']:.0f} s "
-        f"on {s['threads']} CPU threads",
-        f"  TensorBoard: tensorboard --logdir {s['tensorboard']}",
-        "=" * 78,
+        f"  training batches (reward/mean): first 5 steps {s['train_reward_first5']:.3f}, "
+        f"last 5 steps {s['train_reward_last5']:.3f}",
+        "  rollout tokens whose log-prob differed bitwise from the trainer's:",
+        f"    {s['train_rollout_tokens_differing']} of {s['train_rollout_tokens']} during training (MismatchProbe), "
+        f"{s['eval_tokens_differing']} of {s['eval_tokens']} in the evaluations",
+        f"    -> {verdict}",
+        f"  {s['rollout_steps']} GRPO steps in {s['train_seconds']:.0f} s, {s['wall_seconds']:.0f} s in all "
+        f"({s['threads']} CPU threads)",
+        f"  TensorBoard logs: tensorboard --logdir {s['tensorboard']}",
+        "=" * 80,
     ]
     _say("\n".join(lines))
 
@@ -464,9 +515,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        elif f.name == "threads":
-            parser.add_argument(flag, type=int, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default {value}")
         else:
             parser.add_argument(flag, type=type(value), default=None, help=f"default {value!r}")
     return parser
