@@ -42,7 +42,9 @@ def test_sft_is_reproducible_bitwise(tmp_path):
     args = ["--quiet", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1", "--hidden-size", "32"]
     args += ["--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16"]
     args += ["--intermediate-size", "48", "--max-position-embeddings", "32", "--eval-size", "4", "--threads", "1"]
+    threads = torch.get_num_threads()
     reports = [sft.main(["--out", str(tmp_path / name), *args]) for name in ("a", "b")]
+    assert torch.get_num_threads() == threads  # the SFT restores the thread count
     a = load_file(tmp_path / "a" / "model.safetensors")
     b = load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and a
@@ -150,6 +152,7 @@ def test_short_demo_is_exact_and_learns(tmp_path):
     summary = run.run_demo(
         run.DemoConfig(out=str(tmp_path), steps=SHORT_STEPS, eval_prompts=100, eval_n=4, progress=False)
     )
+    assert summary["threads"] == 1 and summary["rollout_steps"] == SHORT_STEPS
     assert summary["train_rollout_tokens"] > 0 and summary["eval_tokens"] > 0
     assert summary["train_rollout_tokens_differing"] == 0
     assert summary["eval_tokens_differing"] == 0

@@ -370,7 +370,10 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     os.makedirs(cfg.out, exist_ok=True)
-    L.seed_everything(cfg.seed, verbose=False)
+    had_seed_env = "PL_GLOBAL_SEED" in os.environ
+    L.seed_everything(cfg.seed, verbose=False)  # nothing in the demo should draw from the global RNGs; belt and braces
+    if not had_seed_env:
+        os.environ.pop("PL_GLOBAL_SEED", None)
     module = build_module(cfg, ckpt)
     module.configure_model()
     data = build_datamodule(cfg, ckpt)

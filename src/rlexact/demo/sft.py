@@ -254,9 +254,13 @@ def _training_rows(cfg: SFTConfig, exclude: set[str]):
 
 
 def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
-    """Train the demo model. Returns ``(model, tokenizer, report)`` with the held-out evaluation in ``report``."""
-    torch.set_num_threads(cfg.threads)
+    """Train the demo model. Returns ``(model, tokenizer, report)`` with the held-out evaluation in ``report``.
+
+    Runs with ``cfg.threads`` torch threads and deterministic algorithms; both settings are restored afterwards.
+    """
+    previous_threads = torch.get_num_threads()
     previous_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     try:
         tokenizer = build_char_tokenizer(model_max_length=cfg.max_position_embeddings)
@@ -310,6 +314,7 @@ def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
         return model, tokenizer, report
     finally:
         torch.use_deterministic_algorithms(previous_det)
+        torch.set_num_threads(previous_threads)
 
 
 def _transformers_version() -> str:
