@@ -154,7 +154,7 @@ def test_short_demo_is_exact_and_learns(tmp_path):
     )
     assert summary["threads"] == 1 and summary["rollout_steps"] == SHORT_STEPS
     assert summary["train_rollout_tokens"] > 0 and summary["eval_tokens"] > 0
-    assert summary["train_rollout_tokens_differing"] == 0
+    assert summary["train_rollout_tokens_differing"] == 0 and summary["train_bitwise_equal_frac"] == 1.0
     assert summary["eval_tokens_differing"] == 0
     assert summary["reward_rise"] >= SHORT_MIN_RISE, summary
     assert (tmp_path / "summary.json").is_file()
@@ -163,6 +163,24 @@ def test_short_demo_is_exact_and_learns(tmp_path):
 
 SHORT_STEPS = 40
 SHORT_MIN_RISE = 0.25
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(kernels="native", dtype="bfloat16"), dict(inject=0.05)],
+    ids=["native-bf16", "injection"],
+)
+def test_demo_probe_sees_mismatch(tmp_path, settings):
+    """The demo's MismatchProbe reports a bitwise-equal fraction below 1 for the native bf16 engine and under
+    injection (the exact run above reports exactly 1: 0 differing tokens)."""
+    summary = run.run_demo(
+        run.DemoConfig(
+            out=str(tmp_path), steps=3, prompts_per_step=8, eval_prompts=8, eval_n=2, progress=False, **settings
+        )
+    )
+    assert summary["train_rollout_tokens"] > 0
+    assert summary["train_bitwise_equal_frac"] < 1.0
+    assert summary["train_rollout_tokens_differing"] > 0
 
 
 def test_committed_demo_result():

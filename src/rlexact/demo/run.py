@@ -12,9 +12,13 @@
 4. evaluates again and prints the summary: reward before and after, and how many rollout tokens differed bitwise
    from the trainer (0). ``<out>/summary.json`` keeps it.
 
-The reward is :class:`rlexact.rewards.ArithmeticReward` with partial credit (1 for the exact sum, graded credit in
-``[0.1, 0.9)`` for a well-formed wrong integer, 0 otherwise); the summary also reports exact-answer accuracy.
-Everything is seeded, so a run is reproducible on one machine.
+The reward is :class:`rlexact.rewards.ArithmeticReward` (1 for the exact sum, else 0, i.e. exact-answer accuracy;
+``--partial-credit`` grades wrong integers). Everything is seeded, so a run is reproducible on one machine.
+
+The same demo is the TIM baseline: ``--kernels native --dtype bfloat16`` samples with the stock kernels (pi_old is
+then recomputed by the trainer) and ``--inject 0.05`` perturbs the rollout log-probs with
+:class:`rlexact.callbacks.MismatchInjection`; the summary's ``train_bitwise_equal_frac`` (MismatchProbe's
+``mismatch/bitwise_equal_frac`` over the run) is 1.0 only for the exact engine without injection.
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ class DemoConfig:
             the same 2 cores 15 GRPO steps took 348 s with 2 threads against 26 s with 1 thread.
         checkpoint: start checkpoint (``"demo"`` = the packaged one, or a local folder).
         progress: show the Lightning progress bar.
+        kernels: rollout engine kernels, ``"exact"`` or ``"native"`` (the stock-kernel TIM baseline; pi_old is then
+            recomputed by the trainer instead of taken from the rollout).
+        dtype: model dtype, ``"float32"`` or ``"bfloat16"``.
+        inject: scale of :class:`rlexact.callbacks.MismatchInjection` noise on the rollout log-probs (0 = off).
     """
 
     out: str = "runs"
@@ -95,6 +103,9 @@ class DemoConfig:
     threads: int = 1
     checkpoint: str = DEMO_MODEL
     progress: bool = True
+    kernels: str = "exact"
+    dtype: str = "float32"
+    inject: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "eval_prompts", "eval_n"):
@@ -104,6 +115,12 @@ class DemoConfig:
             raise ValueError(f"GRPO needs n >= 2 samples per prompt, got {self.n}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.kernels not in ("exact", "native"):
+            raise ValueError(f"kernels must be 'exact' or 'native', got {self.kernels!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not self.inject >= 0:
+            raise ValueError(f"inject must be >= 0, got {self.inject}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.threads}")
 
@@ -198,7 +215,7 @@ def build_module(cfg: DemoConfig, ckpt: str):
             max_new_tokens=cfg.max_new_tokens,
             temperature=1.0,
             seed=cfg.seed,
-            kernels="exact",
+            kernels=cfg.kernels,
             stop_token_ids=[EOS_ID],
         ),
         algorithm=AlgorithmConfig(
@@ -207,10 +224,10 @@ def build_module(cfg: DemoConfig, ckpt: str):
             clip_high=cfg.clip,
             loss_agg_mode="token-mean",
             ppo_epochs=1,
-            old_logprob_mode="exact",
+            old_logprob_mode="exact" if cfg.kernels == "exact" else "recompute",
         ),
         optim=OptimConfig(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, grad_clip=1.0, warmup_steps=cfg.warmup_steps),
-        dtype="float32",
+        dtype=cfg.dtype,
     )
 
 
@@ -366,7 +383,7 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from rlexact.callbacks import MismatchProbe
+    from rlexact.callbacks import MismatchInjection, MismatchProbe
 
     t_start = time.perf_counter()
     os.makedirs(cfg.out, exist_ok=True)
@@ -399,7 +416,9 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
         max_steps=cfg.steps,
         max_epochs=1,
         logger=logger,
-        callbacks=[probe, history] + ([DemoProgressBar(refresh_rate=1)] if cfg.progress else []),
+        callbacks=([MismatchInjection(scale=cfg.inject, seed=cfg.seed)] if cfg.inject > 0 else [])
+        + [probe, history]
+        + ([DemoProgressBar(refresh_rate=1)] if cfg.progress else []),
         enable_checkpointing=False,
         enable_progress_bar=cfg.progress,
         enable_model_summary=False,
@@ -427,6 +446,7 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
         "rollout_steps": int(module.rollout_step),
         "train_rollout_tokens": int(probe.tokens_total),
         "train_rollout_tokens_differing": int(probe.unequal_tokens_total),
+        "train_bitwise_equal_frac": 1.0 - int(probe.unequal_tokens_total) / max(1, int(probe.tokens_total)),
         "eval_tokens": before["tokens"] + after["tokens"],
         "eval_tokens_differing": before["tokens_differing"] + after["tokens_differing"],
         "train_seconds": round(train_s, 1),
@@ -452,7 +472,12 @@ def _reward_name(cfg: DemoConfig) -> str:
 
 def _print_summary(s: dict[str, Any]) -> None:
     exact = s["train_rollout_tokens_differing"] == 0 and s["eval_tokens_differing"] == 0
-    verdict = "exact: every rollout log-prob equals the trainer's, bit for bit" if exact else "NOT EXACT"
+    verdict = (
+        "exact: every rollout log-prob equals the trainer's, bit for bit"
+        if exact
+        else f"NOT EXACT: bitwise-equal fraction {s['train_bitwise_equal_frac']:.4f} (kernels="
+        f"{s['config']['kernels']}, inject={s['config']['inject']})"
+    )
     lines = [
         "",
         "=" * 80,
