@@ -118,6 +118,17 @@ def test_console_script_help() -> None:
     assert "predict" not in proc.stdout.split("Available subcommands", 1)[-1][:400]
 
 
+def test_console_script_demo_subcommand_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from rlexact.cli import entry; entry()", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--kernels" in proc.stdout and "--steps" in proc.stdout
+
+
 def tiny_yaml(tmp_path: Path) -> Path:
     from rlexact.demo.task import make_dataset, write_jsonl
     from rlexact.demo.tokenizer import build_char_tokenizer

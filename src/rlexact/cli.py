@@ -1,7 +1,8 @@
-"""The ``rlexact`` command: a LightningCLI with the ``fit`` and ``validate`` subcommands.
+"""The ``rlexact`` command: a LightningCLI with the ``fit`` and ``validate`` subcommands, plus ``rlexact demo``.
 
 Usage::
 
+    rlexact demo                                                   # the embedded demo (python -m rlexact.demo)
     rlexact fit --config configs/grpo_qwen3_1p7b.yaml
     rlexact fit --config configs/grpo_qwen3_1p7b.yaml --model.init_args.model_path /ckpt/Qwen3-1.7B
     rlexact fit --config configs/demo.yaml --print_config          # the resolved configuration, nothing loaded
@@ -15,6 +16,8 @@ The YAML has LightningCLI's sections: ``trainer`` (callbacks as ``class_path`` /
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -22,7 +25,7 @@ from lightning.pytorch.cli import LightningCLI
 from rlexact.data import PromptDataModule
 from rlexact.module import RLModule
 
-__all__ = ["RLExactCLI", "main"]
+__all__ = ["RLExactCLI", "entry", "main"]
 
 
 class RLExactCLI(LightningCLI):
@@ -53,5 +56,17 @@ def main(args: Any = None, *, run: bool = True) -> RLExactCLI:
     )
 
 
+def entry(argv: Sequence[str] | None = None) -> None:
+    """The ``rlexact`` console script: ``rlexact demo [options]`` runs the embedded demo, anything else goes to
+    :func:`main` (LightningCLI)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from rlexact.demo.run import main as demo_main
+
+        demo_main(argv[1:])
+        return
+    main(argv)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    entry()
