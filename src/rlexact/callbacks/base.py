@@ -20,7 +20,7 @@ Lightning hook) that also implement some of these hooks. The module calls them i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
@@ -36,6 +36,17 @@ class RLCallback(Callback):
 
     needs_trainer_logprobs: bool = False
     """Set to True to have ``batch.trainer_logprobs`` (pi_old^train) computed before :meth:`on_rl_batch`."""
+
+    state_fields: tuple[tuple[str, type], ...] = ()
+    """``(attribute, type)`` pairs saved by :meth:`state_dict` and restored (cast to the type) by
+    :meth:`load_state_dict`: the resumable counters of the callback."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name, _ in self.state_fields}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, kind in self.state_fields:
+            setattr(self, name, kind(state_dict[name]))
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         """After old log-probs are set, before the update."""

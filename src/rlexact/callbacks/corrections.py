@@ -22,7 +22,7 @@ callbacks themselves never fail on empty masks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -78,6 +78,8 @@ class TruncatedIS(RLCallback):
         prefix: metric prefix; give stacked instances different prefixes.
     """
 
+    state_fields = (("steps", int), ("truncated_total", float), ("units_total", float))
+
     needs_trainer_logprobs = True
 
     def __init__(self, level: F.TISLevel = "token", cap: float = 2.0, prefix: str = "tis") -> None:
@@ -117,14 +119,6 @@ class TruncatedIS(RLCallback):
         self.last_metrics = metrics
         log_scalars(trainer, pl_module, metrics)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "truncated_total": self.truncated_total, "units_total": self.units_total}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = int(state_dict["steps"])
-        self.truncated_total = float(state_dict["truncated_total"])
-        self.units_total = float(state_dict["units_total"])
-
 
 class RejectionSampling(RLCallback):
     """Reject tokens or whole sequences whose mismatch score exceeds a threshold (ANDed into ``loss_mask``).
@@ -150,6 +144,8 @@ class RejectionSampling(RLCallback):
         threshold: drop when the score is strictly greater (paper ``tau_seq = 0.001``).
         prefix: metric prefix; give stacked instances different prefixes.
     """
+
+    state_fields = (("steps", int), ("rejected_tokens_total", float), ("tokens_total", float), ("empty_steps", int))
 
     def __init__(
         self,
@@ -258,20 +254,6 @@ class RejectionSampling(RLCallback):
         self.steps += 1
         self.last_metrics = metrics
         log_scalars(trainer, pl_module, metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "rejected_tokens_total": self.rejected_tokens_total,
-            "tokens_total": self.tokens_total,
-            "empty_steps": self.empty_steps,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = int(state_dict["steps"])
-        self.rejected_tokens_total = float(state_dict["rejected_tokens_total"])
-        self.tokens_total = float(state_dict["tokens_total"])
-        self.empty_steps = int(state_dict["empty_steps"])
 
 
 def correction_callbacks(preset_name: str) -> list[RLCallback]:

@@ -16,7 +16,7 @@ Use it in exact runs (``rollout.kernels="exact"``); with the native generator or
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -80,6 +80,8 @@ class ExactnessGuard(RLCallback):
 
     Logs ``exactness/mismatched_tokens`` (0 on a passing check) on the checked steps.
     """
+
+    state_fields = (("steps_seen", int), ("checks_passed", int))
 
     needs_trainer_logprobs = True
 
@@ -158,10 +160,3 @@ class ExactnessGuard(RLCallback):
             trainer_value=float(t_val.item()),
             num_mismatched=count,
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps_seen": self.steps_seen, "checks_passed": self.checks_passed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps_seen = int(state_dict["steps_seen"])
-        self.checks_passed = int(state_dict["checks_passed"])

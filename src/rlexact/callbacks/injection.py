@@ -71,6 +71,8 @@ class MismatchInjection(RLCallback):
         old_logprobs: ``"auto"`` (follow the module's pi_old mode), ``"follow"`` or ``"keep"``.
     """
 
+    state_fields = (("rollout_step", int),)
+
     def __init__(
         self, target: InjectionTarget = "logprobs", scale: float = 0.05, seed: int = 0, old_logprobs: OldFollow = "auto"
     ) -> None:
@@ -138,9 +140,3 @@ class MismatchInjection(RLCallback):
         if old.dtype == clean.dtype and torch.equal(old.view(-1), clean.view(-1)):
             return perturbed.clone()
         return old
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rollout_step": self.rollout_step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rollout_step = int(state_dict["rollout_step"])

@@ -154,6 +154,13 @@ class MismatchProbe(RLCallback):
         prefix: metric prefix.
     """
 
+    state_fields = (
+        ("steps", int),
+        ("tokens_total", float),
+        ("unequal_tokens_total", float),
+        ("abs_diff_max_seen", float),
+    )
+
     needs_trainer_logprobs = True
 
     def __init__(
@@ -341,21 +348,6 @@ class MismatchProbe(RLCallback):
                 out[lo + rows] = logits.argmax(dim=-1)
         return out
 
-    # ------------------------------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "tokens_total": self.tokens_total,
-            "unequal_tokens_total": self.unequal_tokens_total,
-            "abs_diff_max_seen": self.abs_diff_max_seen,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = int(state_dict["steps"])
-        self.tokens_total = float(state_dict["tokens_total"])
-        self.unequal_tokens_total = float(state_dict["unequal_tokens_total"])
-        self.abs_diff_max_seen = float(state_dict["abs_diff_max_seen"])
-
 
 # ------------------------------------------------------------------------------------------- UpdateDirectionProbe
 class UpdateDirectionProbe(RLCallback):
@@ -381,6 +373,8 @@ class UpdateDirectionProbe(RLCallback):
         before: ``"rollout"`` or ``"rescore"``.
         every_n_steps: probe one rollout step in ``n`` (each costs a generator scoring pass).
     """
+
+    state_fields = (("steps_seen", int), ("misaligned_total", float), ("tokens_total", float))
 
     def __init__(self, before: str = "rollout", every_n_steps: int = 1) -> None:
         if before not in ("rollout", "rescore"):
@@ -447,15 +441,3 @@ class UpdateDirectionProbe(RLCallback):
         self.last_metrics = metrics
         self._before_lp = None
         log_scalars(trainer, pl_module, metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps_seen": self.steps_seen,
-            "misaligned_total": self.misaligned_total,
-            "tokens_total": self.tokens_total,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps_seen = int(state_dict["steps_seen"])
-        self.misaligned_total = float(state_dict["misaligned_total"])
-        self.tokens_total = float(state_dict["tokens_total"])
