@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import _HAS_WS, TensorDescriptor, _cuda_props, _device_key
+from .triton_matmul import _HAS_WS, TensorDescriptor, _cuda_props, _device_key, _tile_coords
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -75,17 +75,6 @@ def head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> Hea
     return _head_config(H, V, dtype, _device_key(device))
 
 
-@triton.jit
-def _group_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
 @triton.jit(do_not_specialize=["T", "n_split"])
 def _head_kernel(
     h_ptr,
@@ -116,7 +105,7 @@ def _head_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m, sid = _group_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
+    pid_m, sid = _tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
     rows64 = rows.to(tl.int64)
