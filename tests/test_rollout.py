@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import rlexact
+from rlexact.distributed import gathered_params
 from rlexact.rollout import Completion, Generator, GeneratorConfig, SamplingParams
 from rlexact.rollout import sampler as S
-from rlexact.rollout.distributed import gathered_parameters
 
 
 def make_model(
@@ -333,8 +333,8 @@ def test_generator_exactifies_and_config(qwen):
             GeneratorConfig(**bad)
 
 
-def test_gathered_parameters_is_noop_without_fsdp(qwen):
-    with gathered_parameters(qwen) as mods:
+def test_gathered_params_is_noop_without_fsdp(qwen):
+    with gathered_params(qwen) as mods:
         assert mods == []
 
 

@@ -115,27 +115,59 @@ def fsdp_call(model: nn.Module, fn: Callable[[], T]) -> T:
     return fn()
 
 
+_GATHERED_ATTR = "_rlexact_params_gathered"
+
+
+def _reshard_setting(module: nn.Module) -> bool | tuple:
+    """What to restore after a gather: the setting :func:`apply_fsdp` recorded, else FSDP2's own post-forward
+    mesh info (a module sharded by the user with its own ``reshard_after_forward``)."""
+    recorded = getattr(module, _RESHARD_ATTR, None)
+    if recorded is not None:
+        return bool(recorded)
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - FSDP2 internals; fall back to fully_shard's default
+        return True
+    return True if group is None else ("mesh_info", group.post_forward_mesh_info)
+
+
+def _restore_reshard_setting(module: nn.Module, saved: bool | tuple) -> None:
+    if isinstance(saved, tuple):
+        module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info = saved[1]  # type: ignore[attr-defined]
+    else:
+        module.set_reshard_after_forward(saved, recurse=False)  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
-def gathered_params(model: nn.Module) -> Iterator[None]:
-    """Keep every parameter of an FSDP2 ``model`` gathered inside the block (no-op without FSDP).
+def gathered_params(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Keep every parameter of an FSDP2 ``model`` gathered inside the block; yields the FSDP modules (``[]``, a
+    no-op, without FSDP).
 
     Each rank issues exactly one all-gather per FSDP module on entry, so the block may run any number of forwards
-    (e.g. decode steps) without per-forward collectives. Use it for no-grad work only.
+    (e.g. decode steps of a generate call, which differ across ranks) without per-forward collectives; on exit
+    (``finally``) the previous reshard settings are restored and ``reshard()`` frees the full parameters. Every rank
+    must enter and leave together. Reentrant: a nested block (the generator inside the module's rollout) reuses the
+    outer gather. Use it for no-grad work only. Per-rank compute is unchanged by FSDP (DESIGN §2.5), so exactness
+    holds on every rank.
     """
     mods = fsdp_modules(model)
-    if not mods:
-        yield
+    if not mods or model.__dict__.get(_GATHERED_ATTR, False):  # no FSDP, or an enclosing block holds the gather
+        yield mods
         return
-    for m in mods:
-        m.set_reshard_after_forward(False, recurse=False)
+    saved = [(m, _reshard_setting(m)) for m in mods]
+    model.__dict__[_GATHERED_ATTR] = True
     try:
         for m in mods:
-            m.unshard()
-        yield
-    finally:
+            m.set_reshard_after_forward(False, recurse=False)  # type: ignore[attr-defined]
         for m in mods:
-            m.reshard()
-            m.set_reshard_after_forward(bool(getattr(m, _RESHARD_ATTR, True)), recurse=False)
+            m.unshard()  # type: ignore[attr-defined]
+        yield mods
+    finally:
+        model.__dict__[_GATHERED_ATTR] = False
+        for m, setting in saved:
+            _restore_reshard_setting(m, setting)
+        for m in mods:
+            m.reshard()  # type: ignore[attr-defined]
 
 
 def reduce_scalars(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:

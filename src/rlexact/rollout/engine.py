@@ -9,10 +9,10 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
+from rlexact.distributed import gathered_params
 from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.distributed import gathered_parameters
 from rlexact.rollout.params import Completion, SamplingParams
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
 from rlexact.rollout.scheduler import Scheduler
@@ -44,7 +44,8 @@ class Generator:
     controlled training-inference-mismatch baseline.
 
     FSDP2: if submodules are ``fully_shard`` modules, full parameters are gathered once per ``generate``/``score``
-    call (see :func:`rlexact.rollout.distributed.gathered_parameters`); call it on every rank with the same arguments.
+    call (:func:`rlexact.distributed.gathered_params`, a no-op inside an enclosing gather); call it on every rank
+    with the same arguments.
 
     The KV cache is allocated at the start of each call and freed at its end (``keep_kv_cache=True`` keeps it, and
     the captured CUDA graphs, while the dtype, device and size still fit). ``stats`` holds counters of the last call.
@@ -284,7 +285,7 @@ class Generator:
         cache = runner = None
         bar = None
         try:
-            with gathered_parameters(model), use_kernels(model, cfg.kernels):
+            with gathered_params(model), use_kernels(model, cfg.kernels):
                 lm_head_weight(model)  # fail early on models without a bias-free lm head
                 embed = model.get_input_embeddings().weight
                 device, dtype = embed.device, embed.dtype
