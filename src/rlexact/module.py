@@ -549,12 +549,17 @@ class RLModule(L.LightningModule):
     def score_batch(self, batch: RolloutBatch, model: nn.Module | None = None) -> torch.Tensor:
         """No-grad trainer log-probs ``[T]`` of ``batch`` under ``model`` (default: the policy), in chunks of
         ``micro_batch_size`` (else ``mini_batch_size``) sequences; every parameter gathered once under FSDP."""
-        model = self.model if model is None else model
         chunk = self.algo.micro_batch_size or self.algo.mini_batch_size
+        return self._score_chunks(batch, self.model if model is None else model, self._chunks(batch.num_seqs, chunk))
+
+    @torch.no_grad()
+    def _score_chunks(self, batch: RolloutBatch, model: nn.Module, chunks: list[list[int]]) -> torch.Tensor:
+        """Detached log-probs ``[T]`` of ``batch`` under ``model``, one packed forward per chunk of sequence
+        indices (consecutive, covering the batch)."""
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
         cu = batch.cu_seqlens.long()
         with gathered_params(model):
-            for idx in self._chunks(batch.num_seqs, chunk):
+            for idx in chunks:
                 sub = batch.select(idx)
                 lp = self._call_fsdp(model, lambda sub=sub: self._logprobs(model, sub, with_entropy=False)[0])
                 out[int(cu[idx[0]]) : int(cu[idx[-1] + 1])] = lp
@@ -733,7 +738,7 @@ class RLModule(L.LightningModule):
             for cb in hooks:
                 cb.on_rl_minibatch(self.trainer, self, mb, logp.detach(), epoch, step)
         elif hooks:
-            detached = self.score_batch_chunks(mb, micros)
+            detached = self._score_chunks(mb, self.model, micros)
             for cb in hooks:
                 cb.on_rl_minibatch(self.trainer, self, mb, detached, epoch, step)
 
@@ -780,17 +785,6 @@ class RLModule(L.LightningModule):
         sched = self.lr_schedulers()
         if sched is not None:
             (sched[0] if isinstance(sched, list) else sched).step()
-
-    def score_batch_chunks(self, mb: RolloutBatch, micros: list[list[int]]) -> torch.Tensor:
-        """Detached current-policy log-probs ``[T]`` of ``mb`` computed micro-batch by micro-batch (no grad)."""
-        out = torch.zeros(mb.num_tokens, dtype=torch.float32, device=mb.input_ids.device)
-        cu = mb.cu_seqlens.long()
-        with torch.no_grad(), gathered_params(self.model):
-            for idx in micros:
-                sub = mb.select(idx)
-                lp = self._call_fsdp(self.model, lambda sub=sub: self._logprobs(self.model, sub, with_entropy=False)[0])
-                out[int(cu[idx[0]]) : int(cu[idx[-1] + 1])] = lp
-        return out
 
     @staticmethod
     def _seq_valid(batch: RolloutBatch) -> torch.Tensor:

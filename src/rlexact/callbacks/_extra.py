@@ -13,16 +13,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rlexact.callbacks.functional import _BIT_VIEWS
+
 __all__ = ["InjectionTarget", "first_bitwise_mismatch", "keyed_normal", "keyed_seed", "perturb_logprobs"]
 
 InjectionTarget = Literal["logprobs", "logits"]
-
-_INT_VIEWS = {
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-    torch.float32: torch.int32,
-    torch.float64: torch.int64,
-}
 
 
 def first_bitwise_mismatch(a: Tensor, b: Tensor, mask: Tensor) -> tuple[int, int | None]:
@@ -34,9 +29,9 @@ def first_bitwise_mismatch(a: Tensor, b: Tensor, mask: Tensor) -> tuple[int, int
     """
     if a.shape != b.shape or a.shape != mask.shape or a.dim() != 1:
         raise ValueError(f"shapes must be equal and 1-D: {tuple(a.shape)}, {tuple(b.shape)}, {tuple(mask.shape)}")
-    if a.dtype != b.dtype or a.dtype not in _INT_VIEWS:
+    if a.dtype != b.dtype or a.dtype not in _BIT_VIEWS:
         raise ValueError(f"need two floating tensors of one dtype, got {a.dtype} and {b.dtype}")
-    view = _INT_VIEWS[a.dtype]
+    view = _BIT_VIEWS[a.dtype]
     differ = mask & (a.detach().contiguous().view(view) != b.detach().contiguous().view(view))
     count = int(differ.sum())
     if count == 0:
