@@ -33,15 +33,16 @@ Under ``TRITON_INTERPRET=1`` (CPU) the dots of 16-bit inputs are upcast to fp32 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreter_enabled
+
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreter_enabled()
 _LOG2E = math.log2(math.e)
 _SCAN = 128
 """Sequences examined per step when a program looks up which sequence its tile belongs to."""

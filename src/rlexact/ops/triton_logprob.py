@@ -27,16 +27,16 @@ chunks in L2 (speed only; the order does not affect any value).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreter_enabled
 from .triton_matmul import _HAS_WS, TensorDescriptor, _cuda_props, _device_key, _tile_coords
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreter_enabled()
 
 
 @dataclass(frozen=True)

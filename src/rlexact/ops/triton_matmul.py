@@ -59,12 +59,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreter_enabled
+
 try:  # triton >= 3.3: host-side tensor descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - old triton
     TensorDescriptor = None
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreter_enabled()
 _HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 USE_ROW_TILE_VARIANTS = os.environ.get("RLEXACT_MATMUL_SINGLE_TILE", "0") != "1"

@@ -12,15 +12,14 @@ result depends on that element only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreter_enabled
 from .triton_matmul import cast_out
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreter_enabled()
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 MAX_NORM_BLOCK = 8192
