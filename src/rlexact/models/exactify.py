@@ -86,47 +86,21 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
 
 
-def _patch(state: ExactState, module: nn.Module, fn: Callable) -> None:
-    state.original_forwards.append((module, module.forward))
-    module.forward = fn  # type: ignore[method-assign]
+def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
+    """Replace ``module.forward`` by a switch: ``exact_forward`` in exact mode, the original forward in native
+    mode (the original is kept for ``exactify(model, enabled=False)``)."""
+    orig = module.forward
+    state.original_forwards.append((module, orig))
+
+    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> object:
+        return exact_forward(*args, **kwargs) if state.exact else orig(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
 
 
-def _linear_forward(state: ExactState, m: nn.Linear) -> Callable:
-    orig = m.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not state.exact:
-            return orig(x)
-        return ops.linear(x, m.weight, m.bias)
-
-    return forward
-
-
-def _norm_forward(state: ExactState, m: nn.Module) -> Callable:
-    orig = m.forward
-    eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not state.exact:
-            return orig(x)
-        return ops.rms_norm(x, m.weight, eps)
-
-    return forward
-
-
-def _mlp_forward(state: ExactState, m: nn.Module) -> Callable:
-    orig = m.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not state.exact:
-            return orig(x)
-        return m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x)))
-
-    return forward
-
-
-def _rotary_forward(state: ExactState, m: nn.Module, max_positions: int) -> Callable:
-    orig = m.forward
+def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> Callable:
+    """Exact rotary forward: ``(cos, sin)`` gathered from one fp32 table over ``[0, max_positions)`` per device,
+    built once with the stock forward, so a position's values never depend on the shape of the call."""
 
     def table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in state.rope_tables:
@@ -138,8 +112,6 @@ def _rotary_forward(state: ExactState, m: nn.Module, max_positions: int) -> Call
         return state.rope_tables[device]
 
     def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not state.exact:
-            return orig(x, position_ids)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and int(position_ids.max()) >= max_positions:
             raise ValueError(
@@ -186,13 +158,14 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     max_pos = int(model.config.max_position_embeddings)
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            _patch(state, m, _linear_forward(state, m))
+            _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
         elif _is_rmsnorm(m):
-            _patch(state, m, _norm_forward(state, m))
+            eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
+            _patch(state, m, lambda x, m=m, eps=eps: ops.rms_norm(x, m.weight, eps))
         elif _is_gated_mlp(m):
-            _patch(state, m, _mlp_forward(state, m))
+            _patch(state, m, lambda x, m=m: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))
         elif type(m).__name__.endswith("RotaryEmbedding"):
-            _patch(state, m, _rotary_forward(state, m, max_pos))
+            _patch(state, m, _rope_from_table(state, m.forward, max_pos))
         if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
             m.__dict__[_STATE_ATTR] = state
     model.__dict__[_STATE_ATTR] = state
