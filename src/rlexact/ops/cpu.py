@@ -174,13 +174,12 @@ def _attend(
         l_i = torch.zeros((gsz, hq, bm), dtype=f32, device=dev)
         acc = torch.zeros((gsz, hq, bm, d), dtype=f32, device=dev)
         for j in range(max(n_tiles)):
-            kt = torch.stack(
-                [kf[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
-                + [zero_tile] * (gsz - len(grp))
-            )
-            vt = torch.stack(
-                [vf[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
-                + [zero_tile] * (gsz - len(grp))
+            kt, vt = (
+                torch.stack(
+                    [src[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
+                    + [zero_tile] * (gsz - len(grp))
+                )
+                for src in (kf, vf)
             )
             kpos = j * bn + offs
             scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
