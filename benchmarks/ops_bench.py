@@ -25,7 +25,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import platform
 import sys
 import traceback
 from pathlib import Path
@@ -34,6 +33,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from rlexact.envinfo import library_versions  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -56,17 +57,6 @@ def _bench_graph(fn, rep: int = 50) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            out[mod] = f"unavailable: {e!r}"
-    out["cuda"] = torch.version.cuda
-    return out
 
 
 def bench_matmul(quick: bool) -> dict:
@@ -317,7 +307,7 @@ def main() -> None:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "versions": _versions(),
+        "versions": {**library_versions("triton", "transformers"), "cuda": torch.version.cuda},
         "notes": "ratio = native_ms / exact_ms (> 1: exact faster). do_bench medians; bf16 unless stated.",
     }
     sections = {

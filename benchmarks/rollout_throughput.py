@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import rlexact  # noqa: E402
+from rlexact.envinfo import library_versions  # noqa: E402
 from rlexact.rollout import Generator, SamplingParams  # noqa: E402
 
 
@@ -118,16 +119,6 @@ def spot_check(model, outs, k: int = 4) -> dict:
     return {"completions": len(sub), "all_bitwise_equal": all(equal), "max_abs_diff": max(diffs)}
 
 
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "transformers"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001
-            out[name] = f"unavailable: {exc}"
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 64 256; tiny: 4 16)")
@@ -156,7 +147,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": versions(),
+        "versions": library_versions("triton", "transformers"),
         "setup": {
             "model": "tiny Qwen3" if args.tiny else "Qwen3-1.7B shape (random init)",
             "dtype": str(dtype).replace("torch.", ""),

@@ -29,7 +29,6 @@ import importlib.resources
 import json
 import os
 import platform
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,6 +38,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+from rlexact.envinfo import library_versions
 
 __all__ = [
     "DemoConfig",
@@ -454,7 +455,7 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
         "tensorboard": os.path.abspath(logger.log_dir),
         "config": asdict(cfg),
         "threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "versions": library_versions("lightning", "transformers"),
         "machine": platform.machine(),
     }
     with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
@@ -509,18 +510,6 @@ def _describe_model(model) -> str:
     return (
         f"{type(model).__name__} ({params / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden {c.hidden_size})"
     )
-
-
-def _versions() -> dict[str, str]:
-    import lightning
-    import transformers
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def _as_config(args: Any) -> DemoConfig:

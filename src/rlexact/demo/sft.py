@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from rlexact.demo.task import ArithmeticTask
 from rlexact.demo.tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
+from rlexact.envinfo import library_versions
 
 __all__ = [
     "SFTConfig",
@@ -308,19 +309,13 @@ def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
             "train_seconds": round(train_s, 1),
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "eval": metrics,
-            "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+            "versions": library_versions("transformers"),
             "machine": platform.machine(),
         }
         return model, tokenizer, report
     finally:
         torch.use_deterministic_algorithms(previous_det)
         torch.set_num_threads(previous_threads)
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def save_checkpoint(model, tokenizer, report: dict, out: str | os.PathLike) -> str:
