@@ -46,7 +46,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal
 
@@ -575,10 +575,6 @@ class RLModule(L.LightningModule):
 
     def training_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One rollout step (see the module docstring). Returns None (manual optimization)."""
-        with _default_dtype(torch.float32):
-            self._training_step(batch)
-
-    def _training_step(self, batch: list[dict]) -> None:
         items = batch
         prompts = self._check_prompts(items)
         n = self.rollout_cfg.n
@@ -869,10 +865,6 @@ class RLModule(L.LightningModule):
 
     def validation_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One sample per prompt at the rollout temperature; logs ``val/reward`` (epoch mean) and response length."""
-        with _default_dtype(torch.float32):
-            self._validation_step(batch)
-
-    def _validation_step(self, batch: list[dict]) -> None:
         prompts = self._check_prompts(batch)
         params = self.sampling_params(n=1)
         completions = self.generate(prompts, params)
@@ -891,18 +883,6 @@ class RLModule(L.LightningModule):
         self.log(
             "val/response_length", lengths.mean(), on_step=False, on_epoch=True, batch_size=len(batch), sync_dist=sync
         )
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Run with ``dtype`` as torch's default dtype. Lightning's ``*-true`` precisions set the default dtype to the
-    half type during the step; the rollout, the kernels and the loss bookkeeping allocate fp32 tensors by default."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class _Stats:
