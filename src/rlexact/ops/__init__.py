@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
 from .autograd import AttentionVarlenFn, MatmulFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 
@@ -175,6 +174,3 @@ def write_kv(
     vc = v_cache.view(-1, *v_cache.shape[2:])
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
     vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
-
-
-del cpu
