@@ -8,6 +8,10 @@ ratios exact/native and exact/hf_generate, generator stats, and an exactness spo
 
     python benchmarks/rollout_throughput.py                 # the H200 benchmark (~4-6 min)
     python benchmarks/rollout_throughput.py --tiny          # CPU smoke run with a tiny config (< 1 min)
+    python benchmarks/rollout_throughput.py --profile 32    # also profile 32 exact decode steps per batch
+
+``--profile N`` runs one more exact ``generate`` of N new tokens per batch under ``torch.profiler`` and stores the GPU
+time per kernel (top kernels and per-category totals, per decode step) under ``results[batch]["profile"]``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,57 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins
+    ("matmul", ("_mm_", "gemm", "sm90_xmma", "cutlass", "nvjet")),
+    ("attention", ("attn", "flash", "fmha")),
+    ("lm_head_logprob", ("logprob", "lm_head", "_lse", "_head_")),
+    ("sampler", ("sample", "gumbel", "argmax")),
+    ("norm", ("norm",)),
+    ("silu_mul", ("silu",)),
+    ("rotary_kv_write", ("rotary", "rope", "write_kv", "_kv_")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_decode(gen: Generator, prompts, args, device) -> dict:
+    """GPU time per kernel of one exact ``generate`` with ``args.profile`` new tokens (decode dominated)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=args.profile, temperature=1.0, seed=2, ignore_eos=True)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen.generate(prompts, params)
+        sync(device)
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(ev.name, [0.0, 0])
+            entry[0] += ev.device_time_total / 1e3
+            entry[1] += 1
+    steps = int(gen.stats.get("steps", 0)) or 1
+    total = sum(v[0] for v in kernels.values())
+    cats: dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    return {
+        "new_tokens": args.profile,
+        "steps": steps,
+        "wall_s": gen.stats.get("elapsed_s"),
+        "gpu_ms_total": total,
+        "gpu_ms_per_step": total / steps,
+        "category_ms_per_step": {k: v / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": n[:160], "ms_total": ms, "calls": c, "category": kernel_category(n)} for n, (ms, c) in top
+        ],
+        "generator_stats": {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool))},
+    }
+
+
 def run_rlexact(model, kernels: str, prompts, args, device) -> tuple[dict, list]:
     gen = Generator(
         model,
@@ -80,7 +135,13 @@ def run_rlexact(model, kernels: str, prompts, args, device) -> tuple[dict, list]
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     stats = {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}, outs
+    res = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}
+    if args.profile and kernels == "exact":
+        try:
+            res["profile"] = profile_decode(gen, prompts, args, device)
+        except Exception:  # noqa: BLE001
+            res["profile_error"] = traceback.format_exc()
+    return res, outs
 
 
 def run_hf(model, prompts, args, device) -> dict:
@@ -128,6 +189,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
     ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
+    ap.add_argument("--profile", type=int, default=0, help="profile an exact generate of N new tokens per batch")
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
     args = ap.parse_args()
@@ -156,6 +218,7 @@ def main() -> int:
             "batches": args.batches,
             "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
             "cuda_graphs": not args.no_graphs,
+            "profile_new_tokens": args.profile,
         },
         "results": {},
         "errors": {},

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 -x ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
 fi
 if [[ $what == bench || $what == all ]]; then
   for b in ${BENCHES:-benchmarks/ops_bench.py benchmarks/rollout_throughput.py}; do

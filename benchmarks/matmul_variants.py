@@ -1,0 +1,110 @@
+"""Sweep of bitwise-equivalent row-tile variants of the exact matmul for small M (decode) on one GPU.
+
+    python benchmarks/matmul_variants.py [--out benchmarks/results/matmul_variants_h200.json]
+
+For each Qwen3-1.7B projection shape and M in 1, 16, 64, 128, 256, every candidate configuration is (1) checked
+bitwise against the static large-M configuration on the same rows (a variant that changes any bit is marked
+``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records
+every candidate, the fastest bitwise-equal one per (shape, M), and the configuration the library picks today.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ops_bench import QWEN_SHAPES, _bench_graph  # noqa: E402
+from rlexact.envinfo import library_versions  # noqa: E402
+from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config  # noqa: E402
+
+MS = [1, 16, 64, 128, 256]
+
+
+def candidates(m: int) -> list[MatmulConfig]:
+    out = []
+    if m <= 64:
+        for bn, bk, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 6), (4,)):
+            if bk * stages * (64 + bn) * 2 > 200_000:  # shared memory of the pipeline (x and w tiles, bf16)
+                continue
+            out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=warps, num_stages=stages))
+    else:
+        for bn, bk, stages in itertools.product((64, 128), (64, 128), (3, 5)):
+            if bk * stages * (64 + bn) * 2 > 200_000:
+                continue
+            out.append(MatmulConfig("tma", 64, bn, bk, num_warps=4, num_stages=stages, device_desc=True))
+            out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=4, num_stages=stages))
+    return out
+
+
+def sweep_shape(n: int, k: int) -> list[dict]:
+    dev = torch.device("cuda")
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    x_all = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
+    ref_all = matmul_with_config(x_all, w, static_config(n, k, torch.bfloat16, dev))
+    rows = []
+    for m in MS:
+        x = x_all[1000 : 1000 + m].contiguous()
+        ref = ref_all[1000 : 1000 + m]
+        t_mm = _bench_graph(lambda x=x: torch.mm(x, w.T))
+        current = config_for(m, n, k, torch.bfloat16, dev)
+        entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
+        for cfg in candidates(m) + [current]:
+            c = {"config": repr(cfg)}
+            try:
+                c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
+                c["graph_ms"] = _bench_graph(lambda x=x, cfg=cfg: matmul_with_config(x, w, cfg))
+                c["ratio_vs_mm"] = t_mm / c["graph_ms"]
+            except Exception as e:  # noqa: BLE001
+                c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entry["candidates"].append(c)
+        ok = [c for c in entry["candidates"] if c.get("bitwise") and "graph_ms" in c]
+        if ok:
+            best = min(ok, key=lambda c: c["graph_ms"])
+            entry["best"] = best
+        entry["current_result"] = entry["candidates"][-1]
+        print(
+            f"[matmul_variants] N={n} K={k} M={m}: mm {t_mm * 1e3:.1f} us, current "
+            f"{entry['current_result'].get('graph_ms', float('nan')) * 1e3:.1f} us, best "
+            f"{entry.get('best', {}).get('graph_ms', float('nan')) * 1e3:.1f} us {entry.get('best', {}).get('config')}",
+            flush=True,
+        )
+        rows.append(entry)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_variants_h200.json"))
+    args = ap.parse_args()
+    result: dict = {
+        "benchmark": "matmul_variants",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "versions": library_versions("triton"),
+        "timing": "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)",
+        "shapes": {},
+        "errors": {},
+    }
+    for name, (n, k) in QWEN_SHAPES.items():
+        try:
+            result["shapes"][name] = sweep_shape(n, k)
+        except Exception:  # noqa: BLE001
+            result["errors"][name] = traceback.format_exc()
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
