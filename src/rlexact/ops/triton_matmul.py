@@ -36,9 +36,12 @@ Row-tile variants and measurements (H200, triton 3.6, bf16, Qwen3-1.7B projectio
 ratio = cuBLAS time / ours; all variants below were checked bitwise identical to each other on every shape):
 
 * M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles exist
-  (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 (64 when
-  BN = 16), 4 warps: 0.56-0.96x. TMA with such narrow tiles was slower (0.15-0.5x).
-* 64 < M <= 256: persistent TMA, 64 x 128 x 64, 4 warps, device-side descriptors: ~0.6-0.7x.
+  (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for BN = 32
+  and 64 otherwise, 6 stages for BN = 64: 0.64-0.97x (``benchmarks/matmul_variants.py`` swept BN 16/32/64 x BK
+  64/128/256 x 4/6 stages; BK = 256 did not speed up the BN = 16 ``down`` projection, 14.7 us vs 14.6 us).
+  TMA with such narrow tiles was slower (0.15-0.5x).
+* 64 < M <= 256: persistent TMA, 4 warps, device-side descriptors, 64 x 128 x 64, or 64 x 64 x 128 when N is too
+  small for ~one 64 x 128 tile per SM at M = 256: ~0.65-0.8x.
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages: ~0.9x at M = 1024.
 * M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves: 0.91-1.03x.
 * ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
@@ -157,8 +160,12 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     bn = _decode_bn(N, sms)
     # All four are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
-    decode = MatmulConfig("ptr", 64, bn, 64 if bn == 16 else 128, num_warps=4, num_stages=4)
-    small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5, device_desc=True)
+    # benchmarks/results/matmul_variants_h200.json: BK 64 for BN 16 / 64 (6 stages for 64), BK 128 for BN 32.
+    decode = MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
+    if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
+        small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, device_desc=True)
+    else:
+        small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5, device_desc=True)
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
     return ((64, decode), (256, small), (2048, mid), (None, base))
 
