@@ -10,8 +10,9 @@ ratios exact/native and exact/hf_generate, generator stats, and an exactness spo
     python benchmarks/rollout_throughput.py --tiny          # CPU smoke run with a tiny config (< 1 min)
     python benchmarks/rollout_throughput.py --profile 32    # also profile 32 exact decode steps per batch
 
-``--profile N`` runs one more exact ``generate`` of N new tokens per batch under ``torch.profiler`` and stores the GPU
-time per kernel (top kernels and per-category totals, per decode step) under ``results[batch]["profile"]``.
+``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
+and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
+``results[batch]["exact"]["profile"]``.
 """
 
 from __future__ import annotations
@@ -82,38 +83,52 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def profile_decode(gen: Generator, prompts, args, device) -> dict:
-    """GPU time per kernel of one exact ``generate`` with ``args.profile`` new tokens (decode dominated)."""
+def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dict[str, list[float]], float]:
+    """``({kernel: [gpu_ms, calls]}, wall_s)`` of one profiled exact ``generate`` with ``new_tokens`` new tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_new_tokens=args.profile, temperature=1.0, seed=2, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=2, ignore_eos=True)
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         gen.generate(prompts, params)
         sync(device)
+        wall = time.perf_counter() - t0
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             entry = kernels.setdefault(ev.name, [0.0, 0])
             entry[0] += ev.device_time_total / 1e3
             entry[1] += 1
-    steps = int(gen.stats.get("steps", 0)) or 1
-    total = sum(v[0] for v in kernels.values())
+    return kernels, wall
+
+
+def profile_decode(gen: Generator, prompts, args, device) -> dict:
+    """GPU time per decode step and kernel: two profiled exact ``generate`` calls with 4 and ``4 + args.profile`` new
+    tokens (same prompts, so the same prefill and graph captures); their difference divided by ``args.profile`` is
+    the cost of one decode step, with the prefill and warm-up removed."""
+    short, wall_short = _kernel_times(gen, prompts, 4, device)
+    long, wall_long = _kernel_times(gen, prompts, 4 + args.profile, device)
+    steps = args.profile
+    per_step = {n: ((long[n][0] - short.get(n, [0.0, 0])[0]) / steps, (long[n][1] - short.get(n, [0, 0])[1]) / steps)
+                for n in long}  # fmt: skip
     cats: dict[str, float] = {}
-    for name, (ms, _) in kernels.items():
+    for name, (ms, _) in per_step.items():
         cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
+    gpu_ms = sum(v[0] for v in per_step.values())
+    wall_ms = (wall_long - wall_short) / steps * 1e3
     return {
-        "new_tokens": args.profile,
-        "steps": steps,
-        "wall_s": gen.stats.get("elapsed_s"),
-        "gpu_ms_total": total,
-        "gpu_ms_per_step": total / steps,
-        "category_ms_per_step": {k: v / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [
-            {"name": n[:160], "ms_total": ms, "calls": c, "category": kernel_category(n)} for n, (ms, c) in top
+        "decode_steps": steps,
+        "wall_ms_per_decode_step": wall_ms,
+        "gpu_kernel_ms_per_decode_step": gpu_ms,
+        "gpu_busy_fraction": gpu_ms / wall_ms if wall_ms > 0 else None,
+        "kernel_launches_per_decode_step": sum(v[1] for v in per_step.values()),
+        "category_ms_per_decode_step": {k: v for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels_per_decode_step": [
+            {"name": n[:160], "ms": ms, "calls": c, "category": kernel_category(n)} for n, (ms, c) in top
         ],
-        "generator_stats": {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool))},
+        "note": "profiler-on timings; kernel durations from CUPTI (CUDA-graph replays included)",
     }
 
 

@@ -1,7 +1,7 @@
 """Triton-interpreter checks of the exact kernels (run by tests/test_triton_kernels.py in a subprocess).
 
 ``TRITON_INTERPRET=1`` must be set before ``triton`` is imported, so this runs as its own process:
-``TRITON_INTERPRET=1 python tests/_interp_kernels.py [matmul|norm|logprob ...]``. Every check asserts; any failure
+``TRITON_INTERPRET=1 python tests/_interp_kernels.py [matmul|norm|logprob|rope ...]``. Every check asserts; any failure
 exits non-zero. Shapes are tiny (the interpreter executes every program in Python).
 """
 
@@ -19,6 +19,7 @@ from rlexact.ops import cpu, reference  # noqa: E402
 from rlexact.ops import triton_logprob as tlp  # noqa: E402
 from rlexact.ops import triton_matmul as tmm  # noqa: E402
 from rlexact.ops import triton_norm as tnorm  # noqa: E402
+from rlexact.ops import triton_rope as trope  # noqa: E402
 
 torch.manual_seed(1234)
 
@@ -140,6 +141,33 @@ def check_norm() -> None:
     print("norm ok")
 
 
+def check_rope() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        for norm in (True, False):
+            for hq, hk, d in ((4, 2, 16), (3, 3, 24)):
+                t = 12
+                q, k = (torch.randn(t, hq, d) * 2).to(dtype), (torch.randn(t, hk, d) * 2).to(dtype)
+                ang = torch.rand(t, d // 2) * 50
+                cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+                qw = torch.rand(d).add(0.5).to(dtype) if norm else None
+                kw = torch.rand(d).add(0.5).to(dtype) if norm else None
+                qo, ko = trope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+                cq, ck = cpu.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                for got, twin, x, w in ((qo, cq, q, qw), (ko, ck, k, kw)):
+                    ref = reference.norm_rope(
+                        x.double(), cos.double(), sin.double(), None if w is None else w.double(), 1e-6
+                    )
+                    assert (got.double() - ref).norm() / ref.norm() < tol, (dtype, norm, hq, d)
+                    torch.testing.assert_close(got.float(), twin.float(), rtol=tol, atol=tol)
+                for i in range(t):
+                    q1, k1 = trope.qk_norm_rope(
+                        q[i : i + 1], k[i : i + 1], cos[i : i + 1], sin[i : i + 1], qw, kw, 1e-6
+                    )
+                    assert torch.equal(q1, qo[i : i + 1]) and torch.equal(k1, ko[i : i + 1]), f"rope row {i} differs"
+    print("rope ok")
+
+
 def check_logprob() -> None:
     cases = [(6, 40, 37, 1.0), (9, 64, 300, 0.7), (5, 24, 1000, 1.3)]  # tiny vocab, several splits, larger vocab
     for t, h, v, temp in cases:
@@ -193,7 +221,7 @@ def check_logprob() -> None:
     print("logprob ok")
 
 
-CHECKS = {"matmul": check_matmul, "norm": check_norm, "logprob": check_logprob}
+CHECKS = {"matmul": check_matmul, "norm": check_norm, "logprob": check_logprob, "rope": check_rope}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CHECKS)

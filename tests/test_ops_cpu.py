@@ -56,6 +56,58 @@ def test_rms_norm(dtype: torch.dtype, h: int) -> None:
     assert rel_err(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x.double(), w.double(), 1e-6)) < TOL[dtype]
 
 
+def rope_inputs(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int, norm: bool = True):
+    """Random q, k, HF-style fp32 cos/sin (``cat(freqs, freqs)``) and (optionally) norm weights."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(t, hq, d, generator=g) * 2).to(dtype)
+    k = (torch.randn(t, hk, d, generator=g) * 2).to(dtype)
+    ang = torch.rand(t, d // 2, generator=g) * 100
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    qw = torch.rand(d, generator=g).add(0.5).to(dtype) if norm else None
+    kw = torch.rand(d, generator=g).add(0.5).to(dtype) if norm else None
+    return q, k, cos, sin, qw, kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("shape", [(4, 2, 16), (6, 2, 64), (3, 3, 24)])
+def test_qk_norm_rope(dtype: torch.dtype, norm: bool, shape: tuple[int, int, int]) -> None:
+    hq, hk, d = shape
+    q, k, cos, sin, qw, kw = rope_inputs(64, hq, hk, d, dtype, sum(shape), norm)
+
+    def both(i: slice | list[int]) -> torch.Tensor:
+        qo, ko = ops.qk_norm_rope(q[i], k[i], cos[i], sin[i], qw, kw, 1e-6)
+        return torch.cat([qo.flatten(1), ko.flatten(1)], 1)
+
+    singles = torch.cat([both(slice(i, i + 1)) for i in range(64)])
+    for m in range(1, 65):
+        assert torch.equal(both(slice(0, m)), singles[:m]), f"batch size {m} differs from single-row results"
+    qo, ko = ops.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    for x, w, out in ((q, qw, qo), (k, kw, ko)):
+        ref = reference.norm_rope(x.double(), cos.double(), sin.double(), None if w is None else w.double(), 1e-6)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_qk_norm_rope_gradients_and_errors() -> None:
+    q, k, cos, sin, qw, kw = rope_inputs(9, 4, 2, 16, torch.float64, 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    qo, ko = ops.qk_norm_rope(leaves[0], leaves[1], cos, sin, leaves[2], leaves[3], 1e-6, backend="torch")
+    (qo.square().sum() + ko.sin().sum()).backward()
+    refs = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    rq = reference.norm_rope(refs[0], cos.double(), sin.double(), refs[2], 1e-6)
+    rk = reference.norm_rope(refs[1], cos.double(), sin.double(), refs[3], 1e-6)
+    (rq.square().sum() + rk.sin().sum()).backward()
+    for got, ref in zip(leaves, refs):
+        assert rel_err(got.grad, ref.grad) < 1e-6
+    with pytest.raises(ValueError, match="both q_weight and k_weight"):
+        ops.qk_norm_rope(q, k, cos, sin, qw, None)
+    with pytest.raises(ValueError, match="do not match"):
+        ops.qk_norm_rope(q, k[:3], cos, sin)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.qk_norm_rope(q, k, cos[:, :8], sin[:, :8])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
@@ -224,7 +276,12 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="temperature"):
         ops.token_logprobs(torch.randn(2, 4), torch.randn(7, 4), torch.tensor([0, 1]), 0.0)
     with pytest.raises(ValueError, match="kv heads"):
-        ops.attention_varlen(torch.randn(4, 3, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
-                             torch.tensor([0, 4], dtype=torch.int32), 1.0)
+        ops.attention_varlen(
+            torch.randn(4, 3, 8),
+            torch.randn(4, 2, 8),
+            torch.randn(4, 2, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            1.0,
+        )
     with pytest.raises(ValueError, match="unknown backend"):
         ops.matmul(torch.randn(3, 4), torch.randn(5, 4), backend="cuda")

@@ -32,7 +32,7 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("which", ["matmul", "norm", "logprob"])
+@pytest.mark.parametrize("which", ["matmul", "norm", "logprob", "rope"])
 def test_interpreter_kernels(which: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     src = str(ROOT / "src")
@@ -204,6 +204,35 @@ def test_gpu_silu_mul(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y, reference.silu_mul(gate, up), rtol=tol, atol=tol)
     assert torch.equal(triton_norm.silu_mul(gate[7:8], up[7:8])[0], y[7])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_gpu_qk_norm_rope(dtype: torch.dtype, norm: bool) -> None:
+    """Qwen3-1.7B heads (16 q / 8 kv, head_dim 128): float64 reference and bitwise row invariance, 1..64 rows."""
+    from rlexact.ops import reference, triton_rope
+
+    torch.manual_seed(5)
+    t, d = 300, 128
+    q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
+    k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
+    ang = torch.rand(t, d // 2, device=_dev()) * 4000
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    qo, ko = triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, x, w in ((qo, q, qw), (ko, k, kw)):
+        ref = reference.norm_rope(x.double(), cos.double(), sin.double(), None if w is None else w.double(), 1e-6)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < tol
+    for m in (1, 2, 7, 64):
+        for start in (0, 100, t - m):
+            qs, ks = triton_rope.qk_norm_rope(
+                q[start : start + m], k[start : start + m], cos[start : start + m], sin[start : start + m], qw, kw, 1e-6
+            )
+            assert torch.equal(qs, qo[start : start + m]) and torch.equal(ks, ko[start : start + m])
 
 
 def _head_inputs(t: int, h: int, v: int, dtype: torch.dtype, seed: int):

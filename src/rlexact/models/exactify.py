@@ -3,8 +3,9 @@
 * Attention: an ``AttentionInterface`` function named ``"rlexact"`` plus a matching ``AttentionMaskInterface``
   entry, selected through ``config._attn_implementation``. It reads :class:`~rlexact.models.metadata.AttnMetadata`
   from the forward kwargs.
-* ``nn.Linear``, RMSNorm, the gated MLP and the rotary embedding: instance ``forward`` replacements that dispatch on
-  the model's :class:`ExactState` (exact kernels, or the stock forward in ``"native"`` mode).
+* ``nn.Linear``, RMSNorm, the gated MLP, the rotary embedding and the attention layer (fused q/k-norm + rotary):
+  instance ``forward`` replacements that dispatch on the model's :class:`ExactState` (exact kernels, or the stock
+  forward in ``"native"`` mode).
 
 Nothing is copied: the generator and the trainer run this very module object. ``exactify(model, enabled=False)``
 removes every replacement and restores the original attention implementation.
@@ -123,6 +124,48 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
     return forward
 
 
+def _attention_forward(m: nn.Module, orig: Callable) -> Callable:
+    """Exact forward of a Qwen3 / Qwen2 / Llama attention layer: the projections, one fused q/k-norm + rotary kernel
+    (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, :func:`rlexact_attention`, and the output
+    projection. Calls with a transformers KV cache (``model.generate``) keep the stock layer code."""
+    q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+    eps = float(getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6)))
+
+    def forward(
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, None]:
+        if args or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return orig(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        input_shape = hidden_states.shape[:-1]
+        shape = (*input_shape, -1, m.head_dim)
+        q = m.q_proj(hidden_states).view(shape)
+        k = m.k_proj(hidden_states).view(shape)
+        v = m.v_proj(hidden_states).view(shape)
+        cos, sin = position_embeddings
+        qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+        q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
+        kwargs.setdefault("sliding_window", getattr(m, "sliding_window", None))
+        out, _ = rlexact_attention(
+            m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+            dropout=m.attention_dropout if m.training else 0.0, scaling=m.scaling, **kwargs,
+        )  # fmt: skip
+        return m.o_proj(out.reshape(*input_shape, -1)), None
+
+    return forward
+
+
+def _is_attention(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("Attention") and all(
+        isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+    )
+
+
 def _is_rmsnorm(m: nn.Module) -> bool:
     return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
 
@@ -166,6 +209,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
             _patch(state, m, lambda x, m=m: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))
         elif type(m).__name__.endswith("RotaryEmbedding"):
             _patch(state, m, _rope_from_table(state, m.forward, max_pos))
+        elif _is_attention(m):
+            _patch(state, m, _attention_forward(m, m.forward))
         if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
             m.__dict__[_STATE_ATTR] = state
     model.__dict__[_STATE_ATTR] = state

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import AttentionVarlenFn, MatmulFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
+from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "linear",
     "lm_head_logits",
     "matmul",
+    "qk_norm_rope",
     "resolve_backend",
     "rms_norm",
     "silu_mul",
@@ -54,6 +55,46 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | Non
         raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
     y = RMSNormFn.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, float(eps), resolve_backend(x, backend))
     return y.reshape(x.shape)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention prologue: optional per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``), then rotary embedding.
+
+    ``q [..., Hq, D]``, ``k [..., Hkv, D]`` with the same leading shape and dtype; ``cos, sin [..., D]`` (broadcast to
+    that leading shape, computed in fp32); ``q_weight, k_weight [D]`` both or neither. Returns rotated ``(q, k)`` in
+    the input dtype and shape. Row-local: a head's result depends only on that head, its position's ``cos``/``sin``
+    and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
+    """
+    lead, d = q.shape[:-2], q.shape[-1]
+    if k.shape[:-2] != lead or k.shape[-1] != d or k.dtype != q.dtype:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not match")
+    if d % 2:
+        raise ValueError(f"qk_norm_rope: head_dim must be even, got {d}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: pass both q_weight and k_weight or neither")
+    if q_weight is not None and (q_weight.shape != (d,) or k_weight.shape != (d,)):
+        shapes = f"{tuple(q_weight.shape)}, {tuple(k_weight.shape)}"
+        raise ValueError(f"qk_norm_rope: norm weights must be [{d}], got {shapes}")
+    if cos.shape != sin.shape or cos.shape[-1] != d:
+        raise ValueError(f"qk_norm_rope: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must end in head_dim {d}")
+    t = lead.numel()
+    c = cos.float().expand(*lead, d).reshape(t, d)
+    s = sin.float().expand(*lead, d).reshape(t, d)
+    qo, ko = QKNormRopeFn.apply(
+        q.reshape(t, *q.shape[-2:]), k.reshape(t, *k.shape[-2:]), c, s, q_weight, k_weight, float(eps),
+        resolve_backend(q, backend),
+    )  # fmt: skip
+    return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

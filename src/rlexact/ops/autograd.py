@@ -23,6 +23,8 @@ def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel funct
         from . import triton_matmul as mod
     elif name in ("rms_norm", "silu_mul"):
         from . import triton_norm as mod
+    elif name == "qk_norm_rope":
+        from . import triton_rope as mod
     elif name in ("token_logprobs", "lm_head_logits"):
         from . import triton_logprob as mod
     else:
@@ -61,6 +63,34 @@ class RMSNormFn(torch.autograd.Function):
             inputs = [t for t in (xr, wr) if t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad))
         return (next(grads) if xr.requires_grad else None, next(grads) if wr.requires_grad else None, None, None)
+
+
+class QKNormRopeFn(torch.autograd.Function):
+    """Forward: the fused kernel. Backward: autograd through :func:`reference.norm_rope` in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, qw, kw, eps: float, backend: Backend):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(q, k, cos, sin, qw, kw)
+        ctx.eps = eps
+        return _impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps)
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor):  # noqa: ANN001, ANN205
+        q, k, cos, sin, qw, kw = ctx.saved_tensors
+        want = ctx.needs_input_grad
+        grads: list[torch.Tensor | None] = [None] * 8
+        with torch.enable_grad():
+            for i, (x, w, g) in enumerate(((q, qw, gq), (k, kw, gk))):
+                xr = x.detach().float().requires_grad_(want[i])
+                wr = None if w is None else w.detach().float().requires_grad_(want[4 + i])
+                pairs = ((i, xr, x), (4 + i, wr, w))
+                leaves = [(j, t, src) for j, t, src in pairs if t is not None and t.requires_grad]
+                if not leaves or g is None:
+                    continue
+                out = reference.norm_rope(xr, cos.float(), sin.float(), wr, ctx.eps)
+                for (j, _, src), d in zip(leaves, torch.autograd.grad(out, [t for _, t, _ in leaves], g.float())):
+                    grads[j] = d.to(src.dtype)
+        return tuple(grads)
 
 
 class SiluMulFn(torch.autograd.Function):

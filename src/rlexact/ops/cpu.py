@@ -61,6 +61,42 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return out[:m]
 
 
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when weights are given) then rotary in fp32, cast once; see
+    :mod:`rlexact.ops.triton_rope`. ``q [T, Hq, D]``, ``k [T, Hkv, D]``, fp32 ``cos, sin [T, D]``."""
+    return (
+        _norm_rope_one(q, cos, sin, q_weight, eps),
+        _norm_rope_one(k, cos, sin, k_weight, eps),
+    )
+
+
+def _norm_rope_one(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    t, h, d = x.shape
+    if w is not None:
+        x = rms_norm(x.reshape(t * h, d), w.to(x.dtype), eps).reshape(t, h, d)
+    xp, m = _padded_blocks(x)
+    cp, _ = _padded_blocks(cos.float())
+    sp, _ = _padded_blocks(sin.float())
+    out = torch.empty(xp.shape, dtype=x.dtype, device=x.device)
+    half = d // 2
+    for s in range(0, xp.shape[0], ROW_BLOCK):
+        xf = xp[s : s + ROW_BLOCK].float()
+        c, sn = cp[s : s + ROW_BLOCK, None], sp[s : s + ROW_BLOCK, None]
+        rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        out[s : s + ROW_BLOCK] = (xf * c + rot * sn).to(x.dtype)
+    return out[:m]
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``(silu(gate32) * up32).to(gate.dtype)``: one cast at the end. ``gate, up [M, I]``."""
     gp, m = _padded_blocks(gate)

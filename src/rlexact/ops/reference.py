@@ -17,6 +17,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float):
+    """Per-head RMSNorm (when ``w`` is given) then rotary, all in the dtype of ``x`` (use float64 for a reference).
+    ``x [T, H, D]``, ``cos, sin [T, D]``."""
+    if w is not None:
+        x = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None].to(x.dtype) + rot * sin[:, None].to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``(silu(gate32) * up32).to(gate.dtype)``."""
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)

@@ -1,0 +1,141 @@
+"""Fused per-head RMSNorm (optional) + rotary embedding of the queries and keys of one attention layer, in Triton.
+
+One launch per layer replaces the ~12 small kernels of the stock path (two norms, and ``q * cos + rotate_half(q) *
+sin`` for q and k). Grid ``(T, 2)``: program ``(t, 0)`` rotates the ``Hq`` query heads of token ``t``, ``(t, 1)`` its
+``Hkv`` key heads, so a row's result depends on that row, its position's ``cos``/``sin`` and the weights only.
+
+Semantics (:func:`rlexact.ops.cpu.qk_norm_rope` is the CPU twin, :func:`rlexact.ops.reference.qk_norm_rope` the float64
+reference), per head row ``x [D]`` with halves ``x1, x2``:
+
+* norm (when weights are given): ``y = (w32 * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).to(dtype)``
+  (transformers RMSNorm when ``w`` has the input dtype), else ``y = x``;
+* rotary in fp32, cast once: ``out = (y32 * cos + rotate_half(y32) * sin).to(dtype)`` with
+  ``rotate_half(y) = [-y2, y1]`` and fp32 ``cos, sin [D]`` of the row's position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import interpreter_enabled
+from .triton_matmul import cast_out
+
+_INTERPRET = interpreter_enabled()
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _norm_rope_rows(
+    x_ptr,
+    o_ptr,
+    w_ptr,
+    c_ptr,
+    s_ptr,
+    t,
+    H,
+    HALF,
+    eps,
+    D_f,
+    BH: tl.constexpr,
+    BHALF: tl.constexpr,
+    NORM: tl.constexpr,
+    DTYPE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """Rows ``x[t, 0:H, :]`` (contiguous ``[T, H, 2 * HALF]``) -> ``o`` (same layout)."""
+    h = tl.arange(0, BH)[:, None]
+    c = tl.arange(0, BHALF)[None, :]
+    c_ok = c < HALF
+    m = (h < H) & c_ok
+    base = t * H * (2 * HALF) + h * (2 * HALF) + c
+    x1 = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + HALF, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        var = tl.math.div_rn(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), D_f)
+        r = tl.math.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
+        x1 = cast_out(w1 * cast_out(x1 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
+        x2 = cast_out(w2 * cast_out(x2 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
+    cs = t * (2 * HALF) + c
+    c1 = tl.load(c_ptr + cs, mask=c_ok, other=0.0)
+    c2 = tl.load(c_ptr + cs + HALF, mask=c_ok, other=0.0)
+    s1 = tl.load(s_ptr + cs, mask=c_ok, other=0.0)
+    s2 = tl.load(s_ptr + cs + HALF, mask=c_ok, other=0.0)
+    tl.store(o_ptr + base, cast_out(x1 * c1 - x2 * s1, DTYPE, RNE), mask=m)
+    tl.store(o_ptr + base + HALF, cast_out(x2 * c2 + x1 * s2, DTYPE, RNE), mask=m)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    qw_ptr,
+    kw_ptr,
+    c_ptr,
+    s_ptr,
+    HQ,
+    HKV,
+    HALF,
+    eps,
+    D_f,
+    BHQ: tl.constexpr,
+    BHK: tl.constexpr,
+    BHALF: tl.constexpr,
+    NORM: tl.constexpr,
+    DTYPE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, HQ, HALF, eps, D_f, BHQ, BHALF, NORM, DTYPE, RNE)
+    else:
+        _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, HKV, HALF, eps, D_f, BHK, BHALF, NORM, DTYPE, RNE)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), fp32 ``cos, sin [T, D]``, optional weights ``[D]`` (both or
+    neither) -> rotated ``(q, k)`` in the input dtype, contiguous."""
+    T, hq, d = q.shape
+    q, k = q.contiguous(), k.contiguous()
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if T == 0:
+        return qo, ko
+    norm = q_weight is not None
+    qw = q_weight.contiguous() if norm else q
+    kw = k_weight.contiguous() if norm else k
+    _qk_norm_rope_kernel[(T, 2)](
+        q,
+        k,
+        qo,
+        ko,
+        qw,
+        kw,
+        cos.contiguous(),
+        sin.contiguous(),
+        hq,
+        k.shape[1],
+        d // 2,
+        float(eps),
+        float(d),
+        BHQ=triton.next_power_of_2(hq),
+        BHK=triton.next_power_of_2(k.shape[1]),
+        BHALF=triton.next_power_of_2(d // 2),
+        NORM=norm,
+        DTYPE=_TL_DTYPE[q.dtype],
+        RNE=_INTERPRET and q.dtype == torch.bfloat16,
+        num_warps=4,
+    )
+    return qo, ko
