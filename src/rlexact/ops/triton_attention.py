@@ -464,11 +464,13 @@ def _forward(
     scale: float,
     out: torch.Tensor,
     lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cfg: dict[str, int] | None = None,
 ) -> None:
     """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
-    dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead.
+    dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
+    overrides :func:`_fwd_config` (benchmarks only: the library always uses the ``(head_dim, dtype)`` config).
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -476,7 +478,7 @@ def _forward(
     num_seqs = cu_q.shape[0] - 1
     if tq == 0 or num_seqs <= 0:
         return
-    cfg = _fwd_config(d, q.dtype)
+    cfg = cfg or _fwd_config(d, q.dtype)
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
     paged = block_tables is not None
