@@ -2,10 +2,11 @@
 
     python benchmarks/matmul_variants.py [--out benchmarks/results/matmul_variants_h200.json]
 
-For each Qwen3-1.7B projection shape and M in 1, 16, 64, 128, 256, every candidate configuration is (1) checked
-bitwise against the static large-M configuration on the same rows (a variant that changes any bit is marked
-``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records
-every candidate, the fastest bitwise-equal one per (shape, M), and the configuration the library picks today.
+For each Qwen3-1.7B projection shape (as the model calls them, plus fused q|k|v and gate|up) and each M (default
+1, 16, 64, 128, 256; ``--ms``), every candidate configuration is (1) checked bitwise against the static large-M
+configuration on the same rows (a variant that changes any bit is marked ``bitwise: false`` and may not be used) and
+(2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records every candidate, the fastest bitwise-equal
+one per (shape, M), and the configuration the library picks today.
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ops_bench import QWEN_SHAPES, _bench_graph  # noqa: E402
+from ops_bench import _bench_graph  # noqa: E402
 from rlexact.envinfo import library_versions  # noqa: E402
 from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config  # noqa: E402
 
 MS = [1, 16, 64, 128, 256]
+SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls them, and fused q|k|v, gate|up
+    "q_o": (2048, 2048),
+    "k_v": (1024, 2048),
+    "gate_or_up": (6144, 2048),
+    "down": (2048, 6144),
+    "qkv_fused": (4096, 2048),
+    "gate_up_fused": (12288, 2048),
+}
 
 
 def candidates(m: int) -> list[MatmulConfig]:
@@ -38,22 +47,21 @@ def candidates(m: int) -> list[MatmulConfig]:
             if bk * stages * (64 + bn) * 2 > 200_000:  # shared memory of the pipeline (x and w tiles, bf16)
                 continue
             out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=warps, num_stages=stages))
-    else:
-        for bn, bk, stages in itertools.product((64, 128), (64, 128), (3, 5)):
-            if bk * stages * (64 + bn) * 2 > 200_000:
-                continue
-            out.append(MatmulConfig("tma", 64, bn, bk, num_warps=4, num_stages=stages, device_desc=True))
-            out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=4, num_stages=stages))
+        return out
+    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
+        if bk * stages * (bm + bn) * 2 + bm * bn * 2 > 220_000 or bm * bn > 4096 * warps:
+            continue  # pipeline + epilogue shared memory; fp32 accumulator registers (<= 128 per thread)
+        out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages, device_desc=True))
     return out
 
 
-def sweep_shape(n: int, k: int) -> list[dict]:
+def sweep_shape(n: int, k: int, ms: list[int]) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     x_all = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
     ref_all = matmul_with_config(x_all, w, static_config(n, k, torch.bfloat16, dev))
     rows = []
-    for m in MS:
+    for m in ms:
         x = x_all[1000 : 1000 + m].contiguous()
         ref = ref_all[1000 : 1000 + m]
         t_mm = _bench_graph(lambda x=x: torch.mm(x, w.T))
@@ -86,6 +94,7 @@ def sweep_shape(n: int, k: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_variants_h200.json"))
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="row counts M to sweep")
     args = ap.parse_args()
     result: dict = {
         "benchmark": "matmul_variants",
@@ -97,9 +106,9 @@ def main() -> int:
         "shapes": {},
         "errors": {},
     }
-    for name, (n, k) in QWEN_SHAPES.items():
+    for name, (n, k) in SHAPES.items():
         try:
-            result["shapes"][name] = sweep_shape(n, k)
+            result["shapes"][name] = sweep_shape(n, k, args.ms)
         except Exception:  # noqa: BLE001
             result["errors"][name] = traceback.format_exc()
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

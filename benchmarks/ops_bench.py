@@ -15,6 +15,7 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
+* ``rope``: the fused q/k RMSNorm + rotary kernel vs the stock transformers chain (decode T = 256, prefill 16384).
 
 Timings are medians of ``triton.testing.do_bench`` (warm-up included) on fresh random inputs (never zeros).
 """
@@ -26,6 +27,7 @@ import datetime as _dt
 import json
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -254,6 +256,48 @@ def bench_norm() -> dict:
     return res
 
 
+def _rope_case(t: int) -> dict:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from rlexact.ops import qk_norm_rope
+
+    q = torch.randn(1, t, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, t, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qw, kw = torch.rand(128, device="cuda").bfloat16(), torch.rand(128, device="cuda").bfloat16()
+    ang = torch.rand(1, t, 64, device="cuda") * 1000
+    cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def native():
+        return apply_rotary_pos_emb(norm(q, qw).transpose(1, 2), norm(k, kw).transpose(1, 2), cos, sin)
+
+    def exact():
+        return qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+
+    te, tn = _bench(exact), _bench(native)
+    ge, gn = _bench_graph(exact), _bench_graph(native)
+    return {
+        "exact_ms": te, "native_ms": tn, "ratio": tn / te,
+        "exact_graph_ms": ge, "native_graph_ms": gn, "graph_ratio": gn / ge,
+    }  # fmt: skip
+
+
+def bench_rope() -> dict:
+    """Fused q/k RMSNorm + rotary (one launch) vs the stock transformers chain (q_norm, k_norm,
+    ``apply_rotary_pos_emb``), Qwen3-1.7B heads, bf16 cos/sin as transformers passes them; eager and graph replay."""
+    res = {}
+    for t in (256, 16384):
+        try:
+            res[f"qk_norm_rope_T{t}"] = _rope_case(t)
+        except Exception as e:  # noqa: BLE001
+            err = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+            res[f"qk_norm_rope_T{t}"] = err
+    return res
+
+
 def _table(results: dict) -> str:
     lines = [
         "section            case                          exact      native     ratio(native/exact)  [graph ratio]"
@@ -269,7 +313,7 @@ def _table(results: dict) -> str:
                     f"matmul             {name:6s} M={r['M']:<6d}  {r['exact_tflops']:8.1f}TF "
                     f"{r['native_tflops']:8.1f}TF  {r['ratio']:6.2f}  [{r.get('graph_ratio', float('nan')):5.2f}]"
                 )
-    for sec in ("attention", "logprob", "norm"):
+    for sec in ("attention", "logprob", "norm", "rope"):
         for case, r in results.get(sec, {}).items():
             if not isinstance(r, dict):
                 continue
@@ -297,7 +341,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ops_h200.json"))
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
-    ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm")
+    ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm,rope")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ops_bench.py needs a CUDA GPU")
@@ -316,7 +360,11 @@ def main() -> None:
         "attention": lambda: bench_attention(args.quick),
         "logprob": lambda: bench_logprob(args.quick),
         "norm": bench_norm,
+        "rope": bench_rope,
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     for name in args.sections.split(","):
         key = "matmul_invariance" if name == "invariance" else name
         try:
@@ -324,10 +372,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         torch.cuda.empty_cache()
+        results["total_seconds"] = time.perf_counter() - t0
+        out.write_text(json.dumps(results, indent=2))  # partial results survive a later crash or timeout
         print(f"[ops_bench] {name} done", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
     print(_table(results))
     print(f"wrote {out}")
 

@@ -148,7 +148,7 @@ def check_rope() -> None:
                 t = 12
                 q, k = (torch.randn(t, hq, d) * 2).to(dtype), (torch.randn(t, hk, d) * 2).to(dtype)
                 ang = torch.rand(t, d // 2) * 50
-                cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+                cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
                 qw = torch.rand(d).add(0.5).to(dtype) if norm else None
                 kw = torch.rand(d).add(0.5).to(dtype) if norm else None
                 qo, ko = trope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)

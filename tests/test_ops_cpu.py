@@ -62,7 +62,7 @@ def rope_inputs(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int,
     q = (torch.randn(t, hq, d, generator=g) * 2).to(dtype)
     k = (torch.randn(t, hk, d, generator=g) * 2).to(dtype)
     ang = torch.rand(t, d // 2, generator=g) * 100
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
     qw = torch.rand(d, generator=g).add(0.5).to(dtype) if norm else None
     kw = torch.rand(d, generator=g).add(0.5).to(dtype) if norm else None
     return q, k, cos, sin, qw, kw

@@ -238,10 +238,11 @@ def test_triton_sampler_matches_torch_under_interpreter():
         "torch.manual_seed(0)\n"
         "z = torch.randn(6, 3001) * 2\n"
         "rid = torch.tensor([0, 1, 2, 2**40, 5, 6]); pos = torch.tensor([3, 4, 5, 6, 2**33, 0])\n"
-        "ka, kb = S.row_keys(9, rid, pos)\n"
         "thr = S.top_k_top_p_threshold(z, 20, 0.9)\n"
-        "for t in (None, thr):\n"
-        "    assert torch.equal(gumbel_argmax_triton(z, t, ka, kb), S._gumbel_argmax_torch(z, t, 9, rid, pos))\n"
+        "for seed in (9, 2**40 + 7, 2**64 - 1):\n"
+        "    for t in (None, thr):\n"
+        "        got = gumbel_argmax_triton(z, t, seed, rid, pos)\n"
+        "        assert torch.equal(got, S._gumbel_argmax_torch(z, t, seed, rid, pos)), (seed, t is None)\n"
         "print('ok')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1")

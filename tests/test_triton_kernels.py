@@ -219,7 +219,7 @@ def test_gpu_qk_norm_rope(dtype: torch.dtype, norm: bool) -> None:
     q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
     k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
     ang = torch.rand(t, d // 2, device=_dev()) * 4000
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)  # as transformers
     qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
     kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
     qo, ko = triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)

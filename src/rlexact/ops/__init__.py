@@ -71,9 +71,9 @@ def qk_norm_rope(
     """Fused attention prologue: optional per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``), then rotary embedding.
 
     ``q [..., Hq, D]``, ``k [..., Hkv, D]`` with the same leading shape and dtype; ``cos, sin [..., D]`` (broadcast to
-    that leading shape, computed in fp32); ``q_weight, k_weight [D]`` both or neither. Returns rotated ``(q, k)`` in
-    the input dtype and shape. Row-local: a head's result depends only on that head, its position's ``cos``/``sin``
-    and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
+    that leading shape; any float dtype, the rotation is computed in fp32); ``q_weight, k_weight [D]`` both or
+    neither. Returns rotated ``(q, k)`` in the input dtype and shape. Row-local: a head's result depends only on
+    that head, its position's ``cos``/``sin`` and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
     """
     lead, d = q.shape[:-2], q.shape[-1]
     if k.shape[:-2] != lead or k.shape[-1] != d or k.dtype != q.dtype:
@@ -88,8 +88,10 @@ def qk_norm_rope(
     if cos.shape != sin.shape or cos.shape[-1] != d:
         raise ValueError(f"qk_norm_rope: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must end in head_dim {d}")
     t = lead.numel()
-    c = cos.float().expand(*lead, d).reshape(t, d)
-    s = sin.float().expand(*lead, d).reshape(t, d)
+    if not (cos.is_floating_point() and sin.is_floating_point()):
+        raise ValueError(f"qk_norm_rope: cos/sin must be floating point, got {cos.dtype}, {sin.dtype}")
+    c = cos.expand(*lead, d).reshape(t, d)  # a view for transformers' [B, S, D] tables: no copy, no cast
+    s = sin.expand(*lead, d).reshape(t, d)
     qo, ko = QKNormRopeFn.apply(
         q.reshape(t, *q.shape[-2:]), k.reshape(t, *k.shape[-2:]), c, s, q_weight, k_weight, float(eps),
         resolve_backend(q, backend),

@@ -10,7 +10,8 @@ reference), per head row ``x [D]`` with halves ``x1, x2``:
 * norm (when weights are given): ``y = (w32 * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).to(dtype)``
   (transformers RMSNorm when ``w`` has the input dtype), else ``y = x``;
 * rotary in fp32, cast once: ``out = (y32 * cos + rotate_half(y32) * sin).to(dtype)`` with
-  ``rotate_half(y) = [-y2, y1]`` and fp32 ``cos, sin [D]`` of the row's position.
+  ``rotate_half(y) = [-y2, y1]`` and ``cos, sin [D]`` of the row's position (upcast to fp32; transformers' rotary
+  modules return them in the model dtype).
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def _norm_rope_rows(
         x1 = cast_out(w1 * cast_out(x1 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
         x2 = cast_out(w2 * cast_out(x2 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
     cs = t * (2 * HALF) + c
-    c1 = tl.load(c_ptr + cs, mask=c_ok, other=0.0)
-    c2 = tl.load(c_ptr + cs + HALF, mask=c_ok, other=0.0)
-    s1 = tl.load(s_ptr + cs, mask=c_ok, other=0.0)
-    s2 = tl.load(s_ptr + cs + HALF, mask=c_ok, other=0.0)
+    c1 = tl.load(c_ptr + cs, mask=c_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + cs + HALF, mask=c_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + cs, mask=c_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + cs + HALF, mask=c_ok, other=0.0).to(tl.float32)
     tl.store(o_ptr + base, cast_out(x1 * c1 - x2 * s1, DTYPE, RNE), mask=m)
     tl.store(o_ptr + base + HALF, cast_out(x2 * c2 + x1 * s2, DTYPE, RNE), mask=m)
 
@@ -106,8 +107,8 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), fp32 ``cos, sin [T, D]``, optional weights ``[D]`` (both or
-    neither) -> rotated ``(q, k)`` in the input dtype, contiguous."""
+    """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), ``cos, sin [T, D]`` (any float dtype, upcast to fp32 in the
+    kernel), optional weights ``[D]`` (both or neither) -> rotated ``(q, k)`` in the input dtype, contiguous."""
     T, hq, d = q.shape
     q, k = q.contiguous(), k.contiguous()
     qo, ko = torch.empty_like(q), torch.empty_like(k)

@@ -1,8 +1,9 @@
 """Fused keyed Gumbel-argmax in Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-One program per row streams the ``V`` logits once: 32-bit hash (uint32 arithmetic, the same integer function as
+One program per row derives the row keys (the integer function of :func:`rlexact.rollout.sampler.row_keys`), then
+streams the ``V`` logits once: 32-bit hash (uint32 arithmetic, the same integer function as
 :func:`rlexact.rollout.sampler.token_hash`), Gumbel noise, optional threshold mask, running argmax with first-index
-tie-breaking. No ``[B, V]`` temporaries, no host synchronization, grid ``(B,)``.
+tie-breaking. One launch per sampling step, no ``[B, V]`` temporaries, no host synchronization, grid ``(B,)``.
 """
 
 from __future__ import annotations
@@ -11,28 +12,51 @@ import torch
 import triton
 import triton.language as tl
 
-from rlexact.rollout.sampler import _C1, _C2
+from rlexact.rollout.sampler import _C1, _C2, _ROW_SALT, MASK32
 
 _BLOCK_V = 2048
+
+
+@triton.jit
+def _mix32(x, c1, c2):
+    """lowbias32 on uint32 tensors (``c1, c2``: the multipliers as uint32 tensors broadcastable to ``x``)."""
+    x = x ^ (x >> 16)
+    x = x * c1
+    x = x ^ (x >> 15)
+    x = x * c2
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def _gumbel_argmax_kernel(
     z_ptr,
     thr_ptr,
-    ka_ptr,
-    kb_ptr,
+    rid_ptr,
+    pos_ptr,
     out_ptr,
+    seed_lo_salted,
+    seed_hi,
     V,
     stride_z,
     HAS_THR: tl.constexpr,
     BLOCK_V: tl.constexpr,
     C1: tl.constexpr,
     C2: tl.constexpr,
+    SALT: tl.constexpr,
 ):
     row = tl.program_id(0)
-    ka = tl.load(ka_ptr + row).to(tl.uint32)
-    kb = tl.load(kb_ptr + row).to(tl.uint32)
+    one = tl.arange(0, 1)
+    k1 = tl.full([1], C1, tl.uint32)
+    k2 = tl.full([1], C2, tl.uint32)
+    rid = tl.load(rid_ptr + row + one)
+    pos = tl.load(pos_ptr + row + one)
+    k = _mix32(tl.full([1], seed_lo_salted, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ tl.full([1], seed_hi, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ rid.to(tl.uint32), k1, k2)
+    k = _mix32(k ^ (rid >> 32).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ pos.to(tl.uint32), k1, k2)
+    ka = _mix32(k ^ (pos >> 32).to(tl.uint32), k1, k2)
+    kb = _mix32(ka ^ tl.full([1], SALT, tl.int64).to(tl.uint32), k1, k2)
     c1 = tl.full([BLOCK_V], C1, tl.uint32)
     c2 = tl.full([BLOCK_V], C2, tl.uint32)
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -71,9 +95,10 @@ def _gumbel_argmax_kernel(
 
 
 def gumbel_argmax_triton(
-    z: torch.Tensor, threshold: torch.Tensor | None, ka: torch.Tensor, kb: torch.Tensor
+    z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """``argmax(z + noise(ka, kb))`` over ``z >= threshold``: ``z [B, V]`` fp32, keys int64 ``[B]`` -> int64 ``[B]``."""
+    """``argmax(z + keyed noise)`` over ``z >= threshold``: ``z [B, V]`` fp32, ``request_ids, positions`` int64
+    ``[B]`` (non-negative), ``seed`` a Python int -> int64 ``[B]``."""
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax_triton: z must be a row-major fp32 [B, V] tensor, got {z.dtype} {z.shape}")
     b, v = z.shape
@@ -81,18 +106,22 @@ def gumbel_argmax_triton(
     if b == 0:
         return out
     thr = threshold.reshape(b).contiguous().float() if threshold is not None else z
+    seed &= (1 << 64) - 1
     _gumbel_argmax_kernel[(b,)](
         z,
         thr,
-        ka.contiguous(),
-        kb.contiguous(),
+        request_ids.long().contiguous(),
+        positions.long().contiguous(),
         out,
+        (seed & MASK32) ^ _ROW_SALT,
+        seed >> 32,
         v,
         z.stride(0),
         HAS_THR=threshold is not None,
         BLOCK_V=_BLOCK_V,
         C1=_C1,
         C2=_C2,
+        SALT=_ROW_SALT,
         num_warps=8,
     )
     return out

@@ -129,8 +129,7 @@ def gumbel_argmax(
     if _use_triton(z):
         from rlexact.rollout._sampler_triton import gumbel_argmax_triton
 
-        ka, kb = row_keys(seed, request_ids, positions)
-        return gumbel_argmax_triton(z, threshold, ka, kb)
+        return gumbel_argmax_triton(z, threshold, seed, request_ids, positions)
     return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions)
 
 
