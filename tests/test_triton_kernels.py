@@ -141,7 +141,9 @@ def test_gpu_matmul_invariant_large_m(dtype: torch.dtype, nk: tuple[int, int]) -
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("nk", [(4096, 2048), (2048, 6144), (12288, 2048), (256, 64), (1000, 1000)])
+@pytest.mark.parametrize(
+    "nk", [(4096, 2048), (2048, 6144), (6144, 2048), (1024, 2048), (12288, 2048), (256, 64), (1000, 1000)]
+)
 def test_gpu_matmul_row_tile_variants_bitwise(nk: tuple[int, int]) -> None:
     """All row-tile variants (decode / mid / large) give identical bits (the premise of M-bucketed dispatch)."""
     n, k = nk

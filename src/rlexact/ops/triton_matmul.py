@@ -41,7 +41,9 @@ ratio = cuBLAS time / ours; all variants below were checked bitwise identical to
   64/128/256 x 4/6 stages; BK = 256 did not speed up the BN = 16 ``down`` projection, 14.7 us vs 14.6 us).
   TMA with such narrow tiles was slower (0.15-0.5x).
 * 64 < M <= 256: persistent TMA, 4 warps, device-side descriptors, 64 x 128 x 64, or 64 x 64 x 128 when N is too
-  small for ~one 64 x 128 tile per SM at M = 256: ~0.65-0.8x.
+  small for ~one 64 x 128 tile per SM at M = 256: ~0.65-0.8x. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g.
+  the 6144-wide gate/up projections) 128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages: 15.2 us vs 19.3 us at
+  M = 256 (``benchmarks/results/matmul_variants_m256_h200.json``, 43 candidates, all bitwise equal).
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages: ~0.9x at M = 1024.
 * M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves: 0.91-1.03x.
 * ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
@@ -167,6 +169,9 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     else:
         small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5, device_desc=True)
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
+    if triton.cdiv(N, 128) * 2 >= 0.6 * sms:  # wide N: 128 x 128 tiles still fill the GPU at 128 < M <= 256
+        wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4, device_desc=True)
+        return ((64, decode), (128, small), (256, wide), (2048, mid), (None, base))
     return ((64, decode), (256, small), (2048, mid), (None, base))
 
 
