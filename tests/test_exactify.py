@@ -113,10 +113,13 @@ def test_restore_and_reexactify() -> None:
     ref = tiny_model("qwen3")
     model = rlexact.exactify(copy.deepcopy(ref))
     ids = torch.randint(0, 97, (1, 20))
+    patched = [type(m).__name__ for m in model.modules() if "forward" in m.__dict__]
+    assert {"Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm", "Linear", "Qwen3RotaryEmbedding"} <= set(patched)
     with torch.no_grad():
         exact_logits = model(ids).logits
         rlexact.exactify(model, enabled=False)
         assert not rlexact.is_exactified(model)
+        assert not any("forward" in m.__dict__ for m in model.modules()), "an instance forward was left behind"
         assert torch.equal(model(ids).logits, ref(ids).logits), "enabled=False must restore the stock forward"
         rlexact.exactify(model)
         assert torch.equal(model(ids).logits, exact_logits)
