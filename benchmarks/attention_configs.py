@@ -12,22 +12,15 @@ recorded as evidence for a possible decode variant, which would also have to mat
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from ops_bench import _bench_graph  # noqa: E402
-from rlexact.envinfo import library_versions  # noqa: E402
-from rlexact.ops import triton_attention as ta  # noqa: E402
+from common import ROOT, bench_graph, header
+from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
 CANDIDATES = [
@@ -76,12 +69,7 @@ def main() -> int:
         "decode_b256_ctx512": decode_case(256, 512),
         "prefill_64x512": prefill_case(64, 512),
     }
-    result: dict = {
-        "benchmark": "attention_configs",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "versions": library_versions("triton"),
+    result: dict = header("attention_configs", "triton") | {
         "library_config": ta._fwd_config(D, torch.bfloat16),
         "timing": "median of triton.testing.do_bench_cudagraph (GPU time)",
         "rows": [],
@@ -92,7 +80,7 @@ def main() -> int:
         for name, case in cases.items():
             try:
                 row[f"{name}_bitwise"] = bool(torch.equal(run(case, cfg), refs[name]))
-                row[f"{name}_us"] = _bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
+                row[f"{name}_us"] = bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
             except Exception as e:  # noqa: BLE001
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 row["traceback"] = traceback.format_exc(limit=2)

@@ -12,22 +12,15 @@ one per (shape, M), and the configuration the library picks today.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import itertools
 import json
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from ops_bench import _bench_graph  # noqa: E402
-from rlexact.envinfo import library_versions  # noqa: E402
-from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config  # noqa: E402
+from common import ROOT, bench_graph, header
+from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config
 
 MS = [1, 16, 64, 128, 256]
 SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls them, and fused q|k|v, gate|up
@@ -64,14 +57,14 @@ def sweep_shape(n: int, k: int, ms: list[int]) -> list[dict]:
     for m in ms:
         x = x_all[1000 : 1000 + m].contiguous()
         ref = ref_all[1000 : 1000 + m]
-        t_mm = _bench_graph(lambda x=x: torch.mm(x, w.T))
+        t_mm = bench_graph(lambda x=x: torch.mm(x, w.T))
         current = config_for(m, n, k, torch.bfloat16, dev)
         entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
         for cfg in candidates(m) + [current]:
             c = {"config": repr(cfg)}
             try:
                 c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
-                c["graph_ms"] = _bench_graph(lambda x=x, cfg=cfg: matmul_with_config(x, w, cfg))
+                c["graph_ms"] = bench_graph(lambda x=x, cfg=cfg: matmul_with_config(x, w, cfg))
                 c["ratio_vs_mm"] = t_mm / c["graph_ms"]
             except Exception as e:  # noqa: BLE001
                 c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -96,12 +89,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_variants_h200.json"))
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="row counts M to sweep")
     args = ap.parse_args()
-    result: dict = {
-        "benchmark": "matmul_variants",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "versions": library_versions("triton"),
+    result: dict = header("matmul_variants", "triton") | {
         "timing": "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)",
         "shapes": {},
         "errors": {},

@@ -23,20 +23,15 @@ Timings are medians of ``triton.testing.do_bench`` (warm-up included) on fresh r
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from rlexact.envinfo import library_versions  # noqa: E402
+from common import ROOT, bench, bench_graph, header
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -45,20 +40,6 @@ QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "down": (2048, 6144),
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
-
-
-def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def _bench_graph(fn, rep: int = 50) -> float:
-    """Median milliseconds of CUDA-graph replays (GPU time without Python/launch overhead)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
 def bench_matmul(quick: bool) -> dict:
@@ -73,8 +54,8 @@ def bench_matmul(quick: bool) -> dict:
             try:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 flop = 2.0 * m * n * k
-                t_exact = _bench(lambda x=x, w=w: matmul(x, w))
-                t_native = _bench(lambda x=x, w=w: torch.mm(x, w.T))
+                t_exact = bench(lambda x=x, w=w: matmul(x, w))
+                t_native = bench(lambda x=x, w=w: torch.mm(x, w.T))
                 entry.update(
                     exact_ms=t_exact,
                     native_ms=t_native,
@@ -83,8 +64,8 @@ def bench_matmul(quick: bool) -> dict:
                     ratio=t_native / t_exact,
                 )
                 try:  # GPU time without host launch overhead (CUDA-graph replay), as the rollout runs decode
-                    g_exact = _bench_graph(lambda x=x, w=w: matmul(x, w))
-                    g_native = _bench_graph(lambda x=x, w=w: torch.mm(x, w.T))
+                    g_exact = bench_graph(lambda x=x, w=w: matmul(x, w))
+                    g_native = bench_graph(lambda x=x, w=w: torch.mm(x, w.T))
                     entry.update(exact_graph_ms=g_exact, native_graph_ms=g_native, graph_ratio=g_native / g_exact)
                 except Exception as e:  # noqa: BLE001
                     entry["graph_error"] = f"{type(e).__name__}: {e}"
@@ -135,8 +116,8 @@ def bench_attention(quick: bool) -> dict:
         qp = q.view(b, s, hq, d).transpose(1, 2)
         kp = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
         vp = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
-        t_exact = _bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
-        t_sdpa = _bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale))
+        t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale))
         flop = 4.0 * b * hq * d * s * s / 2  # causal
         res["prefill"] = {
             "batch": b,
@@ -165,9 +146,9 @@ def bench_attention(quick: bool) -> dict:
             vcont = vc[tables.long()].reshape(b, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
             qd = q.view(b, hq, 1, d)
             args = (q, kc, vc, tables, cu_q, lens, scale)
-            t_exact = _bench(lambda args=args: ops.attention_paged(*args))
+            t_exact = bench(lambda args=args: ops.attention_paged(*args))
             sargs = (qd, kcont, vcont)
-            t_sdpa = _bench(lambda sargs=sargs: F.scaled_dot_product_attention(*sargs, scale=scale))
+            t_sdpa = bench(lambda sargs=sargs: F.scaled_dot_product_attention(*sargs, scale=scale))
             kv_bytes = 2 * b * ctx * hkv * d * 2
             res[f"decode_b{b}"] = {
                 "batch": b,
@@ -219,8 +200,8 @@ def bench_logprob(quick: bool) -> dict:
             del lp_n
             entry["exact_peak_bytes"] = _peak_delta(exact)
             entry["native_peak_bytes"] = _peak_delta(native)
-            entry["exact_ms"] = _bench(exact, warmup=5, rep=20)
-            entry["native_ms"] = _bench(native, warmup=5, rep=20)
+            entry["exact_ms"] = bench(exact, warmup=5, rep=20)
+            entry["native_ms"] = bench(native, warmup=5, rep=20)
             entry["ratio"] = entry["native_ms"] / entry["exact_ms"]
             flop = 2.0 * t * v * h
             entry["exact_tflops"] = flop / entry["exact_ms"] / 1e9
@@ -244,12 +225,12 @@ def bench_norm() -> dict:
             xf = x.float()
             return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-        te, tn = _bench(lambda: rms_norm(x, w, 1e-6)), _bench(native_norm)
+        te, tn = bench(lambda: rms_norm(x, w, 1e-6)), bench(native_norm)
         res["rms_norm_16384x2048"] = {"exact_ms": te, "native_ms": tn, "ratio": tn / te}
         g = torch.randn(16384, 6144, device="cuda", dtype=torch.bfloat16)
         u = torch.randn(16384, 6144, device="cuda", dtype=torch.bfloat16)
-        te = _bench(lambda: silu_mul(g, u))
-        tn = _bench(lambda: (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype))
+        te = bench(lambda: silu_mul(g, u))
+        tn = bench(lambda: (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype))
         res["silu_mul_16384x6144"] = {"exact_ms": te, "native_ms": tn, "ratio": tn / te}
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {e}"
@@ -277,8 +258,8 @@ def _rope_case(t: int) -> dict:
     def exact():
         return qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
 
-    te, tn = _bench(exact), _bench(native)
-    ge, gn = _bench_graph(exact), _bench_graph(native)
+    te, tn = bench(exact), bench(native)
+    ge, gn = bench_graph(exact), bench_graph(native)
     return {
         "exact_ms": te, "native_ms": tn, "ratio": tn / te,
         "exact_graph_ms": ge, "native_graph_ms": gn, "graph_ratio": gn / ge,
@@ -346,12 +327,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("ops_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
-    results: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
+    results: dict = header("ops_bench", "triton", "transformers")
+    results["versions"]["cuda"] = torch.version.cuda
+    results |= {
         "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "versions": {**library_versions("triton", "transformers"), "cuda": torch.version.cuda},
         "notes": "ratio = native_ms / exact_ms (> 1: exact faster). do_bench medians; bf16 unless stated.",
     }
     sections = {

@@ -18,23 +18,17 @@ and stores their difference per decode step (GPU time per kernel and category, l
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-import rlexact  # noqa: E402
-from rlexact.envinfo import library_versions  # noqa: E402
-from rlexact.rollout import Generator, SamplingParams  # noqa: E402
+import rlexact
+from common import ROOT, header
+from rlexact.rollout import Generator, SamplingParams
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -114,7 +108,8 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
                 for n in long}  # fmt: skip
     cats: dict[str, float] = {}
     for name, (ms, _) in per_step.items():
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+        cat = kernel_category(name)
+        cats[cat] = cats.get(cat, 0.0) + ms
     top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
     gpu_ms = sum(v[0] for v in per_step.values())
     wall_ms = (wall_long - wall_short) / steps * 1e3
@@ -219,12 +214,7 @@ def main() -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    result: dict = {
-        "benchmark": "rollout_throughput",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": library_versions("triton", "transformers"),
+    result: dict = header("rollout_throughput", "triton", "transformers") | {
         "setup": {
             "model": "tiny Qwen3" if args.tiny else "Qwen3-1.7B shape (random init)",
             "dtype": str(dtype).replace("torch.", ""),
