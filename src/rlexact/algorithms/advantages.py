@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlexact.algorithms.aggregation import require_1d, require_finite, segment_ids
+from rlexact.algorithms.aggregation import require_1d, require_finite, segment_ids, segment_sum
 
 __all__ = [
     "broadcast_to_tokens",
@@ -65,8 +65,7 @@ def _groups(rewards64: Tensor, group_ids: Tensor) -> _Groups:
         raise ValueError(f"group_ids is on {group_ids.device} but rewards on {rewards64.device}")
     ids, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     num_groups = ids.numel()
-    mean = torch.zeros(num_groups, dtype=torch.float64, device=rewards64.device).index_add(0, index, rewards64)
-    mean = mean / counts
+    mean = segment_sum(rewards64, index, num_groups) / counts
     high = torch.full_like(mean, -torch.inf).scatter_reduce(0, index, rewards64, reduce="amax")
     low = torch.full_like(mean, torch.inf).scatter_reduce(0, index, rewards64, reduce="amin")
     return _Groups(index=index, ids=ids, counts=counts, mean=mean, constant=high == low)
@@ -101,8 +100,7 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, normalize_std: bool =
     _require_pairs(groups, "GRPO")
     centered = _centered(r, groups)
     if normalize_std:
-        num_groups = groups.ids.numel()
-        sq = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, groups.index, centered**2)
+        sq = segment_sum(centered**2, groups.index, groups.ids.numel())
         std = (sq / (groups.counts - 1)).sqrt()
         scaled = centered / (std[groups.index] + eps)
         centered = torch.where(groups.constant[groups.index], 0.0, scaled)

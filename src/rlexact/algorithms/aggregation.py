@@ -31,6 +31,8 @@ __all__ = [
     "LossAggMode",
     "aggregate_loss",
     "require_1d",
+    "require_aligned",
+    "require_bool_mask",
     "require_finite",
     "segment_ids",
     "segment_sum",
@@ -45,6 +47,23 @@ def require_1d(name: str, tensor: Tensor, length: int | None = None) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     if length is not None and tensor.shape[0] != length:
         raise ValueError(f"{name} has {tensor.shape[0]} elements, expected {length} (shape mismatch)")
+
+
+def require_aligned(**tensors: Tensor) -> int:
+    """Raise ``ValueError`` unless every tensor (given by name) is 1-D with the length of the first; return it."""
+    length: int | None = None
+    for name, tensor in tensors.items():
+        require_1d(name, tensor, length)
+        length = tensor.shape[0]
+    assert length is not None
+    return length
+
+
+def require_bool_mask(name: str, mask: Tensor, length: int) -> None:
+    """Raise ``ValueError`` unless ``mask`` is a 1-D bool tensor of ``length`` elements."""
+    require_1d(name, mask, length)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be bool, got {mask.dtype}")
 
 
 def require_finite(name: str, tensor: Tensor, mask: Tensor | None = None) -> None:
@@ -138,11 +157,9 @@ def aggregate_loss(
     mode = LossAggMode.parse(mode)
     require_1d("token_loss", token_loss)
     num_tokens = token_loss.shape[0]
-    require_1d("loss_mask", loss_mask, num_tokens)
     if not token_loss.is_floating_point():
         raise ValueError(f"token_loss must be floating point, got {token_loss.dtype}")
-    if loss_mask.dtype != torch.bool:
-        raise ValueError(f"loss_mask must be bool, got {loss_mask.dtype}")
+    require_bool_mask("loss_mask", loss_mask, num_tokens)
     if mode is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM and (norm_length is None or norm_length <= 0):
         raise ValueError(f"mode {mode.value!r} needs norm_length > 0 (the max response length), got {norm_length}")
     loss = token_loss

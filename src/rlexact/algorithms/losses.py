@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlexact.algorithms.aggregation import require_1d, segment_ids, segment_sum
+from rlexact.algorithms.aggregation import require_aligned, require_bool_mask, segment_ids, segment_sum
 
 __all__ = ["LOG_RATIO_CLAMP", "gspo_loss", "kl_penalty", "ppo_clip_loss", "reinforce_loss"]
 
@@ -25,13 +25,10 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def _check_aligned(**tensors: Tensor) -> int:
-    length: int | None = None
+    length = require_aligned(**tensors)
     for name, tensor in tensors.items():
-        require_1d(name, tensor, length)
         if not tensor.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
-        length = tensor.shape[0]
-    assert length is not None
     return length
 
 
@@ -127,9 +124,7 @@ def gspo_loss(
         bool ``clipped`` / ``clipped_low`` / ``clipped_high`` as in :func:`ppo_clip_loss`.
     """
     num_tokens = _check_aligned(logp=logp, old_logp=old_logp, advantages=advantages)
-    require_1d("mask", mask, num_tokens)
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    require_bool_mask("mask", mask, num_tokens)
     _check_clip(clip_low, clip_high)
     seg = segment_ids(cu_seqlens, num_tokens)
     num_seqs = cu_seqlens.numel() - 1

@@ -69,3 +69,22 @@ class RLCallback(Callback):
 def rl_callbacks(trainer: Trainer) -> list[RLCallback]:
     """The trainer's RL callbacks in list order."""
     return [cb for cb in trainer.callbacks if isinstance(cb, RLCallback)]
+
+
+def require_trainer_logprobs(batch: RolloutBatch, who: str) -> torch.Tensor:
+    """``batch.trainer_logprobs``, or a ``RuntimeError`` explaining that the module did not compute them."""
+    if batch.trainer_logprobs is None:
+        raise RuntimeError(
+            f"{who} needs batch.trainer_logprobs (pi_old^train): it sets needs_trainer_logprobs=True, so the module "
+            "must recompute them before on_rl_batch"
+        )
+    return batch.trainer_logprobs
+
+
+def seqs_with_tokens(batch: RolloutBatch, mask: torch.Tensor) -> int:
+    """Number of sequences with at least one ``mask`` token (a count for cross-rank fractions)."""
+    if batch.num_seqs == 0:
+        return 0
+    per_seq = torch.zeros(batch.num_seqs, dtype=torch.long, device=mask.device)
+    per_seq.index_add_(0, batch.seq_ids.to(mask.device), mask.long())
+    return int((per_seq > 0).sum())

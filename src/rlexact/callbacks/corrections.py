@@ -28,7 +28,7 @@ import torch
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_scalars
-from rlexact.callbacks.base import RLCallback
+from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -37,24 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RejectionSampling", "TruncatedIS", "correction_callbacks", "require_trainer_logprobs"]
 
-
-def require_trainer_logprobs(batch: RolloutBatch, who: str) -> torch.Tensor:
-    """``batch.trainer_logprobs``, or a ``RuntimeError`` explaining that the module did not compute them."""
-    if batch.trainer_logprobs is None:
-        raise RuntimeError(
-            f"{who} needs batch.trainer_logprobs (pi_old^train): it sets needs_trainer_logprobs=True, so the module "
-            "must recompute them before on_rl_batch"
-        )
-    return batch.trainer_logprobs
-
-
-def _seqs_with_tokens(batch: RolloutBatch, mask: torch.Tensor) -> int:
-    """Number of sequences with at least one ``mask`` token (a count for cross-rank fractions)."""
-    if batch.num_seqs == 0:
-        return 0
-    per_seq = torch.zeros(batch.num_seqs, dtype=torch.long, device=mask.device)
-    per_seq.index_add_(0, batch.seq_ids.to(mask.device), mask.long())
-    return int((per_seq > 0).sum())
+_COUNTS = ("rej_tok", "tok", "rej_seq", "seq", "kept", "n")
+"""Keys of :class:`RejectionSampling`'s per-rank counts: rejected and response tokens, rejected sequences and
+sequences with response tokens, tokens left in the loss, and the number of masks applied."""
 
 
 class TruncatedIS(RLCallback):
@@ -103,7 +88,7 @@ class TruncatedIS(RLCallback):
         batch.token_weights = batch.token_weights * weights.to(batch.token_weights.dtype)
 
         n_tok = int(mask.sum())
-        units = n_tok if self.spec.level == "token" else _seqs_with_tokens(batch, mask)
+        units = n_tok if self.spec.level == "token" else seqs_with_tokens(batch, mask)
         p = self.prefix
         red = MetricReducer()
         red.add_mean(f"{p}/mean", info["mean"], n_tok, empty=1.0)
@@ -162,10 +147,11 @@ class RejectionSampling(RLCallback):
         self.rejected_tokens_total = 0.0
         self.tokens_total = 0.0
         self.empty_steps = 0
-        """Rollout steps (``corr``) or mini-batches (``ppo``) that ended with an empty loss mask."""
+        """Rollout steps that ended with an empty loss mask (``ppo``: empty in every mini-batch of the step)."""
         self.last_metrics: dict[str, float] = {}
         self.last_minibatch_metrics: list[dict[str, float]] = []
-        self._acc: dict[str, float] = {}
+        self._acc = dict.fromkeys(_COUNTS, 0.0)
+        """Local counts summed over the mini-batches of the current rollout step (``signal="ppo"``)."""
 
     @property
     def state_key(self) -> str:
@@ -176,15 +162,14 @@ class RejectionSampling(RLCallback):
 
     # ------------------------------------------------------------------------------------------------------ hooks
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
-        self._acc = {"rej_tok": 0.0, "tok": 0.0, "rej_seq": 0.0, "seq": 0.0, "empty": 0.0, "n": 0.0}
+        self._acc = dict.fromkeys(_COUNTS, 0.0)
         self.last_minibatch_metrics = []
         if self.spec.signal != "corr":
             return
         trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
         log_q = F.signal_log_ratio("corr", rollout_logp=batch.rollout_logprobs, old_logp=trainer_lp)
         counts = self._apply(batch, log_q)
-        metrics = self._reduce(counts, batch.loss_mask.device)
-        self._finish_step(trainer, pl_module, metrics)
+        self._finish_step(trainer, pl_module, self._reduce(counts, batch.loss_mask.device))
 
     def on_rl_minibatch(
         self,
@@ -200,18 +185,18 @@ class RejectionSampling(RLCallback):
         log_q = F.signal_log_ratio("ppo", rollout_logp=minibatch.rollout_logprobs, logp=logprobs)
         counts = self._apply(minibatch, log_q)
         for key, value in counts.items():
-            self._acc[key] = self._acc.get(key, 0.0) + value
-        metrics = self._reduce(counts, minibatch.loss_mask.device)
+            self._acc[key] += value
+        metrics = self._metrics(self._reduce(counts, minibatch.loss_mask.device))
         self.last_minibatch_metrics.append({"epoch": float(epoch), "step": float(step), **metrics})
 
     def on_rl_update_end(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
-        if self.spec.signal != "ppo" or not self._acc.get("n"):
+        if self.spec.signal != "ppo" or not self._acc["n"]:
             return
-        metrics = self._reduce(self._acc, batch.loss_mask.device)
-        self._finish_step(trainer, pl_module, metrics)
+        self._finish_step(trainer, pl_module, self._reduce(self._acc, batch.loss_mask.device))
 
     # ---------------------------------------------------------------------------------------------------- helpers
     def _apply(self, batch: RolloutBatch, log_q: torch.Tensor) -> dict[str, float]:
+        """AND the keep-mask into ``batch.loss_mask``; return this rank's counts (keys :data:`_COUNTS`)."""
         s = self.spec
         mask = batch.response_mask
         keep, info = F.rejection_mask(
@@ -219,7 +204,7 @@ class RejectionSampling(RLCallback):
         )
         batch.loss_mask = batch.loss_mask & keep
         n_tok = int(mask.sum())
-        n_seq = _seqs_with_tokens(batch, mask)
+        n_seq = seqs_with_tokens(batch, mask)
         return {
             "rej_tok": info["rejected_token_frac"] * n_tok,
             "tok": float(n_tok),
@@ -229,28 +214,31 @@ class RejectionSampling(RLCallback):
             "n": 1.0,
         }
 
-    def _reduce(self, counts: dict[str, float], device: torch.device) -> dict[str, float]:
-        p = self.prefix
+    @staticmethod
+    def _reduce(counts: dict[str, float], device: torch.device) -> dict[str, float]:
+        """Sums of the counts over data-parallel ranks (the rejected counts rounded to whole tokens/sequences)."""
         red = MetricReducer()
         red.add_sum("rej_tok", round(counts["rej_tok"]))
         red.add_sum("tok", counts["tok"])
         red.add_sum("rej_seq", round(counts["rej_seq"]))
         red.add_sum("seq", counts["seq"])
-        red.add_sum("kept", counts.get("kept", 0.0))
-        s = red.reduce(device)
-        out = {
-            f"{p}/rejected_token_frac": s["rej_tok"] / s["tok"] if s["tok"] else 0.0,
-            f"{p}/rejected_seq_frac": s["rej_seq"] / s["seq"] if s["seq"] else 0.0,
-            f"{p}/empty_loss_frac": 1.0 if s["kept"] == 0 else 0.0,
-        }
-        self._last_totals = (s["rej_tok"], s["tok"])
-        return out
+        red.add_sum("kept", counts["kept"])
+        return red.reduce(device)
 
-    def _finish_step(self, trainer: Trainer, pl_module: LightningModule, metrics: dict[str, float]) -> None:
-        rejected, total = self._last_totals
-        self.rejected_tokens_total += rejected
-        self.tokens_total += total
-        self.empty_steps += int(metrics[f"{self.prefix}/empty_loss_frac"] == 1.0)
+    def _metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The logged fractions of global totals from :meth:`_reduce`."""
+        p = self.prefix
+        return {
+            f"{p}/rejected_token_frac": totals["rej_tok"] / totals["tok"] if totals["tok"] else 0.0,
+            f"{p}/rejected_seq_frac": totals["rej_seq"] / totals["seq"] if totals["seq"] else 0.0,
+            f"{p}/empty_loss_frac": 1.0 if totals["kept"] == 0 else 0.0,
+        }
+
+    def _finish_step(self, trainer: Trainer, pl_module: LightningModule, totals: dict[str, float]) -> None:
+        metrics = self._metrics(totals)
+        self.rejected_tokens_total += totals["rej_tok"]
+        self.tokens_total += totals["tok"]
+        self.empty_steps += int(totals["kept"] == 0)
         self.steps += 1
         self.last_metrics = metrics
         log_scalars(trainer, pl_module, metrics)

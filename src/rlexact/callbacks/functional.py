@@ -35,7 +35,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlexact.algorithms.aggregation import require_1d, require_finite, segment_ids, segment_sum
+from rlexact.algorithms.aggregation import (
+    require_aligned,
+    require_bool_mask,
+    require_finite,
+    segment_ids,
+    segment_sum,
+)
+from rlexact.algorithms.losses import LOG_RATIO_CLAMP
 
 __all__ = [
     "ESTIMATORS",
@@ -65,9 +72,6 @@ Estimator = Literal["k1", "k2", "k3"]
 Granularity = Literal["token", "sequence_sum", "sequence_mean", "sequence_max"]
 TISLevel = Literal["token", "sequence"]
 Signal = Literal["corr", "ppo"]
-
-_CHI2_LOG_CLAMP = 20.0
-"""verl's SAFETY_BOUND: ``|log r|`` is clamped to it before ``exp`` in the chi-square statistic."""
 
 _BIT_VIEWS = {
     torch.float16: torch.int16,
@@ -106,26 +110,11 @@ def surrogate_contribution(log_r: Tensor, advantages: Tensor) -> Tensor:
     Same gradient as the ``-r A`` objective but zero at ``r = 1``; the probe evaluates it for ``r_ppo^train`` and
     ``r_ppo^rollout`` and splits it by advantage sign with :func:`split_by_advantage_sign`.
     """
-    _aligned(log_r=log_r, advantages=advantages)
+    require_aligned(log_r=log_r, advantages=advantages)
     return -torch.expm1(log_r.float()) * advantages.float()
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def _aligned(**tensors: Tensor) -> int:
-    length: int | None = None
-    for name, tensor in tensors.items():
-        require_1d(name, tensor, length)
-        length = tensor.shape[0]
-    assert length is not None
-    return length
-
-
-def _bool_mask(mask: Tensor, length: int) -> None:
-    require_1d("mask", mask, length)
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be bool, got {mask.dtype}")
-
-
 def _sum(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0).sum()
 
@@ -162,8 +151,8 @@ def split_by_advantage_sign(values: Tensor, advantages: Tensor, mask: Tensor) ->
     Returns ``{"pos": float, "neg": float, "pos_count": int, "neg_count": int}``; an empty side has mean 0.0.
     Raises ``ValueError`` on a non-finite advantage or value at a masked token.
     """
-    num_tokens = _aligned(values=values, advantages=advantages)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(values=values, advantages=advantages)
+    require_bool_mask("mask", mask, num_tokens)
     require_finite("advantages", advantages, mask)
     pos = mask & (advantages > 0)
     neg = mask & (advantages < 0)
@@ -194,7 +183,8 @@ def mismatch_stats(
         an integer view, so ``-0.0 != 0.0`` and equal NaN payloads match); ``abs_diff_mean``, ``abs_diff_max``:
         of ``|d|``; ``prob_diff_max``: ``max |exp(trainer) - exp(rollout)|``; ``k1_mean``, ``k2_mean``,
         ``k3_mean``: of ``K(r_corr)``; ``chi2``: verl's ``chi2_token = E[r_corr^2] - 1`` (``log r_corr`` clamped to
-        +-20 first; equals ``E[(r_corr - 1)^2]`` in expectation under pi_rollout, where ``E[r_corr] = 1``);
+        ``+-LOG_RATIO_CLAMP`` = +-20 first; equals ``E[(r_corr - 1)^2]`` in expectation under pi_rollout, where
+        ``E[r_corr] = 1``);
         ``log_ppl_diff``: mean over sequences with masked tokens of
         ``mean_t(logp_rollout) - mean_t(logp_trainer)`` = ``log PPL_train - log PPL_rollout`` (verl's sign;
         positive when the trainer assigns lower probability than the generator); ``num_tokens``.
@@ -202,8 +192,8 @@ def mismatch_stats(
         exactly 0.0 and ``bitwise_equal_frac`` exactly 1.0. With no masked token all statistics are 0.0 except
         ``bitwise_equal_frac = 1.0`` (vacuous). NaN inputs are not rejected: they show up as NaN statistics.
     """
-    num_tokens = _aligned(rollout_logp=rollout_logp, trainer_logp=trainer_logp)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(rollout_logp=rollout_logp, trainer_logp=trainer_logp)
+    require_bool_mask("mask", mask, num_tokens)
     if rollout_logp.dtype != trainer_logp.dtype:
         raise ValueError(f"dtype mismatch: rollout_logp {rollout_logp.dtype} vs trainer_logp {trainer_logp.dtype}")
     if rollout_logp.dtype not in _BIT_VIEWS:
@@ -219,7 +209,7 @@ def mismatch_stats(
     denom = n.clamp(min=1).float()
     abs_d = d.abs()
     prob_diff = torch.where(mask, (b.exp() - a.exp()).abs(), 0.0)
-    rho_sq = torch.where(mask, d.clamp(-_CHI2_LOG_CLAMP, _CHI2_LOG_CLAMP).exp().square(), 0.0)
+    rho_sq = torch.where(mask, d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().square(), 0.0)
     seq_count = segment_sum(mask.float(), seg, num_seqs)
     seq_gap = segment_sum(-d, seg, num_seqs) / seq_count.clamp(min=1)
     stats = torch.stack(
@@ -257,8 +247,8 @@ def mismatch_stats(
 
 def argmax_flip_rate(rollout_argmax: Tensor, trainer_argmax: Tensor, mask: Tensor) -> float:
     """Fraction of masked positions whose top-1 token differs between generator and trainer (0.0 when empty)."""
-    num_tokens = _aligned(rollout_argmax=rollout_argmax, trainer_argmax=trainer_argmax)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(rollout_argmax=rollout_argmax, trainer_argmax=trainer_argmax)
+    require_bool_mask("mask", mask, num_tokens)
     for name, tensor in (("rollout_argmax", rollout_argmax), ("trainer_argmax", trainer_argmax)):
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise ValueError(f"{name} must hold integer token ids, got {tensor.dtype}")
@@ -276,8 +266,8 @@ def update_direction_stats(
     token, ``delta == 0``, counts as misaligned), ``unchanged_frac = mean[delta == 0]`` and ``num_tokens``;
     fractions are 0.0 when no token qualifies. Non-finite values at masked tokens raise ``ValueError``.
     """
-    num_tokens = _aligned(logp_before=logp_before, logp_after=logp_after, advantages=advantages)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(logp_before=logp_before, logp_after=logp_after, advantages=advantages)
+    require_bool_mask("mask", mask, num_tokens)
     require_finite("advantages", advantages, mask)
     active = mask & (advantages != 0)
     require_finite("logp_before", logp_before, active)
@@ -317,8 +307,8 @@ def tis_weights(
         counted over masked tokens (token level) or over sequences with masked tokens (sequence level).
     """
     _check_tis(level, cap)
-    num_tokens = _aligned(log_r_corr=log_r_corr)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(log_r_corr=log_r_corr)
+    require_bool_mask("mask", mask, num_tokens)
     require_finite("log_r_corr", log_r_corr, mask)
     lr = torch.where(mask, log_r_corr.detach().float(), 0.0)
     if level == "token":
@@ -388,8 +378,8 @@ def rejection_mask(
         one token, over sequences with masked tokens), ``num_kept_tokens``.
     """
     _check_rejection(granularity, estimator, threshold)
-    num_tokens = _aligned(log_r=log_r)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(log_r=log_r)
+    require_bool_mask("mask", mask, num_tokens)
     require_finite("log_r", log_r, mask)
     seg = segment_ids(cu_seqlens, num_tokens)
     num_seqs = cu_seqlens.numel() - 1
@@ -436,7 +426,7 @@ def signal_log_ratio(
         raise ValueError(f"signal must be 'corr' or 'ppo', got {signal!r}")
     if other is None:
         raise ValueError(f"signal {signal!r} needs {name}")
-    _aligned(rollout_logp=rollout_logp, **{name: other})
+    require_aligned(rollout_logp=rollout_logp, **{name: other})
     return other.detach().float() - rollout_logp.detach().float()
 
 
@@ -511,8 +501,8 @@ def apply_correction(
         ``(weights [T] float32 detached, keep_mask [T] bool subset of mask, info)``; ``weights`` is all ones without
         TIS and ``keep_mask == mask`` without rejection. ``info`` keys are prefixed ``"tis/"`` and ``"rs/"``.
     """
-    num_tokens = _aligned(rollout_logp=rollout_logp, old_logp=old_logp)
-    _bool_mask(mask, num_tokens)
+    num_tokens = require_aligned(rollout_logp=rollout_logp, old_logp=old_logp)
+    require_bool_mask("mask", mask, num_tokens)
     weights = torch.ones(num_tokens, dtype=torch.float32, device=rollout_logp.device)
     keep = mask.clone()
     info: dict[str, float | int] = {}

@@ -22,8 +22,8 @@ import torch
 
 from rlexact.callbacks._extra import first_bitwise_mismatch
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
-from rlexact.callbacks.base import RLCallback
-from rlexact.callbacks.corrections import require_trainer_logprobs
+from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
+from rlexact.callbacks.functional import _BIT_VIEWS
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from rlexact.batch import RolloutBatch
 
 __all__ = ["ExactnessError", "ExactnessGuard"]
-
-_BITS = {torch.float32: ("int32", 8), torch.float64: ("int64", 16), torch.bfloat16: ("int16", 4)}
 
 
 class ExactnessError(RuntimeError):
@@ -66,8 +64,9 @@ class ExactnessError(RuntimeError):
 
 
 def _bits(value: torch.Tensor) -> str:
-    name, width = _BITS.get(value.dtype, ("int16", 4))
-    raw = int(value.reshape(1).view(getattr(torch, name)).item()) & ((1 << (width * 4)) - 1)
+    """The bit pattern of a one-element floating tensor (a dtype of ``_BIT_VIEWS``) as zero-padded hex."""
+    width = value.element_size() * 2  # hex digits
+    raw = int(value.reshape(1).view(_BIT_VIEWS[value.dtype]).item()) & ((1 << (width * 4)) - 1)
     return f"0x{raw:0{width}x}"
 
 
@@ -102,7 +101,7 @@ class ExactnessGuard(RLCallback):
         self.steps_seen += 1
         if step % self.every_n_steps:
             return
-        trainer_lp = require_trainer_logprobs(batch, "ExactnessGuard")
+        trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
         rollout_lp = batch.rollout_logprobs
         mask = batch.response_mask
         if trainer_lp.dtype != rollout_lp.dtype:
@@ -130,7 +129,6 @@ class ExactnessGuard(RLCallback):
                 rank=rank,
                 num_mismatched=total,
             )
-        n_resp = int(mask.sum())
         if first is None:  # dtype mismatch
             raise ExactnessError(
                 f"exactness broken at rollout step {step} (rank {rank}): {reason}",
@@ -138,6 +136,7 @@ class ExactnessGuard(RLCallback):
                 rank=rank,
                 num_mismatched=count,
             )
+        n_resp = int(mask.sum())
         seq = int(batch.seq_ids[first])
         start = int(batch.cu_seqlens[seq])
         position = first - start

@@ -20,8 +20,7 @@ import torch
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
-from rlexact.callbacks.base import RLCallback
-from rlexact.callbacks.corrections import _seqs_with_tokens, require_trainer_logprobs
+from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -72,7 +71,7 @@ def _score_chunk(pl_module: Any) -> int | None:
     return None
 
 
-def _module_call(pl_module: Any, model: torch.nn.Module, fn: Any) -> Any:
+def _module_call(model: torch.nn.Module, fn: Any) -> Any:
     """Run ``fn()`` as a forward of ``model`` the way the module does (an FSDP2 root call; a plain call otherwise).
 
     ``RLModule`` already keeps the parameters gathered around ``on_rl_batch`` / ``on_rl_update_end`` of callbacks
@@ -204,7 +203,7 @@ class MismatchProbe(RLCallback):
         p = self.prefix
         stats = F.mismatch_stats(rollout_lp, trainer_lp, mask, batch.cu_seqlens)
         n = stats["num_tokens"]
-        n_seq = _seqs_with_tokens(batch, mask)
+        n_seq = seqs_with_tokens(batch, mask)
         red = MetricReducer()
         red.add_mean(f"{p}/bitwise_equal_frac", stats["bitwise_equal_frac"], n, empty=1.0)
         red.add_mean(f"{p}/abs_diff_mean", stats["abs_diff_mean"], n)
@@ -228,7 +227,7 @@ class MismatchProbe(RLCallback):
 
         self._hist_now = self.histograms and self.steps % self.histogram_every_n_steps == 0
         if self._hist_now:
-            d = (trainer_lp.detach().float() - rollout_lp.detach().float())[mask]
+            d = F.signal_log_ratio("corr", rollout_logp=rollout_lp, old_logp=trainer_lp)[mask]
             log_histograms(trainer, {f"{p}/delta_logp": d, f"{p}/r_corr": d.exp()})
         self.steps += 1
         self._acc = {}
@@ -316,12 +315,12 @@ class MismatchProbe(RLCallback):
         trainer_kernels = get_state(model).kernels
         gen_kernels = rollout_kernels(pl_module) or trainer_kernels
         chunk = _score_chunk(pl_module) or batch.num_seqs
-        trainer_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, mask, chunk))
+        trainer_arg = _module_call(model, lambda: self._argmax_tokens(model, batch, mask, chunk))
         if gen_kernels == trainer_kernels:
             rollout_arg = trainer_arg
         else:
             with use_kernels(model, gen_kernels):
-                rollout_arg = _module_call(pl_module, model, lambda: self._argmax_tokens(model, batch, mask, chunk))
+                rollout_arg = _module_call(model, lambda: self._argmax_tokens(model, batch, mask, chunk))
         return F.argmax_flip_rate(rollout_arg, trainer_arg, mask)
 
     @torch.no_grad()
@@ -410,7 +409,7 @@ class UpdateDirectionProbe(RLCallback):
                 if model is None:
                     scores = generator.score(sequences, temperature)
                 else:
-                    scores = _module_call(pl_module, model, lambda: generator.score(sequences, temperature))
+                    scores = _module_call(model, lambda: generator.score(sequences, temperature))
         finally:
             if model is not None:
                 model.train(was_training)

@@ -143,7 +143,8 @@ class MathReward(PerSampleReward):
                 return 0.0
             if len(pred) > self.max_answer_chars or len(gold) > self.max_answer_chars:
                 return 0.0
-            if _squash(pred) == _squash(gold) and _squash(gold):
+            squashed_gold = _squash(gold)
+            if squashed_gold and _squash(pred) == squashed_gold:
                 return 1.0
             gold_parsed = self._parse(gold)
             pred_parsed = self._parse(pred)
