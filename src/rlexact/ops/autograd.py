@@ -7,6 +7,8 @@ required to be batch-invariant.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from . import cpu, reference
@@ -16,20 +18,24 @@ ROW_CHUNK_BACKWARD = 256
 """Rows per chunk when recomputing logits in the log-prob backward (bounds memory to ``[256, V]`` fp32)."""
 
 
+_TRITON_MODULES = {
+    "matmul": ".triton_matmul",
+    "rms_norm": ".triton_norm",
+    "silu_mul": ".triton_norm",
+    "qk_norm_rope": ".triton_rope",
+    "token_logprobs": ".triton_logprob",
+    "lm_head_logits": ".triton_logprob",
+    "attention_varlen": ".triton_attention",
+    "attention_paged": ".triton_attention",
+    "attention_varlen_backward": ".triton_attention",
+}
+"""Op name -> the module of its Triton kernel, imported on first use (``triton`` is an optional dependency)."""
+
+
 def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel function
     if backend == "torch":
         return getattr(cpu, name)
-    if name in ("matmul",):
-        from . import triton_matmul as mod
-    elif name in ("rms_norm", "silu_mul"):
-        from . import triton_norm as mod
-    elif name == "qk_norm_rope":
-        from . import triton_rope as mod
-    elif name in ("token_logprobs", "lm_head_logits"):
-        from . import triton_logprob as mod
-    else:
-        from . import triton_attention as mod
-    return getattr(mod, name)
+    return getattr(importlib.import_module(_TRITON_MODULES[name], __package__), name)
 
 
 class MatmulFn(torch.autograd.Function):
@@ -166,12 +172,8 @@ class AttentionVarlenFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, cu = ctx.saved_tensors
         if ctx.backend == "triton":
-            from . import triton_attention
-
-            bwd = getattr(triton_attention, "attention_varlen_backward", None)
-            if bwd is not None:
-                dq, dk, dv = bwd(grad, q, k, v, cu, ctx.scale)
-                return dq, dk, dv, None, None, None
+            dq, dk, dv = _impl("triton", "attention_varlen_backward")(grad, q, k, v, cu, ctx.scale)
+            return dq, dk, dv, None, None, None
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
             out = reference.attention_varlen(qr, kr, vr, cu, ctx.scale)

@@ -28,6 +28,8 @@ ATTN_BLOCK_M = 16
 """Query rows per attention tile."""
 ATTN_BLOCK_N = 64
 """Keys per attention tile; tile ``j`` covers absolute key positions ``[j * ATTN_BLOCK_N, (j + 1) * ATTN_BLOCK_N)``."""
+ATTN_GROUP = 8
+"""Query tiles processed together in one fixed-shape batched matmul (padded with idle tiles)."""
 
 
 def _padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
@@ -138,10 +140,6 @@ def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) ->
     for s in range(0, hp.shape[0], ROW_BLOCK):
         logits[s : s + ROW_BLOCK], lse[s : s + ROW_BLOCK] = _head_block(hp[s : s + ROW_BLOCK], wf, temperature)
     return logits[:m], lse[:m]
-
-
-ATTN_GROUP = 8
-"""Query tiles processed together in one fixed-shape batched matmul (padded with idle tiles)."""
 
 
 @dataclass

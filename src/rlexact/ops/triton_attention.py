@@ -53,9 +53,14 @@ _SCAN = 128
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _block_d(head_dim: int) -> int:
+    """``BLOCK_D``: the head dimension padded to a power of two, at least 16 (the smallest ``tl.dot`` extent)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` for ``(head_dim, dtype)``: nothing else."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = _block_d(head_dim)
     if dtype == torch.float32:
         if block_d <= 32:
             return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
@@ -63,8 +68,6 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
             return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if dtype in (torch.bfloat16, torch.float16):
-        if block_d <= 64:
-            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
         if block_d <= 128:
             return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
@@ -74,7 +77,7 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
 def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int, int]]:
     """Backward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the dK/dV and dQ kernels, per ``(head_dim,
     dtype)``. Not part of the exactness contract (backward only has to be deterministic and correct)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = _block_d(head_dim)
     if dtype == torch.float32:
         return {"dkdv": (32, 32, 4, 1), "dq": (32, 32, 4, 1)}
     if block_d > 128:
@@ -519,7 +522,7 @@ def _forward(
         lse.stride(0) if lse is not None else 0,
         lse.stride(1) if lse is not None else 0,
         HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=_block_d(d),
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         HP=hp,
@@ -609,7 +612,7 @@ def attention_varlen_backward(
     delta = torch.empty_like(lse)
     _forward(q, k, v, cu, None, None, float(scale), do, (lse, delta))
     cfg = _bwd_config(d, q.dtype)
-    common = {"HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "GROUP": hq // hkv, "SCAN": _SCAN}
+    common = {"HEAD_DIM": d, "BLOCK_D": _block_d(d), "GROUP": hq // hkv, "SCAN": _SCAN}
     common.update(_dtype_flags(q.dtype))
     qk_scale = float(scale) * _LOG2E
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())

@@ -33,10 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_enabled
-from .triton_matmul import _HAS_WS, TensorDescriptor, _cuda_props, _device_key, _tile_coords
-
-_INTERPRET = interpreter_enabled()
+from .triton_matmul import _HAS_WS, TensorDescriptor, _aligned, _cuda_props, _device_key, _dot_flags, _tile_coords
 
 
 @dataclass(frozen=True)
@@ -62,8 +59,7 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
         if dtype == torch.float32:
             bm, bv, bk, warps, stages, tma = 64, 64, 32, 4, 3, False
         else:
-            es = torch.empty((), dtype=dtype).element_size()
-            tma = major >= 9 and TensorDescriptor is not None and _HAS_WS and (H * es) % 16 == 0
+            tma = major >= 9 and TensorDescriptor is not None and _HAS_WS and (H * dtype.itemsize) % 16 == 0
             bm, bv, bk, warps, stages = 128, 128, 64, 8, 4
     chunks = triton.cdiv(V, bv)
     vs = triton.cdiv(chunks, target) * bv
@@ -246,10 +242,7 @@ def _run_head(
     part = torch.empty((3, n_split, T), **f32)
     zt = torch.empty(T, **f32)
     if cfg.tma:
-        if hidden.data_ptr() % 16:
-            hidden = hidden.clone()
-        if w.data_ptr() % 16:
-            w = w.clone()
+        hidden, w = _aligned(hidden), _aligned(w)
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.BM, cfg.BK])
         w_desc = TensorDescriptor.from_tensor(w, [cfg.BV, cfg.BK])
     else:
@@ -283,8 +276,7 @@ def _run_head(
         STORE_Z=store_z,
         SCALE=float(temperature) != 1.0,
         TMA=cfg.tma,
-        UPCAST=_INTERPRET and hidden.dtype != torch.float32,
-        IEEE=hidden.dtype == torch.float32 or _INTERPRET,
+        **_dot_flags(hidden.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

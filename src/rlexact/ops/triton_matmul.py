@@ -78,6 +78,18 @@ USE_ROW_TILE_VARIANTS = os.environ.get("RLEXACT_MATMUL_SINGLE_TILE", "0") != "1"
 """Allow the bitwise-equivalent row-tile variants (decode / mid / large M) on Hopper. See the module docstring."""
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""torch -> Triton dtype of the kernels' inputs/outputs (shared by the matmul, norm and rope launchers)."""
+
+
+def _rne_fix(out_dtype: torch.dtype) -> bool:
+    """The ``RNE_FIX`` flag of :func:`cast_out` for an output dtype: only the interpreter's fp32 -> bf16 truncates."""
+    return _INTERPRET and out_dtype == torch.bfloat16
+
+
+def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """``UPCAST`` / ``IEEE`` constexprs of the pointer-path ``tl.dot`` for inputs of ``dtype`` (matmul and lm head):
+    fp32 dots are ``ieee``; under the interpreter 16-bit operands are upcast to fp32 (its 16-bit dot is unreliable)."""
+    return {"UPCAST": _INTERPRET and dtype != torch.float32, "IEEE": dtype == torch.float32 or _INTERPRET}
 
 
 @dataclass(frozen=True)
@@ -122,8 +134,7 @@ def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if _cuda_props(key[1])[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
         return False
-    es = torch.empty((), dtype=dtype).element_size()
-    return (K * es) % 16 == 0 and (N * es) % 16 == 0
+    return (K * dtype.itemsize) % 16 == 0 and (N * dtype.itemsize) % 16 == 0
 
 
 @functools.cache
@@ -180,11 +191,18 @@ def row_tile_variants(N: int, K: int, dtype: torch.dtype, device: torch.device) 
     return _variants(N, K, dtype, _device_key(device), _tma_ok(N, K, dtype, device))
 
 
+_PLANS: dict = {}
+"""``(N, K, dtype, device) -> row_tile_variants(...)``: keeps the per-call host work small."""
+
+
 def config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
-    for max_m, cfg in row_tile_variants(N, K, dtype, device):
-        if max_m is None or M <= max_m:
-            return cfg
-    raise AssertionError("unreachable")
+    """The configuration :func:`matmul` launches for ``M`` rows: the first member of :func:`row_tile_variants` whose
+    ``max_M`` admits ``M``."""
+    key = (N, K, dtype, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = row_tile_variants(N, K, dtype, device)
+    return next(cfg for max_m, cfg in plan if max_m is None or M <= max_m)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -373,7 +391,7 @@ def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Matmul
         SUBTILE=cfg.subtile,
         OUT_DTYPE=_TL_DTYPE[out.dtype],
         UPCAST=_INTERPRET,
-        RNE_FIX=_INTERPRET and out.dtype == torch.bfloat16,
+        RNE_FIX=_rne_fix(out.dtype),
         DEV_DESC=cfg.device_desc,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -402,13 +420,12 @@ def _launch_ptr(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Matmul
         x.stride(0),
         w.stride(0),
         out.stride(0),
+        **_dot_flags(x.dtype),
         BM=cfg.BM,
         BN=cfg.BN,
         BK=cfg.BK,
         GROUP_M=cfg.group_m,
-        UPCAST=_INTERPRET and x.dtype != torch.float32,
-        IEEE=x.dtype == torch.float32 or _INTERPRET,
-        RNE_FIX=_INTERPRET and out.dtype == torch.bfloat16,
+        RNE_FIX=_rne_fix(out.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -430,10 +447,6 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> t
     return out
 
 
-_PLANS: dict = {}
-"""``(N, K, dtype, device) -> row_tile_variants(...)``: keeps the per-call host work small."""
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T -> [M, N]`` in ``x.dtype``; fp32 accumulation; rows independent of M (bitwise).
 
@@ -449,11 +462,5 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not w.is_contiguous():
         w = w.contiguous()
     M, K = x.shape
-    N = w.shape[0]
-    key = (N, K, x.dtype, x.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = row_tile_variants(N, K, x.dtype, x.device)
-    cfg = next(c for max_m, c in plan if max_m is None or M <= max_m)
-    out = matmul_with_config(x, w, cfg)
+    out = matmul_with_config(x, w, config_for(M, w.shape[0], K, x.dtype, x.device))
     return out if out.dtype == out_dtype else out.to(out_dtype)

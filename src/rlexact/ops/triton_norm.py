@@ -16,20 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_enabled
-from .triton_matmul import cast_out
-
-_INTERPRET = interpreter_enabled()
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
 SILU_BLOCK = 1024
 """Columns per program of ``silu_mul``."""
-
-
-def _rne(dtype: torch.dtype) -> bool:
-    return _INTERPRET and dtype == torch.bfloat16
 
 
 @triton.jit
@@ -131,8 +123,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         SINGLE=single,
         X_DTYPE=_TL_DTYPE[x.dtype],
         O_DTYPE=_TL_DTYPE[out_dtype],
-        RNE_X=_rne(x.dtype),
-        RNE_O=_rne(out_dtype),
+        RNE_X=_rne_fix(x.dtype),
+        RNE_O=_rne_fix(out_dtype),
         num_warps=warps,
     )
     return out
@@ -159,7 +151,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         BLOCK=SILU_BLOCK,
         O_DTYPE=_TL_DTYPE[gate.dtype],
-        RNE_O=_rne(gate.dtype),
+        RNE_O=_rne_fix(gate.dtype),
         num_warps=4,
     )
     return out

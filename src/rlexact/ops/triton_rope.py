@@ -4,7 +4,7 @@ One launch per layer replaces the ~12 small kernels of the stock path (two norms
 sin`` for q and k). Grid ``(T, 2)``: program ``(t, 0)`` rotates the ``Hq`` query heads of token ``t``, ``(t, 1)`` its
 ``Hkv`` key heads, so a row's result depends on that row, its position's ``cos``/``sin`` and the weights only.
 
-Semantics (:func:`rlexact.ops.cpu.qk_norm_rope` is the CPU twin, :func:`rlexact.ops.reference.qk_norm_rope` the float64
+Semantics (:func:`rlexact.ops.cpu.qk_norm_rope` is the CPU twin, :func:`rlexact.ops.reference.norm_rope` the float64
 reference), per head row ``x [D]`` with halves ``x1, x2``:
 
 * norm (when weights are given): ``y = (w32 * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).to(dtype)``
@@ -20,11 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_enabled
-from .triton_matmul import cast_out
-
-_INTERPRET = interpreter_enabled()
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 
 
 @triton.jit
@@ -136,7 +132,7 @@ def qk_norm_rope(
         BHALF=triton.next_power_of_2(d // 2),
         NORM=norm,
         DTYPE=_TL_DTYPE[q.dtype],
-        RNE=_INTERPRET and q.dtype == torch.bfloat16,
+        RNE=_rne_fix(q.dtype),
         num_warps=4,
     )
     return qo, ko
