@@ -1,4 +1,4 @@
-"""Shared test configuration: GPU tests are skipped without CUDA; tiny model factories."""
+"""Shared test configuration: GPU tests are skipped without CUDA (the shared helpers live in ``models.py``)."""
 
 from __future__ import annotations
 

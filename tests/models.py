@@ -1,6 +1,9 @@
-"""Tiny transformers models built from configs (no downloads) for the tests."""
+"""Shared test helpers: tiny transformers models built from configs (no downloads), random prompts and the
+one-line tensor constructors of the hand-computed tests."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -19,8 +22,15 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     max_pos: int = 512,
+    tie_embeddings: bool = False,
+    random_norms: bool = True,
+    weight_scale: float = 1.0,
 ) -> torch.nn.Module:
-    """A randomly initialized causal LM of the given architecture, in eval mode."""
+    """A randomly initialized causal LM of the given architecture, in eval mode.
+
+    ``random_norms`` draws the norm weights from U(0.5, 1.5) so RMSNorm weight handling is exercised;
+    ``weight_scale`` multiplies every 2-D weight (in float32, before the cast to ``dtype``) for sharper distributions.
+    """
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -30,7 +40,7 @@ def tiny_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
@@ -41,11 +51,13 @@ def tiny_model(
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(arch)
-    # random (non-unit) norm weights so RMSNorm weight handling is exercised
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                if random_norms:
+                    p.uniform_(0.5, 1.5)
+            elif p.dim() == 2 and weight_scale != 1.0:
+                p.mul_(weight_scale)
     return model.to(dtype).eval()
 
 
@@ -63,3 +75,21 @@ def tiny_rl_config(vocab_size: int, max_pos: int = 64) -> dict:
         max_position_embeddings=max_pos,
         tie_word_embeddings=True,
     )
+
+
+def prompts_for(n: int, vocab: int, lo: int = 1, hi: int = 20, seed: int = 0) -> list[list[int]]:
+    """``n`` reproducible random prompts of ``lo..hi`` token ids below ``vocab``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def ids(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def mask(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bool)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from models import ids, mask, t
 from rlexact.callbacks.functional import (
     PRESETS,
     RejectionSpec,
@@ -31,18 +32,6 @@ from rlexact.callbacks.functional import (
 NAN = float("nan")
 GRANULARITIES = ("token", "sequence_sum", "sequence_mean", "sequence_max")
 ESTIMATORS = ("k1", "k2", "k3")
-
-
-def t(*values: float) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def ids(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long)
-
-
-def mask(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.bool)
 
 
 def approx(value: float) -> object:

@@ -2,43 +2,33 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import rlexact
+from models import prompts_for, tiny_model
 from rlexact.rollout import Completion, Generator, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 
 def make_model(arch: str = "qwen3", *, kv_heads: int = 2, head_dim: int = 64, vocab: int = 1003, seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
+    model = tiny_model(
+        arch,
+        vocab=vocab,
+        hidden=256,
+        layers=3,
+        heads=4,
+        kv_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=1024,
-        tie_word_embeddings=arch == "qwen3",
+        intermediate=704,
+        seed=seed,
+        max_pos=1024,
+        tie_embeddings=arch == "qwen3",
+        random_norms=False,
+        weight_scale=3.0,
     )
-    cls, cfg = (Qwen3ForCausalLM, Qwen3Config) if arch == "qwen3" else (LlamaForCausalLM, LlamaConfig)
-    model = cls(cfg(**common))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    return rlexact.exactify(model.to(device="cuda", dtype=torch.bfloat16).eval())
-
-
-def prompts_for(n: int, vocab: int, lo: int = 1, hi: int = 60, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return rlexact.exactify(model.to(device="cuda", dtype=torch.bfloat16))
 
 
 def assert_exact(model, outs: list[Completion], temperature: float = 1.0) -> None:
@@ -72,7 +62,7 @@ def test_gpu_exact_graphs_on_off(arch, qwen, llama):
         gen = Generator(model, cuda_graphs=graphs, max_num_seqs=64, block_size=16)
         outs = []
         for size in (1, 2, 3, 7, 16, 33, 64):
-            outs += gen.generate(prompts_for(size, vocab, seed=size), params)
+            outs += gen.generate(prompts_for(size, vocab, hi=60, seed=size), params)
             if graphs:
                 assert gen.stats["cuda_graphs_disabled"] is None, f"capture failed: {gen.stats['cuda_graphs_disabled']}"
                 assert gen.stats["graph_steps"] > 0
@@ -114,7 +104,7 @@ def test_gpu_request_invariance_and_top_p(qwen):
     target = list(range(10, 40))
     params = SamplingParams(max_new_tokens=20, seed=9, top_p=0.9, top_k=50)
     alone = Generator(qwen).generate([target], params, request_ids=[5])[0]
-    others = prompts_for(50, 1003, seed=8)
+    others = prompts_for(50, 1003, hi=60, seed=8)
     crowd = Generator(qwen).generate(
         others[:25] + [target] + others[25:], params, request_ids=[*range(100, 125), 5, *range(200, 225)]
     )
@@ -141,7 +131,7 @@ def test_gpu_capture_failure_falls_back_cleanly(qwen, monkeypatch):
     """A host sync inside the captured step makes capture fail: warn, record why, run eagerly, leave CUDA usable."""
     import rlexact.rollout.runner as runner_mod
 
-    prompts = prompts_for(6, 1003, seed=11)
+    prompts = prompts_for(6, 1003, hi=60, seed=11)
     params = SamplingParams(max_new_tokens=8, seed=4)
     ok = Generator(qwen, kernels="native").generate(prompts, params)
     original = runner_mod.head_logits

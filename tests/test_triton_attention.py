@@ -70,9 +70,7 @@ def test_gpu_correctness(checks, dtype, shape) -> None:
 def test_gpu_exactness(checks, dtype, shape) -> None:
     kw = {"dtype": dtype, "device": "cuda"}
     checks.check_exactness([1, 37, 200, 333], *shape, chunks=(1, 64, 100), block_sizes=(16,), **kw)
-    checks.check_exactness(
-        [5, 129, 700], *shape, dtype=dtype, device="cuda", chunks=(256, 333), block_sizes=(16, 64, 256)
-    )
+    checks.check_exactness([5, 129, 700], *shape, chunks=(256, 333), block_sizes=(16, 64, 256), **kw)
 
 
 @pytest.mark.gpu
