@@ -265,7 +265,10 @@ def test_loss_integrates_over_micro_batches(agg: str) -> None:
         assert torch.equal(batch.rollout_logprobs[s:e][-len(c.token_ids) :], c.logprobs)
         assert torch.all(batch.advantages[s:e][batch.response_mask[s:e]] == adv[i])
     assert torch.equal(adv, alg.grpo_advantages(rewards, torch.tensor([0] * 4 + [1] * 4)))
-    batch.token_weights[batch.response_mask] = 0.5  # weights multiply the per-token loss
+    # weights multiply the per-token loss; unequal weights keep the GRPO advantages (zero-sum per group) from
+    # cancelling to a zero loss, which would make the comparisons below vacuous
+    n_resp = int(batch.response_mask.sum())
+    batch.token_weights[batch.response_mask] = torch.linspace(0.25, 1.0, n_resp)
 
     stats = type("S", (), {"add": lambda *a: None, "token_stats": lambda *a: None})()
     tokens, seqs = int(batch.loss_mask.sum()), int(module._seq_valid(batch).sum())
@@ -277,10 +280,11 @@ def test_loss_integrates_over_micro_batches(agg: str) -> None:
         lp, en = module._logprobs(module.model, micro, with_entropy=True)
         parts.append(module._micro_loss(micro, lp, en, tokens, seqs, stats))
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-7)
-    # exact mode at the rollout weights: r = 1, so the clipped surrogate is -A per token, times the weight 0.5
-    a, mask = batch.advantages, batch.loss_mask
+    # exact mode at the rollout weights: r = 1, so the clipped surrogate is -A per token, times its weight
+    a, mask, w = batch.advantages, batch.loss_mask, batch.token_weights
+    assert whole.abs() > 1e-3, "the test data must give a non-zero loss"
     lengths = alg.segment_sum(mask.float(), batch.seq_ids, batch.num_seqs)
-    per_seq = alg.segment_sum(torch.where(mask, -a * 0.5, 0.0), batch.seq_ids, batch.num_seqs)
+    per_seq = alg.segment_sum(torch.where(mask, -a * w, 0.0), batch.seq_ids, batch.num_seqs)
     expected = {
         "token-mean": per_seq.sum() / mask.sum(),
         "seq-mean-token-sum": per_seq.mean(),
