@@ -19,8 +19,10 @@ tokens): the paper's "mini-batch 16 prompts x 8 samples" is ``mini_batch_size: 1
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from rlexact.models.exactify import KERNELS, Kernels
 
 __all__ = [
     "ESTIMATORS",
@@ -37,14 +39,12 @@ __all__ = [
 Objective = Literal["grpo", "ppo", "dapo", "gspo", "reinforce"]
 Estimator = Literal["grpo", "rloo", "reinforce"]
 OldLogprobMode = Literal["exact", "recompute", "bypass"]
-Kernels = Literal["exact", "native"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k3"]
 
 OBJECTIVES: tuple[str, ...] = ("grpo", "ppo", "dapo", "gspo", "reinforce")
 ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce")
 OLD_LOGPROB_MODES: tuple[str, ...] = ("exact", "recompute", "bypass")
-KERNELS: tuple[str, ...] = ("exact", "native")
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 
@@ -69,13 +69,9 @@ def _finite(name: str, value: Any, *, low: float | None = None, low_open: bool =
 
 
 def _check_generator_kwargs(kwargs: dict[str, Any]) -> None:
-    try:
-        from dataclasses import fields as _fields
+    from rlexact.rollout.config import GeneratorConfig  # not at import time: rlexact.rollout imports this module
 
-        from rlexact.rollout.config import GeneratorConfig
-    except ImportError:  # pragma: no cover - the generator is optional at config time
-        return
-    known = {f.name for f in _fields(GeneratorConfig)} - {"kernels"}
+    known = {f.name for f in fields(GeneratorConfig)} - {"kernels"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown rollout.generator keys {unknown}; GeneratorConfig fields: {sorted(known)}")

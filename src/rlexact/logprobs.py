@@ -91,4 +91,5 @@ def sequence_logprobs(
     device = next(model.parameters()).device
     packed = pack(sequences, device)
     logp, _ = packed_logprobs(model, packed, temperature)
-    return [logp[s + 1 : e] for s, e in zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())]
+    cu = packed.cu_seqlens.tolist()
+    return [logp[s + 1 : e] for s, e in zip(cu[:-1], cu[1:])]

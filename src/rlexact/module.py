@@ -58,14 +58,13 @@ from rlexact import algorithms as alg
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback, rl_callbacks
 from rlexact.config import AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
-from rlexact.distributed import apply_fsdp, fsdp_call, gathered_params, is_fsdp, reduce_scalars
+from rlexact.distributed import _DTYPES, apply_fsdp, fsdp_call, gathered_params, is_fsdp, reduce_scalars
 from rlexact.logprobs import Packed, pack, packed_logprobs
 from rlexact.models import exactify, get_state
 from rlexact.rewards import check_rewards, resolve_reward
 
 __all__ = ["RLModule"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CKPT_KEY = "rlexact"
 
 
@@ -387,9 +386,6 @@ class RLModule(L.LightningModule):
             reduce_fx=reduce,
         )
 
-    def _call_fsdp(self, model: nn.Module, fn: Callable[[], Any]) -> Any:
-        return fsdp_call(model, fn)
-
     @property
     def logprob_temperature(self) -> float:
         """Temperature of the rollout's reported log-probs, used by every trainer-side log-prob."""
@@ -460,7 +456,7 @@ class RLModule(L.LightningModule):
         self.model.eval()
         try:
             with gathered_params(self.model):
-                outs = self._call_fsdp(self.model, lambda: self.generator.generate(prompts, params))
+                outs = fsdp_call(self.model, lambda: self.generator.generate(prompts, params))
         finally:
             self.model.train(was_training)
         expected = len(prompts) * params.n
@@ -561,7 +557,7 @@ class RLModule(L.LightningModule):
         with gathered_params(model):
             for idx in chunks:
                 sub = batch.select(idx)
-                lp = self._call_fsdp(model, lambda sub=sub: self._logprobs(model, sub, with_entropy=False)[0])
+                lp = fsdp_call(model, lambda sub=sub: self._logprobs(model, sub, with_entropy=False)[0])
                 out[int(cu[idx[0]]) : int(cu[idx[-1] + 1])] = lp
         return out
 
@@ -597,12 +593,13 @@ class RLModule(L.LightningModule):
         metrics.update(self._reward_metrics(rewards, lengths, completions))
 
         keep = torch.ones(len(completions), dtype=torch.bool)
+        num_kept = len(completions)  # > 0 on every rank without dynamic sampling
         if self.algo.dynamic_sampling:
             keep = alg.dynamic_sampling_keep(rewards, group_ids)
             kept, total = self._reduce([float(keep.sum()), float(keep.numel())])
             metrics["dynamic_sampling/kept_frac"] = kept / max(total, 1.0)
+            num_kept = int(kept)
         full = self.build_batch(completions, rewards, seq_adv, group_ids)
-        num_kept = int(self._reduce([float(keep.sum())])[0])
         if keep.all():
             rl_batch = full
         elif keep.any():
@@ -645,9 +642,11 @@ class RLModule(L.LightningModule):
 
     def _reward_metrics(self, rewards: torch.Tensor, lengths: list[int], completions: list[Any]) -> dict[str, float]:
         r = rewards.double()
-        s, sq, cnt, lsum = self._reduce([r.sum().item(), (r * r).sum().item(), float(r.numel()), float(sum(lengths))])
+        truncated = float(sum(c.finish_reason == "length" for c in completions))
+        s, sq, cnt, lsum, truncated = self._reduce(
+            [r.sum().item(), (r * r).sum().item(), float(r.numel()), float(sum(lengths)), truncated]
+        )
         lmax = self._reduce([float(max(lengths))], "max")[0]
-        truncated = self._reduce([float(sum(c.finish_reason == "length" for c in completions))])[0]
         mean = s / cnt
         var = max(sq / cnt - mean * mean, 0.0)
         return {
@@ -730,7 +729,7 @@ class RLModule(L.LightningModule):
         hooks = [cb for cb in callbacks if self._overrides(cb, "on_rl_minibatch")]
 
         if single:
-            logp, ent = self._call_fsdp(self.model, lambda: self._logprobs(self.model, mb, with_entropy=True))
+            logp, ent = fsdp_call(self.model, lambda: self._logprobs(self.model, mb, with_entropy=True))
             for cb in hooks:
                 cb.on_rl_minibatch(self.trainer, self, mb, logp.detach(), epoch, step)
         elif hooks:
@@ -739,8 +738,7 @@ class RLModule(L.LightningModule):
                 cb.on_rl_minibatch(self.trainer, self, mb, detached, epoch, step)
 
         local_tokens = int(mb.loss_mask.sum())
-        seq_valid = self._seq_valid(mb)
-        total_tokens, total_seqs = self._reduce([float(local_tokens), float(int(seq_valid.sum()))])
+        total_tokens = self._reduce([float(local_tokens)])[0]
         if total_tokens == 0:
             warnings.warn(
                 f"rollout step {self.rollout_step}, epoch {epoch}, mini-batch {step}: no token left in the loss "
@@ -752,7 +750,7 @@ class RLModule(L.LightningModule):
                 self.manual_backward(logp.sum() * 0.0 + ent.sum() * 0.0)
                 self.model.zero_grad(set_to_none=True)
             return
-        local_seqs = int(seq_valid.sum())
+        local_seqs = int(self._seq_valid(mb).sum())
         opt = self.optimizers()
         loss_sum = 0.0
         for k in range(num_micros):
@@ -764,9 +762,7 @@ class RLModule(L.LightningModule):
                 else:
                     micro = mb.select([0])
                     micro.loss_mask = torch.zeros_like(micro.loss_mask)
-                lp, en = self._call_fsdp(
-                    self.model, lambda micro=micro: self._logprobs(self.model, micro, with_entropy=True)
-                )
+                lp, en = fsdp_call(self.model, lambda micro=micro: self._logprobs(self.model, micro, with_entropy=True))
             loss = self._micro_loss(micro, lp, en, local_tokens, local_seqs, stats)
             self.manual_backward(loss)
             loss_sum += float(loss.detach())

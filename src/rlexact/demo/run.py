@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.resources
+import itertools
 import json
 import os
 import platform
@@ -178,21 +179,14 @@ def demo_rows(split: str, size: int, ckpt: str | None = None) -> list[dict[str, 
     settings = _sft_report(ckpt or checkpoint_path()).get("settings", {})
     max_operand = int(settings.get("max_operand", 99))
     ops = tuple(settings.get("ops", ("+",)))
-    eval_seed = int(settings.get("eval_seed", 1))
+    eval_task = ArithmeticTask(seed=int(settings.get("eval_seed", 1)), max_operand=max_operand, ops=ops)
     if split == "eval":
-        return ArithmeticTask(seed=eval_seed, max_operand=max_operand, ops=ops).generate(size)
+        return eval_task.generate(size)
     if split != "train":
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    held_out_size = int(settings.get("eval_size", EVAL_FILE_ROWS))
-    task = ArithmeticTask(seed=eval_seed, max_operand=max_operand, ops=ops)
-    held_out = {r["prompt"] for r in task.generate(held_out_size)}
-    rows: list[dict[str, str]] = []
-    for row in ArithmeticTask(seed=2, max_operand=max_operand, ops=ops):
-        if row["prompt"] not in held_out:
-            rows.append(row)
-            if len(rows) == size:
-                return rows
-    raise AssertionError("unreachable")
+    held_out = {r["prompt"] for r in eval_task.generate(int(settings.get("eval_size", EVAL_FILE_ROWS)))}
+    train_task = ArithmeticTask(seed=2, max_operand=max_operand, ops=ops)
+    return list(itertools.islice((r for r in train_task if r["prompt"] not in held_out), size))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

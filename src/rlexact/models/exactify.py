@@ -129,7 +129,7 @@ def _attention_forward(m: nn.Module, orig: Callable) -> Callable:
     (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, :func:`rlexact_attention`, and the output
     projection. Calls with a transformers KV cache (``model.generate``) keep the stock layer code."""
     q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-    eps = float(getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6)))
+    eps = _norm_eps(q_norm)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -164,6 +164,11 @@ def _is_attention(m: nn.Module) -> bool:
     return type(m).__name__.endswith("Attention") and all(
         isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
     )
+
+
+def _norm_eps(m: nn.Module | None) -> float:
+    """The epsilon of a transformers RMSNorm (``variance_epsilon`` or ``eps``; 1e-6 when it has neither)."""
+    return float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
 
 
 def _is_rmsnorm(m: nn.Module) -> bool:
@@ -203,7 +208,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         if isinstance(m, nn.Linear):
             _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
         elif _is_rmsnorm(m):
-            eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
+            eps = _norm_eps(m)
             _patch(state, m, lambda x, m=m, eps=eps: ops.rms_norm(x, m.weight, eps))
         elif _is_gated_mlp(m):
             _patch(state, m, lambda x, m=m: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))

@@ -52,10 +52,9 @@ def head_logprobs(
     transformers-based trainers and inference engines do).
     """
     w = lm_head_weight(model)
-    state = get_state(model)
-    if state is None or state.exact:
+    if _exact(model):
         return ops.token_logprobs(hidden, w, targets, temperature)
-    z = F.linear(hidden, w).float() / temperature
+    z = _native_logits(hidden, w, temperature)
     logp_all = torch.log_softmax(z, dim=-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), ent
@@ -66,8 +65,18 @@ def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> t
     """Scaled logits ``[B, V]`` and logsumexp ``[B]`` fp32 for sampling, consistent bitwise with
     :func:`head_logprobs` (``z[i, t] - lse[i]`` is the log-prob of ``t``) in exact mode."""
     w = lm_head_weight(model)
-    state = get_state(model)
-    if state is None or state.exact:
+    if _exact(model):
         return ops.lm_head_logits(hidden, w, temperature)
-    z = F.linear(hidden, w).float() / temperature
+    z = _native_logits(hidden, w, temperature)
     return z, torch.logsumexp(z, dim=-1)
+
+
+def _exact(model: nn.Module) -> bool:
+    """The head uses the exact kernels unless the model is exactified and in ``"native"`` mode."""
+    state = get_state(model)
+    return state is None or state.exact
+
+
+def _native_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Native-mode scaled logits: stock ``lm_head`` in the model dtype, then fp32 division by the temperature."""
+    return F.linear(hidden, w).float() / temperature

@@ -68,18 +68,7 @@ def _gumbel_argmax_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         z = tl.load(base + offs, mask=mask, other=float("-inf"))
-        x = ka ^ offs.to(tl.uint32)
-        x = x ^ (x >> 16)
-        x = x * c1
-        x = x ^ (x >> 15)
-        x = x * c2
-        x = x ^ (x >> 16)
-        x = x ^ kb
-        x = x ^ (x >> 16)
-        x = x * c1
-        x = x ^ (x >> 15)
-        x = x * c2
-        h = x ^ (x >> 16)
+        h = _mix32(_mix32(ka ^ offs.to(tl.uint32), c1, c2) ^ kb, c1, c2)
         u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         s = z - tl.log(-tl.log(u))
         if HAS_THR:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from rlexact.models.exactify import KERNELS
+from rlexact.models.exactify import KERNELS, Kernels
 
 
 @dataclass
@@ -19,7 +18,7 @@ class GeneratorConfig:
     allocate small caches.
     """
 
-    kernels: Literal["exact", "native"] = "exact"
+    kernels: Kernels = "exact"
     """``"exact"``: the batch-invariant kernels (log-probs equal the trainer's bitwise). ``"native"``: the same engine
     under :func:`rlexact.use_kernels` ``"native"`` (stock cuBLAS/SDPA/torch) — the controlled mismatch baseline."""
     max_num_seqs: int = 256

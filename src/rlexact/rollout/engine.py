@@ -112,7 +112,7 @@ class Generator:
         """Number of KV blocks for this call; raises ``ValueError`` when one sequence cannot fit."""
         cfg = self.config
         bs = cfg.block_size
-        needs = sorted((-(-self._cache_tokens(s) // bs) for s in seqs), reverse=True)
+        needs = sorted((self._cache_blocks(s) for s in seqs), reverse=True)
         demand = sum(needs[: cfg.max_num_seqs])
         layers, kv_heads, head_dim = model_kv_shape(self.model)
         block_bytes = KVCache.bytes_per_block(layers, bs, kv_heads, head_dim, dtype)
@@ -133,9 +133,9 @@ class Generator:
             )
         else:
             budget, source = demand, "demand"
-        s = max(seqs, key=self._cache_tokens)
-        need = -(-self._cache_tokens(s) // bs)
+        need = needs[0]
         if need > budget:
+            s = max(seqs, key=self._cache_tokens)
             raise ValueError(
                 f"KV cache too small: it holds {budget} blocks of {bs} tokens ({budget * bs} tokens, from {source}) "
                 f"but sequence {s.index} needs {need} blocks ({s.num_prompt_tokens} prompt + {s.max_new_tokens} new "
@@ -147,6 +147,10 @@ class Generator:
     def _cache_tokens(seq: Sequence) -> int:
         """Cache slots a sequence can occupy: every token but the last sampled one (all tokens when scoring)."""
         return seq.num_prompt_tokens if seq.score_only else seq.max_len - 1
+
+    def _cache_blocks(self, seq: Sequence) -> int:
+        """KV blocks holding :meth:`_cache_tokens` slots of ``seq``."""
+        return -(-self._cache_tokens(seq) // self.config.block_size)
 
     def _check_lengths(self, seqs: list[Sequence]) -> None:
         limit = self.max_model_len
@@ -291,7 +295,7 @@ class Generator:
                 device, dtype = embed.device, embed.dtype
                 num_blocks = self._cache_plan(seqs, device, dtype)
                 cache = self._get_cache(num_blocks, device, dtype)
-                width = max(-(-self._cache_tokens(s) // cfg.block_size) for s in seqs)
+                width = max(self._cache_blocks(s) for s in seqs)
                 bm = BlockManager(
                     cache.num_blocks, cfg.block_size, cfg.max_num_seqs, width, cfg.shuffle_blocks, cfg.block_seed
                 )

@@ -94,11 +94,12 @@ class SamplingSetup:
 
 @dataclass
 class GraphState:
-    """Static buffers and captured decode graphs of one generate call (or several, with ``keep_kv_cache``)."""
+    """Static buffers and captured decode graphs of one generate call (or several, with ``keep_kv_cache``).
+
+    ``max_bs`` below is the largest batch bucket, ``width`` the block manager's table width (both in ``signature``).
+    """
 
     signature: tuple
-    max_bs: int
-    width: int
     ints: torch.Tensor  # [5, max_bs] int64: input ids, positions, slot mapping, seqlens_k, request ids
     block_tables: torch.Tensor  # [max_bs, width] int32
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
@@ -287,8 +288,6 @@ class ModelRunner:
         ints[2].fill_(scratch * self.cache.block_size)
         gs = GraphState(
             signature=sig,
-            max_bs=max_bs,
-            width=width,
             ints=ints,
             block_tables=torch.full((max_bs, width), scratch, dtype=torch.int32, device=dev),
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
@@ -429,32 +428,28 @@ class ModelRunner:
         """Feed a step of score-only sequences; store the log-prob of every fed token's successor."""
         inp = self._prepare(batch)
         hidden = self._eager_forward(inp)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), torch.tensor(batch.num_new))
-        lengths = torch.tensor([len(s) for s in batch.seqs], dtype=torch.long)
-        pos = inp["pos"]
-        has_target = pos + 1 < lengths[seq_of_token]
-        rows = torch.nonzero(has_target).squeeze(-1)
-        for s, n in zip(batch.seqs, batch.num_new):
+        cu = inp["cu"].tolist()
+        spans: list[tuple[Sequence, int, int]] = []  # (sequence, first fed position with a successor, count)
+        rows: list[torch.Tensor] = []
+        targets: list[int] = []
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            start = s.num_computed
+            k = min(n, len(s) - 1 - start)  # fed tokens that have a successor (all but the sequence's last token)
+            if k > 0:
+                spans.append((s, start, k))
+                rows.append(torch.arange(cu[i], cu[i] + k))
+                targets.extend(s.tokens[start + 1 : start + 1 + k])
             s.num_computed += n
-        if rows.numel() == 0:
+        if not spans:
             return
-        targets = torch.tensor(
-            [batch.seqs[i].tokens[p + 1] for i, p in zip(seq_of_token[rows].tolist(), pos[rows].tolist())],
-            dtype=torch.long,
-        )
-        logp, _ = head_logprobs(self.model, hidden[self._to_device(rows)], self._to_device(targets), temperature)
+        row_t, target_t = torch.cat(rows), torch.tensor(targets, dtype=torch.long)
+        logp, _ = head_logprobs(self.model, hidden[self._to_device(row_t)], self._to_device(target_t), temperature)
         logp = logp.float().cpu()
-        owner = seq_of_token[rows].tolist()
-        p_rows = pos[rows].tolist()
-        start = 0
-        while start < len(owner):
-            end = start
-            while end < len(owner) and owner[end] == owner[start]:
-                end += 1
-            seq = batch.seqs[owner[start]]
-            assert seq.score_logprobs is not None
-            seq.score_logprobs[p_rows[start] : p_rows[end - 1] + 1] = logp[start:end]
-            start = end
+        offset = 0
+        for s, start, k in spans:
+            assert s.score_logprobs is not None
+            s.score_logprobs[start : start + k] = logp[offset : offset + k]
+            offset += k
 
 
 def _describe_capture_failure(exc: BaseException) -> str:

@@ -31,7 +31,6 @@ MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B
 _ROW_SALT = 0x9E3779B9
-_TRITON_BLOCK_V = 2048
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -113,9 +112,8 @@ def _gumbel_argmax_torch(
 
 
 def _use_triton(z: torch.Tensor) -> bool:
-    if os.environ.get("RLEXACT_SAMPLER", "") == "torch":
-        return False
-    if not z.is_cuda and os.environ.get("RLEXACT_SAMPLER", "") != "triton":
+    mode = os.environ.get("RLEXACT_SAMPLER", "")
+    if mode == "torch" or (not z.is_cuda and mode != "triton"):
         return False
     from rlexact.ops.backend import triton_available
 

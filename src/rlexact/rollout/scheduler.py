@@ -23,10 +23,6 @@ class ScheduledBatch:
     num_new: list[int]
     is_decode: bool
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
 
 class Scheduler:
     """Chooses which sequences run in the next packed forward.
