@@ -5,33 +5,19 @@ Importing this module puts ``<repo>/src`` first on ``sys.path``, so the scripts 
 
 from __future__ import annotations
 
-import datetime as dt
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from rlexact.envinfo import library_versions  # noqa: E402
+from rlexact.envinfo import result_header  # noqa: E402
 
 
 def header(benchmark: str, *libraries: str) -> dict:
-    """``benchmark``, the command line, the UTC date, the device name and the versions of torch and ``libraries``."""
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name()
-    else:
-        device = platform.processor() or "cpu"
-    return {
-        "benchmark": benchmark,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "versions": library_versions(*libraries),
-    }
+    """The result JSON's provenance block (:func:`rlexact.envinfo.result_header`)."""
+    return result_header(benchmark, *libraries)
 
 
 def bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:

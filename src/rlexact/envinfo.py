@@ -1,9 +1,17 @@
-"""Library versions recorded in benchmark results, demo summaries and the SFT report."""
+"""Provenance recorded in benchmark results, demo summaries and the SFT report: versions, device, git commit."""
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib
+import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
+
+COMMIT_ENV = "RLEXACT_COMMIT"
+"""Environment variable that supplies the commit where the tree has no ``.git`` (e.g. a copied working tree)."""
 
 
 def library_versions(*modules: str) -> dict[str, str]:
@@ -16,3 +24,43 @@ def library_versions(*modules: str) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
             out[name] = f"unavailable: {exc!r}"
     return out
+
+
+def git_commit(path: str | Path | None = None) -> str:
+    """The ``HEAD`` commit of the repository holding ``path`` (default: this package), with ``+dirty`` when tracked
+    files differ from it; else the value of ``$RLEXACT_COMMIT``; else ``"unknown"``."""
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd, capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(COMMIT_ENV, "unknown")
+    return head + ("+dirty" if dirty else "")
+
+
+def device_name() -> str:
+    """The CUDA device's name when one is visible, else the CPU's."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def result_header(name: str, *libraries: str) -> dict:
+    """The provenance block every committed result starts with: ``benchmark`` name, ``command`` line, git
+    ``commit``, UTC ``date``, ``device``, CPU count and library ``versions``."""
+    return {
+        "benchmark": name,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(),
+        "cpu_count": os.cpu_count(),
+        "versions": library_versions(*libraries),
+    }
