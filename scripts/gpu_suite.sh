@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
 # Runs the GPU test suite and the benchmarks on a CUDA machine (used on the H200 through the device tool).
-# Usage: scripts/gpu_suite.sh [tests|bench|all] ; logs go to ${OUT:-/tmp/rlexact_gpu}.
-# On one H200 (2026-11-29): tests ~4.5 min (104 tests), ops_bench ~1.5 min, rollout_throughput ~2.5 min.
-# BENCHES="benchmarks/matmul_variants.py benchmarks/attention_configs.py" runs the tuning sweeps instead (~4 min).
+# Usage: RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh [tests|bench|all]
+# Writes one complete test log, $OUT/gpu_tests_h200.log, whose header names the commit, GPU, driver and library
+# versions and the exact pytest command; benchmark JSONs (each with its own header) are copied to $OUT.
+# GPU_TESTS overrides the test paths; BENCHES the benchmark scripts (e.g. the tuning sweeps
+# "benchmarks/matmul_variants.py benchmarks/attention_configs.py").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlexact_gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/gpu.txt"
+commit=$(git rev-parse HEAD 2>/dev/null || echo "${RLEXACT_COMMIT:-unknown}")
+export RLEXACT_COMMIT=$commit
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+  log=$OUT/gpu_tests_h200.log
+  cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -rA --durations=15 ${GPU_TESTS:-tests}"
+  {
+    echo "# rlexact GPU test suite, one run at commit $commit"
+    echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+    echo "# versions (torch triton transformers lightning): $(python3 -c 'import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)')"
+    echo "# command: $cmd"
+  } > "$log"
+  $cmd >> "$log" 2>&1 || rc=1
+  tail -n 5 "$log"
 fi
 if [[ $what == bench || $what == all ]]; then
   for b in ${BENCHES:-benchmarks/ops_bench.py benchmarks/rollout_throughput.py}; do
-    [[ -f $b ]] && { python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" || rc=1; }
+    [[ -f $b ]] && { python3 "$b" > "$OUT/$(basename "$b" .py).log" 2>&1 || rc=1; tail -n 3 "$OUT/$(basename "$b" .py).log"; }
   done
   cp benchmarks/results/*.json "$OUT/" 2>/dev/null
 fi
