@@ -15,7 +15,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+from rlexact import ops  # noqa: E402
 from rlexact.ops import cpu, reference  # noqa: E402
+from rlexact.ops import triton_backward as tbw  # noqa: E402
 from rlexact.ops import triton_logprob as tlp  # noqa: E402
 from rlexact.ops import triton_matmul as tmm  # noqa: E402
 from rlexact.ops import triton_norm as tnorm  # noqa: E402
@@ -221,7 +223,111 @@ def check_logprob() -> None:
     print("logprob ok")
 
 
-CHECKS = {"matmul": check_matmul, "norm": check_norm, "logprob": check_logprob, "rope": check_rope}
+def _grads64(fn, inputs: list[torch.Tensor], grads_out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Float64 autograd gradients of ``fn(*inputs)`` (one output or a tuple) with output gradients ``grads_out``."""
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return list(torch.autograd.grad(outs, leaves, [g.double() for g in grads_out]))
+
+
+def _assert_grad(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def check_backward() -> None:
+    # RMSNorm: 37 rows -> 13 programs of 3 rows (the last one partly empty) under the interpreter's 4 "SMs"
+    for xd, wd, tol in [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2)]:
+        x, w = (torch.randn(37, 40) * 2).to(xd), (1 + 0.1 * torch.randn(40)).to(wd)
+        dy = torch.randn(37, 40).to(torch.promote_types(xd, wd))
+        dx, dw = tbw.rms_norm_backward(x, w, dy, 1e-6)
+        assert dx.dtype == xd and dw.dtype == wd and dx.shape == x.shape and dw.shape == w.shape
+        rx, rw = _grads64(lambda a, b: reference.rms_norm(a, b, 1e-6), [x, w], [dy])
+        _assert_grad(dx, rx, tol, f"rms_norm dx {xd}")
+        _assert_grad(dw, rw, tol, f"rms_norm dw {xd}")
+        dx2, dw2 = tbw.rms_norm_backward(x, w, dy, 1e-6)
+        assert torch.equal(dx, dx2) and torch.equal(dw, dw2), "rms_norm backward not deterministic"
+    # the fixed-order column sum, and a negative control: another summation order changes the bits
+    part = torch.randn(300, 70) * torch.logspace(-4, 4, 300)[:, None]
+    colsum = tbw._column_sum(part)
+    assert torch.equal(colsum, tbw._column_sum(part.clone()))
+    assert ((colsum.double() - part.double().sum(0)).abs() <= 1e-5 * part.double().abs().sum(0)).all()
+    assert not torch.equal(colsum, tbw._column_sum(part.flip(0).contiguous())), "negative control: order-blind sum"
+
+    # q/k norm + rotary: fp32 (tight) and bf16, with and without the norm
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for norm in (True, False):
+            t, hq, hk, d = 13, 4, 2, 16
+            q, k = (torch.randn(t, hq, d) * 2).to(dtype), (torch.randn(t, hk, d) * 2).to(dtype)
+            ang = torch.rand(t, d // 2) * 50
+            cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+            qw = torch.rand(d).add(0.5).to(dtype) if norm else None
+            kw = torch.rand(d).add(0.5).to(dtype) if norm else None
+            gq, gk = torch.randn(t, hq, d).to(dtype), torch.randn(t, hk, d).to(dtype)
+            dq, dk, dqw, dkw = tbw.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+            c64, s64 = cos.double(), sin.double()
+            for got, x, w, g, dwg, name in ((dq, q, qw, gq, dqw, "q"), (dk, k, kw, gk, dkw, "k")):
+                if norm:
+                    rx, rw = _grads64(lambda a, b, c=c64, s=s64: reference.norm_rope(a, c, s, b, 1e-6), [x, w], [g])
+                    _assert_grad(dwg, rw, tol, f"rope d{name}_weight {dtype}")
+                else:
+                    (rx,) = _grads64(lambda a, c=c64, s=s64: reference.norm_rope(a, c, s, None, 1e-6), [x], [g])
+                    assert dwg is None
+                _assert_grad(got, rx, tol, f"rope d{name} {dtype} norm={norm}")
+
+    # SiLU-gate
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        g, u, dy = (torch.randn(5, 1500) * 4).to(dtype), torch.randn(5, 1500).to(dtype), torch.randn(5, 1500).to(dtype)
+        dg, du = tbw.silu_mul_backward(g, u, dy)
+        rg, ru = _grads64(lambda a, b: torch.nn.functional.silu(a) * b, [g, u], [dy])
+        _assert_grad(dg, rg, tol, f"silu d_gate {dtype}")
+        _assert_grad(du, ru, tol, f"silu d_up {dtype}")
+
+    # log-prob head: 4 vocabulary chunks (the last one partial), both output gradients or one, pointer and TMA tiles
+    t, h, v = 9, 40, 100
+    hid, w = torch.randn(t, h), torch.randn(v, h) * 0.3
+    tgt = torch.randint(0, v, (t,))
+    gl, ge = torch.randn(t), torch.randn(t)
+    tma = dict(BM=16, BV=32, BK=16, TMA=True, num_warps=4, num_stages=1)
+    for temp, g_l, g_e, cfg in ((0.7, gl, ge, None), (1.0, gl, None, None), (1.3, None, ge, tma), (1.0, gl, ge, tma)):
+        _, _, ent, lse = tlp._run_head(hid, w, tgt, temp, store_z=False)
+        gh, gw = tbw.head_backward(hid, w, tgt, lse, ent, g_l, g_e, temp, chunk=32, config=cfg)
+        outs = [o for o, g in ((0, g_l), (1, g_e)) if g is not None]
+        rh, rw = _grads64(
+            lambda a, b, tp=temp, os=outs: tuple(reference.token_logprobs(a, b, tgt, tp)[o] for o in os),
+            [hid, w],
+            [g for g in (g_l, g_e) if g is not None],
+        )
+        _assert_grad(gh, rh, 1e-5, f"head dh T={temp}")
+        _assert_grad(gw, rw, 1e-5, f"head dw T={temp}")
+    # through the autograd Function (backend="triton"): forward bits unchanged, entropy gradient optional
+    hl, wl = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, en = ops.token_logprobs(hl, wl, tgt, 0.8, backend="triton")
+    lp0, en0 = tlp.token_logprobs(hid, w, tgt, 0.8)
+    assert torch.equal(lp.detach(), lp0) and torch.equal(en.detach(), en0), "forward bits changed under autograd"
+    (lp * gl).sum().backward()
+    rh, rw = _grads64(lambda a, b: reference.token_logprobs(a, b, tgt, 0.8)[0], [hid, w], [gl])
+    _assert_grad(hl.grad, rh, 1e-5, "head dh via autograd")
+    _assert_grad(wl.grad, rw, 1e-5, "head dw via autograd")
+    # bf16 operands: dz rounded to bf16 before the GEMMs
+    hb, wb = hid.bfloat16(), w.bfloat16()
+    _, _, ent, lse = tlp._run_head(hb, wb, tgt, 1.0, store_z=False)
+    gh, gw = tbw.head_backward(hb, wb, tgt, lse, ent, gl, ge, 1.0, chunk=32)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    rh, rw = _grads64(lambda a, b: reference.token_logprobs(a, b, tgt, 1.0), [hb, wb], [gl, ge])
+    _assert_grad(gh, rh, 2e-2, "head dh bf16")
+    _assert_grad(gw, rw, 2e-2, "head dw bf16")
+    print("backward ok")
+
+
+CHECKS = {
+    "matmul": check_matmul,
+    "norm": check_norm,
+    "logprob": check_logprob,
+    "rope": check_rope,
+    "backward": check_backward,
+}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CHECKS)

@@ -32,7 +32,7 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("which", ["matmul", "norm", "logprob", "rope"])
+@pytest.mark.parametrize("which", ["matmul", "norm", "logprob", "rope", "backward"])
 def test_interpreter_kernels(which: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     src = str(ROOT / "src")

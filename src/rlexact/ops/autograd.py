@@ -1,8 +1,10 @@
 """``torch.autograd.Function`` wrappers: exact forward kernels, deterministic backward passes.
 
-Backward passes use either dedicated kernels or autograd through :mod:`rlexact.ops.reference` /
-plain torch matmuls, all deterministic for a fixed input shape. They are correct (checked against float64) but are not
-required to be batch-invariant.
+On the Triton backend the backward passes of RMSNorm, the fused q/k-norm + rotary op, SiLU-gate and the log-prob
+head are the deterministic kernels of :mod:`rlexact.ops.triton_backward`; the matmul backward is cuBLAS (see
+:class:`MatmulFn`) and attention has its own backward kernel. On the torch (CPU) backend they are autograd through
+:mod:`rlexact.ops.reference` or plain torch math. All are deterministic for a fixed input shape and correct against
+float64; none is required to be batch-invariant.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from . import cpu, reference
 from .backend import Backend
 
 ROW_CHUNK_BACKWARD = 256
-"""Rows per chunk when recomputing logits in the log-prob backward (bounds memory to ``[256, V]`` fp32)."""
+"""Rows per chunk when the torch backend recomputes logits in the log-prob backward (``[256, V]`` fp32 at most)."""
 
 
 _TRITON_MODULES = {
@@ -28,17 +30,46 @@ _TRITON_MODULES = {
     "attention_varlen": ".triton_attention",
     "attention_paged": ".triton_attention",
     "attention_varlen_backward": ".triton_attention",
+    "token_logprobs_lse": ".triton_logprob",
+    "rms_norm_backward": ".triton_backward",
+    "qk_norm_rope_backward": ".triton_backward",
+    "silu_mul_backward": ".triton_backward",
+    "head_backward": ".triton_backward",
+    "rms_norm_supported": ".triton_backward",
 }
 """Op name -> the module of its Triton kernel, imported on first use (``triton`` is an optional dependency)."""
+
+
+_TRITON_IMPLS: dict = {}
+"""Op name -> its resolved Triton function (the import runs once)."""
 
 
 def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel function
     if backend == "torch":
         return getattr(cpu, name)
-    return getattr(importlib.import_module(_TRITON_MODULES[name], __package__), name)
+    fn = _TRITON_IMPLS.get(name)
+    if fn is None:
+        fn = _TRITON_IMPLS[name] = getattr(importlib.import_module(_TRITON_MODULES[name], __package__), name)
+    return fn
+
+
+def _supported_norm(h: int) -> bool:
+    """Whether the Triton RMSNorm backward keeps a row of ``h`` in registers (else autograd through the reference)."""
+    return _impl("triton", "rms_norm_supported")(h)
 
 
 class MatmulFn(torch.autograd.Function):
+    """Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
+
+    The backward need not be batch-invariant, only deterministic and correct, and cuBLAS is the fastest such GEMM
+    on NVIDIA GPUs. It is deterministic: for fixed shapes, dtypes, strides and device, cuBLAS picks the same
+    algorithm every run, and its GEMMs reduce K inside one kernel or through split-K with a fixed-order reduction
+    (cuBLAS documents bitwise-identical results run to run for a given toolkit, architecture and SM count; it uses
+    no atomics in GEMM unless asked). The one documented exception is a workspace shared by several CUDA streams,
+    which ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (required by ``torch.use_deterministic_algorithms(True)``) rules out.
+    16-bit operands accumulate in fp32 on tensor cores and round once to the parameter dtype.
+    """
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, w)
@@ -57,11 +88,16 @@ class RMSNormFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, backend: Backend) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, w)
         ctx.eps = eps
+        ctx.backend = backend
         return _impl(backend, "rms_norm")(x, w, eps)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
+        if ctx.backend == "triton" and _supported_norm(x.shape[-1]):
+            dx, dw = _impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps)
+            want = ctx.needs_input_grad
+            return (dx if want[0] else None), (dw if want[1] else None), None, None
         with torch.enable_grad():
             xr = x.detach().requires_grad_(ctx.needs_input_grad[0])
             wr = w.detach().requires_grad_(ctx.needs_input_grad[1])
@@ -72,19 +108,29 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class QKNormRopeFn(torch.autograd.Function):
-    """Forward: the fused kernel. Backward: autograd through :func:`reference.norm_rope` in fp32."""
+    """Forward: the fused kernel. Backward: :func:`rlexact.ops.triton_backward.qk_norm_rope_backward` on the Triton
+    backend, autograd through :func:`reference.norm_rope` in fp32 on the torch backend."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, qw, kw, eps: float, backend: Backend):  # noqa: ANN001, ANN205
         ctx.save_for_backward(q, k, cos, sin, qw, kw)
         ctx.eps = eps
+        ctx.backend = backend
+        ctx.set_materialize_grads(False)
         return _impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps)
 
     @staticmethod
-    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None):  # noqa: ANN001, ANN205
         q, k, cos, sin, qw, kw = ctx.saved_tensors
         want = ctx.needs_input_grad
         grads: list[torch.Tensor | None] = [None] * 8
+        if ctx.backend == "triton":
+            gq = torch.zeros_like(q) if gq is None else gq
+            gk = torch.zeros_like(k) if gk is None else gk
+            out = _impl("triton", "qk_norm_rope_backward")(q, k, cos, sin, qw, kw, gq, gk, ctx.eps)
+            for j, d in zip((0, 1, 4, 5), out):
+                grads[j] = d if want[j] else None
+            return tuple(grads)
         with torch.enable_grad():
             for i, (x, w, g) in enumerate(((q, qw, gq), (k, kw, gk))):
                 xr = x.detach().float().requires_grad_(want[i])
@@ -103,11 +149,15 @@ class SiluMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(gate, up)
+        ctx.backend = backend
         return _impl(backend, "silu_mul")(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
+        if ctx.backend == "triton":
+            d_gate, d_up = _impl("triton", "silu_mul_backward")(gate, up, grad)
+            return d_gate, d_up, None
         g, u, dy = gate.float(), up.float(), grad.float()
         sig = torch.sigmoid(g)
         d_gate = dy * u * sig * (1 + g * (1 - sig))
@@ -116,48 +166,73 @@ class SiluMulFn(torch.autograd.Function):
 
 
 class TokenLogprobsFn(torch.autograd.Function):
-    """Returns ``(logp [T] fp32, entropy [T] fp32)``; gradients flow to ``hidden`` and ``w`` from both outputs."""
+    """Returns ``(logp [T] fp32, entropy [T] fp32)``; gradients flow to ``hidden`` and ``w`` from both outputs.
+
+    Triton backend: the forward also returns the rows' ``logsumexp`` (same launch, same bits) and the backward is
+    :func:`rlexact.ops.triton_backward.head_backward` (vocabulary chunks, tensor-core GEMMs, fixed order). Torch
+    backend: ``[ROW_CHUNK_BACKWARD, V]`` fp32 logits are recomputed per row chunk.
+    """
 
     @staticmethod
     def forward(ctx, hidden, w, targets, temperature: float, backend: Backend):  # noqa: ANN001, ANN205
-        logp, ent = _impl(backend, "token_logprobs")(hidden, w, targets, temperature)
-        ctx.save_for_backward(hidden, w, targets)
         ctx.temperature = temperature
+        ctx.backend = backend
+        ctx.set_materialize_grads(False)  # an unused output (usually the entropy) costs nothing in the backward
+        if backend == "triton":
+            logp, ent, lse = _impl(backend, "token_logprobs_lse")(hidden, w, targets, temperature)
+            ctx.save_for_backward(hidden, w, targets, lse, ent)
+        else:
+            logp, ent = _impl(backend, "token_logprobs")(hidden, w, targets, temperature)
+            ctx.save_for_backward(hidden, w, targets)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):  # noqa: ANN205
-        hidden, w, targets = ctx.saved_tensors
-        t = ctx.temperature
-        wf = w.float()
-        gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for s in range(0, hidden.shape[0], ROW_CHUNK_BACKWARD):
-            h = hidden[s : s + ROW_CHUNK_BACKWARD].float()
-            z = (h @ wf.T) / t
-            logp_all = torch.log_softmax(z, dim=-1)
-            p = logp_all.exp()
-            dz = torch.zeros_like(z)
-            if g_logp is not None:
-                gl = g_logp[s : s + ROW_CHUNK_BACKWARD].float()
-                dz -= p * gl[:, None]
-                dz.scatter_add_(-1, targets[s : s + ROW_CHUNK_BACKWARD, None], gl[:, None])
-            if g_ent is not None:
-                ge = g_ent[s : s + ROW_CHUNK_BACKWARD].float()
-                ent = -(p * logp_all).sum(-1, keepdim=True)
-                dz -= p * (logp_all + ent) * ge[:, None]
-            dz /= t
-            if gh is not None:
-                gh[s : s + ROW_CHUNK_BACKWARD] = dz @ wf
-            if gw is not None:
-                gw += dz.T @ h
+        if ctx.backend == "triton":
+            hidden, w, targets, lse, ent = ctx.saved_tensors
+            h2, w2 = (hidden, w) if hidden.dtype == w.dtype else (hidden.float(), w.float())
+            gh, gw = _impl("triton", "head_backward")(
+                h2, w2, targets, lse, ent, g_logp, g_ent, ctx.temperature, ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1],
+            )  # fmt: skip
+        else:
+            gh, gw = _head_backward_torch(ctx, g_logp, g_ent)
         return (
-            gh.to(hidden.dtype) if gh is not None else None,
-            gw.to(w.dtype) if gw is not None else None,
+            gh.to(ctx.saved_tensors[0].dtype) if gh is not None else None,
+            gw.to(ctx.saved_tensors[1].dtype) if gw is not None else None,
             None,
             None,
             None,
         )
+
+
+def _head_backward_torch(ctx, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):  # noqa: ANN001, ANN202
+    """The torch-backend head backward: fp32 logits recomputed for ``ROW_CHUNK_BACKWARD`` rows at a time."""
+    hidden, w, targets = ctx.saved_tensors
+    t = ctx.temperature
+    wf = w.float()
+    gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+    gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+    for s in range(0, hidden.shape[0], ROW_CHUNK_BACKWARD):
+        h = hidden[s : s + ROW_CHUNK_BACKWARD].float()
+        z = (h @ wf.T) / t
+        logp_all = torch.log_softmax(z, dim=-1)
+        p = logp_all.exp()
+        dz = torch.zeros_like(z)
+        if g_logp is not None:
+            gl = g_logp[s : s + ROW_CHUNK_BACKWARD].float()
+            dz -= p * gl[:, None]
+            dz.scatter_add_(-1, targets[s : s + ROW_CHUNK_BACKWARD, None], gl[:, None])
+        if g_ent is not None:
+            ge = g_ent[s : s + ROW_CHUNK_BACKWARD].float()
+            ent = -(p * logp_all).sum(-1, keepdim=True)
+            dz -= p * (logp_all + ent) * ge[:, None]
+        dz /= t
+        if gh is not None:
+            gh[s : s + ROW_CHUNK_BACKWARD] = dz @ wf
+        if gw is not None:
+            gw += dz.T @ h
+    return gh, gw
 
 
 class AttentionVarlenFn(torch.autograd.Function):

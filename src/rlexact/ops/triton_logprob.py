@@ -290,10 +290,19 @@ def token_logprobs(
     hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [T, H]``, ``w [V, H]``, ``targets [T]`` int64 -> ``(logp [T], entropy [T])`` fp32."""
+    logp, ent, _ = token_logprobs_lse(hidden, w, targets, temperature)
+    return logp, ent
+
+
+def token_logprobs_lse(
+    hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` plus the per-row ``logsumexp(z) [T]`` fp32 that it computed (saved for the backward);
+    ``logp`` and ``entropy`` are the same launch's outputs, so their bits are those of :func:`token_logprobs`."""
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden rows {hidden.shape[0]}")
-    _, logp, ent, _ = _run_head(hidden, w, targets.long(), temperature, store_z=False)
-    return logp, ent
+    _, logp, ent, lse = _run_head(hidden, w, targets.long(), temperature, store_z=False)
+    return logp, ent, lse
 
 
 def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
