@@ -75,6 +75,7 @@ def check_matmul() -> None:
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1),
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True),
         tmm.MatmulConfig("tma", 32, 16, 16, 4, 1),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True, device_desc=False),  # host descriptors
     ]:
         x, w = torch.randn(37, 68), torch.randn(44, 68)
         y = tmm.matmul_with_config(x, w, cfg)

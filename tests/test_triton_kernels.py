@@ -309,3 +309,157 @@ def test_gpu_logprob_negative_control() -> None:
             hb[:8], tb[:8] = hid, tgt
             differs |= not torch.equal(native(hb, w, tb)[:8], singles)
     assert differs, "negative control: the native lm head was batch-invariant for every shape and M tried"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU: backward kernels (deterministic, correct vs float64) and the matmul launch path
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _grads64(fn, inputs: list[torch.Tensor], grads_out: list[torch.Tensor]) -> list[torch.Tensor]:
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return list(torch.autograd.grad(outs, leaves, [g.double() for g in grads_out]))
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h", [2048, 1000, 128])
+def test_gpu_rms_norm_backward(dtype: torch.dtype, h: int) -> None:
+    """vs float64 autograd through the reference, and bitwise identical gradients on a second run."""
+    from rlexact.ops import reference, triton_backward
+
+    g = torch.Generator(device="cuda").manual_seed(20)
+    x = (3 * torch.randn(3000, h, device=_dev(), generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(h, device=_dev(), generator=g)).to(dtype)
+    dy = torch.randn(3000, h, device=_dev(), generator=g).to(dtype)
+    dx, dw = triton_backward.rms_norm_backward(x, w, dy, 1e-6)
+    rx, rw = _grads64(lambda a, b: reference.rms_norm(a, b, 1e-6), [x, w], [dy])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(dx, rx) < tol and _rel(dw, rw) < tol, (_rel(dx, rx), _rel(dw, rw))
+    dx2, dw2 = triton_backward.rms_norm_backward(x, w, dy, 1e-6)
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_column_sum_order_negative_control() -> None:
+    """The determinism checks can fail: summing the same partials in another order changes the bits."""
+    from rlexact.ops import triton_backward
+
+    g = torch.Generator(device="cuda").manual_seed(21)
+    part = torch.randn(528, 2048, device=_dev(), generator=g) * torch.logspace(-3, 3, 528, device=_dev())[:, None]
+    a = triton_backward._column_sum(part)
+    assert torch.equal(a, triton_backward._column_sum(part.clone()))
+    assert not torch.equal(a, triton_backward._column_sum(part.flip(0).contiguous()))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_gpu_qk_norm_rope_backward(dtype: torch.dtype, norm: bool) -> None:
+    from rlexact.ops import reference, triton_backward
+
+    torch.manual_seed(22)
+    t, d = 2000, 128
+    q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
+    k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
+    ang = torch.rand(t, d // 2, device=_dev()) * 4000
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    out = triton_backward.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    c64, s64 = cos.double(), sin.double()
+    for got, gw, x, w, gx in ((out[0], out[2], q, qw, gq), (out[1], out[3], k, kw, gk)):
+        if norm:
+            rx, rw = _grads64(lambda a, b: reference.norm_rope(a, c64, s64, b, 1e-6), [x, w], [gx])
+            assert _rel(gw, rw) < tol
+        else:
+            (rx,) = _grads64(lambda a: reference.norm_rope(a, c64, s64, None, 1e-6), [x], [gx])
+            assert gw is None
+        assert _rel(got, rx) < tol
+    again = triton_backward.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+    for a, b in zip(out, again):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_silu_mul_backward(dtype: torch.dtype) -> None:
+    from rlexact.ops import triton_backward
+
+    g = torch.Generator(device="cuda").manual_seed(23)
+    gate, up, dy = ((4 * torch.randn(300, 6144, device=_dev(), generator=g)).to(dtype) for _ in range(3))
+    dg, du = triton_backward.silu_mul_backward(gate, up, dy)
+    rg, ru = _grads64(lambda a, b: torch.nn.functional.silu(a) * b, [gate, up], [dy])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(dg, rg) < tol and _rel(du, ru) < tol
+    dg2, du2 = triton_backward.silu_mul_backward(gate, up, dy)
+    assert torch.equal(dg, dg2) and torch.equal(du, du2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hv", [(2048, 151936), (64, 5000)])
+def test_gpu_token_logprobs_backward(dtype: torch.dtype, hv: tuple[int, int]) -> None:
+    """Head gradients through the autograd Function: vs float64, run-to-run bitwise, forward bits unchanged."""
+    from rlexact import ops
+    from rlexact.ops import reference
+    from rlexact.ops import triton_logprob as tlp
+
+    h, v = hv
+    hid, w, tgt = _head_inputs(300, h, v, dtype, 24)
+    g = torch.Generator(device="cuda").manual_seed(25)
+    gl, ge = torch.randn(300, device=_dev(), generator=g), torch.randn(300, device=_dev(), generator=g)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for temp, use_ent in ((1.0, False), (0.7, True)):
+        grads = []
+        for _ in range(2):
+            hl, wl = hid.clone().requires_grad_(), w.clone().requires_grad_()
+            lp, ent = ops.token_logprobs(hl, wl, tgt, temp)
+            lp0, ent0 = tlp.token_logprobs(hid, w, tgt, temp)
+            assert torch.equal(lp.detach(), lp0) and torch.equal(ent.detach(), ent0), "forward bits changed"
+            loss = (lp * gl).sum() + ((ent * ge).sum() if use_ent else 0.0)
+            loss.backward()
+            grads.append((hl.grad, wl.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), "not deterministic"
+        outs = (0, 1) if use_ent else (0,)
+        rh, rw = _grads64(
+            lambda a, b, tp=temp, os=outs: tuple(reference.token_logprobs(a, b, tgt, tp)[o] for o in os),
+            [hid, w],
+            [gl, ge][: len(outs)],
+        )
+        assert _rel(grads[0][0], rh) < tol and _rel(grads[0][1], rw) < tol, (_rel(grads[0][0], rh), temp)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk", QWEN_LINEARS)
+def test_gpu_matmul_cached_launcher_bitwise(nk: tuple[int, int]) -> None:
+    """The cached-launcher path of ``matmul`` gives the bits of the JIT-dispatched launch of the same config, also
+    for an unaligned (sliced) input that must take the JIT path."""
+    tm = _tm()
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(26)
+    w = torch.randn(n, k, device=_dev(), generator=g).bfloat16()
+    for m in (64, 200, 1024, 4096):
+        x = torch.randn(m + 1, k, device=_dev(), generator=g).bfloat16()
+        ref = tm.matmul_with_config(x[:m], w, tm.config_for(m, n, k, torch.bfloat16, x.device))
+        first, second = tm.matmul(x[:m], w), tm.matmul(x[:m], w)  # the second call uses the cached launcher
+        assert torch.equal(first, ref) and torch.equal(second, ref)
+        plan = tm._LAUNCHES[(m, n, k, torch.bfloat16, x.get_device())]
+        assert plan.runner is not None, "no cached launcher after the first aligned launch"
+        xs = torch.empty(m * k + 1, device=_dev(), dtype=torch.bfloat16)[1:].view(m, k)
+        xs.copy_(x[:m])
+        assert torch.equal(tm.matmul(xs, w), ref)

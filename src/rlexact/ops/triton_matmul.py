@@ -28,29 +28,32 @@ because the variants differ in BM / BN / BK / kernel but not in the per-element 
   descriptors/warp specialization) uses the portable pointer kernel with a single static config for all M.
 
 So the variant for a given M is picked from a list whose members are bitwise-equivalent per row; the list itself is
-a function of (N, K, dtype, device). With variants disabled the M-independence is by construction. (Measured: on
-the H200 the pointer kernel, the TMA kernel, BM 64/128, BN 16..256, BK 64/128/256 and warp specialization on/off
-all produced identical bits for bf16.)
+a function of (N, K, dtype, device). With variants disabled the M-independence is by construction. (On the H200 the
+pointer kernel, the TMA kernel with host or device descriptors, BM 64/128, BN 16..256, BK 64/128/256 and warp
+specialization on/off all produced identical bits for bf16.)
 
-Row-tile variants and measurements (H200, triton 3.6, bf16, Qwen3-1.7B projections; GPU time from CUDA-graph replay,
-ratio = cuBLAS time / ours; all variants below were checked bitwise identical to each other on every shape):
+Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA-graph timings, see
+``benchmarks/results/matmul_variants_h200.json``, ``benchmarks/results/matmul_variants_m256_h200.json`` and the
+``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
 * M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles exist
   (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for BN = 32
-  and 64 otherwise, 6 stages for BN = 64: 0.64-0.97x (``benchmarks/matmul_variants.py`` swept BN 16/32/64 x BK
-  64/128/256 x 4/6 stages; BK = 256 did not speed up the BN = 16 ``down`` projection, 14.7 us vs 14.6 us).
-  TMA with such narrow tiles was slower (0.15-0.5x).
-* 64 < M <= 256: persistent TMA, 4 warps, device-side descriptors, 64 x 128 x 64, or 64 x 64 x 128 when N is too
-  small for ~one 64 x 128 tile per SM at M = 256: ~0.65-0.8x. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g.
-  the 6144-wide gate/up projections) 128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages: 15.2 us vs 19.3 us at
-  M = 256 (``benchmarks/results/matmul_variants_m256_h200.json``, 43 candidates, all bitwise equal).
-* 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages: ~0.9x at M = 1024.
-* M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves: 0.91-1.03x.
+  and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
+* 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
+  per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
+  128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages.
+* 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
+* M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves.
 * ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
   default (``MatmulConfig.warp_specialize``; a failed WS compile falls back to the same kernel without it).
 
-Host overhead: Triton launches with host-side tensor descriptors cost ~50-100 us of CPU time (descriptor encoding in
-the launcher); the decode path uses the pointer kernel (~30-50 us) and the rollout runs decode under CUDA graphs.
+Host overhead (the trainer calls the matmul eagerly): every TMA variant builds its tensor descriptors on the device
+(``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch; the descriptor scratch comes from a
+per-stream cached buffer (:func:`_torch_alloc`). Each ``(M, N, K, dtype, device)`` gets a cached :class:`_Launch`
+(configuration, grid, constexpr arguments) and, after its first launch, the compiled kernel's own launcher, so a
+call costs one dictionary lookup, one ``torch.empty`` and one launch. Where the launcher cannot be reused (unaligned
+pointers, launch hooks installed, the interpreter) the call goes through Triton's regular JIT dispatch, which
+compiles the same kernel for the same specialization. Eager vs CUDA-graph timings: ``benchmarks/results/ops_h200.json``.
 """
 
 from __future__ import annotations
@@ -106,8 +109,9 @@ class MatmulConfig:
     warp_specialize: bool = False
     subtile: bool = False
     """Store the epilogue as two ``BM x BN/2`` halves (frees shared memory for pipeline stages)."""
-    device_desc: bool = False
-    """TMA kernel only: build the tensor descriptors on the device instead of the host (lower launch overhead)."""
+    device_desc: bool = True
+    """TMA kernel only: build the tensor descriptors on the device (no per-launch host encoding). ``False`` builds
+    them on the host (same arithmetic; kept for comparison)."""
 
 
 def _device_key(device: torch.device) -> tuple:
@@ -176,12 +180,12 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     # benchmarks/results/matmul_variants_h200.json: BK 64 for BN 16 / 64 (6 stages for 64), BK 128 for BN 32.
     decode = MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
     if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
-        small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, device_desc=True)
+        small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:
-        small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5, device_desc=True)
+        small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5)
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
     if triton.cdiv(N, 128) * 2 >= 0.6 * sms:  # wide N: 128 x 128 tiles still fill the GPU at 128 < M <= 256
-        wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4, device_desc=True)
+        wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4)
         return ((64, decode), (128, small), (256, wide), (2048, mid), (None, base))
     return ((64, decode), (256, small), (2048, mid), (None, base))
 
@@ -348,10 +352,13 @@ def _mm_ptr_kernel(
 _WS_BROKEN: set = set()
 """Configs whose warp-specialized compile failed on this machine (then they run without WS; same arithmetic)."""
 
+_SCRATCH: dict = {}
+"""``(device index, stream) -> int8 buffer`` reused as device-descriptor scratch by launches on that stream."""
+
 
 def _ensure_allocator() -> None:
     """Device-side tensor descriptors need scratch memory from a Triton allocator (a per-thread context variable).
-    Install a torch-backed one when none is set (CUDA-graph safe: it allocates through the caching allocator)."""
+    Install :func:`_torch_alloc` when none is set."""
     try:
         from triton.runtime import _allocation
     except ImportError:  # pragma: no cover
@@ -361,78 +368,121 @@ def _ensure_allocator() -> None:
 
 
 def _torch_alloc(size: int, alignment: int, stream) -> torch.Tensor:  # noqa: ANN001
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Descriptor scratch. Kernels on one stream run in order and each writes its descriptors before reading them,
+    so launches on the same stream can share one buffer (cached per device and stream, grown when needed). During
+    CUDA-graph capture a fresh tensor comes from the graph's private pool instead, so a replay never shares scratch
+    with an eager launch on another stream."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+    return buf
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
+@dataclass
+class _Launch:
+    """Everything about one matmul launch that depends only on ``(M, N, K, dtype, device)``.
+
+    ``runner`` is the compiled kernel's launcher for ``grid`` (``CompiledKernel[grid]``), set after the first launch
+    through Triton's JIT dispatch with 16-byte-aligned operands; it takes every kernel argument positionally
+    (the runtime ones, then ``constexprs`` in the kernel's order)."""
+
+    cfg: MatmulConfig
+    kernel: object
+    grid: tuple
+    constexprs: dict
+    options: dict
+    runner: object = None
+    tail: tuple = ()
+
+
+_LAUNCHES: dict = {}
+"""``(M, N, K, dtype, device index) -> _Launch``."""
+
+MAX_LAUNCHES = 4096
+"""Most launch plans kept (packed training batches produce many distinct M; the cache is cleared when full)."""
+
+
+def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> _Launch:
+    out_flags = {"RNE_FIX": _rne_fix(dtype)}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.kernel == "tma":
+        num_progs = max(1, min(_num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
+        constexprs = dict(
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
+            WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
+            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, **out_flags,
+        )  # fmt: skip
+        return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options)
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, **_dot_flags(dtype), **out_flags)
+    return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options)
+
+
+def _hooks_installed() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    rt = getattr(knobs, "runtime", None)
+    return rt is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch ``plan`` on contiguous ``x [M, K]``, ``w [N, K]``, ``out [M, N]``."""
     M, K = x.shape
     N = w.shape[0]
-    x, w = _aligned(x), _aligned(w)
-    if cfg.device_desc:
-        _ensure_allocator()
-        x_desc, w_desc, o_desc = x, w, out
+    cfg = plan.cfg
+    if cfg.kernel == "tma":
+        x, w = _aligned(x), _aligned(w)
+        if cfg.device_desc:
+            _ensure_allocator()
+            args = (x, w, out, M, N, K)
+        else:
+            o_block = [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN]
+            args = (
+                TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK]),
+                TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK]),
+                TensorDescriptor.from_tensor(out, o_block),
+            ) + (M, N, K)
     else:
-        x_desc = TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK])
-        w_desc = TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK])
-        o_desc = TensorDescriptor.from_tensor(out, [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN])
-    num_tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
-    num_progs = max(1, min(_num_sms(x.device), num_tiles))
-    ws = cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET
-    kwargs = dict(
-        BM=cfg.BM,
-        BN=cfg.BN,
-        BK=cfg.BK,
-        GROUP_M=cfg.group_m,
-        NUM_PROGS=num_progs,
-        SUBTILE=cfg.subtile,
-        OUT_DTYPE=_TL_DTYPE[out.dtype],
-        UPCAST=_INTERPRET,
-        RNE_FIX=_rne_fix(out.dtype),
-        DEV_DESC=cfg.device_desc,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        args = (x, w, out, M, N, K, K, K, N)
+    if plan.runner is not None and (x.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0 and not _hooks_installed():
+        plan.runner(*args, *plan.tail)
+        return
     try:
-        _mm_tma_kernel[(num_progs,)](x_desc, w_desc, o_desc, M, N, K, WS=ws, **kwargs)
+        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     except Exception:
-        if not ws:
+        if not plan.constexprs.get("WS"):
             raise
         # warp specialization is a scheduling choice: the same dot chain runs without it
         _WS_BROKEN.add(cfg)
-        _mm_tma_kernel[(num_progs,)](x_desc, w_desc, o_desc, M, N, K, WS=False, **kwargs)
+        plan.constexprs["WS"] = False
+        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
+    _keep_runner(plan, compiled, args, x, w, out)
 
 
-def _launch_ptr(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
-    M, K = x.shape
-    N = w.shape[0]
-    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
-    _mm_ptr_kernel[grid](
-        x,
-        w,
-        out,
-        M,
-        N,
-        K,
-        x.stride(0),
-        w.stride(0),
-        out.stride(0),
-        **_dot_flags(x.dtype),
-        BM=cfg.BM,
-        BN=cfg.BN,
-        BK=cfg.BK,
-        GROUP_M=cfg.group_m,
-        RNE_FIX=_rne_fix(out.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+def _keep_runner(plan: _Launch, compiled, args: tuple, *tensors: torch.Tensor) -> None:  # noqa: ANN001
+    """Keep ``compiled[grid]`` for later launches when this launch's specialization is the one every later launch of
+    the plan will have (16-byte-aligned pointers; the integers are fixed by the plan's key, M is not specialized)."""
+    if _INTERPRET or not hasattr(compiled, "__getitem__") or any(t.data_ptr() % 16 for t in tensors):
+        return
+    if not plan.cfg.device_desc and plan.cfg.kernel == "tma":
+        return  # host descriptors are rebuilt per call
+    names = list(plan.kernel.arg_names)
+    n_rt = len(args)
+    if set(names[n_rt:]) != set(plan.constexprs):
+        return
+    plan.tail = tuple(plan.constexprs[n] for n in names[n_rt:])
+    plan.runner = compiled[plan.grid]
 
 
 def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> torch.Tensor:
     """Run one explicit configuration (tests and benchmarks). ``x [M, K]``, ``w [N, K]``, same dtype."""
+    x, w = x.contiguous(), w.contiguous()
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -440,10 +490,7 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> t
         return out
     if K == 0:
         return out.zero_()
-    if cfg.kernel == "tma":
-        _launch_tma(x, w, out, cfg)
-    else:
-        _launch_ptr(x, w, out, cfg)
+    _launch(_plan(M, N, K, x.dtype, x.device, cfg), x, w, out)
     return out
 
 
@@ -462,5 +509,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not w.is_contiguous():
         w = w.contiguous()
     M, K = x.shape
-    out = matmul_with_config(x, w, config_for(M, w.shape[0], K, x.dtype, x.device))
+    N = w.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M and N:
+        if K == 0:
+            out.zero_()
+        else:
+            key = (M, N, K, x.dtype, x.get_device())
+            plan = _LAUNCHES.get(key)
+            if plan is None:
+                if len(_LAUNCHES) >= MAX_LAUNCHES:
+                    _LAUNCHES.clear()
+                plan = _LAUNCHES[key] = _plan(M, N, K, x.dtype, x.device, config_for(M, N, K, x.dtype, x.device))
+            _launch(plan, x, w, out)
     return out if out.dtype == out_dtype else out.to(out_dtype)
