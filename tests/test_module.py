@@ -20,6 +20,8 @@ from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
 from rlexact.demo.tokenizer import build_char_tokenizer
 from rlexact.module import RLModule
+from rlexact.trainer.batching import batch_logprobs, chunks, seq_valid
+from rlexact.trainer.update import PPOUpdate
 
 TOK = build_char_tokenizer()
 
@@ -270,15 +272,16 @@ def test_loss_integrates_over_micro_batches(agg: str) -> None:
     n_resp = int(batch.response_mask.sum())
     batch.token_weights[batch.response_mask] = torch.linspace(0.25, 1.0, n_resp)
 
-    stats = type("S", (), {"add": lambda *a: None, "token_stats": lambda *a: None})()
-    tokens, seqs = int(batch.loss_mask.sum()), int(module._seq_valid(batch).sum())
-    logp, ent = module._logprobs(module.model, batch, with_entropy=True)
-    whole = module._micro_loss(batch, logp, ent, tokens, seqs, stats)
+    update = PPOUpdate(module, None, module._reduce, distributed=False)
+    tokens, seqs = int(batch.loss_mask.sum()), int(seq_valid(batch).sum())
+    temp = module.logprob_temperature
+    logp, ent = batch_logprobs(module.model, batch, temp, with_entropy=True)
+    whole = update.micro_loss(batch, logp, ent, tokens, seqs)
     parts = []
-    for idx in module._chunks(batch.num_seqs, 3):
+    for idx in chunks(batch.num_seqs, 3):
         micro = batch.select(idx)
-        lp, en = module._logprobs(module.model, micro, with_entropy=True)
-        parts.append(module._micro_loss(micro, lp, en, tokens, seqs, stats))
+        lp, en = batch_logprobs(module.model, micro, temp, with_entropy=True)
+        parts.append(update.micro_loss(micro, lp, en, tokens, seqs))
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-7)
     # exact mode at the rollout weights: r = 1, so the clipped surrogate is -A per token, times its weight
     a, mask, w = batch.advantages, batch.loss_mask, batch.token_weights

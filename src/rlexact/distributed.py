@@ -32,13 +32,13 @@ from torch import nn
 from rlexact.config import FSDPConfig
 from rlexact.models import decoder
 
-__all__ = ["apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "reduce_scalars"]
+__all__ = ["DTYPES", "apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "reduce_scalars"]
 
 T = TypeVar("T")
 _CALL = "_rlexact_fsdp_call"
 _RESHARD_ATTR = "_rlexact_reshard_after_forward"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _fsdp_module_cls() -> type | None:
@@ -88,8 +88,8 @@ def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig | None = None) ->
     kwargs: dict[str, Any] = {"mesh": mesh}
     if config.param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=_DTYPES[config.param_dtype],
-            reduce_dtype=_DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
+            param_dtype=DTYPES[config.param_dtype],
+            reduce_dtype=DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
             cast_forward_inputs=False,
         )
     layers = getattr(decoder(model), "layers", None)

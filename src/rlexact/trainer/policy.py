@@ -1,0 +1,167 @@
+"""Policy setup: build or load the causal LM, exactify it, keep a frozen reference copy, shard it with FSDP2, and
+keep its rotary tables fp32.
+
+Everything here runs before the first training step (``RLModule.__init__`` / ``configure_model`` /
+``on_fit_start``); nothing is called per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlexact.config import FSDPConfig
+from rlexact.distributed import DTYPES, apply_fsdp, is_fsdp
+from rlexact.models import exactify, get_state
+
+__all__ = [
+    "apply_data_parallel",
+    "as_config",
+    "build_model",
+    "check_model_source",
+    "check_precision",
+    "make_reference",
+    "restore_fp32_rope",
+    "rope_fp32_snapshot",
+]
+
+
+def as_config(value: Any, cls: type) -> Any:
+    """``value`` as a ``cls`` config dataclass: None -> defaults, a dict of its fields, or another dataclass with the
+    same fields. Unknown dict keys raise ``ValueError`` listing the valid ones."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**value)
+    if is_dataclass(value):
+        return cls(**{f.name: getattr(value, f.name) for f in fields(value)})
+    raise TypeError(f"expected a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or path.startswith(".")
+
+
+def check_model_source(
+    model_path: str | os.PathLike | None, model: Any, model_config: dict[str, Any] | None, dtype: str | None
+) -> str | None:
+    """Validate the model arguments of :class:`rlexact.RLModule` (exactly one source, an existing local path, a
+    ``model_type`` in ``model_config``, a known dtype). Returns ``model_path`` as a string (or None)."""
+    sources = {"model_path": model_path, "model": model, "model_config": model_config}
+    given = [name for name, v in sources.items() if v is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"RLModule needs exactly one of model_path, model, model_config; got {given or 'none'}"
+            + (" (set model.init_args.model_path in the config)" if not given else "")
+        )
+    if model_path is not None:
+        model_path = os.fspath(model_path)
+        if _looks_local(model_path) and not os.path.exists(os.path.expanduser(model_path)):
+            raise FileNotFoundError(
+                f"model_path {model_path!r} does not exist; set model.init_args.model_path to a local "
+                "transformers checkpoint directory (e.g. a downloaded Qwen/Qwen3-1.7B)"
+            )
+    if model_config is not None and "model_type" not in model_config:
+        raise ValueError("model_config needs a 'model_type' key (e.g. 'qwen3')")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a transformers causal LM (nn.Module), got {type(model).__name__}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    return model_path
+
+
+def build_model(
+    model_path: str | None, model_config: dict[str, Any] | None, dtype_name: str | None, init_seed: int
+) -> nn.Module:
+    """Load ``model_path`` with ``AutoModelForCausalLM.from_pretrained`` (in ``dtype_name``, else the checkpoint's
+    dtype) or build a freshly initialized model from ``model_config`` (seeded by ``init_seed``, float32 by default)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = DTYPES[dtype_name] if dtype_name else None
+    if model_path is not None:
+        kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_path), **kwargs)
+    if model_config is None:
+        raise ValueError("build_model needs model_path or model_config")
+    cfg = dict(model_config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+
+
+def make_reference(model: nn.Module) -> nn.Module:
+    """A frozen (no grad, eval) exactified deep copy of ``model``, taken before ``model`` itself is exactified
+    (exactify's closures point at the modules they patch, so an already patched model is un-patched first)."""
+    if get_state(model) is not None:
+        exactify(model, enabled=False)
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    ref.eval()
+    return exactify(ref)
+
+
+def rope_fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of every rotary embedding's ``inv_freq``, by module name (see :func:`restore_fp32_rope`)."""
+    return {
+        name: m.inv_freq.detach().float().clone()
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("RotaryEmbedding") and isinstance(getattr(m, "inv_freq", None), torch.Tensor)
+    }
+
+
+def restore_fp32_rope(model: nn.Module | None, saved: dict[str, torch.Tensor]) -> None:
+    """Put the fp32 ``inv_freq`` of ``saved`` back where a ``*-true`` trainer precision (``module.to(dtype)``) cast
+    the rotary buffers; the exact kernels' RoPE tables are then rebuilt from it."""
+    if model is None:
+        return
+    changed = False
+    for name, m in model.named_modules():
+        fp32 = saved.get(name)
+        buf = getattr(m, "inv_freq", None)
+        if fp32 is not None and isinstance(buf, torch.Tensor) and buf.dtype != torch.float32:
+            m.inv_freq = fp32.to(buf.device)
+            changed = True
+    state = get_state(model)
+    if changed and state is not None:
+        state.rope_tables.clear()
+
+
+def check_precision(trainer: Any) -> None:
+    """Reject a mixed (autocast) Trainer precision: it changes the trainer forward's kernels and breaks exactness."""
+    precision = str(getattr(trainer, "precision", "32-true"))
+    if "mixed" in precision:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) runs the step under autocast, which changes the kernels of the "
+            "trainer forward and breaks rollout/trainer exactness; set RLModule(dtype='bfloat16') (or "
+            "fsdp.param_dtype with ModelParallelStrategy) and leave the Trainer precision at '32-true'"
+        )
+
+
+def apply_data_parallel(model: nn.Module, ref_model: nn.Module | None, mesh: Any, config: FSDPConfig) -> None:
+    """FSDP2-shard ``model`` (and ``ref_model``) over the data-parallel dimension of Lightning's device ``mesh``;
+    a no-op without a mesh or when ``model`` is already sharded. A tensor-parallel dimension larger than 1 is
+    rejected (its reductions inside the forward would break exactness)."""
+    if mesh is None or is_fsdp(model):
+        return
+    names = mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() != 1:
+        raise ValueError(
+            "rlexact supports data parallelism only (tensor-parallel reductions break exactness): use "
+            "ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1)"
+        )
+    dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
+    apply_fsdp(model, dp_mesh, config)
+    if ref_model is not None:
+        apply_fsdp(ref_model, dp_mesh, config)

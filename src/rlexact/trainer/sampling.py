@@ -1,0 +1,122 @@
+"""Rollout glue of the trainer: prompt validation, per-step sampling parameters and seeds, and the generate call
+on the policy's own parameters (no weight copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlexact.config import RolloutConfig
+from rlexact.distributed import fsdp_call, gathered_params
+from rlexact.rollout import Completion, Generator, SamplingParams
+
+__all__ = ["check_prompts", "generate_completions", "make_generator", "mix_seed", "sampling_params", "stop_token_ids"]
+
+
+def mix_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (splitmix64 steps); distinct inputs give (practically) distinct seeds."""
+    x = 0x9E3779B97F4A7C15
+    mask = (1 << 64) - 1
+    for p in parts:
+        x = (x ^ (int(p) & mask)) & mask
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        x = z ^ (z >> 31)
+    return x & 0x7FFFFFFF
+
+
+def stop_token_ids(cfg: RolloutConfig, model: nn.Module, tokenizer: Any) -> list[int] | None:
+    """``cfg.stop_token_ids`` when set, else the union of the model's (generation) config EOS ids and the tokenizer's
+    EOS id; None when there is none."""
+    if cfg.stop_token_ids is not None:
+        return list(cfg.stop_token_ids)
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        ids += [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.append(int(tok_eos))
+    return sorted(set(ids)) or None
+
+
+def sampling_params(
+    cfg: RolloutConfig,
+    *,
+    rollout_step: int,
+    rank: int,
+    stop_ids: list[int] | None,
+    n: int | None = None,
+    temperature: float | None = None,
+) -> SamplingParams:
+    """The ``SamplingParams`` of rollout step ``rollout_step`` on ``rank`` (seed mixed from the three)."""
+    return SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=mix_seed(cfg.seed, rollout_step, rank),
+        n=cfg.n if n is None else n,
+        stop_token_ids=stop_ids,
+    )
+
+
+def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int) -> list[list[int]]:
+    """The token ids of a data batch's prompts; an empty batch, an item without ``prompt_ids``, an empty prompt or one
+    that leaves no room for ``max_new_tokens`` in the context raise ``ValueError`` naming the item and the fix."""
+    if not isinstance(items, (list, tuple)) or len(items) == 0:
+        raise ValueError(
+            "training_step got an empty batch of prompts; check that the dataset is not empty "
+            "(rlexact.data.PromptDataModule yields lists of prompt dicts)"
+        )
+    max_context = cfg.max_context or int(max_positions)
+    budget = max_context - cfg.max_new_tokens
+    prompts = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "prompt_ids" not in item:
+            raise ValueError(f"batch item {i} must be a dict with 'prompt_ids', got {type(item).__name__}")
+        ids = [int(t) for t in item["prompt_ids"]]
+        if not ids:
+            raise ValueError(f"prompt {i} (dataset index {item.get('index')}) is empty")
+        if len(ids) > budget:
+            raise ValueError(
+                f"prompt {i} (dataset index {item.get('index')}) has {len(ids)} tokens; with "
+                f"max_new_tokens={cfg.max_new_tokens} the context of {max_context} tokens leaves room "
+                f"for prompts of at most {max(budget, 0)} tokens (filter long prompts, e.g. "
+                "PromptDataModule(max_prompt_length=...), or lower rollout.max_new_tokens)"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def make_generator(model: nn.Module, cfg: RolloutConfig) -> Generator:
+    """A :class:`rlexact.rollout.Generator` on ``model`` itself (it shares the parameters)."""
+    return Generator(model, kernels=cfg.kernels, **cfg.generator)
+
+
+@torch.no_grad()
+def generate_completions(
+    model: nn.Module, generator: Generator, prompts: list[list[int]], params: SamplingParams
+) -> list[Completion]:
+    """Sample with ``generator`` under ``no_grad`` and ``model.eval()`` (all parameters gathered once under FSDP).
+
+    Returns ``len(prompts) * params.n`` completions in prompt-major order (checked)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with gathered_params(model):
+            outs = fsdp_call(model, lambda: generator.generate(prompts, params))
+    finally:
+        model.train(was_training)
+    expected = len(prompts) * params.n
+    if len(outs) != expected:
+        raise RuntimeError(f"generator returned {len(outs)} completions for {len(prompts)} x {params.n}")
+    for k, c in enumerate(outs):
+        if c.prompt_index != k // params.n:
+            raise RuntimeError("generator completions are not in prompt-major order")
+    return outs
