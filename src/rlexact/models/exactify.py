@@ -14,7 +14,6 @@ removes every replacement and restores the original attention implementation.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,11 +24,12 @@ from torch import nn
 
 from rlexact import ops
 from rlexact.models.metadata import AttnMetadata
+from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
 ATTN_IMPL = "rlexact"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", *MOE_MODEL_TYPES)
 _STATE_ATTR = "_rlexact_state"
 
 
@@ -76,7 +76,7 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Qwen3-MoE and Qwen2-MoE *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -85,6 +85,10 @@ def check_supported(model: nn.Module) -> None:
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
+    check_moe(model)
+    for m in model.modules():
+        if _is_attention(m):
+            check_attention_settings(m, 0.0, getattr(m, "sliding_window", None))
 
 
 def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
@@ -93,8 +97,11 @@ def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> Non
     orig = module.forward
     state.original_forwards.append((module, orig))
 
-    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> object:
-        return exact_forward(*args, **kwargs) if state.exact else orig(*args, **kwargs)
+    def forward(*args: object, **kwargs: object) -> object:
+        if not state.exact:
+            return orig(*args, **kwargs)
+        check_autocast(args[0] if args else next(iter(kwargs.values())))  # type: ignore[arg-type]
+        return exact_forward(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -124,10 +131,15 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
     return forward
 
 
-def _attention_forward(m: nn.Module, orig: Callable) -> Callable:
+def _attention_forward(m: nn.Module) -> Callable:
     """Exact forward of a Qwen3 / Qwen2 / Llama attention layer: the projections, one fused q/k-norm + rotary kernel
-    (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, :func:`rlexact_attention`, and the output
-    projection. Calls with a transformers KV cache (``model.generate``) keep the stock layer code."""
+    (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact attention, and the output
+    projection.
+
+    With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
+    :func:`rlexact_attention`. Without it (a plain transformers call: ``model(ids)``, ``model.generate``), it is
+    :func:`_transformers_attention`, which honours a transformers ``DynamicCache`` and left padding with the same
+    kernels, so a decode step over the cache computes bitwise what the full forward computes."""
     q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
     eps = _norm_eps(q_norm)
 
@@ -135,13 +147,12 @@ def _attention_forward(m: nn.Module, orig: Callable) -> Callable:
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        *args: object,
+        cache: object | None = None,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        if args or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return orig(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-        kwargs.pop("cache", None)
-        kwargs.pop("past_key_values", None)
+        past = kwargs.pop("past_key_values", None)
+        cache = cache if cache is not None else past
+        meta = kwargs.pop("rlexact_meta", None)
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, m.head_dim)
         q = m.q_proj(hidden_states).view(shape)
@@ -150,11 +161,15 @@ def _attention_forward(m: nn.Module, orig: Callable) -> Callable:
         cos, sin = position_embeddings
         qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
         q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
-        kwargs.setdefault("sliding_window", getattr(m, "sliding_window", None))
-        out, _ = rlexact_attention(
-            m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-            dropout=m.attention_dropout if m.training else 0.0, scaling=m.scaling, **kwargs,
-        )  # fmt: skip
+        dropout = m.attention_dropout if m.training else 0.0
+        if meta is None:
+            check_attention_settings(m, dropout, getattr(m, "sliding_window", None))
+            out = _transformers_attention(m, q, k, v, attention_mask, cache, kwargs.get("position_ids"))
+        else:
+            out, _ = rlexact_attention(
+                m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, dropout=dropout,
+                scaling=m.scaling, rlexact_meta=meta, sliding_window=getattr(m, "sliding_window", None),
+            )  # fmt: skip
         return m.o_proj(out.reshape(*input_shape, -1)), None
 
     return forward
@@ -215,7 +230,9 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         elif type(m).__name__.endswith("RotaryEmbedding"):
             _patch(state, m, _rope_from_table(state, m.forward, max_pos))
         elif _is_attention(m):
-            _patch(state, m, _attention_forward(m, m.forward))
+            _patch(state, m, _attention_forward(m))
+        elif (moe_fwd := moe_forward(m)) is not None:
+            _patch(state, m, moe_fwd)
         if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
             m.__dict__[_STATE_ATTR] = state
     model.__dict__[_STATE_ATTR] = state
@@ -355,6 +372,169 @@ def _native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: tor
     return out
 
 
+HF_CACHE_BLOCK = 16
+"""Block size of the paged view that :func:`_transformers_attention` builds over a transformers KV cache."""
+
+
+def check_attention_settings(module: nn.Module, dropout: float, sliding_window: int | None) -> None:
+    """Raise ``ValueError`` for attention settings the exact kernels do not implement (never ignore them silently):
+    attention dropout in train mode, and a sliding window shorter than the model's context."""
+    if dropout > 0:
+        raise ValueError(
+            f"attention_dropout={dropout} in train mode: rlexact's attention kernels do not implement dropout. "
+            "Set model.config.attention_dropout = 0.0 and every attention layer's attention_dropout = 0.0 (or call "
+            "model.eval())."
+        )
+    max_pos = int(getattr(module.config, "max_position_embeddings", 0) or 0)
+    if sliding_window is not None and (not max_pos or int(sliding_window) < max_pos):
+        raise ValueError(
+            f"sliding_window={sliding_window} is active (max_position_embeddings={max_pos}): rlexact's attention "
+            "kernels implement full causal attention only. Load the model with use_sliding_window=False (or "
+            "sliding_window=None), e.g. from_pretrained(path, use_sliding_window=False), before rlexact.exactify."
+        )
+
+
+def check_autocast(x: torch.Tensor) -> None:
+    """Raise ``RuntimeError`` when an autocast context is active for ``x``'s device: it would change the dtypes the
+    exact kernels see."""
+    if torch.is_autocast_enabled(x.device.type):
+        raise RuntimeError(
+            f"an autocast context is active on {x.device.type!r} while rlexact's exact kernels run; autocast changes "
+            "their input dtypes and breaks bitwise exactness. Leave autocast off (Lightning: precision='32-true', not "
+            "'*-mixed') and set the model dtype instead (model.to(torch.bfloat16) / RLModule(dtype='bfloat16'))."
+        )
+
+
+def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``k, v [B, T, Hkv, D]`` to a transformers ``DynamicCache``; return all keys/values ``[B, L, Hkv, D]``."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"rlexact's exact attention supports transformers' DynamicCache, got {type(cache).__name__}; use "
+            "model.generate(...) with the default cache (no cache_implementation) or rlexact.rollout.Generator"
+        )
+    k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), m.layer_idx)
+    layer = cache.layers[m.layer_idx]
+    if type(layer) is not DynamicLayer:
+        raise ValueError(
+            f"rlexact's exact attention supports full DynamicCache layers, got {type(layer).__name__} in layer "
+            f"{m.layer_idx}; use the default DynamicCache without sliding-window or quantized layers"
+        )
+    return k_all.transpose(1, 2), v_all.transpose(1, 2)
+
+
+def _key_starts(mask: torch.Tensor | None, b: int, t: int, length: int) -> torch.Tensor:
+    """First valid key ``s_b`` ``[B]`` of every row from a 4-D transformers mask (``None``: no padding).
+
+    The exact kernels implement causal attention over keys ``[s_b, L)`` whose positions restart at 0: a left-padded
+    causal mask. Any other mask (right padding, holes, a custom pattern) raises ``ValueError``.
+    """
+    if mask is None:
+        return torch.zeros(b, dtype=torch.long)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != length or mask.shape[-2] != t:
+        raise ValueError(f"unsupported attention mask {type(mask).__name__} for rlexact's exact attention")
+    valid = (mask if mask.dtype == torch.bool else mask == 0)[:, 0].expand(b, t, length).cpu()
+    starts = length - valid[:, -1].sum(-1)
+    kidx = torch.arange(length)
+    c = length - t + torch.arange(t)  # cache index of each query
+    expected = (kidx[None, None] >= starts[:, None, None]) & (kidx[None, None] <= c[None, :, None])
+    real = c[None] >= starts[:, None]
+    if bool(((valid != expected) & real[:, :, None]).any()):
+        raise ValueError(
+            "rlexact's exact attention supports left padding with a causal mask only (the padded tokens first, then "
+            "the real ones): this attention mask has right padding or holes. Left-pad the batch "
+            "(tokenizer.padding_side = 'left') or pass unpadded sequences to rlexact.sequence_logprobs / "
+            "rlexact.rollout.Generator."
+        )
+    return starts
+
+
+def _check_positions(position_ids: object, starts: torch.Tensor, b: int, t: int, length: int) -> None:
+    """The real queries of row ``b`` must sit at positions ``cache index - s_b`` (positions restart after padding)."""
+    if not isinstance(position_ids, torch.Tensor):
+        return
+    c = length - t + torch.arange(t)
+    expected = c[None] - starts[:, None]
+    got = position_ids.reshape(-1, t).expand(b, t).cpu()
+    if bool(((got != expected) & (expected >= 0)).any()):
+        raise ValueError(
+            "position_ids do not restart at 0 after the left padding, so they differ from the unpadded forward; pass "
+            "attention_mask and let transformers derive the positions (as model.generate does: cumsum(mask) - 1)"
+        )
+
+
+def _paged_rows(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], nq: list[int], scale: float
+) -> torch.Tensor:
+    """:func:`rlexact.ops.attention_paged` of ``q [sum nq, Hq, D]`` over per-row keys/values ``[L_b, Hkv, D]``
+    copied into a paged view of :data:`HF_CACHE_BLOCK`-token blocks (queries are each row's last ``nq_b`` keys)."""
+    bs = HF_CACHE_BLOCK
+    nblk = [-(-x.shape[0] // bs) for x in keys]
+
+    def paged(rows: list[torch.Tensor]) -> torch.Tensor:
+        padded = [torch.cat([x, x.new_zeros((n * bs - x.shape[0], *x.shape[1:]))]) for x, n in zip(rows, nblk)]
+        return torch.cat(padded).view(-1, bs, *rows[0].shape[1:])
+
+    table = torch.zeros((len(keys), max(nblk)), dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(nblk):
+        table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    cu = torch.tensor([0, *nq], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor([x.shape[0] for x in keys], dtype=torch.int32)
+    dev = q.device
+    return ops.attention_paged(q, paged(keys), paged(values), table.to(dev), cu.to(dev), lens.to(dev), scale)
+
+
+def _transformers_attention(
+    m: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: object | None,
+    position_ids: object,
+) -> torch.Tensor:
+    """Exact attention for a plain transformers call: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
+
+    With a ``DynamicCache`` the new keys are appended first and the queries (the last ``T`` keys) attend over the
+    whole cache. Left padding is removed per row, so row ``b`` is the unpadded sequence ``[s_b, L)``: without past
+    keys that is :func:`rlexact.ops.attention_varlen` (the training path, differentiable); with past keys it is
+    :func:`rlexact.ops.attention_paged` (the generator's decode, inference only), bitwise equal per row. Outputs of
+    padding queries are zero.
+    """
+    b, t, hq, d = q.shape
+    k_all, v_all = (k, v) if cache is None else _cache_update(m, cache, k, v)
+    length = k_all.shape[1]
+    starts = _key_starts(mask, b, t, length)
+    _check_positions(position_ids, starts, b, t, length)
+    st = starts.tolist()
+    nq = [min(t, length - s) for s in st]
+    q_rows = torch.cat([q[i, t - n :] for i, n in enumerate(nq)])
+    keys = [k_all[i, s:] for i, s in enumerate(st)]
+    values = [v_all[i, s:] for i, s in enumerate(st)]
+    scale = float(m.scaling)
+    if all(n == length - s for n, s in zip(nq, st)):
+        cu = torch.tensor([0, *nq], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+        rows = ops.attention_varlen(q_rows, torch.cat(keys), torch.cat(values), cu, scale)
+    else:
+        if torch.is_grad_enabled() and (q.requires_grad or k_all.requires_grad):
+            raise RuntimeError(
+                "attention over past keys of a transformers KV cache is inference-only in rlexact (no gradient): run "
+                "it under torch.no_grad(), or pass use_cache=False / no cache to get a differentiable forward"
+            )
+        rows = _paged_rows(q_rows, keys, values, nq, scale)
+    if all(n == t for n in nq):
+        return rows.view(b, t, hq, d)
+    out = q.new_zeros((b, t, hq, d))
+    first = 0
+    for i, n in enumerate(nq):
+        out[i, t - n :] = rows[first : first + n]
+        first += n
+    return out
+
+
 def rlexact_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -370,22 +550,16 @@ def rlexact_attention(
     state: ExactState | None = module.__dict__.get(_STATE_ATTR)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if rlexact_meta is None:
+        if state is not None and state.exact:
+            raise RuntimeError(
+                f"rlexact attention called without AttnMetadata by {type(module).__name__}, which exactify did not "
+                "patch; the exact kernels cannot run there. Call the model through its exactified attention layers "
+                "(plain model(...) / model.generate) or rlexact.sequence_logprobs / rlexact.rollout.Generator."
+            )
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if state is not None and state.exact and attention_mask is None and query.shape[2] == key.shape[2]:
-            b, _, t, _ = query.shape
-            cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
-            q = query.transpose(1, 2).reshape(b * t, query.shape[1], -1)
-            k = key.transpose(1, 2).reshape(b * t, key.shape[1], -1)
-            v = value.transpose(1, 2).reshape(b * t, value.shape[1], -1)
-            return ops.attention_varlen(q, k, v, cu, scale).reshape(b, t, query.shape[1], -1), None
-        if state is not None and state.exact:
-            warnings.warn(
-                "rlexact attention called without AttnMetadata on a padded or cached batch: using stock SDPA, "
-                "which is not exact; use rlexact.sequence_logprobs / rlexact.rollout.Generator",
-                stacklevel=2,
-            )
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
+    check_attention_settings(module, dropout, kwargs.get("sliding_window"))  # type: ignore[arg-type]
     if query.shape[0] != 1:
         raise ValueError(f"packed forward expects batch dimension 1, got {query.shape[0]}")
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]

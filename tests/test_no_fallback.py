@@ -1,0 +1,118 @@
+"""No silent fallback: transformers ``model.generate`` (DynamicCache, left padding) on an exactified model runs the
+exact kernels (decode logits == full forward logits, torch.equal), and unsupported settings raise errors that name
+the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import rlexact
+from models import tiny_model
+
+VOCAB = 97
+
+
+def _left_padded(prompts: list[torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.numel() :] = p
+        mask[i, width - p.numel() :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _decode_vs_full(model: torch.nn.Module, device: str, new_tokens: int = 10) -> tuple[int, int]:
+    """``(equal, total)``: generated steps whose decode logits equal the full (cache-free) forward bitwise."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11, 3)]
+    ids, mask = _left_padded(prompts, device)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+        steps = torch.stack(out.logits, 1)
+        equal = total = 0
+        for i, p in enumerate(prompts):
+            seq = torch.cat([p.to(device), out.sequences[i, ids.shape[1] :]])
+            full = model(seq[None], use_cache=False).logits[0, p.numel() - 1 : -1]
+            equal += sum(bool(torch.equal(a, b)) for a, b in zip(full, steps[i]))
+            total += full.shape[0]
+    return equal, total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_generate_decode_equals_full_forward(arch, dtype) -> None:
+    model = rlexact.exactify(tiny_model(arch, dtype=dtype))
+    equal, total = _decode_vs_full(model, "cpu")
+    assert equal == total == 30
+    with rlexact.use_kernels(model, "native"):  # negative control: the stock kernels differ
+        equal, total = _decode_vs_full(model, "cpu")
+    assert equal < total
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_generate_decode_equals_full_forward_gpu(arch, dtype) -> None:
+    model = tiny_model(arch, dtype=dtype, hidden=256, heads=8, kv_heads=2, head_dim=64, intermediate=512).cuda()
+    rlexact.exactify(model)
+    equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
+    assert equal == total
+    rlexact.exactify(model, enabled=False)  # negative control: the unmodified model differs
+    equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
+    assert equal < total
+
+
+def test_right_padding_is_an_error() -> None:
+    model = rlexact.exactify(tiny_model("qwen3"))
+    ids = torch.randint(0, VOCAB, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="left padding"):
+        model(ids, attention_mask=mask, use_cache=False)
+
+
+def test_cached_attention_with_grad_is_an_error() -> None:
+    model = rlexact.exactify(tiny_model("qwen3"))
+    out = model(torch.randint(0, VOCAB, (1, 5)), use_cache=True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        model(torch.randint(0, VOCAB, (1, 1)), cache=out.cache, use_cache=True)
+
+
+def test_sliding_window_is_an_error() -> None:
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128, use_sliding_window=True, sliding_window=8,
+        max_window_layers=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window=8 is active"):
+        rlexact.exactify(Qwen3ForCausalLM(cfg))
+
+
+def test_attention_dropout_in_train_mode_is_an_error() -> None:
+    model = rlexact.exactify(tiny_model("qwen3"))
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        model(ids)  # eval mode: no dropout, fine
+    model.train()
+    with pytest.raises(ValueError, match="attention_dropout=0.1 in train mode"):
+        model(ids)
+    with pytest.raises(ValueError, match="attention_dropout=0.1 in train mode"):
+        rlexact.sequence_logprobs(model, [ids[0]])
+
+
+def test_autocast_is_an_error() -> None:
+    model = rlexact.exactify(tiny_model("qwen3"))
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
+        rlexact.sequence_logprobs(model, [ids[0]])
+    with rlexact.use_kernels(model, "native"), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)  # the native baseline may run under autocast
