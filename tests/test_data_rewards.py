@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from rlexact.data import PromptDataModule, SeededSampler, encode_prompts
+from rlexact.data import PromptDataModule, ResumableSampler, encode_prompts
 from rlexact.demo.task import ArithmeticTask, make_dataset, read_jsonl, write_jsonl
 from rlexact.demo.tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
 from rlexact.rewards import (
@@ -251,12 +251,15 @@ def test_datamodule_jsonl(tmp_path, tok):
     dm3 = PromptDataModule(path, tokenizer=tok, batch_size=4, use_chat_template=False, seed=6)
     assert order(dm3) != order(dm)
     assert order(PromptDataModule(path, tokenizer=tok, batch_size=4, shuffle=False)) == list(range(21))
-    # use_chat_template=None: the demo tokenizer has a template, so it is used
+    # the chat template is off unless asked for, although the demo tokenizer has one
     dm4 = PromptDataModule(path, tokenizer=tok, batch_size=2, limit=3)
     dm4.setup("fit")
-    assert dm4.chat_template_enabled and len(dm4.train_dataset) == 3
-    assert tok.decode(dm4.train_dataset[0]["prompt_ids"]).startswith("<|im_start|>user\n")
-    assert pickle.loads(pickle.dumps(dm4)).train_dataset[0] == dm4.train_dataset[0]
+    assert not dm4.chat_template_enabled and len(dm4.train_dataset) == 3
+    assert tok.decode(dm4.train_dataset[0]["prompt_ids"]) == rows[0]["prompt"]
+    dm5 = PromptDataModule(path, tokenizer=tok, batch_size=2, limit=3, use_chat_template=True)
+    dm5.setup("fit")
+    assert tok.decode(dm5.train_dataset[0]["prompt_ids"]).startswith("<|im_start|>user\n")
+    assert pickle.loads(pickle.dumps(dm5)).train_dataset[0] == dm5.train_dataset[0]
 
 
 def test_datamodule_parquet_val_and_custom_keys(tmp_path, tok):
@@ -315,18 +318,101 @@ def test_datamodule_errors(tmp_path, tok):
 
     path = tmp_path / "d.jsonl"
     _write_rows(path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": "123456+654321=", "answer": "777777"}])
-    with pytest.raises(ValueError, match=r"row 1 .*14 tokens > max_prompt_length=10"):
-        PromptDataModule(str(path), tokenizer=tok, max_prompt_length=10, use_chat_template=False).setup("fit")
-    PromptDataModule(str(path), tokenizer=tok, max_prompt_length=14, use_chat_template=False).setup("fit")
-
     with pytest.raises(ValueError, match=r"prompt_key 'question'.*\['prompt', 'answer'\]"):
         PromptDataModule(str(path), tokenizer=tok, prompt_key="question").setup("fit")
+    with pytest.raises(TypeError, match="tokenizer"):
+        PromptDataModule(str(path))  # the tokenizer is required (no silent demo-tokenizer default)
+    with pytest.raises(ValueError, match="a tokenizer is required"):
+        PromptDataModule(str(path), tokenizer=None)
+    with pytest.raises(ValueError, match="use_chat_template must be True or False"):
+        PromptDataModule(str(path), tokenizer=tok, use_chat_template=None)
+    with pytest.raises(ValueError, match="overlong must be 'filter' or 'raise'"):
+        PromptDataModule(str(path), tokenizer=tok, overlong="truncate")
 
 
-def test_seeded_sampler():
-    s = SeededSampler(10, seed=1)
+def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "123456+654321=", "answer": "777777"}, {"prompt": "2+2="}]
+    _write_rows(path, rows)
+    dm = PromptDataModule(str(path), tokenizer=tok, max_prompt_length=10)
+    with caplog.at_level("INFO"):
+        dm.setup("fit")
+    assert [it["index"] for it in dm.train_dataset] == [0, 2]  # the row index survives the filter
+    assert dm.num_filtered == {repr(str(path)): 1}
+    assert "filtered 1 of 3 prompts" in caplog.text and "max_prompt_length=10" in caplog.text
+    assert dm.train_dataset.max_prompt_tokens == 4
+    with pytest.raises(ValueError, match=r"row 1 .*14 tokens > max_prompt_length=10 \(overlong='raise'"):
+        PromptDataModule(str(path), tokenizer=tok, max_prompt_length=10, overlong="raise").setup("fit")
+    with pytest.raises(ValueError, match="every prompt .* longer than max_prompt_length=2"):
+        PromptDataModule(str(path), tokenizer=tok, max_prompt_length=2).setup("fit")
+    PromptDataModule(str(path), tokenizer=tok, max_prompt_length=14, overlong="raise").setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "problem"),
+    [
+        ('{"prompt": "1+1="}\n{"prompt": "2+2=", }\n', 2, "not valid JSON"),
+        ('{"prompt": "1+1="}\n\n{"prompt": "2+2="}\n["3+3="]\n', 4, "expected a JSON object per line, got list"),
+    ],
+)
+def test_malformed_jsonl_names_file_and_line(tmp_path, tok, text, line, problem):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line {line}: {problem}"):
+        PromptDataModule(str(path), tokenizer=tok).setup("fit")
+
+
+def test_resumable_sampler():
+    s = ResumableSampler(10, seed=1)
     a = list(s)
-    assert a == list(SeededSampler(10, seed=1)) and sorted(a) == list(range(10))
+    assert a == list(ResumableSampler(10, seed=1)) and sorted(a) == list(range(10))
+    assert a == torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
     s.set_epoch(3)
-    assert list(s) == list(SeededSampler(10, seed=4))
-    assert list(SeededSampler(5, shuffle=False)) == [0, 1, 2, 3, 4]
+    assert list(s) == list(ResumableSampler(10, seed=4))
+    assert list(ResumableSampler(5, shuffle=False)) == [0, 1, 2, 3, 4]
+    # ranks take interleaved positions of the one global order (padded by wrapping around)
+    shards = [list(ResumableSampler(5, seed=1, num_replicas=2, rank=r)) for r in (0, 1)]
+    glob = list(ResumableSampler(5, seed=1))
+    assert shards == [glob[0::2], glob[1::2] + glob[:1]]
+    s = ResumableSampler(10, seed=1)
+    s.resume(0, 4)
+    assert list(s) == a[4:] and list(s) == a  # the resume applies to one iteration
+
+
+def test_resumable_loader_state(tmp_path, tok):
+    dm = PromptDataModule([{"prompt": f"{i}+1="} for i in range(7)], tokenizer=tok, batch_size=3, seed=2)
+    dm.setup("fit")
+    dl = dm.train_dataloader()
+    full = [[it["index"] for it in b] for b in dl]
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    assert state == {
+        "epoch": 0, "batches": 1, "batch_size": 3, "num_items": 7, "seed": 2, "shuffle": True, "num_replicas": 1
+    }  # fmt: skip
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    assert [[it["index"] for it in b] for b in fresh] == full[1:]
+    assert fresh.state_dict()["batches"] == 3
+    done = dm.train_dataloader()
+    done.load_state_dict({**state, "batches": 3})  # a complete epoch: continue with the next one
+    done.sampler.set_epoch(1)
+    epoch1 = [[it["index"] for it in b] for b in done]
+    dl.sampler.set_epoch(1)
+    assert epoch1 == [[it["index"] for it in b] for b in dl] != full
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_items": 8}, "num_items=8, this run has num_items=7; resume with the same prompts"),
+        ({"seed": 3}, "seed=3, this run has seed=2; resume with the same data.seed"),
+        ({"shuffle": False}, "shuffle=False, this run has shuffle=True"),
+        ({"batch_size": 2}, "written with batch_size=2 on 1 data-parallel rank.*same data.batch_size"),
+    ],
+)
+def test_resumable_loader_rejects_other_data(tok, change, message):
+    dm = PromptDataModule([{"prompt": f"{i}+1="} for i in range(7)], tokenizer=tok, batch_size=3, seed=2)
+    state = {"epoch": 0, "batches": 1, "batch_size": 3, "num_items": 7, "seed": 2, "shuffle": True, "num_replicas": 1}
+    with pytest.raises(ValueError, match=message):
+        dm.train_dataloader().load_state_dict({**state, **change})

@@ -5,31 +5,36 @@ Each batch is a ``list[dict]`` of ``batch_size`` items::
     {"prompt_ids": list[int],   # token ids fed to the generator (chat template applied if enabled)
      "prompt_text": str,        # the prompt as stored in the dataset (before any chat template)
      "answer": str | None,      # ground truth for the reward (None when the row/column has none)
-     "index": int}              # row index in the (limited) dataset
+     "index": int}              # row index in the (limited) dataset, kept when overlong rows are filtered out
 
 Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, a local directory (a ``save_to_disk`` folder
 or a folder of data files), or a hub dataset name (passed to ``datasets.load_dataset``).
 
-Order: the train sampler draws epoch ``e``'s permutation from ``seed + e`` only (Lightning calls ``set_epoch``), so
-the order is a pure function of ``(seed, epoch)`` — identical after a restart from a checkpoint, and forwarded by
-Lightning's distributed sampler wrapper under DDP.
+Order and exact resume: epoch ``e`` visits the rows in the permutation drawn from ``seed + e`` only (Lightning calls
+``set_epoch``); under data parallelism rank ``r`` of ``W`` takes positions ``r, r + W, ...`` of it. The train loader
+(:class:`ResumableDataLoader`) implements ``state_dict`` / ``load_state_dict``, so Lightning stores the epoch and the
+number of batches handed out in every checkpoint (``loops.fit_loop.state_dict.combined_loader``) and a resumed run
+continues with the next unseen batch of the same permutation instead of restarting the epoch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = [
     "DEMO_TOKENIZER",
     "PromptDataModule",
     "PromptDataset",
-    "SeededSampler",
+    "ResumableDataLoader",
+    "ResumableSampler",
     "collate_prompts",
     "encode_prompts",
     "load_prompt_rows",
@@ -37,13 +42,18 @@ __all__ = [
 ]
 
 DEMO_TOKENIZER = "demo-char"
-"""Special tokenizer name: :func:`rlexact.demo.tokenizer.build_char_tokenizer`."""
+"""Special tokenizer name: :func:`rlexact.demo.tokenizer.build_char_tokenizer` (the demo's 50-token vocabulary)."""
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object from ``"demo-char"``, a local path / hub name (``AutoTokenizer``), or an existing object."""
+    if tokenizer is None:
+        raise ValueError(
+            "a tokenizer is required: pass the model's tokenizer (a path or hub name, e.g. the model checkpoint "
+            "directory, or a tokenizer object)"
+        )
     if isinstance(tokenizer, (str, os.PathLike)):
         name = os.fspath(tokenizer)
         if name == DEMO_TOKENIZER:
@@ -52,9 +62,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
             return build_char_tokenizer()
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(name)
-    if tokenizer is None:
-        raise ValueError("a tokenizer is required")
+        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
     return tokenizer
 
 
@@ -103,7 +111,8 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
     """Load a ``datasets.Dataset`` from a local file, a local directory or a hub name.
 
     A single local file is one split (``split`` is ignored). A ``save_to_disk`` directory (or ``DatasetDict``) is
-    indexed by ``split``. Anything else goes to ``datasets.load_dataset(path, split=split)``.
+    indexed by ``split``. Anything else goes to ``datasets.load_dataset(path, split=split)``. A malformed ``.jsonl``
+    / ``.json`` file raises ``ValueError`` naming the file and the first bad line.
     """
     import datasets
 
@@ -114,9 +123,12 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
             raise ValueError(f"unsupported file type {path!r}; expected one of {sorted(_FILE_BUILDERS)}")
         try:
             return datasets.load_dataset(_FILE_BUILDERS[ext], data_files=path, split="train", **load_kwargs)
-        except Exception as e:  # datasets fails in varied ways on files with no rows
+        except Exception as e:  # datasets fails in varied ways on empty or malformed files
             if _file_has_no_rows(path, ext):
                 raise ValueError(f"dataset {path!r} is empty") from e
+            problem = _json_problem(path, ext)
+            if problem is not None:
+                raise ValueError(problem) from e
             raise
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
         ds = datasets.load_from_disk(path)  # a save_to_disk folder
@@ -144,20 +156,62 @@ def _file_has_no_rows(path: str, ext: str) -> bool:
         return False
 
 
+def _json_problem(path: str, ext: str) -> str | None:
+    """The first syntax problem of a ``.jsonl`` / ``.json`` file as ``"<path>, line <n>: ..."``, or None."""
+    if ext not in (".jsonl", ".json"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read {path!r}: {e}"
+    if ext == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"{path}, line {e.lineno}: not valid JSON ({e.msg})"
+        return None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return (
+                f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno}); each line of a JSON-lines file "
+                "must be one JSON object"
+            )
+        if not isinstance(row, dict):
+            return f"{path}, line {lineno}: expected a JSON object per line, got {type(row).__name__}"
+    return None
+
+
 def collate_prompts(items: list[dict]) -> list[dict]:
     """Identity collate: a batch is the list of item dicts (ragged ``prompt_ids``, no padding)."""
     return list(items)
 
 
 class PromptDataset(Dataset):
-    """In-memory prompts, already tokenized: item ``i`` is ``{"prompt_ids", "prompt_text", "answer", "index"}``."""
+    """In-memory prompts, already tokenized: item ``i`` is ``{"prompt_ids", "prompt_text", "answer", "index"}``.
 
-    def __init__(self, prompt_ids: list[list[int]], prompt_texts: list[Any], answers: list[str | None]):
-        if not (len(prompt_ids) == len(prompt_texts) == len(answers)):
-            raise ValueError("prompt_ids, prompt_texts and answers must have the same length")
+    ``indices`` are the items' row indices in the source (default ``0..n-1``); they differ from the positions when
+    rows were filtered out.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: list[list[int]],
+        prompt_texts: list[Any],
+        answers: list[str | None],
+        indices: list[int] | None = None,
+    ):
+        indices = list(range(len(prompt_ids))) if indices is None else list(indices)
+        if not (len(prompt_ids) == len(prompt_texts) == len(answers) == len(indices)):
+            raise ValueError("prompt_ids, prompt_texts, answers and indices must have the same length")
         self.prompt_ids = prompt_ids
         self.prompt_texts = prompt_texts
         self.answers = answers
+        self.indices = indices
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -167,34 +221,143 @@ class PromptDataset(Dataset):
             "prompt_ids": list(self.prompt_ids[i]),
             "prompt_text": self.prompt_texts[i],
             "answer": self.answers[i],
-            "index": int(i),
+            "index": int(self.indices[i]),
         }
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Tokens of the longest prompt (0 for an empty dataset)."""
+        return max((len(x) for x in self.prompt_ids), default=0)
 
-class SeededSampler(Sampler[int]):
-    """Indices ``0..n-1``, shuffled with a generator seeded by ``seed + epoch`` (or in order if not ``shuffle``).
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id of any prompt (-1 for an empty dataset)."""
+        return max((max(x) for x in self.prompt_ids if x), default=-1)
 
-    The order of an epoch depends only on ``(seed, epoch)``; Lightning calls :meth:`set_epoch` at each epoch start.
+
+class ResumableSampler(DistributedSampler):
+    """This rank's share of a seeded per-epoch permutation, able to continue an epoch after its first items.
+
+    Data epoch ``d``'s global order is ``torch.randperm(n, generator=seed + d)`` (``range(n)`` without ``shuffle``);
+    rank ``r`` of ``num_replicas`` takes positions ``r, r + num_replicas, ...`` (padded by wrapping around, as
+    ``DistributedSampler`` does). The order is a pure function of ``(seed, d, rank, num_replicas)``. Being a
+    ``DistributedSampler``, Lightning neither wraps nor replaces it, and calls :meth:`set_epoch` each epoch.
+
+    The data epoch is Lightning's epoch minus an offset that is 0 except after a resume from a checkpoint that
+    Lightning counts as the end of an epoch although the data epoch was not finished (a checkpoint written by
+    ``on_train_epoch_end`` when ``max_steps`` stopped the run mid-epoch): the rest of the data epoch then comes first,
+    so the stream of batches is the one of an uninterrupted run.
     """
 
-    def __init__(self, num_items: int, seed: int = 0, shuffle: bool = True):
-        self.num_items = int(num_items)
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.epoch = 0
+    def __init__(
+        self,
+        num_items: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        super().__init__(range(int(num_items)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.offset = 0
+        self.data_epoch = 0
+        self.last_start = 0
+        self._resume: tuple[int, int] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return self.num_items
+    def resume(self, data_epoch: int, start: int) -> None:
+        """Make the next iteration continue data epoch ``data_epoch`` at item ``start`` of this rank's share."""
+        self._resume = (int(data_epoch), int(start))
+        self.data_epoch = int(data_epoch)
 
     def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.num_items))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_items, generator=g).tolist())
+        start = 0
+        if self._resume is not None:
+            resume_epoch, start = self._resume
+            self.offset = self.epoch - resume_epoch
+            self._resume = None
+        self.data_epoch = self.epoch - self.offset
+        self.last_start = start
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.data_epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        pad = self.total_size - n
+        order = order + (order * (pad // n + 1))[:pad] if pad > 0 else order[: self.total_size]
+        return iter(order[self.rank : self.total_size : self.num_replicas][start:])
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose position in the data order is checkpointed.
+
+    ``state_dict()`` is ``{"epoch", "batches", "batch_size", "num_items", "seed", "shuffle", "num_replicas"}``:
+    ``epoch`` is the data epoch and ``batches`` counts its batches handed out so far (Lightning does not prefetch
+    from a loader with a length, so at a checkpoint this equals the batches trained on). ``load_state_dict`` makes
+    the next iterator start at the first batch not yet handed out (or, when the saved epoch was complete, at the
+    next epoch). Lightning calls both for the train loader (it checks for the two methods).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, ResumableSampler):
+            raise TypeError(f"ResumableDataLoader needs a ResumableSampler, got {type(self.sampler).__name__}")
+        self._batches = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        # a generator: the sampler starts (and takes a pending resume) when the first batch is requested, after
+        # Lightning's set_epoch
+        first = True
+        for batch in super().__iter__():
+            if first:
+                self._batches = self.sampler.last_start // int(self.batch_size)
+                first = False
+            self._batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data order's position: data epoch and batches handed out, with what identifies the order."""
+        s = self.sampler
+        return {
+            "epoch": int(s.data_epoch),
+            "batches": int(self._batches),
+            "batch_size": int(self.batch_size),
+            "num_items": len(s.dataset),
+            "seed": int(s.seed),
+            "shuffle": bool(s.shuffle),
+            "num_replicas": int(s.num_replicas),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after ``state`` (from :meth:`state_dict`); the data and its order must be the same."""
+        s = self.sampler
+        now = self.state_dict()
+        for key, hint in (
+            ("num_items", "the same prompts (data.path, data.limit, data.max_prompt_length)"),
+            ("seed", "the same data.seed"),
+            ("shuffle", "the same data.shuffle"),
+        ):
+            if state.get(key) != now[key]:
+                raise ValueError(
+                    f"cannot resume the data order: the checkpoint's train loader had {key}={state.get(key)!r}, "
+                    f"this run has {key}={now[key]!r}; resume with {hint}"
+                )
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(self):  # the saved epoch was complete: start the next one
+            epoch, batches = epoch + 1, 0
+        elif batches and (state.get("batch_size"), state.get("num_replicas")) != (now["batch_size"], s.num_replicas):
+            raise ValueError(
+                f"cannot resume mid-epoch: the checkpoint was written with batch_size={state.get('batch_size')} on "
+                f"{state.get('num_replicas')} data-parallel rank(s), this run has batch_size={now['batch_size']} on "
+                f"{s.num_replicas}; resume with the same data.batch_size and number of ranks (or from an "
+                "end-of-epoch checkpoint)"
+            )
+        s.resume(epoch, batches * int(self.batch_size))
+        self._batches = batches
 
 
 def _describe(path: Any) -> str:
@@ -207,20 +370,27 @@ class PromptDataModule(L.LightningDataModule):
     Args:
         path: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, local directory, or hub dataset name.
             A ``datasets.Dataset`` or a list of row dicts is also accepted when constructed in Python.
-        tokenizer: ``"demo-char"`` (the built-in demo tokenizer), a path or name for ``AutoTokenizer``, or a
-            tokenizer object.
+        tokenizer: the policy's tokenizer (required): a path or hub name for ``AutoTokenizer`` (normally the model
+            checkpoint directory, the same value as ``RLModule(model_path=...)``), a tokenizer object, or
+            ``"demo-char"`` (the demo's character tokenizer). :class:`rlexact.RLModule` checks at setup that it
+            agrees with its own tokenizer and that every prompt token id fits the model's vocabulary.
         prompt_key: column holding the prompt (a string, or a chat conversation: a list of role/content dicts).
         answer_key: column holding the ground truth (values become ``str``); if the column is absent (or
             ``answer_key`` is None) answers are None.
         split: dataset split (for hub datasets and ``save_to_disk`` folders; a single file is one split).
-        batch_size: prompts per rollout step.
-        use_chat_template: apply the tokenizer's chat template; None = use it when the tokenizer has one.
-        max_prompt_length: if set, a prompt with more tokens raises ValueError at setup (naming the row and length).
+        batch_size: prompts per rollout step (per data-parallel rank).
+        use_chat_template: render each prompt with the tokenizer's chat template (a user turn plus the generation
+            prompt). Off by default: the prompts are tokenized as stored; turn it on for chat / instruct models.
+            When on, one rendered prompt is logged at setup.
+        max_prompt_length: longest prompt in tokens (after the chat template); see ``overlong``.
+        overlong: what a prompt longer than ``max_prompt_length`` does: ``"filter"`` drops it (the count is logged
+            and kept in :attr:`num_filtered`), ``"raise"`` stops at setup with the row and its length.
         shuffle: shuffle the train set (order is a pure function of ``seed`` and the epoch).
         seed: shuffle seed.
         num_workers: DataLoader workers.
-        limit: keep only the first ``limit`` rows (before shuffling).
+        limit: keep only the first ``limit`` rows (before filtering and shuffling).
         val_path: optional evaluation prompts (same format and columns); enables ``val_dataloader``.
+        val_split: split of ``val_path`` (default ``split``).
         val_batch_size: evaluation batch size (default ``batch_size``).
         val_limit: keep only the first ``val_limit`` evaluation rows.
         drop_last: drop the last incomplete train batch.
@@ -229,13 +399,14 @@ class PromptDataModule(L.LightningDataModule):
     def __init__(
         self,
         path: Any,
-        tokenizer: Any = DEMO_TOKENIZER,
+        tokenizer: Any,
         prompt_key: str = "prompt",
         answer_key: str | None = "answer",
         split: str = "train",
         batch_size: int = 8,
-        use_chat_template: bool | None = None,
+        use_chat_template: bool = False,
         max_prompt_length: int | None = None,
+        overlong: Literal["filter", "raise"] = "filter",
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
@@ -247,10 +418,16 @@ class PromptDataModule(L.LightningDataModule):
         drop_last: bool = False,
     ):
         super().__init__()
+        if tokenizer is None:
+            load_tokenizer(None)  # raises the "tokenizer is required" error
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
+        if overlong not in ("filter", "raise"):
+            raise ValueError(f"overlong must be 'filter' or 'raise', got {overlong!r}")
+        if use_chat_template is None or not isinstance(use_chat_template, bool):
+            raise ValueError(f"use_chat_template must be True or False, got {use_chat_template!r}")
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0 or None, got {limit}")
         self.path = path
@@ -261,6 +438,7 @@ class PromptDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.use_chat_template = use_chat_template
         self.max_prompt_length = max_prompt_length
+        self.overlong = overlong
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
@@ -271,6 +449,7 @@ class PromptDataModule(L.LightningDataModule):
         self.val_limit = val_limit
         self.drop_last = drop_last
         self._tokenizer = None
+        self.num_filtered: dict[str, int] = {}
         self.train_dataset: PromptDataset | None = None
         self.val_dataset: PromptDataset | None = None
         self._hide_val_dataloader()
@@ -293,6 +472,11 @@ class PromptDataModule(L.LightningDataModule):
         self._hide_val_dataloader()
 
     @property
+    def tokenizer_source(self) -> Any:
+        """The ``tokenizer`` argument as given (a path / name or an object)."""
+        return self._tokenizer_arg
+
+    @property
     def tokenizer(self) -> Any:
         """The tokenizer object (loaded on first access)."""
         if self._tokenizer is None:
@@ -301,10 +485,8 @@ class PromptDataModule(L.LightningDataModule):
 
     @property
     def chat_template_enabled(self) -> bool:
-        """Whether prompts are rendered with the chat template (resolves ``use_chat_template=None``)."""
-        if self.use_chat_template is None:
-            return getattr(self.tokenizer, "chat_template", None) is not None
-        return bool(self.use_chat_template)
+        """Whether prompts are rendered with the chat template."""
+        return self.use_chat_template
 
     def _load_rows(self, path: Any, split: str, limit: int | None):
         import datasets
@@ -324,7 +506,7 @@ class PromptDataModule(L.LightningDataModule):
         return ds
 
     def build_dataset(self, path: Any, split: str | None = None, limit: int | None = None) -> PromptDataset:
-        """Load, check and tokenize one source into a :class:`PromptDataset`."""
+        """Load, check, tokenize and length-filter one source into a :class:`PromptDataset`."""
         ds = self._load_rows(path, split or self.split, limit)
         columns = list(ds.column_names)
         if self.prompt_key not in columns:
@@ -343,16 +525,35 @@ class PromptDataModule(L.LightningDataModule):
         else:
             answers = [None] * len(prompts)
         ids = encode_prompts(self.tokenizer, prompts, self.chat_template_enabled)
+        if self.chat_template_enabled:
+            preview = self.tokenizer.decode(ids[0]) if ids else ""
+            rank_zero_info(f"rlexact: chat template on; prompt 0 of {_describe(path)} renders as {preview!r}")
+        keep = []
         for i, x in enumerate(ids):
             if not x:
                 raise ValueError(f"row {i} of {_describe(path)}: prompt encodes to zero tokens")
             if self.max_prompt_length is not None and len(x) > self.max_prompt_length:
+                if self.overlong == "raise":
+                    raise ValueError(
+                        f"row {i} of {_describe(path)}: prompt has {len(x)} tokens > max_prompt_length="
+                        f"{self.max_prompt_length} (overlong='raise'; overlong='filter' drops such rows)"
+                    )
+                continue
+            keep.append(i)
+        filtered = len(ids) - len(keep)
+        self.num_filtered[_describe(path)] = filtered
+        if filtered:
+            if not keep:
                 raise ValueError(
-                    f"row {i} of {_describe(path)}: prompt has {len(x)} tokens > max_prompt_length="
-                    f"{self.max_prompt_length}"
+                    f"every prompt of {_describe(path)} is longer than max_prompt_length={self.max_prompt_length} "
+                    "tokens; raise max_prompt_length"
                 )
+            rank_zero_info(
+                f"rlexact: filtered {filtered} of {len(ids)} prompts of {_describe(path)} longer than "
+                f"max_prompt_length={self.max_prompt_length} tokens"
+            )
         texts = [p if isinstance(p, str) else _last_user_content(p) for p in prompts]
-        return PromptDataset(ids, texts, answers)
+        return PromptDataset([ids[i] for i in keep], [texts[i] for i in keep], [answers[i] for i in keep], keep)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None and stage in (None, "fit"):
@@ -360,13 +561,25 @@ class PromptDataModule(L.LightningDataModule):
         if self.val_dataset is None and self.val_path is not None and stage in (None, "fit", "validate"):
             self.val_dataset = self.build_dataset(self.val_path, self.val_split or self.split, self.val_limit)
 
-    def train_dataloader(self) -> DataLoader:
+    def _shard(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of the attached trainer's data-parallel layout (``(1, 0)`` without one)."""
+        trainer = self.trainer
+        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def train_dataloader(self) -> ResumableDataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        return DataLoader(
+        num_replicas, rank = self._shard()
+        sampler = ResumableSampler(
+            len(self.train_dataset), seed=self.seed, shuffle=self.shuffle, num_replicas=num_replicas, rank=rank
+        )
+        return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            sampler=SeededSampler(len(self.train_dataset), seed=self.seed, shuffle=self.shuffle),
+            sampler=sampler,
             collate_fn=collate_prompts,
             num_workers=self.num_workers,
             drop_last=self.drop_last,
