@@ -1,0 +1,376 @@
+"""Trainer speed: stock transformers vs the exact path, forward + backward and a whole GRPO step; writes
+``benchmarks/results/train_h200.json``.
+
+    python benchmarks/train_step.py [--section fwd_bwd grpo_step] [--out PATH] [--small]
+
+Sections (each independent: a failure is recorded in the JSON and the run continues):
+
+* ``fwd_bwd``: one Qwen3-1.7B-shaped model (a transformers ``Qwen3Config``, random init, bf16, no download), the same
+  random tokens for both paths. (a) stock: padded ``[B, L]`` batch, SDPA attention, bf16 logits materialized, fp32
+  ``log_softmax``, gather, sum, backward (what TRL-style trainers do); (b) exact: the same model exactified,
+  :func:`rlexact.packed_logprobs` on the packed stream, sum, backward. Median CUDA-event time of several runs after
+  warm-up, and ``torch.cuda.max_memory_allocated`` with the peak reset per path (parameters and their gradients
+  included in both). Cases: 16 x 1,024 tokens, and 4 x 8,192 tokens with activation checkpointing per decoder layer
+  on for both paths (transformers' ``gradient_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint`` around
+  every decoder layer; the exactified layers run inside the same wrapper).
+* ``grpo_step``: a whole :class:`rlexact.RLModule` GRPO step through a Lightning ``Trainer`` (32 prompts x n = 8 =
+  256 sequences of 128 prompt + 256 new tokens, mini-batch 128, micro-batch 16), exact mode (exact rollout,
+  ``old_logprob_mode="exact"``) vs native rollout + ``old_logprob_mode="recompute"``. Stage times are measured from
+  outside by wrapping ``RLModule.generate`` (rollout), ``RLModule.score_batch`` (scoring) and
+  ``rlexact.trainer.update.PPOUpdate.run`` (update) with synchronized timers; the reported step is the second one
+  (the first compiles kernels).
+
+``--small`` runs tiny shapes (a 2-layer model, a few short sequences) on the CPU or GPU to check that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common import ROOT, header
+
+QWEN3_1_7B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+SMALL = dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)  # fmt: skip
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _git_commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=ROOT,
+                               capture_output=True, text=True, check=True)  # fmt: skip
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build_model(cfg: dict, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialized Qwen3 causal LM in bf16 (fp32 on the CPU), SDPA attention, train mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    dev = _device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    config = Qwen3Config(**cfg, attn_implementation="sdpa")
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    return model.train()
+
+
+def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls after ``warmup`` calls (CUDA events on the GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _peak_gb(fn: Callable[[], object]) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    _sync()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def stock_step(model: torch.nn.Module, ids: torch.Tensor, grad: bool = True) -> None:
+    """Stock transformers: padded batch (all rows full here), SDPA, fp32 log_softmax over the materialized logits."""
+    mask = torch.ones_like(ids)
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = logp.sum()
+        if grad:
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def exact_step(model: torch.nn.Module, packed, grad: bool = True) -> None:  # noqa: ANN001
+    """Exact: packed forward, fused log-prob head, sum, backward."""
+    from rlexact import packed_logprobs
+
+    with torch.set_grad_enabled(grad):
+        logp, _ = packed_logprobs(model, packed)
+        loss = logp.sum()
+        if grad:
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _fwd_bwd_case(model: torch.nn.Module, ids: torch.Tensor, exact: bool, reps: int) -> dict:
+    from rlexact import pack
+
+    packed = pack(list(ids), ids.device)
+    step = (lambda g=True: exact_step(model, packed, g)) if exact else (lambda g=True: stock_step(model, ids, g))
+    res: dict = {}
+    try:
+        fwd = time_ms(lambda: step(False), warmup=1, reps=reps)
+        res["fwd_nograd_ms"] = statistics.median(fwd)
+        times = time_ms(step, warmup=2, reps=reps)
+        res.update(fwd_bwd_ms=statistics.median(times), fwd_bwd_all_ms=times, peak_gb=_peak_gb(step))
+    except torch.OutOfMemoryError as e:
+        res["error"] = f"OutOfMemoryError: {str(e).splitlines()[0]}"
+    finally:
+        model.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return res
+
+
+def _set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """transformers' per-decoder-layer activation checkpointing, non-reentrant (``gradient_checkpointing_enable``
+    exists in every transformers version this project supports; newer ones also call it activation_checkpointing)."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def bench_fwd_bwd(small: bool, reps: int, cases: list[str]) -> dict:
+    from rlexact import exactify
+
+    cfg = SMALL if small else QWEN3_1_7B
+    model = build_model(cfg)
+    shapes = {"16x1024": (16, 1024, False), "4x8192_ckpt": (4, 8192, True)}
+    if small:
+        shapes = {"16x1024": (4, 64, False), "4x8192_ckpt": (2, 256, True)}
+    g = torch.Generator().manual_seed(0)
+    tokens = {
+        k: torch.randint(0, cfg["vocab_size"], (b, s), generator=g).to(_device()) for k, (b, s, _) in shapes.items()
+    }
+    out: dict = {"model": "Qwen3-1.7B shape, random init" if not small else "tiny Qwen3", "config": cfg}
+    # stock first on the unpatched model, then the same model exactified (one copy of the weights)
+    results: dict = {k: {"batch": shapes[k][0], "seq_len": shapes[k][1], "checkpointing": shapes[k][2]} for k in cases}
+    for exact in (False, True):
+        if exact:
+            exactify(model)
+        for k in cases:
+            _set_checkpointing(model, shapes[k][2])
+            results[k]["exact" if exact else "stock"] = _fwd_bwd_case(model, tokens[k], exact, reps)
+    for r in results.values():
+        s, e = r.get("stock", {}), r.get("exact", {})
+        if "fwd_bwd_ms" in s and "fwd_bwd_ms" in e:
+            r["exact_over_stock_speed"] = s["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+            r["exact_over_stock_fwd_nograd_speed"] = s["fwd_nograd_ms"] / e["fwd_nograd_ms"]
+        if s.get("peak_gb") and e.get("peak_gb"):
+            r["exact_peak_over_stock_peak"] = e["peak_gb"] / s["peak_gb"]
+    if any(shapes[k][2] for k in cases):
+        out["checkpointing_note"] = (
+            "activation checkpointing via transformers' gradient_checkpointing_enable(use_reentrant=False) for both"
+            " paths (non-reentrant torch.utils.checkpoint around each decoder layer), enabled by this benchmark"
+        )
+    out["cases"] = results
+    del model
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# grpo_step
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class IdTokenizer:
+    """Decodes token ids as their decimal strings (the reward only needs some text; no download)."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return " ".join(str(int(i)) for i in ids)
+
+
+def digit_reward(prompts, completions, answers) -> list[float]:  # noqa: ANN001
+    """Deterministic, varied rewards (so GRPO advantages are non-zero)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+class StageTimer:
+    """Wraps callables with synchronized wall-clock timers; ``times[name]`` lists the seconds of each call."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync()
+                self.times.setdefault(name, []).append(time.perf_counter() - t0)
+
+        return timed
+
+
+def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from rlexact import RLModule
+    from rlexact.trainer import update as update_stage
+
+    cfg = SMALL if small else QWEN3_1_7B
+    prompts, n, prompt_len, new = (4, 2, 8, 8) if small else (32, 8, 128, 256)
+    mini, micro = (4, 2) if small else (128, 16)
+    g = torch.Generator().manual_seed(1)
+    items = [
+        {"prompt_ids": torch.randint(10, cfg["vocab_size"], (prompt_len,), generator=g).tolist(), "answer": "",
+         "prompt_text": "", "index": i}
+        for i in range(prompts * steps)
+    ]  # fmt: skip
+    module = RLModule(
+        model=build_model(cfg),
+        tokenizer=IdTokenizer(),
+        reward=digit_reward,
+        rollout={"n": n, "max_new_tokens": new, "kernels": "exact" if exact else "native", "stop_token_ids": []},
+        algorithm={"objective": "grpo", "mini_batch_size": mini, "micro_batch_size": micro,
+                   "old_logprob_mode": "exact" if exact else "recompute"},
+        optim={"lr": 1e-6},
+    )  # fmt: skip
+    timer = StageTimer()
+    module.generate = timer.wrap("rollout", module.generate)
+    module.score_batch = timer.wrap("scoring", module.score_batch)
+    step_times: list[float] = []
+
+    class StepTimer(L.Callback):
+        def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
+            _sync()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            _sync()
+            step_times.append(time.perf_counter() - self.t0)
+
+    orig_run = update_stage.PPOUpdate.run
+    update_stage.PPOUpdate.run = timer.wrap("update", orig_run)
+    try:
+        trainer = L.Trainer(
+            max_steps=steps, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[StepTimer()],
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*val_dataloader.*")
+            trainer.fit(module, DataLoader(items, batch_size=prompts, collate_fn=list))
+    finally:
+        update_stage.PPOUpdate.run = orig_run
+    last = {name: ts[-1] for name, ts in timer.times.items()}
+    res = {
+        "step_s": step_times[-1],
+        "stages_s": last,
+        "all_steps_s": step_times,
+        "all_stages_s": timer.times,
+        "sequences": prompts * n,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new,
+        "mini_batch_size": mini,
+        "micro_batch_size": micro,
+    }
+    del module, trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def bench_grpo_step(small: bool) -> dict:
+    out: dict = {"note": "stage times wrap RLModule.generate / score_batch and PPOUpdate.run from outside the module"}
+    for name, exact in (("exact", True), ("native_recompute", False)):
+        try:
+            out[name] = _grpo_run(small, exact, steps=2)
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+    if "step_s" in out["exact"] and "step_s" in out["native_recompute"]:
+        out["native_recompute_over_exact_time"] = out["native_recompute"]["step_s"] / out["exact"]["step_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--section", nargs="*", default=["fwd_bwd", "grpo_step"], choices=["fwd_bwd", "grpo_step"])
+    ap.add_argument("--case", nargs="*", default=["16x1024", "4x8192_ckpt"], choices=["16x1024", "4x8192_ckpt"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; writes /tmp/train_small.json)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    default = Path("/tmp/train_small.json") if args.small else ROOT / "benchmarks" / "results" / "train_h200.json"
+    out_path = Path(args.out) if args.out else default
+    res = header("train_step", "triton", "transformers", "lightning")
+    res["git_commit"] = _git_commit()
+    for section in args.section:
+        t0 = time.perf_counter()
+        try:
+            if section == "fwd_bwd":
+                res[section] = bench_fwd_bwd(args.small, args.reps, args.case)
+            else:
+                res[section] = bench_grpo_step(args.small)
+        except Exception as e:  # noqa: BLE001
+            res[section] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+        res[section]["seconds"] = time.perf_counter() - t0
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(res, indent=1, default=str))
+        print(json.dumps(_summary(res[section]), default=str), flush=True)
+    print(f"wrote {out_path}")
+
+
+def _summary(section: dict) -> dict:
+    """The headline numbers of a section (for the log)."""
+    keep = ("exact_over_stock_speed", "exact_peak_over_stock_peak", "native_recompute_over_exact_time", "error")
+    out = {k: v for k, v in section.items() if k in keep}
+    for k, v in section.get("cases", {}).items():
+        out[k] = {kk: vv for kk, vv in v.items() if kk in keep}
+        for path in ("stock", "exact"):
+            p = v.get(path, {})
+            out[k][path] = {kk: p.get(kk) for kk in ("fwd_nograd_ms", "fwd_bwd_ms", "peak_gb", "error") if kk in p}
+    for k in ("exact", "native_recompute"):
+        if k in section:
+            out[k] = {kk: section[k].get(kk) for kk in ("step_s", "stages_s", "error") if kk in section[k]}
+    return out
+
+
+if __name__ == "__main__":
+    main()
