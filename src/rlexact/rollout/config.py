@@ -30,6 +30,10 @@ class GeneratorConfig:
     one step, so ``prompt + max_new_tokens`` (the recompute length) must fit ``max_num_batched_tokens``."""
     block_size: int = 16
     """Tokens per KV-cache block (page)."""
+    share_prompt_blocks: bool = True
+    """The ``n`` samples of a prompt share its KV-cache blocks: the prompt is prefilled once, the other samples fork
+    from the first (full blocks reference-counted, the last partial block copied) and feed only the last prompt
+    token. Bitwise the same tokens and log-probs as without sharing in exact mode (row-invariant kernels)."""
     num_kv_blocks: int | None = None
     """KV-cache size in blocks (overrides ``kv_cache_tokens`` and ``kv_cache_memory_fraction``)."""
     kv_cache_tokens: int | None = None

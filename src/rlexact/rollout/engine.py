@@ -15,6 +15,7 @@ from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.params import Completion, SamplingParams
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
+from rlexact.rollout.sampler import request_key
 from rlexact.rollout.scheduler import Scheduler
 from rlexact.rollout.sequence import Sequence
 
@@ -178,6 +179,8 @@ class Generator:
         prompt_token_ids: Seq[Seq[int]],
         params: SamplingParams | None = None,
         request_ids: Seq[int] | None = None,
+        *,
+        keys: Seq[int] | None = None,
     ) -> list[Completion]:
         """Sample ``params.n`` completions per prompt.
 
@@ -187,6 +190,11 @@ class Generator:
             request_ids: optional keyed-sampler ids, one per sample (``len(prompts) * n``, prompt-major); default
                 ``i * n + j`` for sample ``j`` of prompt ``i``. A request samples the same tokens whatever else is in
                 the batch, so pass the same id to reproduce a sample in another call.
+            keys: optional per-prompt keys (ints in ``[0, 2**63)``, e.g. derived from the dataset row and epoch);
+                sample ``j`` of a prompt with key ``k`` gets request id
+                :func:`rlexact.rollout.sampler.request_key` ``(k, j)``. Its tokens and log-probs then depend on
+                ``(seed, k, j)`` only, not on the prompt's slot, the batch size or the rank. Exclusive with
+                ``request_ids``.
 
         Stop tokens: ``params.stop_token_ids`` if given, else the model's EOS ids (``generation_config`` /
         ``config.eos_token_id``); ``ignore_eos`` removes the EOS ids from that set (explicit non-EOS stop ids still
@@ -196,8 +204,10 @@ class Generator:
 
         Returns:
             ``len(prompts) * n`` completions, prompt-major (prompt ``i``'s ``n`` samples are consecutive). Each has
-            ``logprobs`` fp32 under the full tempered softmax; in exact mode they equal
-            ``rlexact.sequence_logprobs(model, [c.sequence], temperature)[0][-len(c.token_ids):]`` bitwise.
+            ``logprobs`` fp32 under the full tempered softmax (``params.logprobs="full"``) or the truncated,
+            renormalized distribution sampled from (``"sampled"``); in exact mode they equal
+            ``rlexact.sequence_logprobs(model, [c.sequence], temperature)[0][-len(c.token_ids):]`` bitwise (with
+            ``top_k=params.top_k, top_p=params.top_p`` for ``"sampled"``).
 
         Raises:
             ValueError: empty input, empty prompt, ids outside the vocabulary, ``prompt + max_new_tokens`` beyond the
@@ -209,7 +219,16 @@ class Generator:
         prompts = self._check_tokens(prompt_token_ids, "prompt_token_ids")
         n = params.n
         total = len(prompts) * n
-        if request_ids is None:
+        if keys is not None:
+            if request_ids is not None:
+                raise ValueError("pass keys (one per prompt) or request_ids (one per sample), not both")
+            key_list = [int(k) for k in keys]
+            if len(key_list) != len(prompts):
+                raise ValueError(f"keys has {len(key_list)} entries, expected one per prompt ({len(prompts)})")
+            if any(k < 0 or k >= 1 << 63 for k in key_list):
+                raise ValueError("keys must be in [0, 2**63)")
+            rids = [request_key(k, j) for k in key_list for j in range(n)]
+        elif request_ids is None:
             rids = list(range(total))
         else:
             rids = [int(r) for r in request_ids]
@@ -234,6 +253,7 @@ class Generator:
             top_k=params.top_k,
             top_p=params.top_p,
             seed=params.seed,
+            logprobs=params.logprobs,
         )
         self._run(seqs, sampling, stop, progress_total=total * params.max_new_tokens)
         return [s.to_completion() for s in seqs]
@@ -299,7 +319,13 @@ class Generator:
                 bm = BlockManager(
                     cache.num_blocks, cfg.block_size, cfg.max_num_seqs, width, cfg.shuffle_blocks, cfg.block_seed
                 )
-                sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill)
+                sched = Scheduler(
+                    bm,
+                    cfg.max_num_seqs,
+                    cfg.max_num_batched_tokens,
+                    cfg.chunked_prefill,
+                    share_prompts=cfg.share_prompt_blocks and sampling is not None,
+                )
                 runner = ModelRunner(
                     model,
                     cfg,
@@ -349,6 +375,9 @@ class Generator:
                     steps=steps,
                     generated_tokens=generated,
                     prefill_tokens=prefill_tokens,
+                    prompt_tokens=sum(s.num_prompt_tokens for s in seqs),
+                    shared_prompt_tokens=sched.shared_tokens,
+                    prompt_forks=sched.num_forks,
                     preemptions=sched.num_preemptions,
                     elapsed_s=elapsed,
                     tokens_per_s=generated / elapsed if elapsed > 0 else 0.0,

@@ -90,6 +90,7 @@ class SamplingSetup:
     top_k: int
     top_p: float
     seed: int
+    logprobs: str = "full"
 
 
 @dataclass
@@ -180,6 +181,7 @@ class ModelRunner:
             seed=sp.seed,
             request_ids=request_ids,
             positions=positions,
+            logprobs=sp.logprobs,
         )
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -230,6 +232,7 @@ class ModelRunner:
         Wall time (the step ends with a device-to-host read, so it includes the device work) is added to
         ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
         t0 = time.perf_counter()
+        self._copy_blocks(batch.copies)
         if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
             out = self._graph_decode(batch)
             if out is not None:
@@ -238,6 +241,14 @@ class ModelRunner:
         out = self._eager_step(batch)
         self.stats["eager_s"] += time.perf_counter() - t0
         return out
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked prompt blocks: block ``dst`` gets block ``src``'s slots in every layer (K and V)."""
+        if not copies:
+            return
+        src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
+        data = self.cache.data
+        data.index_copy_(2, dst, data.index_select(2, src))
 
     def _eager_step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
         inp = self._prepare(batch)
@@ -426,6 +437,7 @@ class ModelRunner:
 
     def score_step(self, batch: ScheduledBatch, temperature: float) -> None:
         """Feed a step of score-only sequences; store the log-prob of every fed token's successor."""
+        self._copy_blocks(batch.copies)
         inp = self._prepare(batch)
         hidden = self._eager_forward(inp)
         cu = inp["cu"].tolist()

@@ -1,9 +1,10 @@
-"""Continuous batching with chunked prefill and preemption by recompute."""
+"""Continuous batching with chunked prefill, preemption by recompute and prompt blocks shared by the samples of a
+prompt."""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.sequence import Sequence, Status
@@ -17,11 +18,14 @@ class ScheduledBatch:
         seqs: the sequences of the step, running ones first (admission order), newly admitted ones after.
         num_new: tokens fed per sequence (``1`` for decodes, a prompt chunk for prefills).
         is_decode: every sequence feeds exactly one token and samples (the CUDA-graph path).
+        copies: ``(src_block, dst_block)`` cache blocks to copy (all layers, K and V) before the step runs: the
+            partial last prompt block of a sequence that forked from a sibling (copy on write).
     """
 
     seqs: list[Sequence]
     num_new: list[int]
     is_decode: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -37,18 +41,36 @@ class Scheduler:
     at the front of the waiting queue) until the allocation fits; it later recomputes ``prompt + generated``. No
     admissions happen in a step that preempted. Progress is guaranteed because every sequence fits the cache alone
     (checked by the engine up front).
+
+    Prompt sharing (``share_prompts``): sequences with the same ``prompt_index`` have the same prompt (the engine's
+    ``n`` samples of a request). A waiting sequence holding no cache whose running sibling has its first ``L - 1``
+    prompt positions cached forks from it (:meth:`BlockManager.fork`) and starts at ``num_computed = L - 1``: it
+    feeds only the last prompt token (a decode-shaped step) and then samples. While a sibling is still prefilling,
+    the sequence is skipped (later waiting sequences may be admitted) instead of prefilling the prompt again. Exact
+    because every kernel is row-invariant: cached K/V of a position do not depend on which sequence computed them.
     """
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool,
+        share_prompts: bool = False,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.share_prompts = share_prompts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_forks = 0
+        self.shared_tokens = 0
+        """Prompt positions taken from a sibling's cache instead of being prefilled again."""
+        self._siblings: dict[int, list[Sequence]] = {}
+        """Running sequences by ``prompt_index`` (only with ``share_prompts``)."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -58,31 +80,60 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = seq.num_pending
-        if n <= budget:
-            return n
+    def _chunk(self, pending: int, budget: int) -> int:
+        if pending <= budget:
+            return pending
         return budget if self.chunked_prefill else 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _start(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        if self.share_prompts:
+            self._siblings.setdefault(seq.prompt_index, []).append(seq)
+
+    def _stop(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        if self.share_prompts:
+            group = self._siblings[seq.prompt_index]
+            group.remove(seq)
+            if not group:
+                del self._siblings[seq.prompt_index]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._stop(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _share_source(self, seq: Sequence) -> Sequence | bool:
+        """A running sibling whose cache holds ``seq``'s first ``L - 1`` prompt positions; ``True`` when a sibling is
+        still prefilling them (wait for it); ``False`` when ``seq`` must prefill on its own."""
+        shared = seq.num_prompt_tokens - 1
+        if not self.share_prompts or seq.num_computed or seq.score_only or shared < 1:
+            return False
+        prefilling = False
+        for sib in self._siblings.get(seq.prompt_index, ()):
+            if sib.tokens[:shared] != seq.tokens[:shared]:
+                continue
+            if sib.num_computed >= shared:
+                return sib
+            prefilling = True
+        return prefilling
+
     def schedule(self) -> ScheduledBatch:
         """The next step (never empty while sequences remain)."""
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_new: list[int] = []
+        copies: list[tuple[int, int]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq.num_pending, budget)
             if n == 0:
                 i += 1
                 continue
@@ -99,29 +150,49 @@ class Scheduler:
             num_new.append(n)
             budget -= n
             i += 1
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                n = self._chunk(seq, budget)
-                if n == 0 or not self.bm.ensure(seq, seq.num_computed + n):
+        w = 0
+        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
+            source = self._share_source(seq)
+            if source is True:
+                w += 1  # a sibling is prefilling this prompt: fork from it later
+                continue
+            src = source if isinstance(source, Sequence) else None
+            start = seq.num_prompt_tokens - 1 if src is not None else seq.num_computed
+            n = self._chunk(len(seq.tokens) - start, budget)
+            if n == 0:
+                break
+            copy = None
+            if src is not None:
+                copy = self.bm.fork(src, seq, start)
+                if copy is None:
                     break
-                self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                seqs.append(seq)
-                num_new.append(n)
-                budget -= n
+                seq.num_computed = start
+            if not self.bm.ensure(seq, seq.num_computed + n):
+                if src is not None:
+                    self.bm.free(seq)
+                    seq.num_computed = 0
+                break
+            if copy is not None:
+                self.num_forks += 1
+                self.shared_tokens += start
+                if copy[0] >= 0:
+                    copies.append(copy)
+            del self.waiting[w]
+            self._start(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
         if not seqs:
             raise RuntimeError(
                 "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
                 f"(free blocks {self.bm.num_free}/{self.bm.num_blocks}, budget {self.max_num_batched_tokens})"
             )
         is_decode = all(n == 1 and s.num_computed + 1 == len(s.tokens) for s, n in zip(seqs, num_new))
-        return ScheduledBatch(seqs, num_new, is_decode)
+        return ScheduledBatch(seqs, num_new, is_decode, copies)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and release its blocks."""
         seq.finish_reason = reason
         seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self.bm.free(seq)
+        self._stop(seq)

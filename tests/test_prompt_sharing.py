@@ -1,0 +1,96 @@
+"""Prompt blocks shared by the ``n`` samples of a prompt (CPU): bitwise the same completions as without sharing,
+log-probs equal to the trainer's, under chunked prefill, preemption and shuffled pages; block reference counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlexact
+from models import prompts_for, tiny_model
+from rlexact.rollout import Generator, SamplingParams
+from rlexact.rollout.block_manager import BlockManager
+from rlexact.rollout.runner import ModelRunner
+from rlexact.rollout.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def qwen() -> torch.nn.Module:
+    model = tiny_model("qwen3", hidden=48, intermediate=88, kv_heads=2, max_pos=128, weight_scale=2.5, seed=4)
+    return rlexact.exactify(model)
+
+
+def _same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert torch.equal(x.logprobs, y.logprobs)
+
+
+def _assert_exact(model, outs) -> None:
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
+    for o, r in zip(outs, ref):
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
+
+
+def test_block_manager_refcounts_and_copy_on_write() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, max_rows=3, width=4)
+    a, b, c = (Sequence(i, [1] * 11, i, 0, 4) for i in range(3))
+    assert bm.ensure(a, 11) and len(a.block_table) == 3
+    assert bm.fork(a, b, 10) == (a.block_table[2], b.block_table[2])  # 2 full blocks shared, the 3rd copied
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
+    assert bm.fork(a, c, 8) == (-1, -1)  # block-aligned: nothing to copy
+    assert bm.num_free == 8 - 4
+    assert bm.table[b.row, :3].tolist() == b.block_table
+    bm.free(a)
+    assert bm.num_free == 8 - 3  # only a's unshared third block came back
+    bm.free(b)
+    assert bm.num_free == 8 - 2  # c still holds the two shared blocks
+    bm.free(c)
+    assert bm.num_free == 8
+    ups = bm.take_updates()
+    assert len(ups) == 3 + 3 + 2 and bm.take_updates() == []
+
+
+def test_shared_prompts_equal_unshared_and_trainer(qwen) -> None:
+    """n = 4 samples of 5 prompts: the prompt is prefilled once per prompt and every completion is bitwise the one
+    computed without sharing (chunked prefill mixes the forks with decodes and prefill chunks)."""
+    prompts = prompts_for(5, 97, lo=6, hi=30, seed=3)
+    params = SamplingParams(max_new_tokens=6, seed=7, n=4)
+    kw = {"block_size": 4, "max_num_batched_tokens": 32}
+    shared = Generator(qwen, **kw)
+    outs = shared.generate(prompts, params)
+    plain = Generator(qwen, share_prompt_blocks=False, **kw)
+    ref = plain.generate(prompts, params)
+    _same(outs, ref)
+    _assert_exact(qwen, outs)
+    requested = sum(len(p) for p in prompts) * 4
+    assert shared.stats["prompt_tokens"] == plain.stats["prompt_tokens"] == requested
+    assert shared.stats["prompt_forks"] == 5 * 3 and plain.stats["shared_prompt_tokens"] == 0
+    assert shared.stats["shared_prompt_tokens"] == sum(len(p) - 1 for p in prompts) * 3
+    assert plain.stats["prefill_tokens"] == requested
+    assert shared.stats["prefill_tokens"] == requested - shared.stats["shared_prompt_tokens"]
+
+
+def test_shared_prompts_with_preemption_and_shuffled_pages(qwen) -> None:
+    prompts = prompts_for(4, 97, lo=5, hi=15, seed=8)
+    params = SamplingParams(max_new_tokens=8, seed=2, n=3)
+    gen = Generator(qwen, num_kv_blocks=12, block_size=4, max_num_batched_tokens=20, shuffle_blocks=True)
+    outs = gen.generate(prompts, params)
+    assert gen.stats["preemptions"] > 0 and gen.stats["prompt_forks"] > 0
+    roomy = Generator(qwen, block_size=8, share_prompt_blocks=False).generate(prompts, params)
+    assert all(o.num_preemptions == 0 for o in roomy)
+    _same(outs, roomy)
+    _assert_exact(qwen, outs)
+
+
+def test_negative_control_without_copy_on_write(qwen, monkeypatch) -> None:
+    """Skipping the copy of the partial prompt block leaves forked samples reading stale slots: their log-probs
+    change, so the equalities above can fail."""
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]]  # 9 shared positions, block 4: a partial third block
+    params = SamplingParams(max_new_tokens=4, seed=1, n=3)
+    good = Generator(qwen, block_size=4).generate(prompts, params)
+    monkeypatch.setattr(ModelRunner, "_copy_blocks", lambda self, copies: None)
+    bad = Generator(qwen, block_size=4).generate(prompts, params)
+    assert torch.equal(bad[0].logprobs, good[0].logprobs)  # the sample that prefilled is unaffected
+    assert any(not torch.equal(x.logprobs, y.logprobs) for x, y in zip(bad[1:], good[1:]))
