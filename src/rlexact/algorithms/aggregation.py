@@ -2,7 +2,8 @@
 
 The training batch is a packed token stream without padding: per-token tensors are 1-D of length ``T`` and
 ``cu_seqlens`` (int32/int64, shape ``[B + 1]``) holds the sequence boundaries, so sequence ``i`` owns tokens
-``cu_seqlens[i]:cu_seqlens[i + 1]``. Per-sequence reductions go through :func:`segment_ids` + ``index_add``.
+``cu_seqlens[i]:cu_seqlens[i + 1]``. Per-sequence reductions go through :func:`segment_ids` + :func:`segment_sum`
+(deterministic, float64 accumulation).
 
 :func:`aggregate_loss` reduces an unreduced per-token loss ``[T]`` to the scalar that is back-propagated. Its modes
 follow verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``), with ``loss_mask`` playing verl's ``response_mask``:
@@ -23,6 +24,7 @@ must rescale to get verl's global normalization.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -103,10 +105,45 @@ def segment_ids(cu_seqlens: Tensor, num_tokens: int | None = None) -> Tensor:
     return torch.repeat_interleave(arange, lengths, output_size=last)
 
 
+class _SegmentSum(torch.autograd.Function):
+    """Deterministic segment sum: the gradient of ``out[i]`` reaches every token of segment ``i`` by a gather."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
+        ctx.save_for_backward(seg)
+        num_tokens = values.shape[0]
+        if num_tokens == 0 or num_segments == 0:
+            return torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+        # a stable sort by segment: a fixed order (stream order within a segment) whatever the device
+        sorted_seg, order = torch.sort(seg, stable=True)
+        bounds = torch.searchsorted(sorted_seg, torch.arange(num_segments + 1, device=seg.device))
+        width = int((bounds[1:] - bounds[:-1]).max())
+        # each segment's tokens become one row of a zero-padded [S, width] float64 matrix, summed along the row
+        col = torch.arange(num_tokens, device=seg.device) - bounds[sorted_seg]
+        rows = torch.zeros(num_segments, width, dtype=torch.float64, device=values.device)
+        rows[sorted_seg, col] = values[order].to(torch.float64)
+        return rows.sum(dim=1).to(values.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (seg,) = ctx.saved_tensors
+        return grad[seg], None, None
+
+
 def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
-    """Per-sequence sums ``[num_segments]`` of per-token ``values [T]`` (differentiable; empty segments are 0)."""
-    out = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
-    return out.index_add(0, seg, values)
+    """Per-segment sums ``[num_segments]`` of per-token ``values [T]`` (differentiable; empty segments are 0).
+
+    ``seg`` is int64 ``[T]`` with entries in ``[0, num_segments)``, in any order. Deterministic on every device: no
+    atomics, each segment's terms are summed in a fixed order (stream order within the segment) in float64 and cast
+    back to ``values``' dtype once, so a float32 result is within one float32 rounding of the exact sum. The
+    backward is a gather (``grad[seg]``). Costs one host synchronization (the longest segment) and a zero-padded
+    float64 buffer of ``num_segments x longest segment`` elements.
+    """
+    require_1d("values", values)
+    require_1d("seg", seg, values.shape[0])
+    if not values.is_floating_point():
+        raise ValueError(f"segment_sum needs floating-point values, got {values.dtype} (cast with .float())")
+    return _SegmentSum.apply(values, seg.long(), int(num_segments))
 
 
 class LossAggMode(str, Enum):
@@ -151,8 +188,8 @@ def aggregate_loss(
         0-dim tensor of ``token_loss``'s dtype. Unmasked tokens contribute exactly nothing (selected away with
         ``torch.where``, so NaN there cannot leak), sequences without unmasked tokens are left out of the sequence
         means, and when no token is unmasked the result is an exact 0 that keeps a ``grad_fn`` connected to
-        ``token_loss`` (its gradient is zero). No host synchronization happens on the loss path except for the
-        ``cu_seqlens`` validation.
+        ``token_loss`` (its gradient is zero). The only host synchronizations on the loss path are the
+        ``cu_seqlens`` validation and :func:`segment_sum`'s longest segment (sequence modes).
     """
     mode = LossAggMode.parse(mode)
     require_1d("token_loss", token_loss)
