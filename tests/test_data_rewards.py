@@ -340,7 +340,7 @@ def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):
     assert [it["index"] for it in dm.train_dataset] == [0, 2]  # the row index survives the filter
     assert dm.num_filtered == {repr(str(path)): 1}
     assert "filtered 1 of 3 prompts" in caplog.text and "max_prompt_length=10" in caplog.text
-    assert dm.train_dataset.max_prompt_tokens == 4
+    assert dm.train_dataset.longest_prompt == (4, 0) and dm.train_dataset.max_token_id == max(tok('2+2=')['input_ids'])
     with pytest.raises(ValueError, match=r"row 1 .*14 tokens > max_prompt_length=10 \(overlong='raise'"):
         PromptDataModule(str(path), tokenizer=tok, max_prompt_length=10, overlong="raise").setup("fit")
     with pytest.raises(ValueError, match="every prompt .* longer than max_prompt_length=2"):

@@ -29,6 +29,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from rlexact.resources import resolve
+
 __all__ = [
     "DEMO_TOKENIZER",
     "PromptDataModule",
@@ -55,7 +57,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
             "directory, or a tokenizer object)"
         )
     if isinstance(tokenizer, (str, os.PathLike)):
-        name = os.fspath(tokenizer)
+        name = resolve(os.fspath(tokenizer))
         if name == DEMO_TOKENIZER:
             from rlexact.demo.tokenizer import build_char_tokenizer
 
@@ -116,7 +118,7 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
     """
     import datasets
 
-    path = os.fspath(path)
+    path = resolve(os.fspath(path))
     if os.path.isfile(path):
         ext = next((e for e in _FILE_BUILDERS if path.lower().endswith(e)), None)
         if ext is None:
@@ -225,9 +227,12 @@ class PromptDataset(Dataset):
         }
 
     @property
-    def max_prompt_tokens(self) -> int:
-        """Tokens of the longest prompt (0 for an empty dataset)."""
-        return max((len(x) for x in self.prompt_ids), default=0)
+    def longest_prompt(self) -> tuple[int, int]:
+        """``(tokens, row index)`` of the longest prompt (the first of equal ones; ``(0, -1)`` when empty)."""
+        if not self.prompt_ids:
+            return 0, -1
+        k = max(range(len(self.prompt_ids)), key=lambda i: len(self.prompt_ids[i]))
+        return len(self.prompt_ids[k]), int(self.indices[k])
 
     @property
     def max_token_id(self) -> int:
@@ -368,11 +373,13 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts (and ground-truth answers) for RL rollouts.
 
     Args:
-        path: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, local directory, or hub dataset name.
+        path: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, local directory, hub dataset name, or a
+            packaged file such as ``"rlexact://demo/data/train.jsonl"`` (:mod:`rlexact.resources`).
             A ``datasets.Dataset`` or a list of row dicts is also accepted when constructed in Python.
         tokenizer: the policy's tokenizer (required): a path or hub name for ``AutoTokenizer`` (normally the model
-            checkpoint directory, the same value as ``RLModule(model_path=...)``), a tokenizer object, or
-            ``"demo-char"`` (the demo's character tokenizer). :class:`rlexact.RLModule` checks at setup that it
+            checkpoint directory, the same value as ``RLModule(model_path=...)``), a tokenizer object, ``"demo"``
+            (the packaged demo checkpoint's tokenizer) or ``"demo-char"`` (the same character tokenizer built in
+            code). :class:`rlexact.RLModule` checks at setup that it
             agrees with its own tokenizer and that every prompt token id fits the model's vocabulary.
         prompt_key: column holding the prompt (a string, or a chat conversation: a list of role/content dicts).
         answer_key: column holding the ground truth (values become ``str``); if the column is absent (or

@@ -55,15 +55,17 @@ from torch import nn
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback, rl_callbacks
 from rlexact.config import AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
+from rlexact.data import PromptDataset
 from rlexact.distributed import DTYPES, is_fsdp, reduce_scalars
 from rlexact.models import exactify
 from rlexact.rewards import resolve_reward
 from rlexact.rollout import Completion, Generator, SamplingParams
 from rlexact.trainer import advantages as advantage_stage
-from rlexact.trainer import batching, policy, sampling
+from rlexact.trainer import batching, data_checks, policy, sampling
 from rlexact.trainer import rewards as reward_stage
 from rlexact.trainer import update as update_stage
 from rlexact.trainer.hooks import call_rl_hook
+from rlexact.trainer.hparams import plain_hparams
 
 __all__ = ["RLModule"]
 
@@ -78,11 +80,13 @@ class RLModule(L.LightningModule):
 
     Args:
         model_path: a local checkpoint directory (or hub name) loaded with ``AutoModelForCausalLM.from_pretrained``
-            in :meth:`configure_model`. A path that looks local (absolute, ``./``, ``~``) must exist.
+            in :meth:`configure_model`, or ``"demo"`` (the packaged demo checkpoint, :mod:`rlexact.resources`). A
+            path that looks local (absolute, ``./``, ``~``) must exist.
         model: a transformers causal LM object (Python use); exclusive with ``model_path`` / ``model_config``.
         model_config: keyword arguments of ``AutoConfig.for_model`` (must include ``model_type``) to build a freshly
             initialized model in :meth:`configure_model` (tiny models for tests and demos).
-        tokenizer: tokenizer object, path / hub name, or ``"demo-char"``; None = ``model_path``.
+        tokenizer: tokenizer object, path / hub name, ``"demo"`` or ``"demo-char"``; None = ``model_path`` (recorded
+            as such in the hyperparameters). It must agree with the data's tokenizer (checked at setup).
         reward: reward name (``"math"``, ``"arithmetic"``, ``"exact_match"``), import path ``"pkg.mod:Name"``, or a
             callable ``(prompts, completions, answers) -> list[float]``.
         reward_kwargs: constructor arguments of a named reward.
@@ -91,11 +95,13 @@ class RLModule(L.LightningModule):
             checkpoint's dtype for ``model_path``, float32 for ``model_config``, unchanged for ``model``.
         init_seed: seed of the weight initialization for ``model_config``.
 
-    Attributes:
-        model: the exactified causal LM (after :meth:`configure_model`; set immediately when ``model`` is given).
-        ref_model: frozen copy of the initial policy, only when ``algorithm.kl_coef > 0`` (not in checkpoints, not
-            optimized).
-        rollout_step: rollout steps done (see the module docstring).
+    After :meth:`configure_model`, ``self.model`` is the exactified causal LM (set at once when ``model`` is
+    given); ``self.ref_model`` is a frozen copy of the initial policy when ``algorithm.kl_coef > 0`` (not in
+    checkpoints, not optimized); ``self.rollout_step`` counts the rollout steps done (see the module docstring).
+
+    The hyperparameters hold plain values only (the configs as dicts, the tokenizer as its resolved source), so a
+    checkpoint loads with ``torch.load``'s default ``weights_only=True``: ``RLModule.load_from_checkpoint(path)``
+    and ``Trainer.fit(..., ckpt_path=path)`` work.
     """
 
     def __init__(
@@ -152,6 +158,16 @@ class RLModule(L.LightningModule):
         if not isinstance(reward, str):
             ignore.append("reward")
         self.save_hyperparameters(ignore=ignore)
+        self.hparams.update(
+            plain_hparams(
+                self.hparams,
+                self._tokenizer_arg,
+                rollout=self.rollout_cfg,
+                algorithm=self.algo,
+                optim=self.optim_cfg,
+                fsdp=self.fsdp_cfg,
+            )
+        )
         if model is not None:
             if dtype is not None:
                 model = model.to(DTYPES[dtype])
@@ -203,8 +219,26 @@ class RLModule(L.LightningModule):
             self.__dict__["_generator"] = sampling.make_generator(self.model, self.rollout_cfg)
         return self.__dict__["_generator"]
 
+    def setup(self, stage: str) -> None:
+        """Check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
+        hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
+        data = self.trainer.datamodule
+        source = getattr(data, "tokenizer_source", None)
+        if source is None or (isinstance(source, str) and source == self._tokenizer_arg):
+            return
+        data_checks.same_tokenizer(self._tokenizer_arg, self.tokenizer, source, data.tokenizer)
+        if isinstance(source, (str, os.PathLike)) and isinstance(self.hparams.get("tokenizer"), str):
+            self.hparams["tokenizer"] = os.fspath(source)
+
     def on_fit_start(self) -> None:
         policy.check_precision(self.trainer)
+        data = self.trainer.datamodule
+        dataset = getattr(data, "train_dataset", None)
+        if isinstance(dataset, PromptDataset) and len(dataset):  # prompt problems surface now, not at their batch
+            data_checks.check_token_ids(dataset.max_token_id, int(self.model.config.vocab_size), data.path)
+            longest, row = dataset.longest_prompt
+            max_context = self.rollout_cfg.max_context or int(self.model.config.max_position_embeddings)
+            data_checks.check_prompt_lengths(longest, row, max_context, self.rollout_cfg.max_new_tokens)
         policy.restore_fp32_rope(self.model, self._rope_fp32)
         if self.ref_model is not None and not is_fsdp(self.ref_model):
             dtype = next(self.model.parameters()).dtype  # follow a `*-true` precision conversion of the policy

@@ -41,6 +41,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from rlexact.envinfo import library_versions
+from rlexact.resources import DEMO_MODEL, checkpoint_path, resolve
 
 __all__ = [
     "DemoConfig",
@@ -58,8 +59,7 @@ TRAIN_FILE_ROWS = 8192
 EVAL_FILE_ROWS = 500
 """Rows of the packaged ``eval.jsonl`` (the SFT's held-out problems)."""
 
-DEMO_MODEL = "demo"
-"""Name accepted by :func:`resolve_model_path` for the packaged checkpoint (also ``rlexact://demo``)."""
+
 
 
 @dataclass
@@ -132,17 +132,9 @@ class DemoConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def checkpoint_path() -> str:
-    """Folder of the packaged start checkpoint (``save_pretrained`` model + tokenizer + ``sft.json``)."""
-    path = importlib.resources.files("rlexact.demo").joinpath("assets", "checkpoint")
-    return os.fspath(path)
-
-
 def resolve_model_path(path: str) -> str:
     """``"demo"`` / ``"rlexact://demo"`` -> :func:`checkpoint_path`; any other string is returned unchanged."""
-    if path in (DEMO_MODEL, f"rlexact://{DEMO_MODEL}"):
-        return checkpoint_path()
-    return path
+    return resolve(path)
 
 
 def _sft_report(ckpt: str) -> dict:

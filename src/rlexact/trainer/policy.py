@@ -18,6 +18,7 @@ from torch import nn
 from rlexact.config import FSDPConfig
 from rlexact.distributed import DTYPES, apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
+from rlexact.resources import resolve
 
 __all__ = [
     "apply_data_parallel",
@@ -67,7 +68,8 @@ def check_model_source(
         )
     if model_path is not None:
         model_path = os.fspath(model_path)
-        if _looks_local(model_path) and not os.path.exists(os.path.expanduser(model_path)):
+        local = resolve(model_path)  # "demo" names the packaged demo checkpoint
+        if _looks_local(local) and not os.path.exists(os.path.expanduser(local)):
             raise FileNotFoundError(
                 f"model_path {model_path!r} does not exist; set model.init_args.model_path to a local "
                 "transformers checkpoint directory (e.g. a downloaded Qwen/Qwen3-1.7B)"
@@ -91,7 +93,7 @@ def build_model(
     dtype = DTYPES[dtype_name] if dtype_name else None
     if model_path is not None:
         kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_path), **kwargs)
+        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(resolve(model_path)), **kwargs)
     if model_config is None:
         raise ValueError("build_model needs model_path or model_config")
     cfg = dict(model_config)

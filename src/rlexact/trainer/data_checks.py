@@ -1,0 +1,60 @@
+"""Checks of the prompt data against the policy, run once before training (``RLModule.setup`` / ``on_fit_start``).
+
+A mismatch is found before the first rollout, not hours into a run: the data's tokenizer must be the module's, every
+prompt token id must fit the model's vocabulary, and the longest prompt must leave room for ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["check_prompt_lengths", "check_token_ids", "same_tokenizer"]
+
+
+def _describe(source: Any) -> str:
+    return repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else type(source).__name__
+
+
+def same_tokenizer(module_source: Any, module_tok: Any, data_source: Any, data_tok: Any) -> bool:
+    """True if the two tokenizers agree (the same argument, or the same vocabulary and special tokens); raises
+    ``ValueError`` naming both when they disagree."""
+    if module_tok is data_tok:
+        return True
+    if isinstance(module_source, (str, os.PathLike)) and isinstance(data_source, (str, os.PathLike)):
+        if os.fspath(module_source) == os.fspath(data_source):
+            return True
+    specials = ("eos_token_id", "pad_token_id", "bos_token_id")
+    agree = module_tok.get_vocab() == data_tok.get_vocab() and all(
+        getattr(module_tok, k, None) == getattr(data_tok, k, None) for k in specials
+    )
+    if not agree:
+        raise ValueError(
+            f"the data's tokenizer ({_describe(data_source)}) differs from the module's ({_describe(module_source)}): "
+            "prompts would be encoded with one vocabulary and decoded with another; pass the model's tokenizer to "
+            "both (PromptDataModule(tokenizer=...) and RLModule(tokenizer=...), by default its model_path)"
+        )
+    return True
+
+
+def check_token_ids(max_token_id: int, vocab_size: int, source: Any) -> None:
+    """Raise ``ValueError`` if a prompt token id does not fit the model's vocabulary."""
+    if max_token_id >= vocab_size:
+        raise ValueError(
+            f"the prompts of {_describe(source)} contain token id {max_token_id}, but the model's vocabulary has "
+            f"{vocab_size} tokens: the data was tokenized with another tokenizer; pass the model's tokenizer to "
+            "PromptDataModule(tokenizer=...)"
+        )
+
+
+def check_prompt_lengths(longest: int, row: int, max_context: int, max_new_tokens: int) -> None:
+    """Raise ``ValueError`` if the longest prompt (dataset row ``row``) leaves no room for ``max_new_tokens`` in the
+    context, naming the two ways out."""
+    budget = max_context - max_new_tokens
+    if longest > budget:
+        raise ValueError(
+            f"the longest prompt (dataset row {row}) has {longest} tokens, but a context of {max_context} tokens with "
+            f"rollout.max_new_tokens={max_new_tokens} leaves room for prompts of at most {max(budget, 0)} tokens; "
+            f"set PromptDataModule(max_prompt_length={max(budget, 1)}) to filter longer prompts out, or lower "
+            "rollout.max_new_tokens"
+        )
