@@ -33,6 +33,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -171,7 +172,7 @@ def _set_checkpointing(model: torch.nn.Module, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def bench_fwd_bwd(small: bool, reps: int, cases: list[str]) -> dict:
+def bench_fwd_bwd(small: bool, reps: int, cases: list[str], profile: bool = False) -> dict:
     from rlexact import exactify
 
     cfg = SMALL if small else QWEN3_1_7B
@@ -205,8 +206,32 @@ def bench_fwd_bwd(small: bool, reps: int, cases: list[str]) -> dict:
             " paths (non-reentrant torch.utils.checkpoint around each decoder layer), enabled by this benchmark"
         )
     out["cases"] = results
-    del model
+    if profile and torch.cuda.is_available():
+        from rlexact import pack
+
+        k = cases[0]
+        _set_checkpointing(model, shapes[k][2])
+        packed = pack(list(tokens[k]))
+        out["exact_profile"] = {"case": k, "top_kernels": profile_top(partial(exact_step, model, packed))}
     return out
+
+
+def profile_top(fn: Callable[[], object], n: int = 25) -> list[dict]:
+    """The ``n`` CUDA kernels with the most total GPU time in one call of ``fn`` (after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in rows) or 1.0
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [
+        {"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3, "share": e.device_time_total / total}
+        for e in rows[:n]
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -334,6 +359,7 @@ def main() -> None:
     ap.add_argument("--section", nargs="*", default=["fwd_bwd", "grpo_step"], choices=["fwd_bwd", "grpo_step"])
     ap.add_argument("--case", nargs="*", default=["16x1024", "4x8192_ckpt"], choices=["16x1024", "4x8192_ckpt"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="fwd_bwd: also record the top GPU kernels of one exact step")
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; writes /tmp/train_small.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -345,7 +371,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             if section == "fwd_bwd":
-                res[section] = bench_fwd_bwd(args.small, args.reps, args.case)
+                res[section] = bench_fwd_bwd(args.small, args.reps, args.case, args.profile)
             else:
                 res[section] = bench_grpo_step(args.small)
         except Exception as e:  # noqa: BLE001

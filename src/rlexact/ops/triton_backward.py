@@ -26,6 +26,8 @@ per program depend only on the number of rows and the device, so the summation t
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -449,10 +451,20 @@ def _head_bwd_config(H: int, dtype: torch.dtype, device: torch.device) -> dict:
     return dict(BM=128, BV=128, BK=64, TMA=tma, num_warps=8, num_stages=4 if tma else 3)
 
 
+_MM_OUT_DTYPE = [True]
+"""Whether ``torch.mm(..., out_dtype=torch.float32)`` works here (cleared, with a warning, the first time it fails)."""
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with fp32 output and fp32 accumulation (16-bit operands stay 16-bit on CUDA: tensor cores)."""
-    if a.is_cuda and a.dtype != torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
+    """``a @ b`` with fp32 output and fp32 accumulation (16-bit operands stay 16-bit on CUDA: tensor cores).
+    Where torch lacks the bf16/fp16 -> fp32 GEMM, the operands are upcast (same math, slower)."""
+    if a.is_cuda and a.dtype != torch.float32 and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            _MM_OUT_DTYPE[0] = False
+            warnings.warn(f"torch.mm(out_dtype=float32) unavailable ({e}); the head backward upcasts to fp32 GEMMs",
+                          stacklevel=2)  # fmt: skip
     return torch.mm(a.float(), b.float())
 
 
