@@ -57,14 +57,24 @@ def shifted_targets(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def packed_logprobs(
-    model: nn.Module, packed: Packed, temperature: float = 1.0, *, with_entropy: bool = False
+    model: nn.Module,
+    packed: Packed,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[T]`` fp32 aligned with ``packed.input_ids``: entry ``t`` is ``log p(x_t | x_<t)``;
-    the first token of each sequence gets 0. Differentiable when grad is enabled."""
+    the first token of each sequence gets 0. Differentiable when grad is enabled.
+
+    ``top_k > 0`` or ``top_p < 1``: log-probs (and entropies) under the truncated, renormalized distribution that
+    the generator samples from — what it reports with ``SamplingParams(logprobs="sampled")``, bitwise in exact mode.
+    """
     _check_vocab(model, packed.input_ids)
     hidden = forward_hidden(model, packed.input_ids, packed.position_ids, AttnMetadata(packed.cu_seqlens))
     rows, targets = shifted_targets(packed)
-    logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature)
+    logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature, top_k=top_k, top_p=top_p)
     logp = torch.zeros(packed.input_ids.numel(), dtype=torch.float32, device=hidden.device)
     logp = logp.index_put((rows + 1,), logp_rows)
     ent = None
@@ -80,16 +90,22 @@ def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
 
 
 def sequence_logprobs(
-    model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor], temperature: float = 1.0
+    model: nn.Module,
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[torch.Tensor]:
     """Trainer-path log-probs of each sequence's tokens 1..L-1: a list of ``[L-1]`` fp32 tensors.
 
     One packed forward over all sequences (no padding). For a completion produced by
     :class:`rlexact.rollout.Generator` on the same weights in exact mode, the last ``len(completion.token_ids)``
-    entries equal ``completion.logprobs`` bitwise.
+    entries equal ``completion.logprobs`` bitwise: with the default ``top_k=0, top_p=1`` for ``logprobs="full"``
+    completions, with the sampling ``top_k, top_p`` for ``logprobs="sampled"`` ones.
     """
     device = next(model.parameters()).device
     packed = pack(sequences, device)
-    logp, _ = packed_logprobs(model, packed, temperature)
+    logp, _ = packed_logprobs(model, packed, temperature, top_k=top_k, top_p=top_p)
     cu = packed.cu_seqlens.tolist()
     return [logp[s + 1 : e] for s, e in zip(cu[:-1], cu[1:])]

@@ -9,6 +9,7 @@ from torch import nn
 from rlexact import ops
 from rlexact.models.exactify import get_state
 from rlexact.models.metadata import AttnMetadata
+from rlexact.models.truncation import truncated_logprobs, truncates
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -44,14 +45,27 @@ def forward_hidden(
 
 
 def head_logprobs(
-    model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+    model: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one log-prob function: ``(logp [T], entropy [T])`` fp32 of ``targets`` given final hidden states.
 
-    Exact mode: the fused kernel. Native mode: stock ``lm_head`` in the model dtype, then fp32 log-softmax (what
-    transformers-based trainers and inference engines do).
+    Full distribution (``top_k=0, top_p=1``): exact mode runs the fused kernel; native mode the stock ``lm_head`` in
+    the model dtype, then fp32 log-softmax (what transformers-based trainers and inference engines do). With
+    ``top_k > 0`` or ``top_p < 1``: log-probs and entropy of the truncated, renormalized distribution the sampler
+    draws from (:func:`rlexact.models.truncation.truncated_logprobs` over :func:`head_logits`), bitwise equal to the
+    generator's ``logprobs="sampled"`` in exact mode.
     """
     w = lm_head_weight(model)
+    if truncates(w.shape[0], top_k, top_p):
+        return truncated_logprobs(
+            hidden, w, targets, temperature, top_k, top_p, lambda h: head_logits(model, h, temperature)
+        )
     if _exact(model):
         return ops.token_logprobs(hidden, w, targets, temperature)
     z = _native_logits(hidden, w, temperature)

@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 
 FinishReason = Literal["stop", "length"]
+LogprobMode = Literal["full", "sampled"]
+LOGPROB_MODES: tuple[str, ...] = ("full", "sampled")
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,12 @@ class SamplingParams:
         seed: base seed of the keyed sampler; the draw for a token depends only on
             ``(seed, request id, absolute position)``.
         n: samples per prompt (a GRPO group); sample ``j`` of prompt ``i`` has request id ``i * n + j`` unless the
-            caller passes explicit request ids.
+            caller passes per-prompt keys or explicit request ids (see :meth:`rlexact.rollout.Generator.generate`).
         stop_token_ids: generation ends (inclusive) at any of these tokens; ``None`` uses the model's EOS ids.
         ignore_eos: keep generating through EOS (benchmarks).
+        logprobs: which distribution the reported log-probs are of: ``"full"``, the full temperature-scaled softmax
+            (top-k/top-p only restrict the draw), or ``"sampled"``, the truncated, renormalized distribution actually
+            sampled from; the trainer computes the latter with ``rlexact.sequence_logprobs(..., top_k=, top_p=)``.
     """
 
     max_new_tokens: int = 256
@@ -35,6 +40,7 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
+    logprobs: LogprobMode = "full"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -47,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs not in LOGPROB_MODES:
+            raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {self.logprobs!r}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
@@ -67,8 +75,9 @@ class Completion:
     Attributes:
         prompt_token_ids: the prompt.
         token_ids: generated tokens (the stop token included when ``finish_reason == "stop"``).
-        logprobs: ``[len(token_ids)]`` fp32: ``log pi(token | prefix)`` under the temperature-scaled full softmax,
-            i.e. the distribution the trainer computes (top-k/top-p only restrict which tokens may be drawn).
+        logprobs: ``[len(token_ids)]`` fp32: ``log pi(token | prefix)`` under the temperature-scaled full softmax
+            (``SamplingParams.logprobs="full"``) or under the truncated, renormalized distribution sampled from
+            (``"sampled"``).
         finish_reason: ``"stop"`` (a stop token was produced) or ``"length"`` (``max_new_tokens`` reached).
         request_id: the keyed-sampler id of this sample.
         prompt_index: index of the prompt in the ``generate`` call.

@@ -8,12 +8,12 @@ token is ``argmax(z + g)`` over the allowed tokens (first index on ties), ``z`` 
 global RNG and no batch-shaped noise: a request samples the same tokens alone or in a batch of 500, and again after
 preemption and recompute.
 
-Order: temperature (already in ``z``, from :func:`rlexact.models.head_logits`) -> top-k -> top-p -> draw. top-k keeps
-the tokens whose logit is at least the k-th largest (ties at the boundary are all kept); top-p then keeps the
-smallest prefix of the top-k tokens sorted by logit whose renormalized mass reaches ``top_p`` (again extended to
-boundary ties). Both only restrict the draw. The reported log-prob is always ``z[t] - lse`` — the full tempered
-softmax, i.e. the trainer's ``pi`` — not the log-prob under the truncated distribution. Greedy (temperature 0) is
-``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1.
+Order: temperature (already in ``z``, from :func:`rlexact.models.head_logits`) -> top-k -> top-p -> draw; the
+truncation (:func:`rlexact.models.truncation.top_k_top_p_threshold`, row-invariant) restricts the draw. The reported
+log-prob is ``z[t] - lse`` under the full tempered softmax with ``logprobs="full"``, or ``z[t] - lse_K`` under the
+truncated, renormalized distribution actually sampled with ``logprobs="sampled"``
+(:func:`rlexact.models.truncation.kept_logsumexp`, the function the trainer uses too). Greedy (temperature 0) is
+``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1 (full softmax).
 
 On CUDA the noise + argmax runs as one fused Triton kernel (:func:`_gumbel_argmax_triton`) that never materializes
 ``[B, V]`` noise; it uses the same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
@@ -27,10 +27,28 @@ import os
 
 import torch
 
+from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
+
 MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B
 _ROW_SALT = 0x9E3779B9
+
+
+def request_key(*parts: int) -> int:
+    """A request id in ``[0, 2**63)`` from integers (splitmix64 steps over ``parts``, each taken modulo ``2**64``).
+
+    :meth:`rlexact.rollout.Generator.generate` gives sample ``j`` of a prompt with key ``key`` the request id
+    ``request_key(key, j)``, so a sample's draw depends on ``(seed, key, j, position)`` and not on where the prompt sits
+    in the call."""
+    mask = (1 << 64) - 1
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = ((x ^ (int(p) & mask)) + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        x ^= x >> 31
+    return x >> 1
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -85,23 +103,6 @@ def gumbel_noise(seed: int, request_ids: torch.Tensor, positions: torch.Tensor, 
     return gumbel_from_hash(token_hash(ka, kb, vocab))
 
 
-def top_k_top_p_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
-    """Per-row logit threshold ``[B, 1]``: tokens with ``z < threshold`` are excluded from the draw; ``None`` if no
-    truncation. Depends on each row alone (row-wise ``topk``/``sort``/``cumsum``)."""
-    vocab = z.shape[-1]
-    use_k = 0 < top_k < vocab
-    use_p = top_p < 1.0
-    if not use_k and not use_p:
-        return None
-    if use_k and not use_p:
-        return torch.topk(z, top_k, dim=-1).values[:, -1:]
-    cand = torch.topk(z, top_k, dim=-1).values if use_k else torch.sort(z, dim=-1, descending=True).values
-    probs = torch.softmax(cand, dim=-1)  # renormalized over the top-k candidates
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep = (mass_before < top_p).sum(-1, keepdim=True).clamp_(min=1)  # >= 1: the top token is always kept
-    return cand.gather(-1, keep - 1)
-
-
 def _gumbel_argmax_torch(
     z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
@@ -141,6 +142,7 @@ def sample(
     seed: int,
     request_ids: torch.Tensor,
     positions: torch.Tensor,
+    logprobs: str = "full",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and report its log-prob.
 
@@ -152,15 +154,20 @@ def sample(
         seed: base seed.
         request_ids: ``[B]`` int64 request ids.
         positions: ``[B]`` int64 absolute position of the token being sampled.
+        logprobs: ``"full"`` reports ``z[tokens] - lse`` (full tempered softmax); ``"sampled"`` reports
+            ``z[tokens] - lse_K`` under the truncated, renormalized distribution of the draw (the same as ``"full"``
+            when nothing is truncated, and for greedy).
 
     Returns:
-        ``(tokens [B] int64, logprobs [B] fp32)`` with ``logprobs = z[tokens] - lse`` (full tempered softmax).
-        Contains no host synchronization (CUDA-graph capturable).
+        ``(tokens [B] int64, logprobs [B] fp32)``. Contains no host synchronization (CUDA-graph capturable).
     """
+    threshold = None
     if greedy:
         tokens = z.argmax(-1)
     else:
         threshold = top_k_top_p_threshold(z, top_k, top_p)
         tokens = gumbel_argmax(z, threshold, seed, request_ids, positions)
-    logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
-    return tokens, logprobs
+    picked = z.gather(-1, tokens[:, None]).squeeze(-1)
+    if logprobs == "sampled" and threshold is not None:
+        return tokens, picked - kept_logsumexp(z, threshold)
+    return tokens, picked - lse
