@@ -12,18 +12,23 @@ import torch
 
 from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
+from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
 
 __all__ = [
     "Backend",
     "attention_paged",
     "attention_varlen",
+    "grouped_matmul",
     "interpreter_enabled",
     "linear",
     "lm_head_logits",
     "matmul",
+    "moe_experts",
+    "moe_router",
     "qk_norm_rope",
     "resolve_backend",
     "rms_norm",
+    "sigmoid_gate",
     "silu_mul",
     "token_logprobs",
     "triton_available",

@@ -1,0 +1,128 @@
+"""Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE and Qwen2-MoE.
+
+Written against transformers 5.x, where a sparse block holds a router (``*TopKRouter``: ``weight [E, H]``,
+``top_k``, ``norm_topk_prob``) and fused experts (``*Experts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``,
+dispatched by ``config._experts_implementation``). :func:`moe_forward` returns the exact replacement forward for each
+of these modules (``None`` for any other module); :func:`rlexact.exactify` installs them with its native/exact switch,
+so the stock block forward keeps running and only its two calls change:
+
+* router: logits through the exact matmul (:func:`rlexact.ops.matmul`, in the hidden dtype as transformers does),
+  then :func:`rlexact.ops.moe_router` (fp32 softmax, top-k with ties to the lowest expert index, ``norm_topk_prob``);
+  returns ``(logits, weights, ids)`` like the stock router, so transformers' ``router_logits`` recording still works;
+* experts: :func:`rlexact.ops.moe_experts` (batch-invariant grouped GEMM, fp32 top-k combine in top-k order);
+* Qwen2-MoE block: the shared expert and its gate run through the patched MLP / linear; the mix
+  ``routed + sigmoid(gate) * shared`` is :func:`rlexact.ops.sigmoid_gate`.
+
+Dense layers of a MoE model (``mlp_only_layers``, ``decoder_sparse_step``) are ordinary gated MLPs and are patched as
+in dense models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rlexact import ops
+
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe")
+"""``config.model_type`` values whose sparse blocks :func:`moe_forward` handles."""
+
+
+def _is_router(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        type(m).__name__.endswith("TopKRouter")
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 2
+        and all(hasattr(m, a) for a in ("top_k", "norm_topk_prob"))
+    )
+
+
+def _is_experts(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("Experts") and all(
+        isinstance(getattr(m, n, None), torch.Tensor) for n in ("gate_up_proj", "down_proj")
+    )
+
+
+def _is_shared_expert_block(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("SparseMoeBlock") and all(
+        hasattr(m, n) for n in ("gate", "experts", "shared_expert", "shared_expert_gate")
+    )
+
+
+def _check_experts_layout(m: nn.Module) -> None:
+    """The fused layout the exact kernel implements; transformers' experts decorator records it on the module."""
+    layout = {
+        "is_transposed": getattr(m, "is_transposed", False),
+        "has_bias": getattr(m, "has_bias", False),
+        "has_gate": getattr(m, "has_gate", True),
+        "is_concatenated": getattr(m, "is_concatenated", True),
+        "has_post_expert_norm": getattr(m, "has_post_expert_norm", False),
+    }
+    expected = {
+        "is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }  # fmt: skip
+    if layout != expected or m.gate_up_proj.dim() != 3 or m.down_proj.dim() != 3:
+        raise ValueError(
+            f"{type(m).__name__}: rlexact's exact experts implement fused gate_up_proj [E, 2I, H] / down_proj "
+            f"[E, H, I] without bias or transposition (transformers' Qwen3-MoE / Qwen2-MoE layout); got {layout}"
+        )
+    act = getattr(getattr(m, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{type(m).__name__}: unsupported hidden_act {act!r}; the expert kernel implements silu")
+
+
+def _router_forward(m: nn.Module) -> Callable:
+    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, m.weight.shape[1])
+        logits = ops.matmul(x, m.weight)
+        weights, ids = ops.moe_router(logits, int(m.top_k), bool(m.norm_topk_prob))
+        return logits, weights, ids
+
+    return forward
+
+
+def _experts_forward(m: nn.Module) -> Callable:
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return ops.moe_experts(hidden_states, top_k_index, top_k_weights, m.gate_up_proj, m.down_proj)
+
+    return forward
+
+
+def _shared_expert_block_forward(m: nn.Module) -> Callable:
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        shared = m.shared_expert(x)
+        _, weights, ids = m.gate(x)
+        routed = m.experts(x, ids, weights)
+        return ops.sigmoid_gate(routed, shared, m.shared_expert_gate(x)).reshape(hidden_states.shape)
+
+    return forward
+
+
+def moe_forward(m: nn.Module) -> Callable | None:
+    """The exact forward replacing ``m.forward`` when ``m`` is a MoE router, fused experts module or Qwen2-MoE sparse
+    block; ``None`` for every other module. Raises ``ValueError`` for an experts layout the kernels do not implement."""
+    if _is_router(m):
+        return _router_forward(m)
+    if _is_experts(m):
+        _check_experts_layout(m)
+        return _experts_forward(m)
+    if _is_shared_expert_block(m):
+        return _shared_expert_block_forward(m)
+    return None
+
+
+def is_moe(model: nn.Module) -> bool:
+    """True when ``model`` contains a sparse MoE block (a router module)."""
+    return any(_is_router(m) for m in model.modules())
+
+
+def check_moe(model: nn.Module) -> None:
+    """Raise ``ValueError`` when an experts module of ``model`` has a layout the exact kernels do not implement."""
+    for m in model.modules():
+        if _is_experts(m):
+            _check_experts_layout(m)

@@ -1,0 +1,247 @@
+"""Batch-invariant Triton kernels for Mixture-of-Experts layers: the router's softmax + top-k, the grouped GEMM.
+
+Router (:func:`moe_router`)
+---------------------------
+One program per token row. The fp32 softmax reduces the row's ``E`` logits in one block of ``next_pow2(E)`` lanes
+(the reduction tree is a function of ``E`` only), then top-k runs as ``k`` rounds of "largest probability, lowest
+expert index among equals", so ties always go to the lowest expert index. With ``norm_topk_prob`` the ``k`` selected
+probabilities are summed left to right in selection order and divided. Weights are cast once to the logits' dtype
+(transformers' semantics).
+
+Grouped GEMM (:func:`grouped_matmul`)
+-------------------------------------
+``out[r] = a[gather[r]] @ w[e(r)].T`` for the expert-sorted rows ``r``. The rows of one expert are contiguous; they are
+cut into row tiles of :data:`BLOCK_M` rows that never straddle two experts. The launch grid is a *worst-case* number of
+row tiles (a function of the number of rows, experts and ``BLOCK_M``, known on the host from shapes alone) times the
+``N`` tiles; each program reads its expert and row range from a device-side tile table (see
+:func:`rlexact.ops.moe.moe_plan`) and idle programs exit at once. Nothing is synchronized to the host, so the layer
+is capturable in a CUDA graph at a static token count.
+
+Why a row's result does not depend on the other rows: every output element is the dense matmul's recurrence
+(:mod:`rlexact.ops.triton_matmul`) -- ``acc = 0; for k-tile ascending: acc = dot(a_tile, w_tile^T, acc)`` in fp32, one
+program per output tile, no split-K, no atomics, ``input_precision="ieee"`` for fp32, zero-filled padding rows and
+K tail. The tile shape (:func:`grouped_config`) is a function of ``(N, K, dtype, device)`` only -- never of how many
+rows an expert received -- and a row's position inside its tile does not change its arithmetic.
+
+Under the Triton interpreter ``tl.dot`` is a NumPy BLAS call whose result for a row can depend on the row's position
+in the tile (OpenBLAS' Haswell kernels, for one), so there the kernel reduces each K tile with an explicit broadcast
+product and ``tl.sum`` instead (``ROWWISE``); the tiling, gather/scatter and tile-table logic are the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import interpreter_enabled
+from .triton_matmul import _TL_DTYPE, _device_key, _dot_flags, _rne_fix, cast_out
+
+_INTERPRET = interpreter_enabled()
+
+BLOCK_M_INTERP = 16
+"""Row-tile height under the Triton interpreter (small: the interpreter runs every program in Python)."""
+BLOCK_M_GPU = 64
+"""Row-tile height on GPUs: one Hopper warpgroup; decode steps give most experts one row, so a taller tile only
+wastes tensor-core work there."""
+
+
+def block_m(device: torch.device) -> int:
+    """Rows per grouped-GEMM tile on ``device`` (fixed per device kind; the plan's tile table is built with it)."""
+    return BLOCK_M_INTERP if device.type != "cuda" else BLOCK_M_GPU
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch configuration of the grouped GEMM (the row tile is :func:`block_m`)."""
+
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _grouped_config(N: int, K: int, dtype: torch.dtype, device_key: tuple) -> GroupedConfig:
+    if device_key[0] == "interp":
+        return GroupedConfig(BN=32, BK=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:  # FMA path (ieee): tiles only affect speed
+        return GroupedConfig(BN=64, BK=32, num_warps=4, num_stages=3)
+    return GroupedConfig(BN=128, BK=64, num_warps=4, num_stages=4)
+
+
+def grouped_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> GroupedConfig:
+    """The configuration for every call with these ``(N, K, dtype, device)``, whatever the row counts."""
+    return _grouped_config(N, K, dtype, _device_key(device))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _router_kernel(
+    z_ptr,
+    w_ptr,
+    id_ptr,
+    E,
+    stride_z,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    z = tl.load(z_ptr + row * stride_z + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    ex = tl.where(ok, tl.exp(z - tl.max(z, axis=0)), 0.0)
+    p = tl.where(ok, ex / tl.sum(ex, axis=0), -1.0)  # padding lanes rank below every probability
+    kk = tl.arange(0, BLOCK_K)
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    sel = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        v = tl.max(p, axis=0)
+        i = tl.min(tl.where(p == v, offs, BLOCK_E), axis=0)  # lowest expert index among equal probabilities
+        top = tl.where(kk == j, v, top)
+        sel = tl.where(kk == j, i.to(tl.int64), sel)
+        total = total + v
+        p = tl.where(offs == i, -2.0, p)
+    if NORM:
+        top = top / total
+    k_ok = kk < TOP_K
+    tl.store(w_ptr + row * TOP_K + kk, cast_out(top, OUT_DTYPE, RNE_FIX), mask=k_ok)
+    tl.store(id_ptr + row * TOP_K + kk, sel, mask=k_ok)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr,
+    w_ptr,
+    o_ptr,
+    gather_ptr,
+    scatter_ptr,
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_row1_ptr,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    tiles_n,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+):
+    """One ``BM x BN`` output tile of one expert: rows ``[row0, row1)`` of the sorted rows, columns ``pid_n * BN``."""
+    pid = tl.program_id(0)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    row0 = tl.load(tile_row0_ptr + pid_m)
+    row1 = tl.load(tile_row1_ptr + pid_m)
+    if row0 < row1:  # idle tiles of the worst-case grid do nothing
+        e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rm = row0 + tl.arange(0, BM)
+        m_ok = rm < row1
+        if GATHER:
+            src = tl.load(gather_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+        else:
+            src = rm.to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :]
+        w_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BK, BN] of w[e]^T
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BK)):  # ascending K, accumulator chained through tl.dot
+            k_ok = rk < K - ki * BK
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if ROWWISE:
+                acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            w_ptrs += BK
+        if SCATTER:
+            dst = tl.load(scatter_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+        else:
+            dst = rm.to(tl.int64)
+        o_ptrs = o_ptr + dst[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] in logits.dtype, expert ids [T, k] int64)`` from router logits ``[T, E]``; see module doc."""
+    t, e = logits.shape
+    weights = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    z = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _router_kernel[(t,)](
+        z, weights, ids, e, z.stride(0),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+        OUT_DTYPE=_TL_DTYPE[weights.dtype], RNE_FIX=_rne_fix(weights.dtype),
+    )  # fmt: skip
+    return weights, ids
+
+
+def grouped_matmul(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gather: torch.Tensor | None,
+    scatter: torch.Tensor | None,
+) -> torch.Tensor:
+    """Write the expert-grouped ``a @ w[e].T`` into ``out [S, N]`` (fp32 accumulation, cast to ``out.dtype``).
+
+    ``a [Ma, K]`` and ``w [E, N, K]`` of one dtype (fp32, bf16 or fp16) with unit last stride; ``tiles`` is the plan's
+    ``(tile_expert, tile_row0, tile_row1)`` int32 tables for :func:`block_m` rows; sorted row ``r`` reads
+    ``a[gather[r]]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None).
+    """
+    n, k = w.shape[1], w.shape[2]
+    tile_expert, tile_row0, tile_row1 = tiles
+    if tile_expert.numel() == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = grouped_config(n, k, a.dtype, a.device)
+    tiles_n = triton.cdiv(n, cfg.BN)
+    dummy = tile_row0  # stands in for an absent gather/scatter table (never read)
+    _grouped_mm_kernel[(tile_expert.numel() * tiles_n,)](
+        a, w, out,
+        gather if gather is not None else dummy, scatter if scatter is not None else dummy,
+        tile_expert, tile_row0, tile_row1,
+        n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_n,
+        BM=block_m(a.device), BN=cfg.BN, BK=cfg.BK, GATHER=gather is not None, SCATTER=scatter is not None,
+        RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_dot_flags(a.dtype),
+    )  # fmt: skip
+    return out

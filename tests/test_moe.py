@@ -1,0 +1,484 @@
+"""Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE): exact router and grouped expert GEMM, end to end through the stack.
+
+* CPU (torch twin): correctness against unmodified transformers in fp32; rollout == trainer bitwise (decode, chunked
+  prefill, batch sizes) in fp32 and bf16 with native-kernel negative controls; batch invariance of the grouped GEMM and
+  of the whole expert MLP with its negative control; router ties; gradients against float64 and a deterministic
+  backward; the RLModule exact first mini-step with ratio exactly 1 and the ``save_pretrained`` round trip.
+* CPU (Triton interpreter, subprocess ``tests/_interp_moe.py``): the Triton router and grouped GEMM on tiny shapes.
+* GPU (``@pytest.mark.gpu``): grouped GEMM vs a torch per-expert reference and batch invariance at Qwen3-30B-A3B
+  expert shapes; bitwise rollout == trainer (CUDA graphs on) on a 2-layer model with Qwen3-30B-A3B layer shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import rlexact
+from models import prompts_for
+from rlexact import ops
+from rlexact.callbacks.base import RLCallback
+from rlexact.ops.moe import moe_plan
+from rlexact.rollout import Generator, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+VOCAB = 97
+
+
+def tiny_moe(
+    arch: str = "qwen3_moe",
+    *,
+    experts: int = 8,
+    top_k: int = 2,
+    layers: int = 3,
+    hidden: int = 48,
+    moe_inter: int = 24,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    weight_scale: float = 2.5,
+    **extra: object,
+) -> torch.nn.Module:
+    """A random tiny MoE causal LM in eval mode. Defaults mix in a dense layer (``mlp_only_layers=[1]``); 2-D and 3-D
+    weights are scaled for sharper distributions and norm weights drawn from U(0.5, 1.5)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=moe_inter,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    common.update(extra)
+    common.setdefault("mlp_only_layers", [1])
+    if arch == "qwen3_moe":
+        common.setdefault("head_dim", 16)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(norm_topk_prob=True, **common))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=32, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.mul_(weight_scale)
+    return model.to(dtype).eval()
+
+
+def assert_exact(model: torch.nn.Module, outs: list, temperature: float = 1.0) -> None:
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs], temperature)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert len(o.token_ids) > 0
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :]), f"completion {i}: rollout log-probs != trainer"
+
+
+@pytest.fixture(scope="module")
+def moe_fp32() -> torch.nn.Module:
+    return rlexact.exactify(tiny_moe())
+
+
+@pytest.fixture(scope="module")
+def moe_bf16() -> torch.nn.Module:
+    model = tiny_moe(experts=64, top_k=8, dtype=torch.bfloat16, decoder_sparse_step=2, mlp_only_layers=[], seed=1)
+    return rlexact.exactify(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# correctness against transformers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # 8 experts top-2, layer 1 dense
+        dict(experts=64, top_k=8, decoder_sparse_step=2, mlp_only_layers=[]),  # layers 1 sparse, 0 and 2 dense
+        dict(arch="qwen2_moe", experts=8, top_k=2, hidden=64),  # shared expert with its sigmoid gate
+        dict(norm_topk_prob=False),
+    ],
+    ids=["qwen3moe-8x2", "qwen3moe-64x8-sparse-step-2", "qwen2moe", "no-topk-norm"],
+)
+def test_forward_matches_transformers_fp32(kw: dict) -> None:
+    kw = dict(kw)
+    arch = kw.pop("arch", "qwen3_moe")
+    norm = kw.pop("norm_topk_prob", None)
+    ref = tiny_moe(arch, **kw)
+    if norm is not None:
+        for m in ref.modules():
+            if hasattr(m, "norm_topk_prob"):
+                m.norm_topk_prob = norm
+    model = rlexact.exactify(copy.deepcopy(ref))
+    kinds = {type(layer.mlp).__name__ for layer in model.model.layers}
+    assert len(kinds) == 2  # sparse and dense layers mixed
+    ids = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = model(ids).logits
+        with rlexact.use_kernels(model, "native"):
+            native = model(ids).logits
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    assert torch.equal(native, want)  # native mode runs the stock forwards
+    assert not torch.equal(got, want)  # and exact mode really runs other kernels
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rollout == trainer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_rollout_equals_trainer_fp32(moe_fp32) -> None:
+    gen = Generator(moe_fp32, block_size=8)
+    outs = []
+    for size in (1, 11):
+        outs += gen.generate(prompts_for(size, VOCAB, seed=size), SamplingParams(max_new_tokens=4, seed=size))
+    assert_exact(moe_fp32, outs)
+
+
+@pytest.mark.parametrize("budget", [13, 64])
+def test_rollout_equals_trainer_bf16_chunked(moe_bf16, budget: int) -> None:
+    gen = Generator(moe_bf16, max_num_batched_tokens=budget, max_num_seqs=6, block_size=4)
+    outs = gen.generate(prompts_for(6, VOCAB, lo=3, hi=30, seed=budget), SamplingParams(max_new_tokens=5, seed=2))
+    assert_exact(moe_bf16, outs, temperature=1.0)
+
+
+@pytest.mark.parametrize("which", ["fp32", "bf16"])
+def test_native_kernels_differ_from_trainer(moe_fp32, moe_bf16, which: str) -> None:
+    """Negative control: the stock transformers MoE path is not bitwise equal to the exact trainer path."""
+    model = moe_fp32 if which == "fp32" else moe_bf16
+    outs = Generator(model, kernels="native", block_size=4).generate(
+        prompts_for(8, VOCAB, lo=5, hi=30, seed=41), SamplingParams(max_new_tokens=8, seed=4)
+    )
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
+    diffs = [(o.logprobs - r[-len(o.token_ids) :]).abs().max().item() for o, r in zip(outs, ref)]
+    assert max(diffs) > 0, "native MoE path unexpectedly bitwise equal to the exact trainer path"
+    assert rlexact.models.get_state(model).kernels == "exact"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# batch invariance
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _expert_weights(e: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(e, n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _naive_grouped(x: torch.Tensor, w: torch.Tensor, eids: torch.Tensor) -> torch.Tensor:
+    """Negative control: one torch matmul per expert over all of its rows (the row count changes the kernel)."""
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
+    for e in range(w.shape[0]):
+        rows = (eids == e).nonzero()[:, 0]
+        if rows.numel():
+            out[rows] = x[rows] @ w[e].T
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_batch_invariant(dtype: torch.dtype) -> None:
+    """Row results are identical alone and inside batches of 1..64 rows with any expert loads, and equal a
+    float64 reference up to one rounding."""
+    gen = torch.Generator().manual_seed(1)
+    w = _expert_weights(6, 40, 56, dtype)
+    pool = torch.randn(70, 56, generator=gen).to(dtype)
+    eids = torch.randint(0, 6, (70,), generator=gen)
+    eids[:40] = 2  # a heavily loaded expert
+    singles = [ops.grouped_matmul(pool[i : i + 1], w, eids[i : i + 1]) for i in range(70)]
+    ref = torch.einsum("mk,mnk->mn", pool.double(), w[eids].double())
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(torch.cat(singles).double(), ref, atol=1e-4, rtol=rtol)
+    for m in (1, 2, 3, 17, 40, 64):
+        for shift in (0, 31):
+            idx = [(shift + 7 * j) % 70 for j in range(m)]
+            out = ops.grouped_matmul(pool[idx], w, eids[idx])
+            for pos, i in enumerate(idx):
+                assert torch.equal(out[pos : pos + 1], singles[i]), f"row {i} at {pos} of {m} differs"
+
+
+def test_grouped_matmul_negative_control() -> None:
+    """A per-expert torch matmul over a varying number of rows is not batch-invariant on CPU in fp32."""
+    gen = torch.Generator().manual_seed(2)
+    w = _expert_weights(8, 64, 64, torch.float32)
+    x = torch.randn(64, 64, generator=gen)
+    eids = torch.randint(0, 8, (64,), generator=gen)
+    batched = _naive_grouped(x, w, eids)
+    singles = torch.cat([_naive_grouped(x[i : i + 1], w, eids[i : i + 1]) for i in range(64)])
+    assert not torch.equal(batched, singles)
+    exact_singles = torch.cat([ops.grouped_matmul(x[i : i + 1], w, eids[i : i + 1]) for i in range(64)])
+    assert torch.equal(ops.grouped_matmul(x, w, eids), exact_singles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_token_independent_of_batch(moe_fp32, moe_bf16, dtype: torch.dtype) -> None:
+    """A token's MoE-layer output (router + experts + combine) is identical alone and among 1..64 other tokens."""
+    model = moe_fp32 if dtype == torch.float32 else moe_bf16
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    h = model.config.hidden_size
+    pool = torch.randn(64, h, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.no_grad():
+        singles = [block(pool[i : i + 1][None])[0] for i in range(64)]
+        for m in (2, 9, 64):
+            out = block(pool[:m][None])[0]
+            assert all(torch.equal(out[i : i + 1], singles[i]) for i in range(m))
+
+
+def test_plan_tiles_cover_rows_once() -> None:
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [1, 3], [1, 0]])
+    plan = moe_plan(ids, 5, block_m=2)
+    assert plan.counts.tolist() == [2, 4, 1, 3, 0]
+    assert plan.order.tolist() == [3, 9, 1, 2, 6, 8, 5, 0, 4, 7]  # stable: ascending pair index within an expert
+    te, r0, r1 = (t.tolist() for t in plan.tiles)
+    covered = []
+    for e, a, b in zip(te, r0, r1):
+        covered += list(range(a, b))
+        assert b - a <= 2
+        if b > a:
+            assert all(ids.reshape(-1)[plan.order[r]].item() == e for r in range(a, b))  # tiles never mix experts
+    assert sorted(covered) == list(range(10))
+    assert len(te) == (10 + 5 * 1) // 2  # worst-case grid from shapes only
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# router
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_router_ties_go_to_lowest_expert() -> None:
+    logits = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 3.0, 1.0], [2.0, 1.0, 2.0, 2.0], [-1.0, 5.0, -1.0, 5.0]]
+    )
+    weights, ids = ops.moe_router(logits, 2, True)
+    assert ids.tolist() == [[0, 1], [1, 2], [0, 2], [1, 3]]
+    assert torch.equal(weights[0], torch.tensor([0.5, 0.5]))
+    w_un, ids_un = ops.moe_router(logits, 3, False)
+    assert ids_un.tolist() == [[0, 1, 2], [1, 2, 0], [0, 2, 3], [1, 3, 0]]
+    torch.testing.assert_close(w_un, torch.softmax(logits, -1).gather(-1, ids_un))
+
+
+def test_router_ties_in_a_model_layer() -> None:
+    """Two experts with identical router rows always tie: expert 5 is never chosen without expert 2 in an earlier
+    top-k slot."""
+    model = rlexact.exactify(tiny_moe(seed=5))
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.weight[5] = gate.weight[2]
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, ids = gate(x)
+    rows = [r for r in ids.tolist() if 5 in r]
+    assert rows, "the tied experts were never selected; change the seed"
+    assert all(2 in r and r.index(2) < r.index(5) for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gradients
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _ref_moe(x, logits, top_k, norm, gu, down):  # noqa: ANN001, ANN202 - float64 reference of router + experts
+    probs = torch.softmax(logits, -1)
+    _, ids = torch.topk(probs, top_k, -1)
+    w = probs.gather(-1, ids)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    inter = down.shape[2]
+    h = torch.einsum("tkoh,th->tko", gu[ids], x)
+    act = F.silu(h[..., :inter]) * h[..., inter:]
+    y = torch.einsum("tkhi,tki->tkh", down[ids], act)
+    return (w[..., None] * y).sum(1)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_gradients_match_float64(norm: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    t, h, e, inter, k = 21, 24, 6, 10, 3
+    x = torch.randn(t, h, generator=gen)
+    router = torch.randn(e, h, generator=gen)
+    gu = torch.randn(e, 2 * inter, h, generator=gen) * 0.3
+    down = torch.randn(e, h, inter, generator=gen) * 0.3
+    g_out = torch.randn(t, h, generator=gen)
+
+    def run(dtype: torch.dtype, exact: bool) -> list[torch.Tensor]:
+        leaves = [p.detach().to(dtype).clone().requires_grad_(True) for p in (x, router, gu, down)]
+        xx, rr, gg, dd = leaves
+        if exact:
+            wts, ids = ops.moe_router(ops.matmul(xx, rr), k, norm)
+            out = ops.moe_experts(xx, ids, wts, gg, dd)
+        else:
+            out = _ref_moe(xx, xx @ rr.T, k, norm, gg, dd)
+        out.backward(g_out.to(dtype))
+        return [out.detach()] + [p.grad for p in leaves]
+
+    got, ref = run(torch.float32, True), run(torch.float64, False)
+    for name, a, b in zip(["out", "x", "router", "gate_up", "down"], got, ref):
+        scale = b.abs().max().item()
+        assert (a.double() - b).abs().max().item() <= 1e-5 * max(scale, 1.0), name
+    again = run(torch.float32, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))  # deterministic backward
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs() -> None:
+    w1, w2 = torch.zeros(4, 10, 8), torch.zeros(4, 8, 5)
+    x = torch.zeros(3, 8)
+    ids, wts = torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        ops.moe_experts(x, ids, wts, torch.zeros(4, 10, 7), w2)
+    with pytest.raises(ValueError, match="ids and weights"):
+        ops.moe_experts(x, ids[:2], wts, w1, w2)
+    with pytest.raises(ValueError, match="2 \\* down_proj"):
+        ops.moe_experts(x, ids, wts, torch.zeros(4, 9, 8), w2)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.moe_router(torch.zeros(3, 4), 5, True)
+    model = tiny_moe()
+    model.model.layers[0].mlp.experts.is_transposed = True
+    with pytest.raises(ValueError, match="fused gate_up_proj"):
+        rlexact.exactify(model)
+    assert not rlexact.is_exactified(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# RLModule and export
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _Check(RLCallback):
+    needs_trainer_logprobs = True
+
+    def __init__(self) -> None:
+        self.rollout_equal: list[bool] = []
+        self.first_ratio_one: list[bool] = []
+
+    def on_rl_batch(self, trainer, pl_module, batch) -> None:  # noqa: ANN001
+        m = batch.response_mask
+        self.rollout_equal.append(torch.equal(batch.trainer_logprobs[m], batch.rollout_logprobs[m]))
+
+    def on_rl_minibatch(self, trainer, pl_module, minibatch, logprobs, epoch, step) -> None:  # noqa: ANN001
+        if epoch == 0 and step == 0:
+            m = minibatch.response_mask
+            self.first_ratio_one.append(bool((torch.exp(logprobs[m] - minibatch.old_logprobs[m]) == 1.0).all()))
+
+
+def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.export import save_pretrained
+    from rlexact.module import RLModule
+
+    tok = build_char_tokenizer()
+    cfg = dict(
+        model_type="qwen3_moe", vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    items = [{"prompt_ids": tok(f"{i}+{i}=")["input_ids"], "prompt_text": f"{i}+{i}=", "answer": str(2 * i),
+              "index": i} for i in range(4)]  # fmt: skip
+    module = RLModule(
+        model_config=cfg, tokenizer=tok, dtype="bfloat16",
+        reward=lambda p, c, a: [float(len(x) % 3) for x in c],
+        rollout={"n": 3, "max_new_tokens": 5}, algorithm={"old_logprob_mode": "exact"}, optim={"lr": 1e-3},
+    )  # fmt: skip
+    check = _Check()
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[check],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*val_dataloader.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        trainer.fit(module, DataLoader(items, batch_size=2, collate_fn=list))
+    assert check.rollout_equal == [True, True]
+    assert check.first_ratio_one == [True, True]
+
+    out = save_pretrained(module, tmp_path / "hf")
+    assert "rlexact" not in json.dumps(json.loads((Path(out) / "config.json").read_text()))
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    a, b = module.model.state_dict(), reloaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    rlexact.exactify(reloaded)
+    seqs = prompts_for(3, len(tok), lo=4, hi=12, seed=9)
+    assert all(torch.equal(p, q) for p, q in zip(rlexact.sequence_logprobs(module.model, seqs),
+                                                 rlexact.sequence_logprobs(reloaded, seqs)))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton interpreter (subprocess)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_moe_kernels() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    src = str(HERE.parent / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_interp_moe.py")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "moe ok" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------------------------
+
+A3B = dict(hidden=2048, experts=128, top_k=8, moe_inter=768)
+"""Qwen3-30B-A3B MoE layer shape (the model has 48 such layers; the GPU tests use 2)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grouped_matmul_vs_reference_and_invariant(dtype: torch.dtype) -> None:
+    dev = torch.device("cuda")
+    e, (n, k) = A3B["experts"], (2 * A3B["moe_inter"], A3B["hidden"])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n_, k_ in ((n, k), (k, A3B["moe_inter"])):  # gate_up and down projections
+        w = (torch.randn(e, n_, k_, device=dev, generator=gen) * 0.05).to(dtype)
+        x = torch.randn(4096, k_, device=dev, generator=gen).to(dtype)
+        eids = torch.randint(0, e, (4096,), device=dev, generator=gen)
+        eids[:1500] = 7  # skewed load
+        out = ops.grouped_matmul(x, w, eids)
+        ref = torch.empty_like(out, dtype=torch.float32)
+        for ex in range(e):
+            rows = (eids == ex).nonzero()[:, 0]
+            ref[rows] = (x[rows].double() @ w[ex].double().T).float()
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(out.float(), ref, atol=1e-3, rtol=tol)
+        singles = torch.cat([ops.grouped_matmul(x[i : i + 1], w, eids[i : i + 1]) for i in range(64)])
+        assert torch.equal(out[:64], singles)
+        for m in (1, 2, 7, 33, 64, 1000):
+            assert torch.equal(ops.grouped_matmul(x[-m:], w, eids[-m:]), out[-m:])
+
+
+@pytest.mark.gpu
+def test_gpu_rollout_equals_trainer_a3b_layers_cuda_graphs() -> None:
+    model = tiny_moe(
+        layers=2, dtype=torch.bfloat16, weight_scale=1.0, mlp_only_layers=[], **A3B, intermediate_size=6144,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=4096,
+    )  # fmt: skip
+    model = rlexact.exactify(model.cuda())
+    gen = Generator(model, block_size=16)
+    outs = gen.generate(prompts_for(48, 4096, lo=4, hi=60, seed=0), SamplingParams(max_new_tokens=24, seed=1))
+    assert gen.stats["graph_steps"] > 0 and gen.stats["cuda_graphs_disabled"] is None
+    assert_exact(model, outs)
+    native = Generator(model, kernels="native", block_size=16).generate(
+        prompts_for(16, 4096, lo=4, hi=60, seed=0), SamplingParams(max_new_tokens=16, seed=1)
+    )
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in native])
+    assert any(not torch.equal(o.logprobs, r[-len(o.token_ids) :]) for o, r in zip(native, ref))
