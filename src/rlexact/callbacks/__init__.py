@@ -12,6 +12,7 @@ from rlexact.callbacks.corrections import RejectionSampling, TruncatedIS, correc
 from rlexact.callbacks.guards import ExactnessError, ExactnessGuard
 from rlexact.callbacks.injection import MismatchInjection
 from rlexact.callbacks.probes import MismatchProbe, UpdateDirectionProbe
+from rlexact.callbacks.shadow import ShadowCorrection, ShadowSpec
 
 __all__ = [
     "ExactnessError",
@@ -21,6 +22,8 @@ __all__ = [
     "MismatchProbe",
     "RLCallback",
     "RejectionSampling",
+    "ShadowCorrection",
+    "ShadowSpec",
     "TruncatedIS",
     "UpdateDirectionProbe",
     "correction_callbacks",

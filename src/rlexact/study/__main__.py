@@ -1,0 +1,110 @@
+"""``python -m rlexact.study EXPERIMENT [EXPERIMENT ...] [--config configs/study/cpu.yaml]``.
+
+Runs the named experiments (``all`` = every one; ``list`` prints them), merges their entries into the result JSON
+(default ``benchmarks/results/study_<device>.json``) and writes the report's tables and plots (default
+``docs/study/``). ``report`` only rewrites the tables and plots from an existing JSON. See
+:mod:`rlexact.study`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlexact.study.config import load_config
+from rlexact.study.experiments import EXPERIMENTS, experiment_arms, summarize
+from rlexact.study.report import device_tag, entry_header, write_json, write_plots, write_tables
+from rlexact.study.runner import resolve_device, run_arms
+
+__all__ = ["main", "run_study"]
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_study(
+    names: Sequence[str],
+    config: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    json_path: str | None = None,
+    docs: str | None = None,
+    out: str | None = None,
+    report: bool = True,
+) -> dict[str, Any]:
+    """Run experiments ``names`` (or ``["all"]``) and write the JSON (and the report unless ``report=False``).
+
+    Returns the whole result document."""
+    cfg = load_config(config, overrides)
+    if out is not None:
+        cfg.out = out
+    names = list(EXPERIMENTS) if list(names) == ["all"] else list(names)
+    plans = {name: experiment_arms(cfg, name) for name in names}  # validates every name and knob first
+    tasks = [(arm, steps) for arms, steps, _ in plans.values() for arm in arms]
+    results = run_arms(tasks, cfg.scale, cfg.out, log=_say)
+    header = entry_header()
+    entries = {name: summarize(cfg, name, results, header) for name in names}
+    path = json_path or cfg.json or f"benchmarks/results/study_{device_tag(resolve_device(cfg.scale.device))}.json"
+    doc = write_json(path, entries)
+    _say(f"wrote {path}")
+    if report:
+        _report(doc, docs or cfg.docs)
+    return doc
+
+
+def _report(doc: dict[str, Any], folder: str) -> None:
+    _say(f"wrote {write_tables(doc, folder)}")
+    for path in write_plots(doc, folder, log=_say):
+        _say(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlexact.study", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "experiments", nargs="+", help=f"experiments to run: {', '.join(EXPERIMENTS)}, 'all', 'list' or 'report'"
+    )
+    parser.add_argument("--config", help="study YAML (configs/study/*.yaml); default: the built-in CPU demo scale")
+    parser.add_argument("--steps", type=int, help="override scale.steps")
+    parser.add_argument("--seeds", type=int, nargs="+", help="override scale.seeds")
+    parser.add_argument("--workers", type=int, help="override scale.workers")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), help="override scale.device")
+    parser.add_argument("--out", help="runs folder (overrides output.out)")
+    parser.add_argument("--json", help="result JSON (overrides output.json)")
+    parser.add_argument("--docs", help="folder of the report's tables and plots (overrides output.docs)")
+    parser.add_argument("--no-report", action="store_true", help="write the JSON only")
+    args = parser.parse_args(argv)
+    if args.experiments == ["list"]:
+        for exp in EXPERIMENTS.values():
+            _say(f"{exp.name:13s} {exp.title}")
+        return 0
+    if args.experiments == ["report"]:
+        import json
+
+        cfg = load_config(args.config)
+        path = args.json or cfg.json
+        if path is None:
+            parser.error("report needs --json PATH (or output.json in --config)")
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        _report(doc, args.docs or cfg.docs)
+        return 0
+    overrides = {k: v for k, v in (("steps", args.steps), ("workers", args.workers), ("device", args.device)) if v}
+    if args.seeds:
+        overrides["seeds"] = tuple(args.seeds)
+    run_study(
+        args.experiments,
+        args.config,
+        overrides,
+        json_path=args.json,
+        docs=args.docs,
+        out=args.out,
+        report=not args.no_report,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
