@@ -16,8 +16,13 @@ which :func:`rlexact.ops.lm_head_logits` guarantees (it is row-invariant).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
+
+LogprobMode = Literal["full", "sampled"]
+"""Which distribution reported log-probs describe: the full tempered softmax, or the truncated one sampled from."""
+LOGPROB_MODES: tuple[str, ...] = ("full", "sampled")
 
 TRUNC_ROWS = 16
 """Rows per fixed-shape block of the truncation functions."""

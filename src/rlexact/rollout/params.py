@@ -7,9 +7,9 @@ from typing import Literal
 
 import torch
 
+from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
+
 FinishReason = Literal["stop", "length"]
-LogprobMode = Literal["full", "sampled"]
-LOGPROB_MODES: tuple[str, ...] = ("full", "sampled")
 
 
 @dataclass(frozen=True)
