@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -67,6 +68,9 @@ def _sync() -> None:
 
 
 def _git_commit() -> str:
+    """``RLEXACT_BENCH_COMMIT`` when set (a copied working tree may carry a stale .git), else ``git rev-parse``."""
+    if os.environ.get("RLEXACT_BENCH_COMMIT"):
+        return os.environ["RLEXACT_BENCH_COMMIT"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=ROOT,
@@ -211,8 +215,11 @@ def bench_fwd_bwd(small: bool, reps: int, cases: list[str], profile: bool = Fals
 
         k = cases[0]
         _set_checkpointing(model, shapes[k][2])
-        packed = pack(list(tokens[k]))
-        out["exact_profile"] = {"case": k, "top_kernels": profile_top(partial(exact_step, model, packed))}
+        packed = pack(list(tokens[k]), tokens[k].device)
+        try:
+            out["exact_profile"] = {"case": k, "top_kernels": profile_top(partial(exact_step, model, packed))}
+        except Exception as e:  # noqa: BLE001 - the timings above are kept
+            out["exact_profile"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
