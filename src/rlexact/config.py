@@ -22,7 +22,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from rlexact.models.exactify import KERNELS, Kernels
+from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 __all__ = [
     "ESTIMATORS",
@@ -88,12 +91,19 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (> 0). The trainer computes log-probs at the same temperature."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1 disables it. Log-probs are always of the full temperature-scaled softmax."""
+    """Nucleus mass in (0, 1]; 1 disables it. Which distribution the log-probs describe is ``logprobs``."""
     top_k: int = 0
     """Keep the k most likely tokens when sampling; 0 disables it."""
+    logprobs: LogprobMode = "full"
+    """``"full"``: rollout and trainer log-probs are of the full temperature-scaled softmax (top-k/top-p only restrict
+    the draw, so with truncation pi_old is not the distribution sampled from). ``"sampled"``: both are of the
+    truncated, renormalized distribution actually sampled (bitwise equal in exact mode); the trainer optimizes that
+    policy. Warned about when ``"full"`` meets truncation in exact mode."""
     seed: int = 0
-    """Base seed of the keyed sampler. Each rollout step and rank derive their own seed from it, so a resumed run
-    samples what the uninterrupted run would have sampled."""
+    """Base seed of the keyed sampler. A sample's key is (seed, dataset row ``index`` of the prompt item, sample j,
+    epoch), so the same data samples the same tokens whatever the batch size, order or number of ranks, and a
+    resumed run samples what the uninterrupted run would have sampled. Items without an ``index`` fall back to
+    (seed, rollout step, rank, slot in the batch), with a warning."""
     kernels: Kernels = "exact"
     """Generator kernels: ``"exact"`` (bitwise equal to the trainer) or ``"native"`` (stock transformers / SDPA
     kernels: the non-exact training-inference-mismatch baseline)."""
@@ -120,6 +130,13 @@ class RolloutConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"rollout.seed must be an int >= 0, got {self.seed!r}")
         _choice("rollout.kernels", self.kernels, KERNELS)
+        _choice("rollout.logprobs", self.logprobs, LOGPROB_MODES)
+        if self.logprobs == "full" and self.kernels == "exact" and (self.top_p < 1.0 or self.top_k > 0):
+            rank_zero_warn(
+                f"rollout.top_p={self.top_p}, top_k={self.top_k} with rollout.logprobs='full': tokens are drawn from "
+                "the truncated distribution but the rollout and trainer log-probs (pi_old) are of the full one, so "
+                "the update is off-policy. Set rollout.logprobs='sampled' for exact log-probs of what was sampled."
+            )
         _positive_int("rollout.max_context", self.max_context, allow_none=True)
         if self.max_context is not None and self.max_context <= self.max_new_tokens:
             raise ValueError(

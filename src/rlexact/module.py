@@ -306,11 +306,20 @@ class RLModule(L.LightningModule):
         """Temperature of the rollout's reported log-probs, used by every trainer-side log-prob."""
         return float(self.rollout_cfg.temperature)
 
+    @property
+    def logprob_truncation(self) -> tuple[int, float]:
+        """``(top_k, top_p)`` of the distribution the trainer-side log-probs describe: the sampling truncation with
+        ``rollout.logprobs="sampled"``, else ``(0, 1.0)`` (the full tempered softmax)."""
+        cfg = self.rollout_cfg
+        return (cfg.top_k, cfg.top_p) if cfg.logprobs == "sampled" else (0, 1.0)
+
     def _stop_token_ids(self) -> list[int] | None:
         return sampling.stop_token_ids(self.rollout_cfg, self.model, self.tokenizer)
 
-    def sampling_params(self, *, n: int | None = None, temperature: float | None = None) -> SamplingParams:
-        """The ``SamplingParams`` of the current rollout step on this rank."""
+    def sampling_params(
+        self, *, n: int | None = None, temperature: float | None = None, keyed: bool = False
+    ) -> SamplingParams:
+        """The ``SamplingParams`` of the current rollout step on this rank (``keyed``: the prompts carry data keys)."""
         return sampling.sampling_params(
             self.rollout_cfg,
             rollout_step=self.rollout_step,
@@ -318,6 +327,7 @@ class RLModule(L.LightningModule):
             stop_ids=self._stop_token_ids(),
             n=n,
             temperature=temperature,
+            keyed=keyed,
         )
 
     def _check_prompts(self, items: Sequence[dict]) -> list[list[int]]:
@@ -328,11 +338,14 @@ class RLModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, keys: list[int] | None = None
+    ) -> list[Completion]:
         """Sample completions with the module's generator (no grad, eval mode; all parameters gathered under FSDP).
+        ``keys``: per-prompt sampling keys from the data (:func:`rlexact.trainer.sampling.prompt_keys`).
 
         Returns ``len(prompts) * params.n`` completions in prompt-major order."""
-        return sampling.generate_completions(self.model, self.generator, prompts, params)
+        return sampling.generate_completions(self.model, self.generator, prompts, params, keys)
 
     def compute_rewards(self, items: Sequence[dict], completions: list[Completion], n: int) -> torch.Tensor:
         """Decode the completions and score them: float32 ``[len(completions)]`` (validated)."""
@@ -365,6 +378,7 @@ class RLModule(L.LightningModule):
             self.model if model is None else model,
             batching.chunks(batch.num_seqs, size),
             self.logprob_temperature,
+            self.logprob_truncation,
         )
 
     def policy_loss(self, micro: RolloutBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -384,9 +398,10 @@ class RLModule(L.LightningModule):
         metrics: dict[str, float] = {}
 
         # (1) rollout
-        params = self.sampling_params()
+        keys = sampling.prompt_keys(items, split=sampling.TRAIN_KEYS, epoch=self.current_epoch)
+        params = self.sampling_params(keyed=keys is not None)
         t0 = time.perf_counter()
-        completions = self.generate(prompts, params)
+        completions = self.generate(prompts, params, keys)
         gen_s = max(time.perf_counter() - t0, 1e-9)
         lengths = [len(c.token_ids) for c in completions]
         metrics["rollout/tokens_per_s"] = sum(lengths) / gen_s
@@ -479,8 +494,9 @@ class RLModule(L.LightningModule):
     def validation_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One sample per prompt at the rollout temperature; logs ``val/reward`` (epoch mean) and response length."""
         prompts = self._check_prompts(batch)
-        params = self.sampling_params(n=1)
-        completions = self.generate(prompts, params)
+        keys = sampling.prompt_keys(batch, split=sampling.VALIDATION_KEYS, epoch=0)
+        params = self.sampling_params(n=1, keyed=keys is not None)
+        completions = self.generate(prompts, params, keys)
         scores = self.compute_rewards(batch, completions, 1)
         lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
         sync = self._distributed

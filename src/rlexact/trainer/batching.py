@@ -69,16 +69,27 @@ def seq_valid(batch: RolloutBatch) -> torch.Tensor:
 
 
 def batch_logprobs(
-    model: nn.Module, batch: RolloutBatch, temperature: float, *, with_entropy: bool
+    model: nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    *,
+    with_entropy: bool,
+    truncation: tuple[int, float] = (0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Trainer log-probs ``[T]`` (and entropies when asked) of ``batch`` under ``model``: one packed forward."""
+    """Trainer log-probs ``[T]`` (and entropies when asked) of ``batch`` under ``model``: one packed forward.
+    ``truncation``: ``(top_k, top_p)`` of the distribution the log-probs describe (``(0, 1.0)``: the full one)."""
     packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
-    return packed_logprobs(model, packed, temperature, with_entropy=with_entropy)
+    top_k, top_p = truncation
+    return packed_logprobs(model, packed, temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p)
 
 
 @torch.no_grad()
 def score_chunks(
-    batch: RolloutBatch, model: nn.Module, index_chunks: list[list[int]], temperature: float
+    batch: RolloutBatch,
+    model: nn.Module,
+    index_chunks: list[list[int]],
+    temperature: float,
+    truncation: tuple[int, float] = (0, 1.0),
 ) -> torch.Tensor:
     """Detached log-probs ``[T]`` of ``batch`` under ``model``, one packed forward per chunk of sequence indices
     (consecutive, covering the batch); every parameter gathered once under FSDP."""
@@ -87,6 +98,9 @@ def score_chunks(
     with gathered_params(model):
         for idx in index_chunks:
             sub = batch.select(idx)
-            lp = fsdp_call(model, lambda sub=sub: batch_logprobs(model, sub, temperature, with_entropy=False)[0])
+            lp = fsdp_call(
+                model,
+                lambda sub=sub: batch_logprobs(model, sub, temperature, with_entropy=False, truncation=truncation)[0],
+            )
             out[int(cu[idx[0]]) : int(cu[idx[-1] + 1])] = lp
     return out

@@ -7,13 +7,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
 from rlexact.rollout import Completion, Generator, SamplingParams
+from rlexact.rollout.sampler import request_key
 
-__all__ = ["check_prompts", "generate_completions", "make_generator", "mix_seed", "sampling_params", "stop_token_ids"]
+__all__ = [
+    "check_prompts",
+    "generate_completions",
+    "make_generator",
+    "mix_seed",
+    "prompt_keys",
+    "sampling_params",
+    "stop_token_ids",
+]
 
 
 def mix_seed(*parts: int) -> int:
@@ -53,17 +63,40 @@ def sampling_params(
     stop_ids: list[int] | None,
     n: int | None = None,
     temperature: float | None = None,
+    keyed: bool = False,
 ) -> SamplingParams:
-    """The ``SamplingParams`` of rollout step ``rollout_step`` on ``rank`` (seed mixed from the three)."""
+    """The ``SamplingParams`` of rollout step ``rollout_step`` on ``rank``. ``keyed``: the prompts carry data keys
+    (:func:`prompt_keys`), so the seed is ``cfg.seed`` alone; else it is mixed from seed, step and rank."""
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature if temperature is None else temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        seed=mix_seed(cfg.seed, rollout_step, rank),
+        seed=mix_seed(cfg.seed) if keyed else mix_seed(cfg.seed, rollout_step, rank),
         n=cfg.n if n is None else n,
         stop_token_ids=stop_ids,
+        logprobs=cfg.logprobs,
     )
+
+
+TRAIN_KEYS, VALIDATION_KEYS = 0, 1
+"""Split tags mixed into the prompt keys, so training and validation draws never share keys."""
+
+
+def prompt_keys(items: Sequence[dict], *, split: int, epoch: int) -> list[int] | None:
+    """Per-prompt sampling keys ``request_key(split, index, epoch)`` from the items' dataset row ``index``; ``None``
+    (with a warning) when an item has none, and the generator falls back to slot ids and a rank-mixed seed.
+
+    With keys, sample ``j`` of a row draws from ``(seed, split, index, epoch, j)`` only: the same data samples the same
+    tokens whatever the batch size, the order or the number of ranks."""
+    if not all(isinstance(it, dict) and isinstance(it.get("index"), int) for it in items):
+        rank_zero_warn(
+            "prompt items carry no integer 'index' (dataset row): sampling keys fall back to the slot in the batch and "
+            "the rank, so samples change with batch size, order and world size. Add 'index' to every item "
+            "(rlexact.data.PromptDataModule does).",
+        )
+        return None
+    return [request_key(split, it["index"], epoch) for it in items]
 
 
 def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int) -> list[list[int]]:
@@ -101,16 +134,21 @@ def make_generator(model: nn.Module, cfg: RolloutConfig) -> Generator:
 
 @torch.no_grad()
 def generate_completions(
-    model: nn.Module, generator: Generator, prompts: list[list[int]], params: SamplingParams
+    model: nn.Module,
+    generator: Generator,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    keys: list[int] | None = None,
 ) -> list[Completion]:
-    """Sample with ``generator`` under ``no_grad`` and ``model.eval()`` (all parameters gathered once under FSDP).
+    """Sample with ``generator`` under ``no_grad`` and ``model.eval()`` (all parameters gathered once under FSDP);
+    ``keys``: per-prompt sampling keys (:func:`prompt_keys`) or ``None`` for slot ids.
 
     Returns ``len(prompts) * params.n`` completions in prompt-major order (checked)."""
     was_training = model.training
     model.eval()
     try:
         with gathered_params(model):
-            outs = fsdp_call(model, lambda: generator.generate(prompts, params))
+            outs = fsdp_call(model, lambda: generator.generate(prompts, params, keys=keys))
     finally:
         model.train(was_training)
     expected = len(prompts) * params.n

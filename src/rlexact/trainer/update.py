@@ -38,6 +38,7 @@ class UpdateHost(Protocol):
     rollout_step: int
     global_rank: int
     logprob_temperature: float
+    logprob_truncation: tuple[int, float]
 
     def policy_loss(self, micro: RolloutBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
@@ -190,7 +191,13 @@ class PPOUpdate:
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.host.model
-        return fsdp_call(model, lambda: batch_logprobs(model, batch, self.host.logprob_temperature, with_entropy=True))
+        host = self.host
+        return fsdp_call(
+            model,
+            lambda: batch_logprobs(
+                model, batch, host.logprob_temperature, with_entropy=True, truncation=host.logprob_truncation
+            ),
+        )
 
     def mini_step(self, mb: RolloutBatch, callbacks: list[RLCallback], epoch: int, step: int) -> None:
         """One optimizer step on mini-batch ``mb`` (micro-batch gradient accumulation; skipped with a warning when no
@@ -208,7 +215,7 @@ class PPOUpdate:
             for cb in hooks:
                 cb.on_rl_minibatch(self.trainer, host, mb, logp.detach(), epoch, step)
         elif hooks:
-            detached = score_chunks(mb, host.model, micros, host.logprob_temperature)
+            detached = score_chunks(mb, host.model, micros, host.logprob_temperature, host.logprob_truncation)
             for cb in hooks:
                 cb.on_rl_minibatch(self.trainer, host, mb, detached, epoch, step)
 
