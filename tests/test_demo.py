@@ -119,19 +119,22 @@ def test_shipped_prompt_files_match_the_task():
     assert run.demo_rows("train", cfg.steps * cfg.prompts_per_step) == train[: cfg.steps * cfg.prompts_per_step]
 
 
-def test_demo_yaml_matches_the_demo_defaults(monkeypatch):
-    from rlexact.cli import main
+def test_demo_yaml_matches_the_demo_defaults(monkeypatch, tmp_path):
+    from rlexact.cli import _packaged_configs, main
 
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)  # the packaged recipe and its packaged paths work outside the repository
     monkeypatch.setattr("sys.argv", ["rlexact"])
-    cli = main(["--config", "configs/demo.yaml"], run=False)
+    args = _packaged_configs(["--config", "demo.yaml"])
+    assert Path(args[1]).resolve() == (REPO / "configs" / "demo.yaml").resolve()
+    cli = main(args, run=False)
     module, data, trainer = cli.model, cli.datamodule, cli.trainer
     cfg = run.DemoConfig()
     expected = run.build_module(cfg, run.checkpoint_path())
     assert module.rollout_cfg == expected.rollout_cfg
     assert module.algo == expected.algo
     assert module.optim_cfg == expected.optim_cfg
-    assert Path(module.model_path).resolve() == Path(run.checkpoint_path()).resolve()
+    assert module.model_path == "demo" and module.hparams["tokenizer"] == "demo"
+    assert Path(run.resolve_model_path(module.model_path)).resolve() == Path(run.checkpoint_path()).resolve()
     assert data.batch_size == cfg.prompts_per_step and data.limit == cfg.steps * cfg.prompts_per_step
     assert data.use_chat_template is False and data.seed == cfg.seed
     assert trainer.max_steps == cfg.steps
@@ -184,12 +187,35 @@ def test_demo_probe_sees_mismatch(tmp_path, settings):
 
 
 def test_committed_demo_result():
-    """benchmarks/results/demo_cpu.json: the full demo as documented (python -m rlexact.demo) on 2 CPU cores."""
+    """benchmarks/results/demo_cpu.json: the full demo as documented, written by
+    ``python -m rlexact.demo --record benchmarks/results/demo_cpu.json`` on 2 CPU cores."""
     result = json.loads(RESULT_JSON.read_text())
-    for key in ("command", "date", "hardware", "reward_before", "reward_after", "reward_rise", "wall_seconds"):
+    for key in RECORD_KEYS:
         assert key in result, key
+    assert "--record" in result["command"] and result["commit"] not in ("", "unknown")
     assert result["reward_after"] - result["reward_before"] == pytest.approx(result["reward_rise"], abs=1e-3)
     assert result["reward_rise"] >= 0.3
     assert result["train_rollout_tokens"] > 0 and result["train_rollout_tokens_differing"] == 0
     assert result["eval_tokens_differing"] == 0
     assert result["wall_seconds"] <= 600
+
+
+RECORD_KEYS = (
+    "command", "commit", "date", "device", "cpu_count", "versions", "reward_before", "reward_after", "reward_rise",
+    "wall_seconds", "train_rollout_tokens_differing", "config", "notes",
+)  # fmt: skip
+
+
+def test_demo_record_writes_provenance(tmp_path, monkeypatch):
+    """``--record FILE`` writes the summary with command, commit, date, device and versions (tiny setting)."""
+    record = tmp_path / "results" / "demo.json"
+    argv = ["--steps", "1", "--prompts-per-step", "2", "--n", "2", "--eval-prompts", "2", "--eval-n", "1",
+            "--no-progress", "--out", str(tmp_path / "runs"), "--record", str(record)]  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["python -m rlexact.demo", *argv])
+    summary = run.main(argv)
+    result = json.loads(record.read_text())
+    for key in RECORD_KEYS:
+        assert key in result, key
+    assert "--record" in result["command"] and result["commit"] != ""
+    assert result["reward_before"] == summary["reward_before"] and result["config"]["steps"] == 1
+    assert set(result["versions"]) >= {"python", "torch", "lightning", "transformers"}

@@ -1,12 +1,19 @@
-"""The ``rlexact`` command: a LightningCLI with the ``fit`` and ``validate`` subcommands, plus ``rlexact demo``.
+"""The ``rlexact`` command: a LightningCLI with the ``fit`` and ``validate`` subcommands, plus ``rlexact demo`` and
+``rlexact export``.
 
 Usage::
 
     rlexact demo                                                   # the embedded demo (python -m rlexact.demo)
-    rlexact fit --config configs/grpo_qwen3_1p7b.yaml
-    rlexact fit --config configs/grpo_qwen3_1p7b.yaml --model.init_args.model_path /ckpt/Qwen3-1.7B
-    rlexact fit --config configs/demo.yaml --print_config          # the resolved configuration, nothing loaded
-    rlexact validate --config configs/demo.yaml --ckpt_path last.ckpt
+    rlexact fit --config demo.yaml                                 # a packaged recipe, from any directory
+    rlexact fit --config grpo_qwen3_1p7b.yaml --model.init_args.model_path /ckpt/Qwen3-1.7B ...
+    rlexact fit --config my_recipe.yaml --print_config             # the resolved configuration, nothing loaded
+    rlexact fit --config demo.yaml --ckpt_path runs/demo/version_0/checkpoints/last.ckpt     # resume
+    rlexact validate --config my_recipe.yaml --ckpt_path last.ckpt # needs data.init_args.val_path
+    rlexact export last.ckpt exported/                             # checkpoint -> transformers folder + tokenizer
+
+``--config NAME`` takes a file path or the name of a recipe shipped in the package (``rlexact/configs``:
+``demo.yaml``, ``grpo_qwen3_1p7b.yaml``, ``reinforce_qwen3_1p7b.yaml``, ``corrections/*.yaml``); a file of that name
+in the working directory wins.
 
 The YAML has LightningCLI's sections: ``trainer`` (callbacks as ``class_path`` / ``init_args``, e.g.
 ``rlexact.callbacks.MismatchProbe``), ``model`` (``class_path: rlexact.RLModule`` or a subclass, with
@@ -16,6 +23,7 @@ The YAML has LightningCLI's sections: ``trainer`` (callbacks as ``class_path`` /
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +32,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from rlexact.data import PromptDataModule
 from rlexact.module import RLModule
+from rlexact.resources import config_path
 
 __all__ = ["RLExactCLI", "entry", "main"]
 
@@ -56,16 +65,43 @@ def main(args: Any = None, *, run: bool = True) -> RLExactCLI:
     )
 
 
+def _packaged_configs(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config`` / ``-c`` value that is not a file but names a packaged recipe replaced by the
+    recipe's path."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        value = out[i + 1]
+        if arg in ("--config", "-c") and not os.path.exists(value):
+            out[i + 1] = config_path(value) or value
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+            if not os.path.exists(value):
+                out[i] = "--config=" + (config_path(value) or value)
+    return out
+
+
 def entry(argv: Sequence[str] | None = None) -> None:
-    """The ``rlexact`` console script: ``rlexact demo [options]`` runs the embedded demo, anything else goes to
-    :func:`main` (LightningCLI)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
+    """The ``rlexact`` console script: ``rlexact demo [options]`` runs the embedded demo, ``rlexact export CKPT DIR``
+    writes a transformers folder, anything else goes to :func:`main` (LightningCLI)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["demo"]:
         from rlexact.demo.run import main as demo_main
 
-        demo_main(argv[1:])
+        demo_main(args[1:])
         return
-    main(argv)
+    if args[:1] == ["export"]:
+        from rlexact.export import main as export_main
+
+        export_main(args[1:])
+        return
+    resolved = _packaged_configs(args)
+    if argv is not None:
+        main(resolved)
+        return
+    # from the command line: LightningCLI reads sys.argv itself (it warns when given args as well)
+    sys.argv[1:] = resolved
+    main(None)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -563,6 +563,11 @@ class PromptDataModule(L.LightningDataModule):
         return PromptDataset([ids[i] for i in keep], [texts[i] for i in keep], [answers[i] for i in keep], keep)
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "validate" and self.val_path is None:
+            raise ValueError(
+                "validation needs evaluation prompts: set PromptDataModule(val_path=...) (in a config: "
+                "data.init_args.val_path, e.g. --data.init_args.val_path eval.jsonl)"
+            )
         if self.train_dataset is None and stage in (None, "fit"):
             self.train_dataset = self.build_dataset(self.path, self.split, self.limit)
         if self.val_dataset is None and self.val_path is not None and stage in (None, "fit", "validate"):

@@ -50,10 +50,12 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback, rl_callbacks
+from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataset
 from rlexact.distributed import DTYPES, is_fsdp, reduce_scalars
@@ -220,8 +222,11 @@ class RLModule(L.LightningModule):
         return self.__dict__["_generator"]
 
     def setup(self, stage: str) -> None:
-        """Check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
+        """Install :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
+        check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
         hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         data = self.trainer.datamodule
         source = getattr(data, "tokenizer_source", None)
         if source is None or (isinstance(source, str) and source == self._tokenizer_arg):
