@@ -5,6 +5,9 @@ Built-in names for :func:`resolve_reward`:
 - ``"math"`` → :class:`MathReward` (last ``\\boxed{}`` or last number, checked with ``math_verify``; 0/1)
 - ``"exact_match"`` → :class:`ExactMatchReward` (stripped string equality up to the first newline/eos; 0/1)
 - ``"arithmetic"`` → :class:`ArithmeticReward` (integer equality; ``partial_credit=True`` for graded credit)
+
+:class:`RewardExecutor` runs any of them (or a user reward) in worker processes with a time limit per sample; see
+:mod:`rlexact.rewards.executor`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,25 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from rlexact.rewards.base import DEFAULT_STOP_TEXTS, PerSampleReward, RewardFn, check_rewards, truncate_at_stop
-from rlexact.rewards.math import MathReward, extract_final_answer
+from rlexact.rewards.base import (
+    DEFAULT_STOP_TEXTS,
+    PerSampleReward,
+    RewardFn,
+    check_batch_lengths,
+    check_rewards,
+    truncate_at_stop,
+)
+from rlexact.rewards.executor import (
+    RewardConfig,
+    RewardError,
+    RewardExecutor,
+    RewardResult,
+    close_shared_executors,
+    default_workers,
+    inside_reward_executor,
+    shared_executor,
+)
+from rlexact.rewards.math import MathReward, explosion_reason, extract_final_answer
 from rlexact.rewards.synthetic import ArithmeticReward, ExactMatchReward
 
 __all__ = [
@@ -24,10 +44,20 @@ __all__ = [
     "ExactMatchReward",
     "MathReward",
     "PerSampleReward",
+    "RewardConfig",
+    "RewardError",
+    "RewardExecutor",
     "RewardFn",
+    "RewardResult",
+    "check_batch_lengths",
     "check_rewards",
+    "close_shared_executors",
+    "default_workers",
+    "explosion_reason",
     "extract_final_answer",
+    "inside_reward_executor",
     "resolve_reward",
+    "shared_executor",
     "truncate_at_stop",
 ]
 

@@ -18,7 +18,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["DEFAULT_STOP_TEXTS", "PerSampleReward", "RewardFn", "check_rewards", "truncate_at_stop"]
+__all__ = [
+    "DEFAULT_STOP_TEXTS",
+    "PerSampleReward",
+    "RewardFn",
+    "check_batch_lengths",
+    "check_rewards",
+    "truncate_at_stop",
+]
 
 DEFAULT_STOP_TEXTS: tuple[str, ...] = ("\n", "<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
 """Texts that end a short answer: a newline or a common eos token text."""
@@ -31,6 +38,15 @@ class RewardFn(Protocol):
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float]: ...
 
 
+def check_batch_lengths(name: str, prompts: Sequence, completions: Sequence, answers: Sequence) -> None:
+    """Raise ValueError (naming ``name`` and the three lengths) unless the batch's lists have one length."""
+    if not (len(prompts) == len(completions) == len(answers)):
+        raise ValueError(
+            f"{name}: got {len(prompts)} prompts, {len(completions)} completions and {len(answers)} answers; they "
+            "must have the same length"
+        )
+
+
 class PerSampleReward:
     """Base class for rewards defined per sample: override :meth:`score`; ``__call__`` maps it over the batch."""
 
@@ -38,11 +54,7 @@ class PerSampleReward:
         raise NotImplementedError
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float]:
-        if not (len(prompts) == len(completions) == len(answers)):
-            raise ValueError(
-                f"{type(self).__name__}: got {len(prompts)} prompts, {len(completions)} completions and "
-                f"{len(answers)} answers; they must have the same length"
-            )
+        check_batch_lengths(type(self).__name__, prompts, completions, answers)
         return [float(self.score(p, c, a)) for p, c, a in zip(prompts, completions, answers)]
 
     def __repr__(self) -> str:

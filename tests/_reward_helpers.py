@@ -1,0 +1,37 @@
+"""Rewards for tests/test_rewards_executor.py, defined at module level so worker processes can import them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rlexact.rewards import PerSampleReward
+
+HANG = "<hang>"
+RAISE = "<raise>"
+DIE = "<die>"
+
+
+class SleepyReward(PerSampleReward):
+    """Length of the completion mod 5, but sleeps (practically) forever on a completion containing ``HANG``."""
+
+    def score(self, prompt: str, completion: str, answer: str | None) -> float:
+        if HANG in completion:
+            time.sleep(10**6)
+        return float(len(completion) % 5)
+
+
+class FailingReward(PerSampleReward):
+    """1.0, but raises ValueError on a completion containing ``RAISE`` and kills its process on ``DIE``."""
+
+    def score(self, prompt: str, completion: str, answer: str | None) -> float:
+        if RAISE in completion:
+            raise ValueError(f"cannot score {completion!r}")
+        if DIE in completion:
+            os._exit(3)
+        return 1.0
+
+
+def count_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float]:
+    """A plain batch function (element-wise): the number of '1' characters in each completion."""
+    return [float(c.count("1")) for c in completions]
