@@ -18,7 +18,8 @@ Sections (each independent: a failure is recorded in the JSON and the run contin
   ``old_logprob_mode="exact"``) vs native rollout + ``old_logprob_mode="recompute"``. Stage times are measured from
   outside by wrapping ``RLModule.generate`` (rollout), ``RLModule.score_batch`` (scoring) and
   ``rlexact.trainer.update.PPOUpdate.run`` (update) with synchronized timers; the reported step is the second one
-  (the first compiles kernels).
+  (the first compiles kernels and captures CUDA graphs). The data loader holds exactly two rollout batches and the
+  ``Trainer`` runs one epoch (``max_steps`` would count optimizer steps: two per rollout step here).
 
 ``--small`` runs tiny shapes (a 2-layer model, a few short sequences) on the CPU or GPU to check that the script works.
 """
@@ -323,7 +324,7 @@ def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
     update_stage.PPOUpdate.run = timer.wrap("update", orig_run)
     try:
         trainer = L.Trainer(
-            max_steps=steps, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, logger=False,
+            max_epochs=1, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[StepTimer()],
         )  # fmt: skip
         with warnings.catch_warnings():

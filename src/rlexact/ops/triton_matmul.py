@@ -61,6 +61,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -389,9 +390,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 class _Launch:
     """Everything about one matmul launch that depends only on ``(M, N, K, dtype, device)``.
 
-    ``runner`` is the compiled kernel's launcher for ``grid`` (``CompiledKernel[grid]``), set after the first launch
-    through Triton's JIT dispatch with 16-byte-aligned operands; it takes every kernel argument positionally
-    (the runtime ones, then ``constexprs`` in the kernel's order)."""
+    ``runner`` is the compiled kernel's launcher for ``grid`` (``CompiledKernel[grid]``, which also calls any
+    installed launch hooks), set after the first launch through Triton's JIT dispatch with 16-byte-aligned operands;
+    it takes every kernel argument positionally (the runtime ones, then ``constexprs`` in the kernel's order)."""
 
     cfg: MatmulConfig
     kernel: object
@@ -425,10 +426,8 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options)
 
 
-def _hooks_installed() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    rt = getattr(knobs, "runtime", None)
-    return rt is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+_RUNNER_BROKEN: list[bool] = [False]
+"""Set when a cached launcher raised (an incompatible Triton): every launch then goes through the JIT dispatch."""
 
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -450,9 +449,14 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
             ) + (M, N, K)
     else:
         args = (x, w, out, M, N, K, K, K, N)
-    if plan.runner is not None and (x.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0 and not _hooks_installed():
-        plan.runner(*args, *plan.tail)
-        return
+    if plan.runner is not None and (x.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0:
+        try:
+            plan.runner(*args, *plan.tail)
+            return
+        except (TypeError, IndexError, AttributeError, ValueError) as e:
+            _RUNNER_BROKEN[0] = True
+            plan.runner = None
+            warnings.warn(f"cached Triton launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=2)
     try:
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     except Exception:
@@ -468,7 +472,9 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
 def _keep_runner(plan: _Launch, compiled, args: tuple, *tensors: torch.Tensor) -> None:  # noqa: ANN001
     """Keep ``compiled[grid]`` for later launches when this launch's specialization is the one every later launch of
     the plan will have (16-byte-aligned pointers; the integers are fixed by the plan's key, M is not specialized)."""
-    if _INTERPRET or not hasattr(compiled, "__getitem__") or any(t.data_ptr() % 16 for t in tensors):
+    if _INTERPRET or _RUNNER_BROKEN[0] or not hasattr(compiled, "__getitem__"):
+        return
+    if any(t.data_ptr() % 16 for t in tensors):
         return
     if not plan.cfg.device_desc and plan.cfg.kernel == "tma":
         return  # host descriptors are rebuilt per call
@@ -477,7 +483,7 @@ def _keep_runner(plan: _Launch, compiled, args: tuple, *tensors: torch.Tensor) -
     if set(names[n_rt:]) != set(plan.constexprs):
         return
     plan.tail = tuple(plan.constexprs[n] for n in names[n_rt:])
-    plan.runner = compiled[plan.grid]
+    plan.runner = compiled[(*plan.grid, 1, 1)[:3]]  # the launcher reads a 3-D grid
 
 
 def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> torch.Tensor:
