@@ -482,3 +482,35 @@ def test_gpu_rollout_equals_trainer_a3b_layers_cuda_graphs() -> None:
     )
     ref = rlexact.sequence_logprobs(model, [o.sequence for o in native])
     assert any(not torch.equal(o.logprobs, r[-len(o.token_ids) :]) for o, r in zip(native, ref))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# recipes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["grpo_qwen3_30b_a3b.yaml", "reinforce_qwen3_30b_a3b.yaml"])
+def test_moe_recipes_parse(recipe: str, capsys: pytest.CaptureFixture) -> None:
+    """The MoE recipes parse through the CLI (nothing loaded) and their per-rank units give the paper's global ones."""
+    pytest.importorskip("jsonargparse")
+    import yaml
+
+    from rlexact.cli import main
+    from rlexact.config import AlgorithmConfig, RolloutConfig
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(HERE.parent / "configs" / recipe), "--print_config"])
+    assert exc.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    init = cfg["model"]["init_args"]
+    ranks = cfg["trainer"]["strategy"]["init_args"]["data_parallel_size"]
+    assert ranks == cfg["trainer"]["devices"] * cfg["trainer"]["num_nodes"]
+    assert cfg["data"]["init_args"]["batch_size"] * ranks == 64 and init["rollout"]["n"] == 8
+    assert init["model_path"] == "/path/to/Qwen3-30B-A3B" and init["fsdp"]["param_dtype"] == "bfloat16"
+    algo = init["algorithm"]
+    if recipe.startswith("grpo"):
+        assert algo["mini_batch_size"] * ranks == 16 * 8 and (algo["clip_low"], algo["clip_high"]) == (0.2, 0.28)
+    else:
+        assert algo["objective"] == "reinforce" and algo["mini_batch_size"] is None
+    AlgorithmConfig(**algo)
+    RolloutConfig(**init["rollout"])

@@ -13,9 +13,10 @@ Semantics (transformers' Qwen3-MoE / Qwen2-MoE, fused-expert layout ``gate_up_pr
 
 Batch invariance: the (token, slot) pairs are grouped by expert with a *stable* sort (:func:`moe_plan`), so each
 expert sees its rows in token order; each row goes through the grouped GEMM whose tile shape is fixed per
-``(N, K, dtype, device)`` (:mod:`rlexact.ops.triton_moe`, :mod:`rlexact.ops.cpu_moe`); the combine is a chain of
-exactly rounded fp32 multiplies and adds. So a token's output depends only on that token and the weights -- not on how
-many tokens its experts received, nor on which other tokens are in the call.
+``(N, K, dtype, device)`` (:mod:`rlexact.ops.triton_moe`, :mod:`rlexact.ops.cpu_moe`); the combine accumulates a
+token's ``k`` slots in fp32 in top-k order (one Triton program per token and column block, or a chain of exactly
+rounded torch multiplies and adds). So a token's output depends only on that token and the weights -- not on how many
+tokens its experts received, nor on which other tokens are in the call.
 
 Backward (:class:`MoeExpertsFn`): per-expert torch GEMMs over each expert's contiguous row range, experts in
 ascending order. Each weight gradient ``dW[e] = g_e^T @ a_e`` is one GEMM whose reduction over the expert's rows has a
@@ -119,8 +120,11 @@ def _silu_mul(h: torch.Tensor, inter: int, backend: Backend) -> torch.Tensor:
     return SiluMulFn.apply(h[:, :inter].contiguous(), h[:, inter:].contiguous(), backend)
 
 
-def _combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``sum_j weights[:, j] * y[:, j]`` in fp32, ``j`` ascending, cast once. ``y [T, k, H]``, ``weights [T, k]``."""
+def _combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, backend: Backend) -> torch.Tensor:
+    """``sum_j weights[:, j] * y[:, j]`` in fp32, ``j`` ascending, cast once. ``y [T, k, H]``, ``weights [T, k]``.
+    Torch backend: a chain of exactly rounded elementwise multiplies and adds (row-local on any device)."""
+    if backend == "triton":
+        return _triton().combine(y.reshape(-1, y.shape[-1]), weights, out_dtype)
     w = weights.float()
     acc = y[:, 0].float() * w[:, 0, None]
     for j in range(1, y.shape[1]):
@@ -190,7 +194,7 @@ class MoeExpertsFn(torch.autograd.Function):
         y = _grouped(act, w2, plan, None, plan.order, backend)  # [S, H], pair order t * k + j
         ctx.save_for_backward(x, weights, w1, w2, plan.order, plan.counts, h)
         ctx.backend = backend
-        return _combine(y.view(t, k, -1), weights, x.dtype)
+        return _combine(y.view(t, k, -1), weights, x.dtype, backend)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205

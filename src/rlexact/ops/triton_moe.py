@@ -191,6 +191,30 @@ def _grouped_mm_kernel(
         tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    w_ptr,
+    o_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    """``out[t] = sum_j w[t, j] * y[t * k + j]`` in fp32, ``j`` ascending, cast once; one program per token and
+    column block (an element's operation sequence does not depend on the number of tokens)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        yj = tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = acc + wj * yj
+    tl.store(o_ptr + t * H + cols, cast_out(acc, OUT_DTYPE, RNE_FIX), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------------------------------
@@ -243,5 +267,25 @@ def grouped_matmul(
         BM=block_m(a.device), BN=cfg.BN, BK=cfg.BK, GATHER=gather is not None, SCATTER=scatter is not None,
         RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_dot_flags(a.dtype),
+    )  # fmt: skip
+    return out
+
+
+COMBINE_BLOCK = 1024
+"""Columns per program of :func:`combine`."""
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, H]`` in ``out_dtype``: the fp32 top-k combine of ``y [T * k, H]`` (pair-major rows) with
+    ``weights [T, k]``."""
+    t, k = weights.shape
+    h = y.shape[1]
+    out = torch.empty((t, h), dtype=out_dtype, device=y.device)
+    if t == 0 or h == 0:
+        return out
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, block))](
+        y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=_TL_DTYPE[out_dtype],
+        RNE_FIX=_rne_fix(out_dtype),
     )  # fmt: skip
     return out
