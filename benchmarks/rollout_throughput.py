@@ -9,10 +9,22 @@ ratios exact/native and exact/hf_generate, generator stats, and an exactness spo
     python benchmarks/rollout_throughput.py                 # the H200 benchmark (~4-6 min)
     python benchmarks/rollout_throughput.py --tiny          # CPU smoke run with a tiny config (< 1 min)
     python benchmarks/rollout_throughput.py --profile 32    # also profile 32 exact decode steps per batch
+    python benchmarks/rollout_throughput.py --prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact \
+        --name rollout_long_h200                            # long contexts: decode step time per batch
+    python benchmarks/rollout_throughput.py --grpo          # 64 prompts x n=8, 512-token prompts, sharing on/off
+
+Every exact run also times a second ``generate`` with half the new tokens (same prompts, same warm engine); the
+difference divided by the difference in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time
+of one decode step with prefill and warm-up removed.
 
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
 ``results[batch]["exact"]["profile"]``.
+
+``--grpo`` runs the GRPO-shaped load instead (``--grpo-prompts`` prompts of ``--prompt-len`` tokens (default 512),
+``n = --grpo-n`` samples each, ``--new-tokens`` new tokens): exact generation with the prompt blocks shared by the
+``n`` samples and without, each with tokens/s, prompt tokens requested / prefilled / shared, and a bitwise check that
+both give the same completions. Default output ``benchmarks/results/rollout_grpo_h200.json``.
 """
 
 from __future__ import annotations
@@ -127,31 +139,69 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     }
 
 
-def run_rlexact(model, kernels: str, prompts, args, device) -> tuple[dict, list]:
+def run_rlexact(
+    model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True
+) -> tuple[dict, list]:
     gen = Generator(
         model,
         kernels=kernels,
-        max_num_seqs=len(prompts),
-        max_num_batched_tokens=max(8192, 2 * len(prompts)),
+        max_num_seqs=len(prompts) * n,
+        max_num_batched_tokens=max(8192, 2 * len(prompts) * n),
         cuda_graphs=not args.no_graphs,
+        share_prompt_blocks=share,
     )
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
-    warm = SamplingParams(max_new_tokens=min(8, args.new_tokens), temperature=1.0, seed=1, ignore_eos=True)
-    gen.generate(prompts, warm)
-    sync(device)
-    t0 = time.perf_counter()
-    outs = gen.generate(prompts, params)
-    sync(device)
-    elapsed = time.perf_counter() - t0
+
+    def timed(new_tokens: int, seed: int) -> tuple[float, list]:
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True, n=n)
+        sync(device)
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, params)
+        sync(device)
+        return time.perf_counter() - t0, outs
+
+    timed(min(8, args.new_tokens), 1)  # warm-up: Triton JIT, graph capture, allocator
+    elapsed, outs = timed(args.new_tokens, 0)
     tokens = sum(len(o.token_ids) for o in outs)
     stats = {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
     res = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}
+    half = args.new_tokens // 2
+    if decode_step and half >= 1 and kernels == "exact":
+        short, _ = timed(half, 0)
+        res["decode_step_ms"] = (elapsed - short) / (args.new_tokens - half) * 1e3
+        res["decode_step_note"] = f"(wall({args.new_tokens} new) - wall({half} new)) / {args.new_tokens - half}"
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)
         except Exception:  # noqa: BLE001
             res["profile_error"] = traceback.format_exc()
     return res, outs
+
+
+def run_grpo(model, args, device, result: dict) -> None:
+    """The GRPO-shaped load with and without shared prompt blocks (same completions, bitwise)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (args.grpo_prompts, args.prompt_len), generator=g).tolist()
+    grpo: dict = {"prompts": args.grpo_prompts, "n": args.grpo_n}
+    result["results"]["grpo"] = grpo
+    outs = {}
+    for name, share in (("shared", True), ("unshared", False)):
+        print(f"[rollout_throughput] grpo {name} ...", flush=True)
+        r, outs[name] = run_rlexact(model, "exact", prompts, args, device, n=args.grpo_n, share=share)
+        st = r["stats"]
+        r["prompt_tokens_requested"] = st["prompt_tokens"]
+        r["prompt_tokens_prefilled"] = st["prefill_tokens"]
+        r["prompt_tokens_shared"] = st["shared_prompt_tokens"]
+        grpo[name] = r
+        print(f"[rollout_throughput] grpo {name}: {r['tokens_per_s']:,.0f} tok/s, prompt tokens prefilled "
+              f"{r['prompt_tokens_prefilled']:,} of {r['prompt_tokens_requested']:,}", flush=True)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    grpo["speedup_shared_over_unshared"] = grpo["shared"]["tokens_per_s"] / grpo["unshared"]["tokens_per_s"]
+    grpo["same_completions_bitwise"] = all(
+        a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+        for a, b in zip(outs["shared"], outs["unshared"])
+    )
+    grpo["exactness_spot_check"] = spot_check(model, outs["shared"])
 
 
 def run_hf(model, prompts, args, device) -> dict:
@@ -201,16 +251,17 @@ def main() -> int:
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
     ap.add_argument("--profile", type=int, default=0, help="profile an exact generate of N new tokens per batch")
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
+    ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
+    ap.add_argument("--grpo-prompts", type=int, default=64, help="prompts of the GRPO load (default 64)")
+    ap.add_argument("--grpo-n", type=int, default=8, help="samples per prompt of the GRPO load (default 8)")
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
+    ap.add_argument("--name", default=None, help="output benchmarks/results/NAME.json (when --out is not given)")
     args = ap.parse_args()
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
-    args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
-    out_path = (
-        Path(args.out)
-        if args.out
-        else ROOT / "benchmarks" / "results" / ("rollout_tiny.json" if args.tiny else "rollout_h200.json")
-    )
+    args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))
+    default = "rollout_tiny" if args.tiny else ("rollout_grpo_h200" if args.grpo else "rollout_h200")
+    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{args.name or default}.json"
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -220,7 +271,7 @@ def main() -> int:
             "dtype": str(dtype).replace("torch.", ""),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
-            "batches": args.batches,
+            "batches": "grpo" if args.grpo else args.batches,
             "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
             "cuda_graphs": not args.no_graphs,
             "profile_new_tokens": args.profile,
@@ -242,6 +293,13 @@ def main() -> int:
         return 1
 
     vocab = model.config.vocab_size
+    if args.grpo:
+        try:
+            run_grpo(model, args, device, result)
+        except Exception:  # noqa: BLE001
+            result["errors"]["grpo"] = traceback.format_exc()
+            print(f"[rollout_throughput] grpo FAILED\n{result['errors']['grpo']}", flush=True)
+        args.batches = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=g).tolist()

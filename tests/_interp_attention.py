@@ -209,6 +209,39 @@ def check_negative_control(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     return diffs
 
 
+class small_splits:
+    """Context manager: KV splits of ``tiles`` key tiles (tests only: several splits on short sequences); with
+    ``parallel=False`` paged launches loop over their splits in one program instead of the split-parallel pass."""
+
+    def __init__(self, tiles: int = 2, parallel: bool = True) -> None:
+        self.tiles, self.parallel = tiles, parallel
+
+    def __enter__(self) -> None:
+        self.orig, self.orig_bytes = ta._fwd_config, ta._SPLIT_PAR_BYTES
+        ta._fwd_config = lambda hd, dt: (lambda c: c | {"SPLIT": self.tiles * c["BLOCK_N"]})(self.orig(hd, dt))
+        if not self.parallel:
+            ta._SPLIT_PAR_BYTES = 0
+
+    def __exit__(self, *exc) -> None:
+        ta._fwd_config, ta._SPLIT_PAR_BYTES = self.orig, self.orig_bytes
+
+
+def check_split_negative_control(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    """Another split size (the whole sequence in one split vs splits of two key tiles) stays correct but changes bits
+    of rows past the first split: training, prefill and decode must use the same splits."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
+    scale = d**-0.5
+    whole = ta.attention_varlen(q, k, v, cu, scale)
+    with small_splits(2):
+        split = ta.attention_varlen(q, k, v, cu, scale)
+        first = 2 * ta._fwd_config(d, dtype)["BLOCK_N"]
+    assert (split.double() - whole.double()).abs().max().item() < _tol(dtype)
+    starts = cu.tolist()
+    inside = torch.cat([torch.arange(s, min(e, s + first)) for s, e in zip(starts[:-1], starts[1:])]).to(device)
+    assert torch.equal(split[inside], whole[inside]), "rows within the first split must not change"
+    assert not torch.equal(split, whole), "negative control: another split size gave identical bits"
+
+
 def check_backward(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     from rlexact import ops
 
@@ -284,10 +317,49 @@ def section_backward() -> None:
     check_backward(LENS, 4, 2, 16, dtype=torch.bfloat16)
 
 
-SECTIONS = {"forward": section_forward, "exact": section_exact, "backward": section_backward}
+def section_split() -> None:
+    """Several KV splits on short sequences (splits of two key tiles): exactness of every schedule with the
+    split-parallel decode pass and with in-program split loops, correctness, backward, negative control."""
+    lens = LENS
+    with small_splits(2):
+        check_correctness(lens, 4, 2, 16)
+        check_exactness(lens, 4, 2, 16, chunks=(7, 33), block_sizes=(4,))
+        check_exactness([5, 90], 2, 1, 64, chunks=(17,), block_sizes=(16,))
+        check_exactness(lens, 4, 2, 16, dtype=torch.bfloat16, chunks=(9,), block_sizes=(4,))
+        check_batch_invariance(lens, 4, 2, 16)
+        check_backward(lens, 4, 2, 16)
+    with small_splits(2, parallel=False):
+        check_exactness(lens, 4, 2, 16, chunks=(7,), block_sizes=(4,))
+    check_split_negative_control(lens, 4, 2, 16)
+
+
+SECTIONS = {"forward": section_forward, "exact": section_exact, "backward": section_backward, "split": section_split}
+
+
+def use_row_invariant_interpreter_dot() -> None:
+    """Make the interpreter's ``tl.dot`` row-invariant, like tensor-core MMAs on the GPU.
+
+    The interpreter runs ``tl.dot`` as one ``np.matmul``, and numpy's BLAS (OpenBLAS sgemm) rounds a row differently
+    depending on its row index within the matrix (edge micro-kernels). A query row sits at another tile row in decode
+    than in training, so decode == training would fail for reasons that do not exist on the GPU. Each row is
+    multiplied on its own instead (a batch of one-row products takes one code path for every row).
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = np.matmul(a.data[:, None, :], b.data, dtype=d.data.dtype)[:, 0, :]
+        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
 
 
 def main(argv: list[str]) -> int:
+    use_row_invariant_interpreter_dot()
     for name in argv or ["forward", "exact", "backward"]:
         SECTIONS[name]()
         print(f"{name}: ok")

@@ -22,7 +22,7 @@ triton_missing = importlib.util.find_spec("triton") is None
 
 
 @pytest.mark.skipif(triton_missing, reason="needs triton")
-@pytest.mark.parametrize("section", ["forward", "exact", "backward"])
+@pytest.mark.parametrize("section", ["forward", "exact", "backward", "split"])
 def test_interpreter(section: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -107,10 +107,49 @@ def test_gpu_backward(checks, dtype, shape) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graph_decode(checks) -> None:
-    """attention_paged needs no host sync: it captures into a CUDA graph, and replays track in-place input updates."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_split_kv_production_size(checks, dtype) -> None:
+    """Sequences spanning up to three splits of the production size: training == paged full prefill == chunked
+    prefill (chunks straddling split boundaries) == decode, bitwise."""
     from rlexact.ops import triton_attention as ta
 
+    split = ta._fwd_config(QWEN3[2], dtype)["SPLIT"]
+    lens = [2 * split + 37, 5, split + 1]
+    checks.check_exactness(lens, *QWEN3, dtype=dtype, device="cuda", chunks=(split // 2 + 3,), block_sizes=(16,))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_split_kv_small_splits(checks, dtype) -> None:
+    """Splits of two key tiles (many splits on short sequences): exactness with split-parallel decode and with
+    in-program split loops, correctness, backward, and the negative control (another split size changes bits)."""
+    kw = {"dtype": dtype, "device": "cuda"}
+    with checks.small_splits(2):
+        checks.check_correctness(GPU_LENS, *QWEN3, **kw)
+        checks.check_exactness([1, 37, 200, 333], *QWEN3, chunks=(1, 100), block_sizes=(16,), **kw)
+        checks.check_exactness([5, 129, 700], 8, 2, 64, chunks=(333,), block_sizes=(64,), **kw)
+        checks.check_backward(GPU_LENS, *QWEN3, **kw)
+    with checks.small_splits(2, parallel=False):
+        checks.check_exactness([1, 37, 200, 333], *QWEN3, chunks=(100,), block_sizes=(16,), **kw)
+    checks.check_split_negative_control([300, 700], *QWEN3, **kw)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("splits", [None, 2], ids=["production", "small-splits"])
+def test_gpu_cuda_graph_decode(checks, splits) -> None:
+    """attention_paged needs no host sync: it captures into a CUDA graph (the split-parallel pass and its workspace
+    too), and replays track in-place input updates."""
+    import contextlib
+
+    from rlexact.ops import triton_attention as ta
+
+    with checks.small_splits(splits) if splits else contextlib.nullcontext():
+        _graph_decode_check(checks, ta)
+
+
+def _graph_decode_check(checks, ta) -> None:
     hq, hkv, d = QWEN3
     lens = [100, 200, 37, 1]
     q, k, v, cu = checks.make_inputs(lens, hq, hkv, d, torch.bfloat16, "cuda")

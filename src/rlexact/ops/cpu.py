@@ -6,10 +6,12 @@ from the SIMD one. Every op here therefore runs on **fixed-shape row blocks**: t
 multiple of :data:`ROW_BLOCK` and each block goes through the same torch calls with the same shape, so the result
 for a row depends only on that row (and the weights), never on how many rows came with it or where it sits.
 
-Attention reduces each query over key tiles of :data:`ATTN_BLOCK_N` keys anchored at absolute position 0, visited in
-ascending order with one online-softmax update, on fixed-shape ``[G, H, ATTN_BLOCK_M, D] x [G, H, D, ATTN_BLOCK_N]``
-products over groups of ``ATTN_GROUP`` query tiles.
-Masked keys contribute exactly zero, so tiles past a query's position are exact no-ops.
+Attention mirrors the split-KV contract of :mod:`rlexact.ops.triton_attention`: the keys of a query are cut into
+splits of :data:`ATTN_SPLIT` keys anchored at absolute position 0; within a split, key tiles of :data:`ATTN_BLOCK_N`
+keys are visited in ascending order with one online-softmax update from an empty state, on fixed-shape
+``[G, H, ATTN_BLOCK_M, D] x [G, H, D, ATTN_BLOCK_N]`` products over groups of ``ATTN_GROUP`` query tiles; the fp32
+split partials ``(max, sum, acc)`` are folded in ascending split order. Masked keys contribute exactly zero, so tiles
+and splits past a query's position are exact no-ops.
 
 All accumulation is fp32; outputs are cast to the input dtype once at the end (matmul, norm, silu-mul, attention) or
 stay fp32 (log-probs, logits, lse, entropy).
@@ -30,6 +32,9 @@ ATTN_BLOCK_N = 64
 """Keys per attention tile; tile ``j`` covers absolute key positions ``[j * ATTN_BLOCK_N, (j + 1) * ATTN_BLOCK_N)``."""
 ATTN_GROUP = 8
 """Query tiles processed together in one fixed-shape batched matmul (padded with idle tiles)."""
+ATTN_SPLIT = 2048
+"""Keys per KV split (a multiple of :data:`ATTN_BLOCK_N`); split ``s`` covers absolute key positions
+``[s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT)``."""
 
 
 def _padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
@@ -152,6 +157,11 @@ class _QueryTile:
     seq: int
 
 
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """The running max with ``-inf`` (no visible key yet) replaced by 0, so empty rows stay exactly empty."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
 def _attend(
     q: torch.Tensor,
     keys: list[torch.Tensor],
@@ -168,7 +178,9 @@ def _attend(
     _, hq, d = q.shape
     hkv = keys[0].shape[1] if keys else hq
     group = hq // hkv
-    bm, bn, gsz = ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_GROUP
+    bm, bn, gsz, split = ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_GROUP, ATTN_SPLIT
+    if split % bn:
+        raise ValueError(f"attention: ATTN_SPLIT {split} is not a multiple of ATTN_BLOCK_N {bn}")
     dev = q.device
     f32 = torch.float32  # explicit: never the (possibly bf16) default dtype
     # fp32 keys/values per sequence, padded to whole tiles, heads expanded: [Hq, L_pad, D]
@@ -201,23 +213,36 @@ def _attend(
         m_i = torch.full((gsz, hq, bm), float("-inf"), dtype=f32, device=dev)
         l_i = torch.zeros((gsz, hq, bm), dtype=f32, device=dev)
         acc = torch.zeros((gsz, hq, bm, d), dtype=f32, device=dev)
-        for j in range(max(n_tiles)):
-            kt, vt = (
-                torch.stack(
-                    [src[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in enumerate(grp)]
-                    + [zero_tile] * (gsz - len(grp))
+        tiles_per_split = split // bn
+        live = list(enumerate(grp))
+        for s0 in range(0, max(n_tiles), tiles_per_split):
+            m_s = torch.full_like(m_i, float("-inf"))
+            l_s = torch.zeros_like(l_i)
+            acc_s = torch.zeros_like(acc)
+            for j in range(s0, min(s0 + tiles_per_split, max(n_tiles))):
+                kt, vt = (
+                    torch.stack(
+                        [src[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in live]
+                        + [zero_tile] * (gsz - len(grp))
+                    )
+                    for src in (kf, vf)
                 )
-                for src in (kf, vf)
-            )
-            kpos = j * bn + offs
-            scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
-            masked = (kpos[None, None, :] > pos[:, :, None]) | (kpos[None, None, :] >= klen[:, None, None])
-            scores = scores.masked_fill(masked[:, None], float("-inf"))
-            m_new = torch.maximum(m_i, scores.amax(-1))
-            alpha = torch.exp(m_i - m_new)
-            p = torch.exp(scores - m_new[..., None])
-            l_i = l_i * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.matmul(p, vt)
+                kpos = j * bn + offs
+                scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
+                masked = (kpos[None, None, :] > pos[:, :, None]) | (kpos[None, None, :] >= klen[:, None, None])
+                scores = scores.masked_fill(masked[:, None], float("-inf"))
+                m_new = torch.maximum(m_s, scores.amax(-1))
+                m_use = _finite_or_zero(m_new)
+                alpha = torch.exp(m_s - m_use)
+                p = torch.exp(scores - m_use[..., None])
+                l_s = l_s * alpha + p.sum(-1)
+                acc_s = acc_s * alpha[..., None] + torch.matmul(p, vt)
+                m_s = m_new
+            m_new = torch.maximum(m_i, m_s)
+            m_use = _finite_or_zero(m_new)
+            a, b = torch.exp(m_i - m_use), torch.exp(m_s - m_use)
+            l_i = l_i * a + l_s * b
+            acc = acc * a[..., None] + acc_s * b[..., None]
             m_i = m_new
         o = (acc / l_i[..., None]).permute(0, 2, 1, 3)  # [G, BM, Hq, D]
         for i, t in enumerate(grp):

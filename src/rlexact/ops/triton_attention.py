@@ -1,14 +1,23 @@
 """Exact causal attention in Triton: one kernel body for training (packed varlen), chunked prefill and decode (paged).
 
-Exactness (DESIGN §2.3). A query at absolute position ``p`` reduces over keys ``[0, p]`` in key tiles of ``BLOCK_N``
-anchored at absolute position 0 (tile ``j`` = keys ``[j * BLOCK_N, (j + 1) * BLOCK_N)``), visited in ascending order
-with one online-softmax update. Masked keys get a ``-inf`` score and are loaded as 0 (so garbage or NaN in unwritten
-cache slots never enters), which makes them contribute exactly zero; a fully masked tile is an exact no-op
-(``alpha = exp2(0) = 1``, ``p = 0``), so a query tile may visit tiles up to its largest position. The tile shapes,
-warps and stages depend only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of
-sequences, or paged vs packed — and there is no split-KV. ``attention_varlen`` and ``attention_paged`` launch the same
-``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes how a key position becomes an address. Therefore a query
-row is bitwise equal whether it is computed in a training batch, in a prefill chunk of any size, or in decode.
+Exactness (docs/design.md, exactness contract). A query at absolute position ``p`` reduces over keys ``[0, p]``,
+cut into KV splits of ``SPLIT`` keys anchored at absolute position 0 (split ``s`` = keys
+``[s * SPLIT, (s + 1) * SPLIT)``; ``SPLIT`` is a multiple of ``BLOCK_N``). Within a split, key tiles of ``BLOCK_N``
+(tile ``j`` = keys ``[j * BLOCK_N, (j + 1) * BLOCK_N)``) are visited in ascending order with one online-softmax
+update, starting from the empty state; each split yields an fp32 partial ``(max, sum, acc)``, and the partials are
+folded in ascending split order by :func:`_merge_split` (explicit FMAs), starting from the empty state too. Masked
+keys get a ``-inf`` score and are loaded as 0 (so garbage or NaN in unwritten cache slots never enters), which makes
+them contribute exactly zero; a fully masked tile is an exact no-op (``alpha = exp2(0) = 1``, ``p = 0``) and so is a
+split wholly past a query (an empty partial), so a query tile may visit tiles and splits up to its largest position.
+The number of splits of a query is ``p // SPLIT + 1``: a function of its own position, never of the batch. Tile
+shapes, warps, stages and ``SPLIT`` depend only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence
+lengths, the number of sequences, or paged vs packed. ``attention_varlen`` and ``attention_paged`` launch the same
+``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes how a key position becomes an address, and ``SPLIT_PAR``
+only changes which program computes a split: decode-sized paged launches give each split its own program (grid axis
+2) and fold the stored fp32 partials in ``_attn_merge_kernel``; other launches loop over the splits in one program and
+fold in registers. Both fold the same partials with the same function in the same order, so a query row is bitwise
+equal whether it is computed in a training batch, in a prefill chunk of any size, or in decode. (One online softmax
+across all tiles would give other bits than split-then-merge; what matters is that every path uses the same splits.)
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -18,11 +27,13 @@ each K/V tile once per KV head instead of once per query head. ``HP`` depends on
 
 Work decomposition. Programs are laid out over query tiles of all sequences flattened: sequence ``b`` owns tile slots
 ``[cu[b] // P + b, cu[b+1] // P + b + 1)`` with ``P = BLOCK_M // HP`` positions per tile (at least
-``ceil(nq_b / P)`` slots; surplus slots exit at once). The grid ``(T // P + B, Hkv * g / HP)`` depends only on
-tensor shapes, so the launch needs no host synchronization and is CUDA-graph capturable.
+``ceil(nq_b / P)`` slots; surplus slots exit at once). The grid ``(T // P + B, Hq / HP, splits)`` depends only on
+tensor shapes (``splits`` is 1, or for split-parallel launches ``ceil(block-table width * page size / SPLIT)``;
+programs past a tile's last split exit at once), so the launch needs no host synchronization and is CUDA-graph
+capturable; so is the split-parallel workspace (fp32 partials, sized from the same shapes).
 
 Backward (:func:`attention_varlen_backward`) is FA2-style and deterministic (no atomics): the forward kernel is rerun
-to get the log-sum-exp, one kernel computes dK/dV per key tile looping over the group's query heads and query tiles
+to get the log-sum-exp of the split-merged forward (the same splits, so the same ``lse`` as the forward), one kernel computes dK/dV per key tile looping over the group's query heads and query tiles
 in a fixed order, another computes dQ per query tile looping over key tiles.
 
 Under ``TRITON_INTERPRET=1`` (CPU) the dots of 16-bit inputs are upcast to fp32 because the interpreter's bf16
@@ -46,6 +57,9 @@ _INTERPRET = interpreter_enabled()
 _LOG2E = math.log2(math.e)
 _SCAN = 128
 """Sequences examined per step when a program looks up which sequence its tile belongs to."""
+_SPLIT_PAR_BYTES = 64 << 20
+"""Largest fp32 workspace of split partials for which a paged launch computes the splits in parallel programs (a
+decode step); above it (prefill chunks) each program loops over its splits. Either way the same bits."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -58,19 +72,28 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+SPLIT_KEYS_16BIT = 2048
+"""Keys per KV split (``SPLIT``) for bf16/fp16 at every head_dim: a multiple of every 16-bit ``BLOCK_N``."""
+SPLIT_KEYS_FP32 = 2048
+"""Keys per KV split (``SPLIT``) for fp32 at every head_dim: a multiple of every fp32 ``BLOCK_N``."""
+
+
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` for ``(head_dim, dtype)``: nothing else."""
+    """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` and KV split size ``SPLIT`` for
+    ``(head_dim, dtype)``: nothing else."""
     block_d = _block_d(head_dim)
     if dtype == torch.float32:
+        split = {"SPLIT": SPLIT_KEYS_FP32}
         if block_d <= 32:
-            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2} | split
         if block_d <= 64:
-            return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+            return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} | split
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1} | split
     if dtype in (torch.bfloat16, torch.float16):
+        split = {"SPLIT": SPLIT_KEYS_16BIT}
         if block_d <= 128:
-            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3} | split
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} | split
     raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
 
 
@@ -112,6 +135,19 @@ def _locate_tile(cu_ptr, num_seqs, slot, TILE: tl.constexpr, SCAN: tl.constexpr)
     return b, tile
 
 
+@triton.jit
+def _merge_split(m, s, acc, m2, s2, acc2):
+    """Fold the fp32 partial ``(m2, s2, acc2)`` (max, sum, accumulator) of the next KV split into the running
+    ``(m, s, acc)``. Explicit fused multiply-adds fix the rounding (no compiler contraction choice), so every kernel
+    that merges computes the same bits. Merging into the empty state ``(-inf, 0, 0)`` returns the partial exactly; merging an empty partial is an
+    exact no-op."""
+    m_new = tl.maximum(m, m2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m - m_use)
+    b = tl.math.exp2(m2 - m_use)
+    return m_new, tl.fma(s, a, s2 * b), tl.fma(acc, a[:, None], acc2 * b[:, None])
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _attn_fwd_kernel(
     Q,
@@ -136,6 +172,9 @@ def _attn_fwd_kernel(
     stride_bt,
     stride_lt,
     stride_lh,
+    PACC,
+    PML,
+    n_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -148,8 +187,11 @@ def _attn_fwd_kernel(
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SPLIT_PAR: tl.constexpr,
 ):
     P: tl.constexpr = BLOCK_M // HP  # query positions per tile
+    TPS: tl.constexpr = SPLIT // BLOCK_N  # key tiles per split
     # later (costlier) tiles first
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     hgroup = tl.program_id(1)  # which pack of HP query heads
@@ -183,48 +225,71 @@ def _attn_fwd_kernel(
 
     last_pos = q_start + tl.minimum(tile * P + P, nq) - 1
     n_tiles = last_pos // BLOCK_N + 1
+    n_splits = last_pos // SPLIT + 1
+    if SPLIT_PAR:  # one split per program along grid axis 2; the merge kernel folds them
+        sp_lo = tl.program_id(2)
+        if sp_lo >= n_splits:
+            return
+        sp_hi = sp_lo + 1
+    else:
+        sp_lo = 0
+        sp_hi = n_splits
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for j in range(0, n_tiles):
-        kpos = j * BLOCK_N + offs_n
-        k_ok = kpos < seqlen_k
-        if PAGED:
-            blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
-            krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
-        else:
-            krow = (kv_begin + kpos).to(tl.int64)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if FP32_DOT:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            pv = p.to(V.dtype.element_ty)
+    for sp in range(sp_lo, sp_hi):
+        m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for j in range(sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles)):
+            kpos = j * BLOCK_N + offs_n
+            k_ok = kpos < seqlen_k
+            if PAGED:
+                blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
+                krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
+            else:
+                krow = (kv_begin + kpos).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
-                pv = pv.to(tl.float32)
-            acc = tl.dot(pv, v, acc)
-        m_i = m_new
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if FP32_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
+            alpha = tl.math.exp2(m_s - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_s = l_s * alpha + tl.sum(p, 1)
+            acc_s = acc_s * alpha[:, None]
+            if FP32_DOT:
+                acc_s = tl.dot(p, v, acc_s, input_precision="ieee")
+            else:
+                pv = p.to(V.dtype.element_ty)
+                if UPCAST:
+                    pv = pv.to(tl.float32)
+                acc_s = tl.dot(pv, v, acc_s)
+            m_s = m_new
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT_PAR:  # tiles spanning several splits store this split's partial; the merge kernel writes the output
+        multi = (rows * 0 + n_splits) > 1  # as a [BLOCK_M] tensor (a scalar bool mask breaks the interpreter)
+        partial = row_ok & multi
+        prow = ((q_begin + qi).to(tl.int64) * n_heads + head) * tl.num_programs(2) + sp_lo
+        tl.store(PML + prow * 2, m_i, mask=partial)
+        tl.store(PML + prow * 2 + 1, l_i, mask=partial)
+        tl.store(PACC + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=partial[:, None])
+        o_mask = o_mask & ~multi[:, None]
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    o_mask = row_ok[:, None] & d_ok[None, :]
     if BWD_PREP:
         # backward preprocessing: Out holds dO; store the base-2 log-sum-exp and delta = rowsum(dO * O) (fp32 O)
         do = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
@@ -233,6 +298,58 @@ def _attn_fwd_kernel(
         tl.store(DELTA + lrow, tl.sum(out * do, 1), mask=row_ok)
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _attn_merge_kernel(
+    Out,
+    PACC,
+    PML,
+    cu_q,
+    seqlens_k,
+    num_seqs,
+    n_heads,
+    n_split,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    """Second pass of the split-parallel (paged) forward: for each query tile spanning more than one split, fold the
+    fp32 partials in ascending split order with :func:`_merge_split` and write the output. Same tile layout as
+    ``_attn_fwd_kernel`` (tiles with one split were written there)."""
+    P: tl.constexpr = BLOCK_M // HP
+    hgroup = tl.program_id(1)
+    b, tile = _locate_tile(cu_q, num_seqs, tl.program_id(0), P, SCAN)
+    q_begin = tl.load(cu_q + b)
+    nq = tl.load(cu_q + b + 1) - q_begin
+    if tile * P >= nq:
+        return
+    q_start = tl.load(seqlens_k + b) - nq
+    n_splits = (q_start + tl.minimum(tile * P + P, nq) - 1) // SPLIT + 1
+    if n_splits == 1:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    qi = tile * P + rows // HP
+    head = hgroup * HP + rows % HP
+    row_ok = (rows < P * HP) & (qi < nq)
+    offs_d = tl.arange(0, BLOCK_D)
+    prow = ((q_begin + qi).to(tl.int64) * n_heads + head) * n_split
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for sp in range(0, n_splits):
+        m_s = tl.load(PML + (prow + sp) * 2, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(PML + (prow + sp) * 2 + 1, mask=row_ok, other=0.0)
+        acc_s = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
+    out = acc / l_i[:, None]
+    o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -473,7 +590,8 @@ def _forward(
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
-    overrides :func:`_fwd_config` (benchmarks only: the library always uses the ``(head_dim, dtype)`` config).
+    overrides entries of :func:`_fwd_config` (benchmarks and tests only: the library always uses the
+    ``(head_dim, dtype)`` config).
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -481,7 +599,10 @@ def _forward(
     num_seqs = cu_q.shape[0] - 1
     if tq == 0 or num_seqs <= 0:
         return
-    cfg = cfg or _fwd_config(d, q.dtype)
+    cfg = _fwd_config(d, q.dtype) | (cfg or {})
+    split = cfg["SPLIT"]
+    if split % cfg["BLOCK_N"]:
+        raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
     paged = block_tables is not None
@@ -492,12 +613,22 @@ def _forward(
         if k.stride(0) != page_size * stride_kt or v.stride(0) != page_size * stride_vt:
             raise ValueError("attention_paged: cache blocks must be laid out contiguously ([NB, BS, ...] strides)")
         stride_bt = block_tables.stride(0)
+        max_keys = block_tables.shape[1] * page_size
     else:
         page_size = 1
         stride_kt, stride_kh = k.stride(0), k.stride(1)
         stride_vt, stride_vh = v.stride(0), v.stride(1)
         stride_bt = 0
-    grid = (tq // pos_per_tile + num_seqs, hq // hp)
+        max_keys = tq
+    block_d = _block_d(d)
+    n_split = -(-max_keys // split)
+    par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
+    if par:
+        pacc = torch.empty((tq, hq, n_split, block_d), dtype=torch.float32, device=q.device)
+        pml = torch.empty((tq, hq, n_split, 2), dtype=torch.float32, device=q.device)
+    else:
+        pacc = pml = out
+    grid = (tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -521,8 +652,11 @@ def _forward(
         stride_bt,
         lse.stride(0) if lse is not None else 0,
         lse.stride(1) if lse is not None else 0,
+        pacc,
+        pml,
+        hq,
         HEAD_DIM=d,
-        BLOCK_D=_block_d(d),
+        BLOCK_D=block_d,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         HP=hp,
@@ -531,10 +665,17 @@ def _forward(
         PAGE_SIZE=page_size,
         BWD_PREP=lse is not None,
         SCAN=_SCAN,
+        SPLIT=split,
+        SPLIT_PAR=par,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
     )
+    if par:
+        _attn_merge_kernel[grid[:2]](
+            out, pacc, pml, cu_q, seqlens_k, num_seqs, hq, n_split, out.stride(0), out.stride(1), HEAD_DIM=d,
+            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, num_warps=4,
+        )  # fmt: skip
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:

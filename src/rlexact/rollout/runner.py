@@ -9,7 +9,9 @@ mode.
 Step inputs are built with vectorized torch ops from the block manager's block-table tensor (no per-token Python
 loops). Pure decode steps replay CUDA graphs captured lazily per batch-size bucket (and, in native mode, per padded
 key-length bucket) on static buffers; padding rows write their K/V to a scratch block and are discarded. A graph
-captures forward + lm head + sampler, so a replay has no host synchronization until the sampled tokens are read.
+captures the block-table gather, slot and key-length arithmetic, forward, lm head and sampler: a decode step uploads
+one ``[4, B]`` int64 tensor (tokens, positions, request ids, table rows) plus the block-table entries written since
+the previous step, replays, and reads back one ``[2, B]`` tensor (the only host synchronization).
 """
 
 from __future__ import annotations
@@ -97,16 +99,17 @@ class SamplingSetup:
 class GraphState:
     """Static buffers and captured decode graphs of one generate call (or several, with ``keep_kv_cache``).
 
-    ``max_bs`` below is the largest batch bucket, ``width`` the block manager's table width (both in ``signature``).
+    ``max_bs`` below is the largest batch bucket (``max_num_seqs``), ``width`` the block manager's table width (both
+    in ``signature``). A step uploads only ``ints``; the graph gathers its block tables from the device mirror
+    ``table`` of the block manager's table (kept in sync incrementally) and derives slots and key lengths itself.
     """
 
     signature: tuple
-    ints: torch.Tensor  # [5, max_bs] int64: input ids, positions, slot mapping, seqlens_k, request ids
-    block_tables: torch.Tensor  # [max_bs, width] int32
+    ints: torch.Tensor  # [4, max_bs] int64: input ids, positions, request ids, block-table rows
+    host: torch.Tensor  # [4, max_bs] int64, pinned: the staging copy of ints
+    table: torch.Tensor  # [max_bs + 1, width] int32: the block manager's table; the last row is all scratch block
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
-    seqlens_k: torch.Tensor  # [max_bs] int32
-    out_tokens: torch.Tensor  # [max_bs] int64
-    out_logprobs: torch.Tensor  # [max_bs] fp32
+    out: torch.Tensor  # [2, max_bs] float64: sampled tokens and their log-probs (both exact in float64)
     pool: object = None
     graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = field(default_factory=dict)
 
@@ -148,6 +151,7 @@ class ModelRunner:
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
         self._reuse_count: dict[tuple[int, int | None], int] = {}
+        self._table_synced = False
 
     # ---------------------------------------------------------------------------------------------------------------
     # helpers
@@ -160,11 +164,11 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[B, w]`` int32 CPU block tables of ``seqs`` (``w`` = most blocks held by one of them)."""
         rows = torch.tensor([s.row for s in seqs], dtype=torch.long)
         width = max(len(s.block_table) for s in seqs)
-        return self.bm.table.index_select(0, rows)[:, :width], width
+        return self.bm.table.index_select(0, rows)[:, :width]
 
     def _head_sample(
         self, hidden: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor
@@ -201,7 +205,7 @@ class ModelRunner:
         total = int(cu[-1])
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
         pos = torch.arange(total) - (cu[:-1] - start_t)[seq_of_token]
-        bt, _ = self._block_tables(seqs)
+        bt = self._block_tables(seqs)
         slots = bt.long()[seq_of_token, pos // bs] * bs + pos % bs
         seqlens = start_t + n_t
         return {
@@ -233,6 +237,8 @@ class ModelRunner:
         ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
+        if not self.use_graphs:
+            self.bm.take_updates()  # nothing mirrors the table on the device
         if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
             out = self._graph_decode(batch)
             if out is not None:
@@ -291,24 +297,31 @@ class ModelRunner:
     def _ensure_graph_state(self) -> GraphState:
         if self.graph_state is not None:
             return self.graph_state
-        sig = self._signature
         max_bs, width = self.buckets[-1], self.bm.width
-        scratch = self.cache.scratch_block
         dev = self.device
-        ints = torch.zeros((5, max_bs), dtype=torch.long, device=dev)
-        ints[2].fill_(scratch * self.cache.block_size)
+        table = torch.full((max_bs + 1, width), self.cache.scratch_block, dtype=torch.int32, device=dev)
         gs = GraphState(
-            signature=sig,
-            ints=ints,
-            block_tables=torch.full((max_bs, width), scratch, dtype=torch.int32, device=dev),
+            signature=self._signature,
+            ints=torch.zeros((4, max_bs), dtype=torch.long, device=dev),
+            host=torch.zeros((4, max_bs), dtype=torch.long).pin_memory(),
+            table=table,
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            seqlens_k=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            out_tokens=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            out_logprobs=torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
             pool=torch.cuda.graph_pool_handle(),
         )
         self.graph_state = gs
         return gs
+
+    def _sync_table(self, gs: GraphState) -> None:
+        """Bring ``gs.table`` up to date with the block manager: the whole table on the first graph step of this
+        call, then only the entries written since the last step (one small upload and one scatter)."""
+        updates = self.bm.take_updates()
+        if not self._table_synced:
+            gs.table[: self.bm.max_rows].copy_(self._to_device(self.bm.table))
+            self._table_synced = True
+        elif updates:
+            rows, cols, blocks = self._to_device(torch.tensor(updates, dtype=torch.long).T).unbind(0)
+            gs.table.index_put_((rows, cols), blocks.to(torch.int32))
 
     def _kv_bucket(self, width_used: int) -> int | None:
         """Native mode pads decode keys to a static length (graphs are keyed by it): ``width_used`` blocks rounded
@@ -342,24 +355,19 @@ class ModelRunner:
         return bucket, graph
 
     def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None):
-        ids, pos, slots, rid = gs.ints[0, :bucket], gs.ints[1, :bucket], gs.ints[2, :bucket], gs.ints[4, :bucket]
-        meta = AttnMetadata(
-            gs.cu_seqlens[: bucket + 1],
-            PagedKV(
-                self.cache.caches,
-                gs.block_tables[:bucket],
-                gs.seqlens_k[:bucket],
-                slots,
-                max_seqlen_q=1,
-                max_seqlen_k=kv_len,
-            ),
-        )
+        ids, pos, rid, rows = gs.ints[:, :bucket].unbind(0)
+        bs = self.cache.block_size
 
         def run() -> None:
-            hidden = forward_hidden(self.model, ids, pos, meta)
+            tables = gs.table.index_select(0, rows)
+            slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
+            paged = PagedKV(
+                self.cache.caches, tables, (pos + 1).to(torch.int32), slots, max_seqlen_q=1, max_seqlen_k=kv_len
+            )
+            hidden = forward_hidden(self.model, ids, pos, AttnMetadata(gs.cu_seqlens[: bucket + 1], paged))
             tok, lp = self._head_sample(hidden, rid, pos + 1)
-            gs.out_tokens[:bucket].copy_(tok)
-            gs.out_logprobs[:bucket].copy_(lp)
+            gs.out[0, :bucket].copy_(tok)
+            gs.out[1, :bucket].copy_(lp)
 
         return run
 
@@ -402,34 +410,31 @@ class ModelRunner:
         seqs = batch.seqs
         b = len(seqs)
         gs = self._ensure_graph_state()
-        bs = self.cache.block_size
-        bt, width_used = self._block_tables(seqs)
-        kv_len = self._kv_bucket(width_used)
+        kv_len = self._kv_bucket(max(len(s.block_table) for s in seqs)) if self.native else None
         bucket, graph = self._pick_graph(gs, b, kv_len)
         if graph is None:
             return None
-        pos = torch.tensor([s.num_computed for s in seqs], dtype=torch.long)
-        ints = torch.empty((5, b), dtype=torch.long)
-        ints[0] = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)
-        ints[1] = pos
-        ints[2] = bt[torch.arange(b), pos // bs].long() * bs + pos % bs
-        ints[3] = pos + 1
-        ints[4] = torch.tensor([s.request_id for s in seqs], dtype=torch.long)
-        ints_d = self._to_device(ints)
-        bt_d = self._to_device(bt)
-        gs.ints[:, :b].copy_(ints_d)
-        gs.seqlens_k[:b].copy_(ints_d[3])
-        gs.block_tables[:b, :width_used].copy_(bt_d)
-        if bucket > b:  # padding rows: position 0 of the scratch block
-            gs.ints[:, b:bucket].zero_()
-            gs.ints[2, b:bucket].fill_(self.cache.scratch_block * bs)
-            gs.seqlens_k[b:bucket].fill_(1)
-            gs.block_tables[b:bucket, 0].fill_(self.cache.scratch_block)
+        self._sync_table(gs)
+        host = gs.host[:, :bucket]
+        host[:, :b] = torch.tensor(
+            [
+                [s.tokens[-1] for s in seqs],
+                [s.num_computed for s in seqs],
+                [s.request_id for s in seqs],
+                [s.row for s in seqs],
+            ],
+            dtype=torch.long,
+        )
+        if bucket > b:  # padding rows: token 0 at position 0 of the scratch row (the scratch block)
+            host[:, b:].zero_()
+            host[3, b:] = gs.table.shape[0] - 1
+        gs.ints[:, :bucket].copy_(host, non_blocking=True)
         graph.replay()
         for s in seqs:
             s.num_computed += 1
         self.stats["graph_steps"] += 1
-        return self._collect(seqs, gs.out_tokens[:b], gs.out_logprobs[:b])
+        both = gs.out[:, :b].cpu()
+        return list(zip(seqs, both[0].long().tolist(), both[1].tolist()))
 
     # ---------------------------------------------------------------------------------------------------------------
     # scoring (teacher forcing)
