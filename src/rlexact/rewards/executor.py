@@ -135,11 +135,12 @@ class RewardError(RuntimeError):
 class RewardResult:
     """The rewards of one batch, in sample order, with what went wrong on the way.
 
-    ``rewards`` are the reward's values as produced (one per sample in the pool; whatever the reward returned for the
-    batch in the main process), not yet validated: pass them to :func:`~rlexact.rewards.check_rewards`.
+    ``rewards`` are the reward's values as produced, not yet validated (pass them to
+    :func:`~rlexact.rewards.check_rewards`): a list of floats from the pool, and in the main process whatever the reward
+    returned for the batch (a list, a tensor, ...), untouched.
     """
 
-    rewards: list[Any]
+    rewards: Any
     timeouts: list[int] = field(default_factory=list)
     """Indices of the samples that reached the time limit (ascending)."""
     errors: list[int] = field(default_factory=list)
@@ -547,7 +548,6 @@ def _score_in_process(
     with _InProcessScope():
         try:
             out = reward(prompts, completions, answers)
-            return RewardResult(rewards=out.tolist() if hasattr(out, "tolist") else list(out))
         except Exception as batch_error:
             failures: dict[int, str] = {}
             values: list[Any] = []
@@ -567,6 +567,7 @@ def _score_in_process(
                 ) from batch_error
             first = min(failures)
             return RewardResult(rewards=values, errors=sorted(failures), error_example=failures[first])
+    return RewardResult(rewards=out)
 
 
 class RewardExecutor:
@@ -648,6 +649,7 @@ class RewardExecutor:
         return self.submit(prompts, completions, answers).result()
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float]:
+        """The batch's rewards only (:attr:`RewardResult.rewards`)."""
         return self.run(prompts, completions, answers).rewards
 
     def close(self) -> None:
