@@ -153,3 +153,31 @@ def test_gpu_capture_failure_falls_back_cleanly(qwen, monkeypatch):
     again_outs = again.generate(prompts, params)
     assert again.stats["graph_steps"] > 0 and again.stats["cuda_graphs_disabled"] is None
     assert [o.token_ids for o in again_outs] == [o.token_ids for o in ok]
+
+
+def test_gpu_shared_prompts_equal_unshared(qwen):
+    """n = 8 samples share their prompt's blocks (prefilled once, forks replay decode graphs): the same completions
+    as without sharing, bitwise, and equal to the trainer."""
+    prompts = prompts_for(6, 1003, lo=30, hi=300, seed=21)
+    params = SamplingParams(max_new_tokens=16, seed=3, n=8)
+    shared = Generator(qwen, max_num_batched_tokens=256)
+    outs = shared.generate(prompts, params)
+    plain = Generator(qwen, max_num_batched_tokens=256, share_prompt_blocks=False)
+    assert same(outs, plain.generate(prompts, params))
+    assert_exact(qwen, outs)
+    assert shared.stats["prompt_forks"] == 6 * 7 and shared.stats["graph_steps"] > 0
+    assert shared.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
+
+
+def test_gpu_split_kv_generator(qwen, monkeypatch):
+    """KV splits of 128 keys (prompts spanning several splits): split-parallel decode in CUDA graphs, chunked prefill
+    with in-program split loops, and the trainer's packed forward agree bitwise."""
+    from rlexact.ops import triton_attention as ta
+
+    orig = ta._fwd_config
+    monkeypatch.setattr(ta, "_fwd_config", lambda hd, dt: orig(hd, dt) | {"SPLIT": 2 * orig(hd, dt)["BLOCK_N"]})
+    prompts = prompts_for(12, 1003, lo=100, hi=600, seed=4)
+    gen = Generator(qwen, max_num_batched_tokens=200, block_size=16)
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=40, seed=6, n=2))
+    assert gen.stats["graph_steps"] > 0 and gen.stats["cuda_graphs_disabled"] is None
+    assert_exact(qwen, outs)
