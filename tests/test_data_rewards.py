@@ -234,7 +234,7 @@ def test_datamodule_jsonl(tmp_path, tok):
     items = [it for b in batches for it in b]
     assert sorted(it["index"] for it in items) == list(range(21))
     for it in items:
-        assert set(it) == {"prompt_ids", "prompt_text", "answer", "index"}
+        assert set(it) == {"prompt_ids", "prompt_text", "answer", "index", "epoch"} and it["epoch"] == 0
         assert it["prompt_text"] == rows[it["index"]]["prompt"]
         assert it["answer"] == rows[it["index"]]["answer"]
         assert it["prompt_ids"] == tok(it["prompt_text"])["input_ids"]

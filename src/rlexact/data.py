@@ -5,7 +5,8 @@ Each batch is a ``list[dict]`` of ``batch_size`` items::
     {"prompt_ids": list[int],   # token ids fed to the generator (chat template applied if enabled)
      "prompt_text": str,        # the prompt as stored in the dataset (before any chat template)
      "answer": str | None,      # ground truth for the reward (None when the row/column has none)
-     "index": int}              # row index in the (limited) dataset, kept when overlong rows are filtered out
+     "index": int,              # row index in the (limited) dataset, kept when overlong rows are filtered out
+     "epoch": int}              # train batches only: the data epoch (pass over the prompts) the item comes from
 
 Sources: a local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, a local directory (a ``save_to_disk`` folder
 or a folder of data files), or a hub dataset name (passed to ``datasets.load_dataset``).
@@ -301,7 +302,9 @@ class ResumableDataLoader(DataLoader):
     ``epoch`` is the data epoch and ``batches`` counts its batches handed out so far (Lightning does not prefetch
     from a loader with a length, so at a checkpoint this equals the batches trained on). ``load_state_dict`` makes
     the next iterator start at the first batch not yet handed out (or, when the saved epoch was complete, at the
-    next epoch). Lightning calls both for the train loader (it checks for the two methods).
+    next epoch). Lightning calls both for the train loader (it checks for the two methods). Each item of a batch
+    gets ``"epoch"``: the data epoch (which sampling keys should use; it equals Lightning's epoch except after the
+    resume described in :class:`ResumableSampler`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -322,6 +325,8 @@ class ResumableDataLoader(DataLoader):
                 self._batches = self.sampler.last_start // int(self.batch_size)
                 first = False
             self._batches += 1
+            for item in batch:
+                item["epoch"] = self.sampler.data_epoch
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
