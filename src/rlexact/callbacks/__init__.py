@@ -12,6 +12,7 @@ from rlexact.callbacks.corrections import RejectionSampling, TruncatedIS, correc
 from rlexact.callbacks.guards import ExactnessError, ExactnessGuard
 from rlexact.callbacks.injection import MismatchInjection
 from rlexact.callbacks.probes import MismatchProbe, UpdateDirectionProbe
+from rlexact.callbacks.samples import SampleLogger
 from rlexact.callbacks.shadow import ShadowCorrection, ShadowSpec
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MismatchProbe",
     "RLCallback",
     "RejectionSampling",
+    "SampleLogger",
     "ShadowCorrection",
     "ShadowSpec",
     "TruncatedIS",

@@ -21,7 +21,8 @@ def overrides(cb: RLCallback, hook: str) -> bool:
 
 @contextlib.contextmanager
 def _gathered_if(model: nn.Module, callbacks: list[RLCallback], hook: str) -> Iterator[None]:
-    if is_fsdp(model) and any(overrides(cb, hook) for cb in callbacks):
+    # a callback that runs no forward sets ``gathers_params = False`` (e.g. SampleLogger): no gather for it
+    if is_fsdp(model) and any(overrides(cb, hook) and getattr(cb, "gathers_params", True) for cb in callbacks):
         with gathered_params(model):
             yield
     else:
