@@ -13,7 +13,8 @@ Checks on every rank, written to ``<out>/rank<r>.json``:
   - the parameters are identical on both ranks after training (gathered full state dict hash),
 and rank 0 exports a transformers checkpoint with ``rlexact.export.save_pretrained``.
 
-Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass]
+Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass] [dense|moe]
+(``moe``: the tiny model is a Qwen3-MoE with 8 experts, top-2, and a dense second layer)
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main() -> None:
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
     cfg = tiny_rl_config(len(tok))
+    if len(sys.argv) > 4 and sys.argv[4] == "moe":
+        cfg.update(model_type="qwen3_moe", moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                   norm_topk_prob=True, mlp_only_layers=[1])  # fmt: skip
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

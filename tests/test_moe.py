@@ -25,7 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import rlexact
 from models import prompts_for
@@ -374,8 +380,6 @@ class _Check(RLCallback):
 
 
 def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     from rlexact.demo.tokenizer import build_char_tokenizer
     from rlexact.export import save_pretrained
     from rlexact.module import RLModule
@@ -415,6 +419,28 @@ def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
     seqs = prompts_for(3, len(tok), lo=4, hi=12, seed=9)
     assert all(torch.equal(p, q) for p, q in zip(rlexact.sequence_logprobs(module.model, seqs),
                                                  rlexact.sequence_logprobs(reloaded, seqs)))  # fmt: skip
+
+
+def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard`` per decoder layer, 3-D expert weights sharded on the expert dim; 2 CPU ranks, gloo,
+    bf16 compute over fp32 master weights): rollout == trainer and ratio exactly 1 on every rank, the generator's
+    scoring == the trainer after updates, identical parameters on both ranks, export. Runs ``tests/_fsdp_worker.py``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_fsdp_worker.py"), str(tmp_path), "bf16-mixed", "exact", "moe"],
+        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["world_size"] == 2 and res["is_fsdp"]
+        assert res["rollout_equal"] == [True] * len(res["rollout_equal"]) and res["rollout_equal"]
+        assert res["first_ratio_one"] == [True] * len(res["first_ratio_one"])
+        assert res["post_update_equal"] == [True] * len(res["post_update_equal"])
+    assert results[0]["param_hash"] == results[1]["param_hash"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
