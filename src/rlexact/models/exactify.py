@@ -2,7 +2,9 @@
 
 * Attention: an ``AttentionInterface`` function named ``"rlexact"`` plus a matching ``AttentionMaskInterface``
   entry, selected through ``config._attn_implementation``. It reads :class:`~rlexact.models.metadata.AttnMetadata`
-  from the forward kwargs.
+  from the forward kwargs. Plain transformers calls (``model(ids)``, ``model.generate`` with its ``DynamicCache``
+  and left padding) run the same exact kernels; settings the kernels do not implement (an active sliding window,
+  attention dropout in train mode, autocast) raise an error naming the fix.
 * ``nn.Linear``, RMSNorm, the gated MLP, the rotary embedding and the attention layer (fused q/k-norm + rotary):
   instance ``forward`` replacements that dispatch on the model's :class:`ExactState` (exact kernels, or the stock
   forward in ``"native"`` mode).
