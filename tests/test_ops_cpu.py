@@ -285,3 +285,19 @@ def test_bad_inputs() -> None:
         )
     with pytest.raises(ValueError, match="unknown backend"):
         ops.matmul(torch.randn(3, 4), torch.randn(5, 4), backend="cuda")
+
+
+def test_unused_head_output_gets_no_gradient_work() -> None:
+    """With only the log-probs (or only the entropy) used, the other output's gradient arrives as None (not
+    materialized zeros) and the gradients still match float64."""
+    g = torch.Generator().manual_seed(6)
+    hid = torch.randn(40, 24, generator=g).requires_grad_()
+    w = (torch.randn(53, 24, generator=g) / 5).requires_grad_()
+    tgt = torch.randint(0, 53, (40,), generator=g)
+    for which in (0, 1):
+        hid.grad = w.grad = None
+        out = ops.token_logprobs(hid, w, tgt, 0.9)
+        (out[which] * torch.linspace(-1, 1, 40)).sum().backward()
+        h64, w64 = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        (reference.token_logprobs(h64, w64, tgt, 0.9)[which] * torch.linspace(-1, 1, 40).double()).sum().backward()
+        assert rel_err(hid.grad, h64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
