@@ -320,7 +320,11 @@ class ModelRunner:
             gs.table[: self.bm.max_rows].copy_(self._to_device(self.bm.table))
             self._table_synced = True
         elif updates:
-            rows, cols, blocks = self._to_device(torch.tensor(updates, dtype=torch.long).T).unbind(0)
+            # an entry may have been written twice since the last step (a row freed and reused); the last write wins
+            # here, on the host, because index_put_ with repeated indices keeps an arbitrary one
+            latest = {(r, c): blk for r, c, blk in updates}
+            flat = [(r, c, blk) for (r, c), blk in latest.items()]
+            rows, cols, blocks = self._to_device(torch.tensor(flat, dtype=torch.long).T).unbind(0)
             gs.table.index_put_((rows, cols), blocks.to(torch.int32))
 
     def _kv_bucket(self, width_used: int) -> int | None:
