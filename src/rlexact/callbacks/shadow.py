@@ -308,7 +308,9 @@ class ShadowCorrection(RLCallback):
             return
         metrics = self.probe(pl_module, minibatch, logprobs)
         self.last_metrics = metrics
-        self.history.append({"rollout_step": float(self.steps_seen - 1), "epoch": float(epoch), **metrics})
+        self.history.append(
+            {"rollout_step": float(self.steps_seen - 1), "epoch": float(epoch), "ministep": float(step), **metrics}
+        )
         log_scalars(trainer, pl_module, metrics)
 
     # ----------------------------------------------------------------------------------------------------- probe

@@ -143,7 +143,7 @@ class Arm:
         shadow: mismatch sources of :class:`rlexact.callbacks.ShadowCorrection` instances to attach (exact arms
             only; training is unchanged): ``"inject:<scale>"`` (logit noise), ``"engine:<perturbation>"`` (a
             :class:`~rlexact.study.engine.PerturbedCopy`, e.g. ``"engine:fp8_e4m3"``) or ``"native"``.
-        shadow_every: probe one rollout step in this many.
+        shadow_every: probe one rollout step in this many (every PPO mini-step of a probed rollout step).
         seed: seed of the run.
     """
 

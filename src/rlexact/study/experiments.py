@@ -100,13 +100,30 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, float | None]:
 
 
 def _shadow_metrics(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """``{source prefix: {"<correction>/<metric>": mean over probes}}`` of a shadow run."""
+    """``{source prefix: {"<correction>/<metric>": mean over probes}}`` of a shadow run, plus
+    ``"<correction>/cosine_later"``: the mean cosine over probes after the first PPO mini-step of a rollout step
+    (where ``pi_theta != pi_old``, so ``r_ppo``-based rejection differs from ``r_corr``-based)."""
     out: dict[str, dict[str, float | None]] = {}
     for prefix, rows in (result.get("shadow") or {}).items():
         keys = sorted({k for row in rows for k in row if k.startswith(prefix + "/")})
         out[prefix] = {k[len(prefix) + 1 :]: _mean(_values(rows, k)) for k in keys}
+        later = [row for row in rows if row.get("epoch", 0) > 0 or row.get("ministep", 0) > 0]
+        for k in keys:
+            if k.endswith("/cosine") and k.count("/") == 2:
+                out[prefix][k[len(prefix) + 1 :] + "_later"] = _mean(_values(later, k))
         out[prefix]["probes"] = len(rows)
     return out
+
+
+def _shadow_curve(rows: list[dict[str, float]], prefix: str) -> dict[str, list[float | None]]:
+    """Cosine per probe and correction (first seed), with ``x`` = rollout step + mini-step fraction."""
+    per_step = 1 + max((int(row.get("ministep", 0)) for row in rows), default=0)
+    curve: dict[str, list[float | None]] = {
+        "x": [row["rollout_step"] + row.get("ministep", 0) / per_step for row in rows]
+    }
+    for n in SHADOW_CORRECTIONS:
+        curve[f"{n}/cosine"] = [row.get(f"{prefix}/{n}/cosine") for row in rows]
+    return curve
 
 
 def _mean_over_seeds(values: list[float | None]) -> float | None:
@@ -261,6 +278,7 @@ def _shadow_findings(entries: list[dict[str, Any]], knobs: dict[str, Any]) -> di
                 {
                     "correction": n,
                     "cosine": stats[f"{n}/cosine"],
+                    "cosine_later": stats.get(f"{n}/cosine_later"),
                     "norm_ratio": stats[f"{n}/norm_ratio"],
                     "masked_frac": stats.get(f"{n}/masked_frac"),
                     "tis_truncated_frac": stats.get(f"{n}/tis_truncated_frac"),
@@ -412,12 +430,7 @@ def summarize(
                 for prefix in shadows[0]
             }
             entry["shadow_curves"] = {
-                prefix: {
-                    f"{n}/cosine": [row.get(f"{prefix}/{n}/cosine") for row in runs[0][1]["shadow"][prefix]]
-                    for n in SHADOW_CORRECTIONS
-                }
-                | {"rollout_step": [row["rollout_step"] for row in runs[0][1]["shadow"][prefix]]}
-                for prefix in shadows[0]
+                prefix: _shadow_curve(runs[0][1]["shadow"][prefix], prefix) for prefix in shadows[0]
             }
         entries.append(entry)
     return {

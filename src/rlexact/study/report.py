@@ -70,7 +70,7 @@ _TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 """Metric columns of each experiment's arm table."""
 
-_SHADOW_COLUMNS = ("cosine", "norm_ratio", "masked_frac", "tis_truncated_frac", "ppo_clipped_frac")
+_SHADOW_COLUMNS = ("cosine", "cosine_later", "norm_ratio", "masked_frac", "tis_truncated_frac", "ppo_clipped_frac")
 
 
 def device_tag(device: str) -> str:
@@ -217,9 +217,9 @@ def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
         for ax, (key, shadow) in zip(axes[0], panels):
             if shadow is not None:
-                x = shadow["rollout_step"]
+                x = shadow["x"]
                 for series, ys in shadow.items():
-                    if series != "rollout_step" and any(y is not None for y in ys):
+                    if series != "x" and any(y is not None for y in ys):
                         ax.plot(x, [math.nan if y is None else y for y in ys], marker=".", label=series.split("/")[0])
                 ax.set_title(f"{key}: cosine to exact", fontsize=9)
                 ax.set_xlabel("rollout step")

@@ -174,7 +174,13 @@ def build_callbacks(arm: Arm) -> tuple[list[Callback], dict[str, Any], dict[str,
         else:
             mismatch = _engine_scorer(engine, value, arm.seed)
         shadows[prefix] = ShadowCorrection(
-            mismatch=mismatch, scale=value, target="logits", seed=arm.seed, every_n_steps=every, prefix=prefix
+            mismatch=mismatch,
+            scale=value,
+            target="logits",
+            seed=arm.seed,
+            every_n_steps=every,
+            all_ministeps=True,
+            prefix=prefix,
         )
     sources = {f"correction{i}": cb for i, cb in enumerate(corrections)}
     sources.update({"mismatch": probe, "direction": direction})
