@@ -66,6 +66,7 @@ def main() -> int:
         full = run(split, lambda: ta.attention_varlen(q, k, v, cu, scale))
         dec = run(split, lambda: ta.attention_paged(q[-1:], kc, vc, table, last, cu[1:], scale))
         row["decode_equals_training"] = bool(torch.equal(dec, full[-1:]))
+        print(f"[split_kv_sweep] split {split} exact {row['decode_equals_training']}", flush=True)
         for b, ctx in DECODE:
             args_ = decode_case(b, ctx)
             qd, kcd, vcd, tbl, cud, lens = args_
@@ -73,6 +74,7 @@ def main() -> int:
             def step(qd=qd, kcd=kcd, vcd=vcd, tbl=tbl, cud=cud, lens=lens):
                 return ta.attention_paged(qd, kcd, vcd, tbl, cud, lens, scale)
 
+            print(f"[split_kv_sweep] split {split} decode b={b} ctx={ctx}", flush=True)
             row[f"decode_b{b}_ctx{ctx}_us"] = run(split, lambda step=step: bench_graph(step)) * 1e3
         for b, s in PREFILL:
             qp, kp, vp = (torch.randn(b * s, h, D, device="cuda").bfloat16() for h in (HQ, HKV, HKV))
