@@ -62,12 +62,13 @@ class MatmulFn(torch.autograd.Function):
     """Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
 
     The backward need not be batch-invariant, only deterministic and correct, and cuBLAS is the fastest such GEMM
-    on NVIDIA GPUs. It is deterministic: for fixed shapes, dtypes, strides and device, cuBLAS picks the same
-    algorithm every run, and its GEMMs reduce K inside one kernel or through split-K with a fixed-order reduction
-    (cuBLAS documents bitwise-identical results run to run for a given toolkit, architecture and SM count; it uses
-    no atomics in GEMM unless asked). The one documented exception is a workspace shared by several CUDA streams,
-    which ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (required by ``torch.use_deterministic_algorithms(True)``) rules out.
-    16-bit operands accumulate in fp32 on tensor cores and round once to the parameter dtype.
+    here (the exact kernel's fixed tiles and ban on split-K buy batch invariance, which a gradient does not need).
+    It is deterministic: cuBLAS documents bitwise-identical results run to run for a given toolkit version, GPU
+    architecture and SM count; for fixed shapes, dtypes and strides its heuristic returns the same algorithm, any
+    split-K reduction runs in a fixed order, and atomics are off by default (``cublasSetAtomicsMode``). The documented
+    exception, several streams sharing one cuBLAS workspace, is what ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (required by
+    ``torch.use_deterministic_algorithms(True)``) rules out; the trainer issues its GEMMs on one stream. 16-bit
+    operands accumulate in fp32 on tensor cores and round once to the parameter dtype.
     """
 
     @staticmethod

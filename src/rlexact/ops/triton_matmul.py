@@ -53,7 +53,8 @@ per-stream cached buffer (:func:`_torch_alloc`). Each ``(M, N, K, dtype, device)
 (configuration, grid, constexpr arguments) and, after its first launch, the compiled kernel's own launcher, so a
 call costs one dictionary lookup, one ``torch.empty`` and one launch. Where the launcher cannot be reused (unaligned
 pointers, launch hooks installed, the interpreter) the call goes through Triton's regular JIT dispatch, which
-compiles the same kernel for the same specialization. Eager vs CUDA-graph timings: ``benchmarks/results/ops_h200.json``.
+compiles the same kernel for the same specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere).
+Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
 
 from __future__ import annotations
@@ -426,8 +427,9 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options)
 
 
-_RUNNER_BROKEN: list[bool] = [False]
-"""Set when a cached launcher raised (an incompatible Triton): every launch then goes through the JIT dispatch."""
+_RUNNER_BROKEN: list[bool] = [os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") == "1"]
+"""True: every launch goes through Triton's JIT dispatch (``RLEXACT_MATMUL_JIT_LAUNCH=1``, or set when a cached
+launcher raised, i.e. an incompatible Triton)."""
 
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
