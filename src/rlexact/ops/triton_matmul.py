@@ -51,9 +51,10 @@ Host overhead (the trainer calls the matmul eagerly): every TMA variant builds i
 (``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch; the descriptor scratch comes from a
 per-stream cached buffer (:func:`_torch_alloc`). Each ``(M, N, K, dtype, device)`` gets a cached :class:`_Launch`
 (configuration, grid, constexpr arguments) and, after its first launch, the compiled kernel's own launcher, so a
-call costs one dictionary lookup, one ``torch.empty`` and one launch. Where the launcher cannot be reused (unaligned
-pointers, launch hooks installed, the interpreter) the call goes through Triton's regular JIT dispatch, which
-compiles the same kernel for the same specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere).
+call costs one dictionary lookup, one ``torch.empty`` and one launch (launch hooks, if installed, still run). Where
+the launcher cannot be reused (unaligned pointers, the interpreter) the call goes through Triton's regular JIT
+dispatch, which compiles the same kernel for the same specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that
+path everywhere).
 Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
 
