@@ -272,7 +272,7 @@ def test_loss_integrates_over_micro_batches(agg: str) -> None:
     n_resp = int(batch.response_mask.sum())
     batch.token_weights[batch.response_mask] = torch.linspace(0.25, 1.0, n_resp)
 
-    update = PPOUpdate(module, None, module._reduce, distributed=False)
+    update = PPOUpdate(module, None)
     tokens, seqs = int(batch.loss_mask.sum()), int(seq_valid(batch).sum())
     temp = module.logprob_temperature
     logp, ent = batch_logprobs(module.model, batch, temp, with_entropy=True)

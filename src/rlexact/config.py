@@ -22,12 +22,15 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlexact.models.exactify import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
+from rlexact.rollout.config import GeneratorConfig
 
 __all__ = [
+    "DTYPES",
     "ESTIMATORS",
     "KERNELS",
     "LOSS_AGG_MODES",
@@ -52,6 +55,10 @@ LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names accepted by ``RLModule(dtype=...)`` and :class:`FSDPConfig`."""
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -72,8 +79,6 @@ def _finite(name: str, value: Any, *, low: float | None = None, low_open: bool =
 
 
 def _check_generator_kwargs(kwargs: dict[str, Any]) -> None:
-    from rlexact.rollout.config import GeneratorConfig  # not at import time: rlexact.rollout imports this module
-
     known = {f.name for f in fields(GeneratorConfig)} - {"kernels"}
     unknown = sorted(set(kwargs) - known)
     if unknown:

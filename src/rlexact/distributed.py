@@ -26,19 +26,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from rlexact.config import FSDPConfig
 from rlexact.models import decoder
 
-__all__ = ["DTYPES", "apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "reduce_scalars"]
+__all__ = ["apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "set_gradient_sync"]
 
 T = TypeVar("T")
 _CALL = "_rlexact_fsdp_call"
 _RESHARD_ATTR = "_rlexact_reshard_after_forward"
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _fsdp_module_cls() -> type | None:
@@ -70,10 +66,20 @@ def _trampoline(fn: Callable[[], T]) -> T:
     return fn()
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     """``fully_shard`` every decoder layer, then the root, on ``mesh`` (the data-parallel 1-D mesh).
 
-    Registers the trampoline used by :func:`fsdp_call`. Returns ``model`` (sharded in place).
+    ``param_dtype`` / ``reduce_dtype`` form FSDP2's ``MixedPrecisionPolicy`` (none when ``param_dtype`` is None;
+    forward inputs are never cast); ``reshard_after_forward`` applies to the decoder layers (the root stays gathered
+    between forward and backward). Registers the trampoline used by :func:`fsdp_call`. Returns ``model`` (sharded in
+    place).
     """
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -84,20 +90,17 @@ def apply_fsdp(model: nn.Module, mesh: Any, config: FSDPConfig | None = None) ->
             register_fsdp_forward_method,
         )
 
-    config = config or FSDPConfig()
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if config.param_dtype is not None:
+    if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=DTYPES[config.param_dtype],
-            reduce_dtype=DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
-            cast_forward_inputs=False,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
     layers = getattr(decoder(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
-        setattr(layer, _RESHARD_ATTR, config.reshard_after_forward)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+        setattr(layer, _RESHARD_ATTR, reshard_after_forward)
     fully_shard(model, **kwargs)
     setattr(model, _RESHARD_ATTR, False)  # FSDP2 keeps the root gathered between forward and backward
     model.__dict__[_CALL] = _trampoline
@@ -170,12 +173,13 @@ def gathered_params(model: nn.Module) -> Iterator[list[nn.Module]]:
             m.reshard()  # type: ignore[attr-defined]
 
 
-def reduce_scalars(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
-    """All-reduce a few Python scalars (``op`` in sum / max / min) over the default group; identity when not
-    distributed. ``device`` must suit the backend (CUDA for NCCL)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(t, op=red)
-    return t.tolist()
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn FSDP2's gradient reduce-scatter on or off for every FSDP module of ``model`` (a no-op without FSDP).
+
+    With it off, backward passes accumulate unsharded gradients locally; the next backward with it on reduces the
+    sum once. Gradient accumulation over micro-batches turns it off for all but the last micro-batch of a mini-step,
+    which gives the same gradients as reducing after every micro-batch with one collective instead of one per
+    micro-batch. Every rank must run the same number of backward passes with the same settings.
+    """
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)  # type: ignore[attr-defined]

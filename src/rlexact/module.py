@@ -44,22 +44,27 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torchmetrics import MeanMetric
 
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback, rl_callbacks
+from rlexact.callbacks.samples import SampleLogger
 from rlexact.checkpoint import AtomicCheckpointIO
-from rlexact.config import AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
+from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataset
-from rlexact.distributed import DTYPES, is_fsdp, reduce_scalars
+from rlexact.distributed import is_fsdp
 from rlexact.models import exactify
+from rlexact.reduction import MetricReducer
 from rlexact.rewards import resolve_reward
 from rlexact.rollout import Completion, Generator, SamplingParams
 from rlexact.trainer import advantages as advantage_stage
@@ -67,7 +72,8 @@ from rlexact.trainer import batching, data_checks, policy, sampling
 from rlexact.trainer import rewards as reward_stage
 from rlexact.trainer import update as update_stage
 from rlexact.trainer.hooks import call_rl_hook
-from rlexact.trainer.hparams import plain_hparams
+from rlexact.trainer.hparams import plain
+from rlexact.trainer.step_metrics import StageTimer, advantage_metrics
 
 __all__ = ["RLModule"]
 
@@ -96,6 +102,9 @@ class RLModule(L.LightningModule):
         dtype: dtype the model is loaded / built in (``"float32"``, ``"bfloat16"``, ``"float16"``); None = the
             checkpoint's dtype for ``model_path``, float32 for ``model_config``, unchanged for ``model``.
         init_seed: seed of the weight initialization for ``model_config``.
+        activation_checkpointing: recompute each decoder layer's activations in the backward instead of keeping them
+            (less memory for long sequences, one more layer forward per backward); with or without FSDP2. The
+            forward's values, and so every log-prob, are unchanged bitwise.
 
     After :meth:`configure_model`, ``self.model`` is the exactified causal LM (set at once when ``model`` is
     given); ``self.ref_model`` is a frozen copy of the initial policy when ``algorithm.kl_coef > 0`` (not in
@@ -121,6 +130,7 @@ class RLModule(L.LightningModule):
         fsdp: FSDPConfig | None = None,
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         init_seed: int = 0,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -144,6 +154,7 @@ class RLModule(L.LightningModule):
         self.model_config = dict(model_config) if model_config is not None else None
         self.dtype_name = dtype
         self.init_seed = int(init_seed)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self._tokenizer_arg = tokenizer if tokenizer is not None else model_path
         if self._tokenizer_arg is None:
             raise ValueError("a tokenizer is required when the model is not given by model_path")
@@ -154,22 +165,19 @@ class RLModule(L.LightningModule):
         self.__dict__["_generator"] = None
         self._rope_fp32: dict[str, torch.Tensor] = {}
         self.rollout_step = 0
+        self.val_reward = MeanMetric().set_dtype(torch.float64)
+        self.val_response_length = MeanMetric().set_dtype(torch.float64)
         ignore = ["model"]
         if not isinstance(tokenizer, (str, os.PathLike)) and tokenizer is not None:
             ignore.append("tokenizer")
         if not isinstance(reward, str):
             ignore.append("reward")
+        # save_hyperparameters records the arguments' current values: plain ones, so checkpoints load with
+        # weights_only=True, and the tokenizer actually used (model_path by default) rather than None
+        rollout, algorithm, optim, fsdp = map(plain, (self.rollout_cfg, self.algo, self.optim_cfg, self.fsdp_cfg))
+        if isinstance(self._tokenizer_arg, (str, os.PathLike)):
+            tokenizer = os.fspath(self._tokenizer_arg)
         self.save_hyperparameters(ignore=ignore)
-        self.hparams.update(
-            plain_hparams(
-                self.hparams,
-                self._tokenizer_arg,
-                rollout=self.rollout_cfg,
-                algorithm=self.algo,
-                optim=self.optim_cfg,
-                fsdp=self.fsdp_cfg,
-            )
-        )
         if model is not None:
             if dtype is not None:
                 model = model.to(DTYPES[dtype])
@@ -192,6 +200,8 @@ class RLModule(L.LightningModule):
         if self.algo.kl_coef > 0 and self.ref_model is None:
             self.__dict__["ref_model"] = policy.make_reference(model)
         exactify(model)
+        if self.activation_checkpointing:
+            policy.enable_activation_checkpointing(model)
         self._rope_fp32 = policy.rope_fp32_snapshot(model)
         model.train()
         self.model = model
@@ -233,7 +243,24 @@ class RLModule(L.LightningModule):
             return
         data_checks.same_tokenizer(self._tokenizer_arg, self.tokenizer, source, data.tokenizer)
         if isinstance(source, (str, os.PathLike)) and isinstance(self.hparams.get("tokenizer"), str):
-            self.hparams["tokenizer"] = os.fspath(source)
+            # one value for Lightning's merge of module and data hparams (it reads the initial copy)
+            for hparams in (self.hparams, getattr(self, "_hparams_initial", {})):
+                hparams["tokenizer"] = os.fspath(source)
+
+    def configure_callbacks(self) -> list[Callback]:
+        """A :class:`rlexact.callbacks.SampleLogger` (prompts and completions as TensorBoard text every 10 rollout
+        steps) unless the trainer has one. For a fit whose datamodule has no validation data the module also presents
+        no ``validation_step`` until teardown (Lightning would warn that there is no ``val_dataloader``)."""
+        trainer = self.trainer
+        data = trainer.datamodule
+        if trainer.state.fn == "fit" and data is not None and not is_overridden("val_dataloader", data):
+            self.validation_step = L.LightningModule.validation_step.__get__(self)
+        if any(isinstance(cb, SampleLogger) for cb in trainer.callbacks):
+            return []
+        return [SampleLogger()]
+
+    def teardown(self, stage: str) -> None:
+        self.__dict__.pop("validation_step", None)
 
     def on_fit_start(self) -> None:
         policy.check_precision(self.trainer)
@@ -279,32 +306,15 @@ class RLModule(L.LightningModule):
     # helpers
     # ------------------------------------------------------------------------------------------------------------
 
-    @property
-    def _distributed(self) -> bool:
-        return torch.distributed.is_available() and torch.distributed.is_initialized() and self._world_size > 1
-
-    @property
-    def _world_size(self) -> int:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_world_size()
-        return 1
-
-    def _reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        return reduce_scalars(values, op, self.device)
-
-    def _log(self, name: str, value: float, *, prog_bar: bool = False, reduce: str = "mean", batch_size: int = 1):
+    def _log_step_metrics(self, metrics: dict[str, float]) -> None:
+        """Log one rollout step's metrics, already reduced over the ranks (:mod:`rlexact.reduction`), so Lightning
+        does not sync them again; NaN (no data anywhere) is left out."""
         if self._trainer is None:
             return
-        self.log(
-            name,
-            float(value),
-            on_step=True,
-            on_epoch=False,
-            prog_bar=prog_bar,
-            batch_size=batch_size,
-            sync_dist=self._distributed,
-            reduce_fx=reduce,
-        )
+        values = {k: float(v) for k, v in metrics.items() if not math.isnan(float(v))}
+        shown = {k: values.pop(k) for k in ("reward/mean", "rollout_step") if k in values}
+        self.log_dict(shown, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False, batch_size=1)
+        self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
 
     @property
     def logprob_temperature(self) -> float:
@@ -365,7 +375,7 @@ class RLModule(L.LightningModule):
 
     def compute_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages ``[N]`` by ``algorithm.estimator`` (REINFORCE whitening over the global batch)."""
-        return advantage_stage.sequence_advantages(self.algo, rewards, group_ids, self._reduce, self._distributed)
+        return advantage_stage.sequence_advantages(self.algo, rewards, group_ids)
 
     def build_batch(
         self, completions: list[Completion], rewards: torch.Tensor, seq_adv: torch.Tensor, group_ids: torch.Tensor
@@ -402,28 +412,33 @@ class RLModule(L.LightningModule):
         callbacks = rl_callbacks(self.trainer) if self._trainer is not None else []
         metrics: dict[str, float] = {}
 
+        timer = StageTimer()
+
         # (1) rollout
-        keys = sampling.prompt_keys(items, split=sampling.TRAIN_KEYS, epoch=self.current_epoch)
+        epoch = int(items[0].get("epoch", self.current_epoch)) if items and isinstance(items[0], dict) else 0
+        keys = sampling.prompt_keys(items, split=sampling.TRAIN_KEYS, epoch=epoch)  # the data epoch (exact resume)
         params = self.sampling_params(keyed=keys is not None)
         t0 = time.perf_counter()
         completions = self.generate(prompts, params, keys)
         gen_s = max(time.perf_counter() - t0, 1e-9)
+        timer.seconds["rollout"] = gen_s
         lengths = [len(c.token_ids) for c in completions]
-        metrics["rollout/tokens_per_s"] = sum(lengths) / gen_s
-        metrics["rollout/seconds"] = gen_s
+        timing = MetricReducer().add_sum("tokens", sum(lengths)).add_max("seconds", gen_s).reduce()
+        metrics["rollout/tokens_per_s"] = timing["tokens"] / timing["seconds"]
+        metrics["rollout/seconds"] = timing["seconds"]
 
         # (2) rewards, (3) advantages
-        scores = self.compute_rewards(items, completions, n)
+        with timer("scoring"):
+            scores = self.compute_rewards(items, completions, n)
         group_ids = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
         seq_adv = self.compute_advantages(scores, group_ids)
-        metrics.update(reward_stage.reward_metrics(scores, lengths, completions, self._reduce))
+        metrics.update(advantage_metrics(scores, seq_adv, group_ids))
+        metrics.update(reward_stage.reward_metrics(scores, lengths, completions))
 
         keep = torch.ones(len(completions), dtype=torch.bool)
         num_kept = len(completions)  # > 0 on every rank without dynamic sampling
         if self.algo.dynamic_sampling:
-            keep, num_kept, metrics["dynamic_sampling/kept_frac"] = advantage_stage.dynamic_sampling(
-                scores, group_ids, self._reduce
-            )
+            keep, num_kept, metrics["dynamic_sampling/kept_frac"] = advantage_stage.dynamic_sampling(scores, group_ids)
         full = self.build_batch(completions, scores, seq_adv, group_ids)
         if keep.all():
             rl_batch = full
@@ -434,12 +449,12 @@ class RLModule(L.LightningModule):
             rl_batch.loss_mask.zero_()
 
         if num_kept == 0:
-            warnings.warn(
+            rank_zero_warn(
                 f"rollout step {self.rollout_step}: dynamic sampling dropped every group (all rewards equal within "
                 "each group); no optimizer step",
                 stacklevel=2,
             )
-            self._finish_step(metrics, rl_batch, callbacks, updated=False, num_prompts=len(items))
+            self._finish_step(metrics, rl_batch, callbacks, updated=False, timer=timer)
             return None
 
         # (4) old log-probs, trainer / reference log-probs
@@ -455,13 +470,13 @@ class RLModule(L.LightningModule):
             rl_batch.ref_logprobs = self.score_batch(rl_batch, self.ref_model)
 
         # (5) RL callbacks see the batch
-        call_rl_hook("on_rl_batch", callbacks, self.trainer if callbacks else None, self, self.model, rl_batch)
+        with timer("callbacks"):
+            call_rl_hook("on_rl_batch", callbacks, self.trainer if callbacks else None, self, self.model, rl_batch)
 
         # (6) PPO epochs x mini-batches
-        metrics.update(
-            update_stage.PPOUpdate(self, self._trainer, self._reduce, self._distributed).run(rl_batch, callbacks)
-        )
-        self._finish_step(metrics, rl_batch, callbacks, updated=True, num_prompts=len(items))
+        with timer("update"):
+            metrics.update(update_stage.PPOUpdate(self, self._trainer).run(rl_batch, callbacks))
+        self._finish_step(metrics, rl_batch, callbacks, updated=True, timer=timer)
         return None
 
     def _finish_step(
@@ -471,26 +486,21 @@ class RLModule(L.LightningModule):
         callbacks: list[RLCallback],
         *,
         updated: bool,
-        num_prompts: int,
+        timer: StageTimer | None = None,
     ) -> None:
         # (7) post-update hooks
+        timer = timer or StageTimer()
         if updated:
-            call_rl_hook("on_rl_update_end", callbacks, self.trainer if callbacks else None, self, self.model, rl_batch)
+            with timer("callbacks"):
+                call_rl_hook(
+                    "on_rl_update_end", callbacks, self.trainer if callbacks else None, self, self.model, rl_batch
+                )
+        metrics.update(timer.metrics(self.device))
         self.rollout_step += 1
         metrics["rollout_step"] = float(self.rollout_step)
         for k, v in rl_batch.metrics.items():
             metrics.setdefault(k, float(v))
-        reduce = {"ratio/min": "min", "ratio/max": "max", "response_length/max": "max", "rollout_step": "max"}
-        for k, v in metrics.items():
-            if isinstance(v, float) and math.isnan(v):
-                continue
-            self._log(
-                k,
-                v,
-                prog_bar=k in ("reward/mean", "rollout_step"),
-                reduce=reduce.get(k, "mean"),
-                batch_size=num_prompts,
-            )
+        self._log_step_metrics(metrics)
 
     # ------------------------------------------------------------------------------------------------------------
     # validation
@@ -503,17 +513,9 @@ class RLModule(L.LightningModule):
         params = self.sampling_params(n=1, keyed=keys is not None)
         completions = self.generate(prompts, params, keys)
         scores = self.compute_rewards(batch, completions, 1)
-        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-        sync = self._distributed
-        self.log(
-            "val/reward",
-            scores.mean(),
-            on_step=False,
-            on_epoch=True,
-            prog_bar=True,
-            batch_size=len(batch),
-            sync_dist=sync,
-        )
-        self.log(
-            "val/response_length", lengths.mean(), on_step=False, on_epoch=True, batch_size=len(batch), sync_dist=sync
-        )
+        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+        # torchmetrics accumulates sums and counts over batches and ranks: sample-weighted epoch means
+        self.val_reward.update(scores.double().to(self.val_reward.device))
+        self.val_response_length.update(lengths.to(self.val_response_length.device))
+        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/response_length", self.val_response_length, on_step=False, on_epoch=True)

@@ -15,11 +15,14 @@ Formulas (paper notation, DESIGN §6):
   verl's ``compute_grpo_outcome_advantage`` (``torch.std`` default). ``normalize_std=False`` is Dr. GRPO:
   ``A_i = R_i - mean_g``.
 - RLOO: ``A_i = n / (n - 1) * (R_i - mean_g)``, which equals ``R_i`` minus the mean of the other ``n - 1`` rewards.
-- REINFORCE (batch whitening): ``A_i = (R_i - mean) / (std + eps)`` over the whole batch, unbiased std.
+- REINFORCE (batch whitening): ``A_i = (R_i - mean) / (std + eps)`` over the whole batch (all data-parallel ranks
+  when given an ``all_reduce``), unbiased std.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -119,16 +122,31 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return (n / (n - 1) * _centered(r, groups)).to(rewards.dtype)
 
 
-def reinforce_advantages(rewards: Tensor, *, eps: float = 1e-6) -> Tensor:
-    """Batch-whitened REINFORCE advantages ``[N]``: ``(R - mean) / (std + eps)``, unbiased std, ``N >= 2``."""
+def reinforce_advantages(
+    rewards: Tensor, *, eps: float = 1e-6, all_reduce: Callable[[Tensor, str], Tensor] | None = None
+) -> Tensor:
+    """Batch-whitened REINFORCE advantages ``[N]``: ``(R - mean) / (std + eps)``, unbiased std, ``N >= 2``.
+
+    ``all_reduce(t, op)`` (``op`` in sum / max / min) reduces a float64 tensor over the data-parallel ranks, so the
+    mean and std are those of the global batch; the default (None) is the identity, the batch is ``rewards`` alone.
+    Two passes: the mean from the reduced sum and count, then the reduced sum of squared deviations from it. A global
+    batch whose rewards are all equal gets exactly 0.
+    """
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     r = _rewards64(rewards)
-    if r.numel() < 2:
-        raise ValueError(f"REINFORCE whitening needs a batch of N >= 2 rewards, got {r.numel()}")
-    if bool((r == r[0]).all()):
+    reduce = all_reduce if all_reduce is not None else (lambda t, op: t)
+    total, count = reduce(torch.stack([r.sum(), r.new_tensor(float(r.numel()))]), "sum").tolist()
+    if count < 2:
+        raise ValueError(f"REINFORCE whitening needs a batch of N >= 2 rewards, got {int(count)}")
+    extrema = torch.stack([r.max(), -r.min()]) if r.numel() else r.new_full((2,), -torch.inf)
+    high, neg_low = reduce(extrema, "max").tolist()
+    if high == -neg_low:
         return torch.zeros_like(rewards)
-    return ((r - r.mean()) / (r.std() + eps)).to(rewards.dtype)
+    mean = total / count
+    sq_dev = float(reduce(((r - mean) ** 2).sum(), "sum"))
+    std = math.sqrt(sq_dev / (count - 1))
+    return ((r - mean) / (std + eps)).to(rewards.dtype)
 
 
 def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor) -> Tensor:

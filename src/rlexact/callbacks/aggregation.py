@@ -1,15 +1,7 @@
-"""Cross-rank aggregation and logging helpers shared by the RL callbacks.
+"""Logging helpers shared by the RL callbacks (the cross-rank reduction itself lives in :mod:`rlexact.reduction`).
 
-Every RL callback runs on every data-parallel rank on that rank's share of the rollout batch. A metric that is a
-ratio (a mean, a fraction) must therefore be reduced as *sums and counts* across ranks before dividing -- averaging
-per-rank means (what ``self.log(..., sync_dist=True)`` does) weights a rank with 3 tokens like a rank with 3,000.
-:class:`MetricReducer` collects each rank's partial statistics and reduces them in two collectives (one ``SUM`` for
-the sums and counts, one ``MAX`` for maxima and negated minima); :func:`gather_cat` gathers variable-length tensors
-(histogram values) on every rank. Without ``torch.distributed`` (or with one process) both are local and exact: a
-mean comes back bit-for-bit as the callback computed it.
-
-Collectives must be entered by every rank in the same order, so callbacks call these helpers unconditionally (a rank
-with no tokens contributes zero counts, never skips the call).
+Every RL callback runs on every data-parallel rank on that rank's share of the rollout batch, so its metrics are
+reduced as sums and counts with :class:`rlexact.reduction.MetricReducer` (re-exported here) before they are logged.
 
 :func:`log_scalars` and :func:`log_histograms` write the reduced values: scalars through ``pl_module.log_dict`` when
 called inside ``training_step`` (where :class:`rlexact.RLModule` calls the RL hooks; ``sync_dist=False`` because
@@ -19,13 +11,13 @@ rank 0.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from rlexact.reduction import MetricReducer, collective_device, dist_ready, gather_cat, global_rank, world_size
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -41,129 +33,6 @@ __all__ = [
     "logging_step",
     "world_size",
 ]
-
-
-def dist_ready() -> bool:
-    """True when ``torch.distributed`` is initialized with more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def collective_device(device: torch.device | str | None = None) -> torch.device:
-    """The device a collective's tensors must live on: the current CUDA device under NCCL, else ``device`` or CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device) if device is not None else torch.device("cpu")
-
-
-class MetricReducer:
-    """Collect per-rank partial statistics under names, reduce them across ranks, return the global values.
-
-    Usage::
-
-        red = MetricReducer()
-        red.add_mean("abs_diff_mean", local_mean, local_count)   # token-weighted global mean
-        red.add_max("abs_diff_max", local_max if local_count else None)
-        red.add_sum("num_tokens", local_count)
-        values = red.reduce()                                     # same dict on every rank
-
-    ``add_mean`` takes the local mean and the count it was taken over; the global value is
-    ``sum_r mean_r * count_r / sum_r count_r`` (``empty`` when the global count is 0). ``add_max``/``add_min`` take
-    ``None`` for a rank with no data. Without a process group the local values come back unchanged (a mean is not
-    multiplied and divided again), so exact-mode zeros and ones stay bit-exact.
-    """
-
-    def __init__(self) -> None:
-        self._means: dict[str, tuple[float, float, float]] = {}
-        self._sums: dict[str, float] = {}
-        self._maxes: dict[str, tuple[float | None, float]] = {}
-        self._mins: dict[str, tuple[float | None, float]] = {}
-
-    def add_mean(self, name: str, mean: float, count: float, *, empty: float = 0.0) -> None:
-        self._means[name] = (float(mean), float(count), float(empty))
-
-    def add_sum(self, name: str, value: float) -> None:
-        self._sums[name] = float(value)
-
-    def add_max(self, name: str, value: float | None, *, empty: float = 0.0) -> None:
-        self._maxes[name] = (None if value is None else float(value), float(empty))
-
-    def add_min(self, name: str, value: float | None, *, empty: float = 0.0) -> None:
-        self._mins[name] = (None if value is None else float(value), float(empty))
-
-    def reduce(self, device: torch.device | str | None = None) -> dict[str, float]:
-        """Reduce across ranks (two collectives at most) and return ``{name: value}`` in insertion order."""
-        if not dist_ready():
-            out: dict[str, float] = {}
-            for name, (mean, count, empty) in self._means.items():
-                out[name] = mean if count > 0 else empty
-            out.update(self._sums)
-            for table in (self._maxes, self._mins):
-                for name, (value, empty) in table.items():
-                    out[name] = empty if value is None else value
-            return out
-        dev = collective_device(device)
-        sum_vals: list[float] = []
-        for mean, count, _ in self._means.values():
-            sum_vals += [mean * count if count > 0 else 0.0, count]
-        sum_vals += list(self._sums.values())
-        max_vals = [-math.inf if v is None else v for v, _ in self._maxes.values()]
-        max_vals += [-math.inf if v is None else -v for v, _ in self._mins.values()]
-        sums = torch.tensor(sum_vals, dtype=torch.float64, device=dev)
-        maxes = torch.tensor(max_vals, dtype=torch.float64, device=dev)
-        if sums.numel():
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        if maxes.numel():
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        s, m = sums.tolist(), maxes.tolist()
-        out = {}
-        i = 0
-        for name, (_, _, empty) in self._means.items():
-            total, count = s[i], s[i + 1]
-            out[name] = total / count if count > 0 else empty
-            i += 2
-        for name in self._sums:
-            out[name] = s[i]
-            i += 1
-        j = 0
-        for name, (_, empty) in self._maxes.items():
-            out[name] = m[j] if m[j] != -math.inf else empty
-            j += 1
-        for name, (_, empty) in self._mins.items():
-            out[name] = -m[j] if m[j] != -math.inf else empty
-            j += 1
-        return out
-
-
-def gather_cat(values: Tensor, device: torch.device | str | None = None) -> Tensor:
-    """Concatenate a 1-D tensor of any length from every rank, in rank order; every rank receives the result.
-
-    Returns ``values`` itself without a process group. The result is on ``values.device``.
-    """
-    if values.dim() != 1:
-        raise ValueError(f"gather_cat expects a 1-D tensor, got shape {tuple(values.shape)}")
-    if not dist_ready():
-        return values
-    dev = collective_device(device if device is not None else values.device)
-    n = world_size()
-    local = values.detach().to(dev)
-    size = torch.tensor([local.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(size) for _ in range(n)]
-    dist.all_gather(sizes, size)
-    counts = [int(s.item()) for s in sizes]
-    longest = max(counts)
-    padded = torch.zeros(longest, dtype=local.dtype, device=dev)
-    padded[: local.numel()] = local
-    parts = [torch.zeros_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[:c] for p, c in zip(parts, counts)]).to(values.device)
 
 
 def logging_step(trainer: Trainer | None) -> int:

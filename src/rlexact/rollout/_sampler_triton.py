@@ -1,8 +1,8 @@
 """Fused keyed Gumbel-argmax in Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-One program per row derives the row keys (the integer function of :func:`rlexact.rollout.sampler.row_keys`), then
+One program per row derives the row keys (the integer function of :func:`rlexact.rollout.keyed_hash.row_keys`), then
 streams the ``V`` logits once: 32-bit hash (uint32 arithmetic, the same integer function as
-:func:`rlexact.rollout.sampler.token_hash`), Gumbel noise, optional threshold mask, running argmax with first-index
+:func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise, optional threshold mask, running argmax with first-index
 tie-breaking. One launch per sampling step, no ``[B, V]`` temporaries, no host synchronization, grid ``(B,)``.
 """
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlexact.rollout.sampler import _C1, _C2, _ROW_SALT, MASK32
+from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
 _BLOCK_V = 2048
 
@@ -102,15 +102,15 @@ def gumbel_argmax_triton(
         request_ids.long().contiguous(),
         positions.long().contiguous(),
         out,
-        (seed & MASK32) ^ _ROW_SALT,
+        (seed & MASK32) ^ ROW_SALT,
         seed >> 32,
         v,
         z.stride(0),
         HAS_THR=threshold is not None,
         BLOCK_V=_BLOCK_V,
-        C1=_C1,
-        C2=_C2,
-        SALT=_ROW_SALT,
+        C1=C1,
+        C2=C2,
+        SALT=ROW_SALT,
         num_warps=8,
     )
     return out

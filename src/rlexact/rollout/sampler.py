@@ -2,11 +2,11 @@
 
 Gumbel-max with counter-based noise. For the row that samples position ``p`` of request ``r`` under seed ``s``, the
 noise of vocabulary entry ``v`` is ``g = -log(-log(u))`` with ``u = ((h >> 9) + 0.5) * 2**-23`` and
-``h = H(s, r, p, v)``, a 32-bit integer hash (lowbias32 rounds, see :func:`mix32`) computed with int64 torch ops
-masked to 32 bits — every intermediate stays below ``2**49``, so there is no signed-overflow ambiguity. The sampled
-token is ``argmax(z + g)`` over the allowed tokens (first index on ties), ``z`` the temperature-scaled logits. No
-global RNG and no batch-shaped noise: a request samples the same tokens alone or in a batch of 500, and again after
-preemption and recompute.
+``h = H(s, r, p, v)``, a 32-bit integer hash (lowbias32 rounds, :mod:`rlexact.rollout.keyed_hash`) computed with
+int64 torch ops masked to 32 bits — every intermediate stays below ``2**49``, so there is no signed-overflow
+ambiguity. The sampled token is ``argmax(z + g)`` over the allowed tokens (first index on ties), ``z`` the
+temperature-scaled logits. No global RNG and no batch-shaped noise: a request samples the same tokens alone or in a
+batch of 500, and again after preemption and recompute.
 
 Order: temperature (already in ``z``, from :func:`rlexact.models.head_logits`) -> top-k -> top-p -> draw; the
 truncation (:func:`rlexact.models.truncation.top_k_top_p_threshold`, row-invariant) restricts the draw. The reported
@@ -28,67 +28,18 @@ import os
 import torch
 
 from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
+from rlexact.rollout.keyed_hash import mix32, request_key, row_keys, token_hash
 
-MASK32 = 0xFFFFFFFF
-_C1 = 0x7FEB352D
-_C2 = 0x846CA68B
-_ROW_SALT = 0x9E3779B9
-
-
-def request_key(*parts: int) -> int:
-    """A request id in ``[0, 2**63)`` from integers (splitmix64 steps over ``parts``, each taken modulo ``2**64``).
-
-    :meth:`rlexact.rollout.Generator.generate` gives sample ``j`` of a prompt with key ``key`` the request id
-    ``request_key(key, j)``, so a sample's draw depends on ``(seed, key, j, position)`` and not on where the prompt sits
-    in the call."""
-    mask = (1 << 64) - 1
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = ((x ^ (int(p) & mask)) + 0x9E3779B97F4A7C15) & mask
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-        x ^= x >> 31
-    return x >> 1
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow (16-bit split of ``c``)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 permutation of 32-bit values held in int64 (``[0, 2**32)`` in, ``[0, 2**32)`` out)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, _C1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, _C2)
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, request_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit keys ``(ka, kb)`` per row from ``(seed, request id, absolute position)``; int64 ``[B]`` each.
-
-    ``request_ids`` and ``positions`` are int64 ``[B]`` (non-negative, below ``2**63``); ``seed`` a Python int.
-    """
-    seed &= (1 << 64) - 1
-    s_lo, s_hi = seed & MASK32, seed >> 32
-    rid = request_ids.long()
-    pos = positions.long()
-    k = mix32(torch.full_like(rid, s_lo ^ _ROW_SALT))
-    k = mix32(k ^ s_hi)
-    k = mix32(k ^ (rid & MASK32))
-    k = mix32(k ^ ((rid >> 32) & MASK32))
-    k = mix32(k ^ (pos & MASK32))
-    ka = mix32(k ^ ((pos >> 32) & MASK32))
-    kb = mix32(ka ^ _ROW_SALT)
-    return ka, kb
-
-
-def token_hash(ka: torch.Tensor, kb: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``h [B, V]`` int64 in ``[0, 2**32)``: ``mix32(mix32(ka ^ v) ^ kb)`` for every vocabulary id ``v``."""
-    v = torch.arange(vocab, device=ka.device, dtype=torch.int64)
-    return mix32(mix32(ka[:, None] ^ v[None, :]) ^ kb[:, None])
+__all__ = [
+    "gumbel_argmax",
+    "gumbel_from_hash",
+    "gumbel_noise",
+    "mix32",
+    "request_key",
+    "row_keys",
+    "sample",
+    "token_hash",
+]
 
 
 def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:

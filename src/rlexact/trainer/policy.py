@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlexact.config import FSDPConfig
-from rlexact.distributed import DTYPES, apply_fsdp, is_fsdp
+from rlexact.config import DTYPES, FSDPConfig
+from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
 from rlexact.resources import resolve
 
@@ -26,6 +26,7 @@ __all__ = [
     "build_model",
     "check_model_source",
     "check_precision",
+    "enable_activation_checkpointing",
     "make_reference",
     "restore_fp32_rope",
     "rope_fp32_snapshot",
@@ -140,6 +141,29 @@ def restore_fp32_rope(model: nn.Module | None, saved: dict[str, torch.Tensor]) -
         state.rope_tables.clear()
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Checkpoint every decoder layer of a transformers causal LM (non-reentrant ``torch.utils.checkpoint``).
+
+    transformers' decoder layers checkpoint their ``forward`` only in training mode with grad enabled, so rollout and
+    no-grad scoring run as before; FSDP2's hooks stay outside the checkpoint (its all-gather runs again for the
+    recompute). The recompute runs the same kernels on the same inputs, so gradients match the run without
+    checkpointing and the forward's values are untouched. Raises ``ValueError`` for a model without support.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support activation checkpointing; set activation_checkpointing=False"
+        )
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers may hook the input embeddings to make their output require grad (needed by reentrant
+    # checkpointing and adapters only); the hook would also fire in the no-grad rollout, so it is removed
+    if getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None) is not None:
+        model.disable_input_require_grads()
+
+
 def check_precision(trainer: Any) -> None:
     """Reject a mixed (autocast) Trainer precision: it changes the trainer forward's kernels and breaks exactness."""
     precision = str(getattr(trainer, "precision", "32-true"))
@@ -164,6 +188,11 @@ def apply_data_parallel(model: nn.Module, ref_model: nn.Module | None, mesh: Any
             "ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1)"
         )
     dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
-    apply_fsdp(model, dp_mesh, config)
+    kwargs = {
+        "param_dtype": DTYPES[config.param_dtype] if config.param_dtype else None,
+        "reduce_dtype": DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
+        "reshard_after_forward": config.reshard_after_forward,
+    }
+    apply_fsdp(model, dp_mesh, **kwargs)
     if ref_model is not None:
-        apply_fsdp(ref_model, dp_mesh, config)
+        apply_fsdp(ref_model, dp_mesh, **kwargs)

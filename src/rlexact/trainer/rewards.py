@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
+from rlexact.reduction import MetricReducer
 from rlexact.rewards import check_rewards
 from rlexact.rollout import Completion
 
-__all__ = ["Reduce", "reward_metrics", "score_completions"]
-
-Reduce = Callable[[list[float], str], list[float]]
-"""A cross-rank reduction of a few Python scalars: ``reduce(values, op)`` with ``op`` in sum / max / min."""
+__all__ = ["reward_metrics", "score_completions"]
 
 
 def score_completions(
@@ -36,22 +34,20 @@ def score_completions(
     return check_rewards(rewards, len(completions))
 
 
-def reward_metrics(
-    rewards: torch.Tensor, lengths: list[int], completions: list[Completion], reduce: Reduce
-) -> dict[str, float]:
-    """Global reward mean/std and response-length mean/max/clip fraction of one rollout step."""
+def reward_metrics(rewards: torch.Tensor, lengths: list[int], completions: list[Completion]) -> dict[str, float]:
+    """Reward mean/std and response-length mean/max/clip fraction of one rollout step over every rank (each rank's
+    statistics weighted by its number of samples)."""
     r = rewards.double()
-    truncated = float(sum(c.finish_reason == "length" for c in completions))
-    s, sq, cnt, lsum, truncated = reduce(
-        [r.sum().item(), (r * r).sum().item(), float(r.numel()), float(sum(lengths)), truncated], "sum"
+    n = r.numel()
+    red = MetricReducer()
+    red.add_mean("reward/mean", float(r.mean()) if n else 0.0, n)
+    red.add_mean("reward_sq", float((r * r).mean()) if n else 0.0, n)
+    red.add_mean("response_length/mean", sum(lengths) / n if n else 0.0, n)
+    red.add_mean(
+        "response_length/clip_frac", sum(c.finish_reason == "length" for c in completions) / n if n else 0.0, n
     )
-    lmax = reduce([float(max(lengths))], "max")[0]
-    mean = s / cnt
-    var = max(sq / cnt - mean * mean, 0.0)
-    return {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(var),
-        "response_length/mean": lsum / cnt,
-        "response_length/max": lmax,
-        "response_length/clip_frac": truncated / cnt,
-    }
+    red.add_max("response_length/max", float(max(lengths)) if lengths else None)
+    out = red.reduce(rewards.device)
+    mean_sq = out.pop("reward_sq")
+    out["reward/std"] = math.sqrt(max(mean_sq - out["reward/mean"] ** 2, 0.0))
+    return out

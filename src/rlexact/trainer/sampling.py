@@ -13,31 +13,16 @@ from torch import nn
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
 from rlexact.rollout import Completion, Generator, SamplingParams
-from rlexact.rollout.sampler import request_key
+from rlexact.rollout.keyed_hash import request_key
 
 __all__ = [
     "check_prompts",
     "generate_completions",
     "make_generator",
-    "mix_seed",
     "prompt_keys",
     "sampling_params",
     "stop_token_ids",
 ]
-
-
-def mix_seed(*parts: int) -> int:
-    """A 31-bit seed from integers (splitmix64 steps); distinct inputs give (practically) distinct seeds."""
-    x = 0x9E3779B97F4A7C15
-    mask = (1 << 64) - 1
-    for p in parts:
-        x = (x ^ (int(p) & mask)) & mask
-        x = (x + 0x9E3779B97F4A7C15) & mask
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        x = z ^ (z >> 31)
-    return x & 0x7FFFFFFF
 
 
 def stop_token_ids(cfg: RolloutConfig, model: nn.Module, tokenizer: Any) -> list[int] | None:
@@ -72,7 +57,7 @@ def sampling_params(
         temperature=cfg.temperature if temperature is None else temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        seed=mix_seed(cfg.seed) if keyed else mix_seed(cfg.seed, rollout_step, rank),
+        seed=request_key(cfg.seed) if keyed else request_key(cfg.seed, rollout_step, rank),
         n=cfg.n if n is None else n,
         stop_token_ids=stop_ids,
         logprobs=cfg.logprobs,

@@ -9,21 +9,21 @@ and its overridable ``policy_loss``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Protocol
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from rlexact import algorithms as alg
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback
 from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from rlexact.distributed import fsdp_call
+from rlexact.distributed import fsdp_call, set_gradient_sync
+from rlexact.reduction import MetricReducer
+from rlexact.rollout.keyed_hash import request_key
 from rlexact.trainer.batching import batch_logprobs, chunks, score_chunks, seq_valid
 from rlexact.trainer.hooks import overrides
-from rlexact.trainer.rewards import Reduce
-from rlexact.trainer.sampling import mix_seed
 
 __all__ = ["PPOUpdate", "UpdateHost", "UpdateStats", "grad_norm", "policy_loss"]
 
@@ -81,11 +81,16 @@ def policy_loss(
 
 
 class UpdateStats:
-    """Accumulates the update metrics of one rollout step over mini-batches and micro-batches."""
+    """Accumulates the update metrics of one rollout step over mini-batches and micro-batches.
+
+    Loss values are recorded per mini-step with the weight ``share`` = this rank's loss normalizer (tokens for
+    ``token-mean``, sequences with a token in the loss otherwise) over the global one, so that their sum over ranks
+    is the normalizer-weighted mean over ranks, not the plain mean of per-rank values.
+    """
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
-        self.loss = 0.0
+        self.share = 1.0
         self.steps = 0
         self.skipped = 0
         self.grad_norms: list[float] = []
@@ -98,7 +103,8 @@ class UpdateStats:
         self.clipped = 0
 
     def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+        """Add ``value`` (a local value of the current mini-step) times the mini-step's ``share`` to ``key``."""
+        self.sums[key] = self.sums.get(key, 0.0) + value * self.share
 
     def token_stats(self, ratio: torch.Tensor, clipped: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
         if not bool(mask.any()):
@@ -116,30 +122,26 @@ class UpdateStats:
         self.neg[0] += int((c & (a < 0)).sum())
         self.neg[1] += int((a < 0).sum())
 
-    def finish(self, reduce: Reduce, lr: float | None) -> dict[str, float]:
-        """The update metrics, with counts and extrema reduced over ranks; ``lr`` is logged when given."""
+    def finish(self, lr: float | None) -> dict[str, float]:
+        """The update metrics over every rank (one reduction); ``lr`` is logged when given."""
         steps = max(self.steps, 1)
-        red = reduce(
-            [self.ratio_sum, float(self.tokens), float(self.clipped), *map(float, self.pos), *map(float, self.neg)],
-            "sum",
-        )
-        rsum, tokens, clipped, pc, pt, nc, nt = red
-        rmin = reduce([self.ratio_min], "min")[0]
-        rmax = reduce([self.ratio_max], "max")[0]
-        out = {
-            "loss": self.loss / steps,
-            "grad_norm": sum(self.grad_norms) / max(len(self.grad_norms), 1) if self.grad_norms else math.nan,
-            "update/optimizer_steps": float(self.steps),
-            "update/skipped_steps": float(self.skipped),
-            "clipfrac": clipped / tokens if tokens else math.nan,
-            "clipfrac/pos": pc / pt if pt else math.nan,
-            "clipfrac/neg": nc / nt if nt else math.nan,
-            "ratio/mean": rsum / tokens if tokens else math.nan,
-            "ratio/min": rmin if tokens else math.nan,
-            "ratio/max": rmax if tokens else math.nan,
-        }
-        for k, v in self.sums.items():
-            out[f"loss/{k}" if k in ("pg_loss", "kl") else k] = v / steps
+        nan = math.nan
+        red = MetricReducer()
+        for key, value in self.sums.items():
+            red.add_sum(f"loss/{key}" if key in ("pg_loss", "kl") else key, value)
+        tokens = self.tokens
+        red.add_mean("ratio/mean", self.ratio_sum / tokens if tokens else 0.0, tokens, empty=nan)
+        red.add_mean("clipfrac", self.clipped / tokens if tokens else 0.0, tokens, empty=nan)
+        red.add_mean("clipfrac/pos", self.pos[0] / self.pos[1] if self.pos[1] else 0.0, self.pos[1], empty=nan)
+        red.add_mean("clipfrac/neg", self.neg[0] / self.neg[1] if self.neg[1] else 0.0, self.neg[1], empty=nan)
+        red.add_min("ratio/min", self.ratio_min if tokens else None, empty=nan)
+        red.add_max("ratio/max", self.ratio_max if tokens else None, empty=nan)
+        out = red.reduce()
+        for key in self.sums:
+            out[f"loss/{key}" if key in ("pg_loss", "kl") else key] /= steps
+        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else nan
+        out["update/optimizer_steps"] = float(self.steps)
+        out["update/skipped_steps"] = float(self.skipped)
         if lr is not None:
             out["lr"] = lr
         return out
@@ -159,24 +161,22 @@ class PPOUpdate:
     """The update of one rollout step: ``ppo_epochs`` x mini-batches, each one optimizer step (see
     :class:`rlexact.RLModule` for the counters and the cross-rank padding of mini- and micro-batches)."""
 
-    def __init__(self, host: UpdateHost, trainer: Any | None, reduce: Reduce, distributed: bool) -> None:
+    def __init__(self, host: UpdateHost, trainer: Any | None) -> None:
         self.host = host
         self.trainer = trainer
-        self.reduce = reduce
-        self.distributed = distributed
         self.stats = UpdateStats()
 
     def run(self, batch: RolloutBatch, callbacks: list[RLCallback]) -> dict[str, float]:
         """Run every epoch and mini-batch on ``batch``; returns the update metrics (reduced over ranks)."""
         host, algo = self.host, self.host.algo
         g = torch.Generator()
-        g.manual_seed(mix_seed(algo.shuffle_seed, host.rollout_step, host.global_rank))
+        g.manual_seed(request_key(algo.shuffle_seed, host.rollout_step, host.global_rank))
         n_seq = batch.num_seqs
         for epoch in range(algo.ppo_epochs):
             order = torch.randperm(n_seq, generator=g).tolist() if algo.shuffle else list(range(n_seq))
             size = algo.mini_batch_size or n_seq
             minis = [order[i : i + size] for i in range(0, n_seq, size)]
-            num_minis = int(self.reduce([float(len(minis))], "max")[0])
+            num_minis = int(MetricReducer().add_max("n", len(minis)).reduce()["n"])
             for step in range(num_minis):
                 if step < len(minis):
                     mb = batch.select(minis[step])
@@ -187,7 +187,7 @@ class PPOUpdate:
         lr = None
         if self.trainer is not None and self.trainer.optimizers:
             lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
-        return self.stats.finish(self.reduce, lr)
+        return self.stats.finish(lr)
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.host.model
@@ -206,7 +206,7 @@ class PPOUpdate:
         micro_size = algo.micro_batch_size
         single = micro_size is None or micro_size >= mb.num_seqs
         micros = [list(range(mb.num_seqs))] if single else chunks(mb.num_seqs, micro_size)
-        num_micros = int(self.reduce([float(len(micros))], "max")[0]) if not single or self.distributed else 1
+        num_micros = int(MetricReducer().add_max("n", len(micros)).reduce()["n"])
         single = single and num_micros == 1
         hooks = [cb for cb in callbacks if overrides(cb, "on_rl_minibatch")]
 
@@ -220,9 +220,10 @@ class PPOUpdate:
                 cb.on_rl_minibatch(self.trainer, host, mb, detached, epoch, step)
 
         local_tokens = int(mb.loss_mask.sum())
-        total_tokens = self.reduce([float(local_tokens)], "sum")[0]
-        if total_tokens == 0:
-            warnings.warn(
+        local_seqs = int(seq_valid(mb).sum())
+        totals = MetricReducer().add_sum("tokens", local_tokens).add_sum("seqs", local_seqs).reduce()
+        if totals["tokens"] == 0:
+            rank_zero_warn(
                 f"rollout step {host.rollout_step}, epoch {epoch}, mini-batch {step}: no token left in the loss "
                 "(every token masked or rejected); skipping this optimizer step",
                 stacklevel=2,
@@ -232,23 +233,31 @@ class PPOUpdate:
                 host.manual_backward(logp.sum() * 0.0 + ent.sum() * 0.0)
                 host.model.zero_grad(set_to_none=True)
             return
-        local_seqs = int(seq_valid(mb).sum())
+        if algo.loss_agg_mode == "token-mean":
+            stats.share = local_tokens / totals["tokens"]
+        else:
+            stats.share = local_seqs / totals["seqs"] if totals["seqs"] else 0.0
         opt = host.optimizers()
         loss_sum = 0.0
-        for k in range(num_micros):
-            if single:
-                micro, lp, en = mb, logp, ent
-            else:
-                if k < len(micros):
-                    micro = mb.select(micros[k])
+        try:
+            for k in range(num_micros):
+                if single:
+                    micro, lp, en = mb, logp, ent
                 else:
-                    micro = mb.select([0])
-                    micro.loss_mask = torch.zeros_like(micro.loss_mask)
-                lp, en = self._logprobs(micro)
-            loss = self.micro_loss(micro, lp, en, local_tokens, local_seqs)
-            host.manual_backward(loss)
-            loss_sum += float(loss.detach())
-        stats.loss += loss_sum
+                    if k < len(micros):
+                        micro = mb.select(micros[k])
+                    else:
+                        micro = mb.select([0])
+                        micro.loss_mask = torch.zeros_like(micro.loss_mask)
+                    # FSDP2: accumulate unsharded gradients locally, reduce-scatter once after the last micro-batch
+                    set_gradient_sync(host.model, k == num_micros - 1)
+                    lp, en = self._logprobs(micro)
+                loss = self.micro_loss(micro, lp, en, local_tokens, local_seqs)
+                host.manual_backward(loss)
+                loss_sum += float(loss.detach())
+        finally:
+            set_gradient_sync(host.model, True)
+        stats.add("loss", loss_sum)
         stats.steps += 1
         norm = grad_norm(host.model)
         if host.optim_cfg.grad_clip is not None:
