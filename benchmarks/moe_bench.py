@@ -19,6 +19,8 @@ Sections (independent: a failure is recorded in the JSON and the run continues):
 * ``rollout``: generator throughput (tokens/s), exact vs native, on a model with Qwen3-30B-A3B layers and fewer of
   them (``--rollout-layers``), batch ``--batch``, ``--prompt-len`` random prompt tokens, ``--new-tokens`` new tokens;
   plus a bitwise rollout == trainer spot check of the exact run.
+* ``sweep`` (only when asked: ``--sections sweep``): grouped-GEMM launch configurations (BM, BN, BK, warps, stages)
+  per projection and T, each timed and compared bitwise with the library configuration.
 * ``train_step``: one REINFORCE-style step on packed rollouts of the same model (forward with grad, backward, AdamW):
   exact vs native seconds.
 
@@ -142,6 +144,50 @@ def bench_gemm(args: argparse.Namespace, shape: dict, device: torch.device, dtyp
                 entry["traceback"] = traceback.format_exc(limit=4)
             res["rows"].append(entry)
             print(json.dumps(entry), flush=True)
+    return res
+
+
+def bench_sweep(args: argparse.Namespace, shape: dict, dtype: torch.dtype) -> dict:
+    """Grouped-GEMM launch configurations (row tile BM x BN x BK, warps, stages) on the GPU at every ``--tokens``
+    count: time and whether each gives bitwise the same output as the library configuration. A candidate may
+    replace :func:`rlexact.ops.triton_moe.grouped_config` / ``BLOCK_M_GPU`` only if it is bitwise equal at every
+    T (the per-row arithmetic must not change)."""
+    from itertools import product
+
+    from rlexact.ops import triton_moe
+    from rlexact.ops.moe import moe_plan
+
+    dev = torch.device("cuda")
+    tm = timer(dev)
+    e, h, inter = shape["experts"], shape["hidden"], shape["moe_inter"]
+    res: dict = {"rows": []}
+    for name, (n, k) in {"gate_up": (2 * inter, h), "down": (h, inter)}.items():
+        w = torch.randn(e, n, k, device=dev, dtype=dtype) * 0.02
+        base = triton_moe.grouped_config(n, k, dtype, dev)
+        for t in args.tokens:
+            x, eids, _ = _sorted_rows(t, shape, dev, dtype, k)
+            plans = {bm: moe_plan(eids[:, None], e, bm) for bm in (64, 128)}
+            ref = torch.empty(x.shape[0], n, device=dev, dtype=dtype)
+            triton_moe.grouped_matmul(x, w, ref, plans[triton_moe.BLOCK_M_GPU].tiles, None, None)
+            for bm, bn, bk, warps, stages in product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4)):
+                cfg = triton_moe.GroupedConfig(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                library = cfg == base and bm == triton_moe.BLOCK_M_GPU
+                entry: dict = {"proj": name, "T": t, "BM": bm, **vars(cfg), "library": library}
+                try:
+                    out = torch.empty_like(ref)
+
+                    def run(out=out, cfg=cfg, bm=bm, x=x, w=w, tiles=plans[bm].tiles) -> None:  # noqa: ANN001
+                        triton_moe.grouped_matmul(x, w, out, tiles, None, None, cfg=cfg, bm=bm)
+
+                    run()
+                    entry["bitwise_equal_to_library"] = bool(torch.equal(out, ref))
+                    entry["ms"] = tm(run)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                res["rows"].append(entry)
+            best = min((r for r in res["rows"] if r["proj"] == name and r["T"] == t and "ms" in r),
+                       key=lambda r: r["ms"])  # fmt: skip
+            print(json.dumps({"best": best}), flush=True)
     return res
 
 
@@ -302,7 +348,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on CPU (smoke run)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="layer token counts (default 1 64 1024 16384)")
-    ap.add_argument("--sections", nargs="+", default=["gemm", "layer", "rollout", "train_step"])
+    ap.add_argument("--sections", nargs="+", default=["gemm", "layer", "rollout", "train_step"],
+                    help="also: sweep (grouped-GEMM launch configurations, GPU only)")  # fmt: skip
     ap.add_argument("--rollout-layers", type=int, default=None, help="decoder layers of the rollout model (default 4)")
     ap.add_argument("--batch", type=int, default=None, help="rollout batch (default 64)")
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
@@ -324,6 +371,8 @@ def main() -> int:
     sections = result["results"]
     if "gemm" in args.sections:
         sections["gemm"] = _guard(lambda: bench_gemm(args, shape, device, dtype))
+    if "sweep" in args.sections and device.type == "cuda":
+        sections["sweep"] = _guard(lambda: bench_sweep(args, shape, dtype))
     if "layer" in args.sections:
         sections["layer"] = _guard(lambda: bench_layer(args, shape, device, dtype))
     if {"rollout", "train_step"} & set(args.sections):

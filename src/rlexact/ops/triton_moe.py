@@ -243,12 +243,15 @@ def grouped_matmul(
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     gather: torch.Tensor | None,
     scatter: torch.Tensor | None,
+    cfg: GroupedConfig | None = None,
+    bm: int | None = None,
 ) -> torch.Tensor:
     """Write the expert-grouped ``a @ w[e].T`` into ``out [S, N]`` (fp32 accumulation, cast to ``out.dtype``).
 
     ``a [Ma, K]`` and ``w [E, N, K]`` of one dtype (fp32, bf16 or fp16) with unit last stride; ``tiles`` is the plan's
-    ``(tile_expert, tile_row0, tile_row1)`` int32 tables for :func:`block_m` rows; sorted row ``r`` reads
-    ``a[gather[r]]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None).
+    ``(tile_expert, tile_row0, tile_row1)`` int32 tables for ``bm`` rows (default :func:`block_m`); sorted row ``r``
+    reads ``a[gather[r]]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None). ``cfg`` / ``bm``
+    override the configuration (benchmark sweeps; the default is :func:`grouped_config`).
     """
     n, k = w.shape[1], w.shape[2]
     tile_expert, tile_row0, tile_row1 = tiles
@@ -256,7 +259,7 @@ def grouped_matmul(
         return out
     if k == 0:
         return out.zero_()
-    cfg = grouped_config(n, k, a.dtype, a.device)
+    cfg = cfg or grouped_config(n, k, a.dtype, a.device)
     tiles_n = triton.cdiv(n, cfg.BN)
     dummy = tile_row0  # stands in for an absent gather/scatter table (never read)
     _grouped_mm_kernel[(tile_expert.numel() * tiles_n,)](
@@ -264,7 +267,7 @@ def grouped_matmul(
         gather if gather is not None else dummy, scatter if scatter is not None else dummy,
         tile_expert, tile_row0, tile_row1,
         n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_n,
-        BM=block_m(a.device), BN=cfg.BN, BK=cfg.BK, GATHER=gather is not None, SCATTER=scatter is not None,
+        BM=bm or block_m(a.device), BN=cfg.BN, BK=cfg.BK, GATHER=gather is not None, SCATTER=scatter is not None,
         RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_dot_flags(a.dtype),
     )  # fmt: skip
