@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlexact.callbacks.functional import _BIT_VIEWS
+from rlexact.callbacks.functional import BIT_VIEWS
 
 __all__ = ["InjectionTarget", "first_bitwise_mismatch", "keyed_normal", "keyed_seed", "perturb_logprobs"]
 
@@ -29,9 +29,9 @@ def first_bitwise_mismatch(a: Tensor, b: Tensor, mask: Tensor) -> tuple[int, int
     """
     if a.shape != b.shape or a.shape != mask.shape or a.dim() != 1:
         raise ValueError(f"shapes must be equal and 1-D: {tuple(a.shape)}, {tuple(b.shape)}, {tuple(mask.shape)}")
-    if a.dtype != b.dtype or a.dtype not in _BIT_VIEWS:
+    if a.dtype != b.dtype or a.dtype not in BIT_VIEWS:
         raise ValueError(f"need two floating tensors of one dtype, got {a.dtype} and {b.dtype}")
-    view = _BIT_VIEWS[a.dtype]
+    view = BIT_VIEWS[a.dtype]
     differ = mask & (a.detach().contiguous().view(view) != b.detach().contiguous().view(view))
     count = int(differ.sum())
     if count == 0:

@@ -45,6 +45,7 @@ from rlexact.algorithms.aggregation import (
 from rlexact.algorithms.losses import LOG_RATIO_CLAMP
 
 __all__ = [
+    "BIT_VIEWS",
     "ESTIMATORS",
     "PRESETS",
     "Estimator",
@@ -73,12 +74,13 @@ Granularity = Literal["token", "sequence_sum", "sequence_mean", "sequence_max"]
 TISLevel = Literal["token", "sequence"]
 Signal = Literal["corr", "ppo"]
 
-_BIT_VIEWS = {
+BIT_VIEWS = {
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
     torch.float32: torch.int32,
     torch.float64: torch.int64,
 }
+"""The signed integer dtype of the same width as each float dtype: ``t.view(BIT_VIEWS[t.dtype])`` exposes its bits."""
 """Same-width integer dtype used to compare log-probs bit for bit."""
 
 
@@ -196,11 +198,11 @@ def mismatch_stats(
     require_bool_mask("mask", mask, num_tokens)
     if rollout_logp.dtype != trainer_logp.dtype:
         raise ValueError(f"dtype mismatch: rollout_logp {rollout_logp.dtype} vs trainer_logp {trainer_logp.dtype}")
-    if rollout_logp.dtype not in _BIT_VIEWS:
+    if rollout_logp.dtype not in BIT_VIEWS:
         raise ValueError(f"log-probs must be float16/bfloat16/float32/float64, got {rollout_logp.dtype}")
     seg = segment_ids(cu_seqlens, num_tokens)
     num_seqs = cu_seqlens.numel() - 1
-    bits = _BIT_VIEWS[rollout_logp.dtype]
+    bits = BIT_VIEWS[rollout_logp.dtype]
     rollout, trainer = rollout_logp.detach(), trainer_logp.detach()
     same_bits = rollout.view(bits) == trainer.view(bits)
     a, b = rollout.float(), trainer.float()

@@ -23,7 +23,7 @@ import torch
 from rlexact.callbacks._extra import first_bitwise_mismatch
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
-from rlexact.callbacks.functional import _BIT_VIEWS
+from rlexact.callbacks.functional import BIT_VIEWS
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -64,9 +64,9 @@ class ExactnessError(RuntimeError):
 
 
 def _bits(value: torch.Tensor) -> str:
-    """The bit pattern of a one-element floating tensor (a dtype of ``_BIT_VIEWS``) as zero-padded hex."""
+    """The bit pattern of a one-element floating tensor (a dtype of ``BIT_VIEWS``) as zero-padded hex."""
     width = value.element_size() * 2  # hex digits
-    raw = int(value.reshape(1).view(_BIT_VIEWS[value.dtype]).item()) & ((1 << (width * 4)) - 1)
+    raw = int(value.reshape(1).view(BIT_VIEWS[value.dtype]).item()) & ((1 << (width * 4)) - 1)
     return f"0x{raw:0{width}x}"
 
 

@@ -5,7 +5,7 @@ reported log-prob equals the trainer's (:func:`rlexact.sequence_logprobs`) bitwi
 """
 
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.engine import Generator
+from rlexact.rollout.engine import Generator, eos_token_ids
 from rlexact.rollout.params import Completion, FinishReason, SamplingParams
 
-__all__ = ["Completion", "FinishReason", "Generator", "GeneratorConfig", "SamplingParams"]
+__all__ = ["Completion", "FinishReason", "Generator", "GeneratorConfig", "SamplingParams", "eos_token_ids"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,15 +21,16 @@ from rlexact.rollout.scheduler import Scheduler
 from rlexact.rollout.sequence import Sequence
 
 
-def _eos_ids(model: nn.Module) -> set[int]:
+def eos_token_ids(model: nn.Module, tokenizer: Any = None) -> set[int]:
+    """The one end-of-sequence rule of rlexact: every id in ``model.generation_config.eos_token_id`` and
+    ``model.config.eos_token_id`` (an int or a list each), plus ``tokenizer.eos_token_id`` when a tokenizer is given.
+
+    The generator stops at these ids when ``SamplingParams.stop_token_ids`` is None; :class:`rlexact.RLModule` passes
+    them (with its tokenizer) as the rollout's stop tokens when ``rollout.stop_token_ids`` is None."""
     ids: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is None:
-            continue
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-        if ids:
-            break
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
     return ids
 
 
@@ -196,11 +198,11 @@ class Generator:
                 ``(seed, k, j)`` only, not on the prompt's slot, the batch size or the rank. Exclusive with
                 ``request_ids``.
 
-        Stop tokens: ``params.stop_token_ids`` if given, else the model's EOS ids (``generation_config`` /
-        ``config.eos_token_id``); ``ignore_eos`` removes the EOS ids from that set (explicit non-EOS stop ids still
-        apply). The stop token is included in ``token_ids`` (``finish_reason="stop"``); otherwise generation ends
-        after ``max_new_tokens`` (``"length"``). A sequence whose ``prompt + max_new_tokens`` exceeds the context is
-        rejected up front rather than truncated.
+        Stop tokens: ``params.stop_token_ids`` if given, else the model's EOS ids (:func:`eos_token_ids`:
+        ``generation_config`` and ``config.eos_token_id``); ``ignore_eos`` removes the EOS ids from that set
+        (explicit non-EOS stop ids still apply). The stop token is included in ``token_ids``
+        (``finish_reason="stop"``); otherwise generation ends after ``max_new_tokens`` (``"length"``). A sequence
+        whose ``prompt + max_new_tokens`` exceeds the context is rejected up front rather than truncated.
 
         Returns:
             ``len(prompts) * n`` completions, prompt-major (prompt ``i``'s ``n`` samples are consecutive). Each has
@@ -244,9 +246,9 @@ class Generator:
             for j in range(n)
         ]
         self._check_lengths(seqs)
-        stop = set(params.stop_token_ids) if params.stop_token_ids is not None else _eos_ids(self.model)
+        stop = set(params.stop_token_ids) if params.stop_token_ids is not None else eos_token_ids(self.model)
         if params.ignore_eos:
-            stop -= _eos_ids(self.model)
+            stop -= eos_token_ids(self.model)
         sampling = SamplingSetup(
             greedy=params.greedy,
             temperature=params.logprob_temperature,

@@ -12,7 +12,7 @@ from torch import nn
 
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
-from rlexact.rollout import Completion, Generator, SamplingParams
+from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
 from rlexact.rollout.keyed_hash import request_key
 
 __all__ = [
@@ -26,18 +26,11 @@ __all__ = [
 
 
 def stop_token_ids(cfg: RolloutConfig, model: nn.Module, tokenizer: Any) -> list[int] | None:
-    """``cfg.stop_token_ids`` when set, else the union of the model's (generation) config EOS ids and the tokenizer's
-    EOS id; None when there is none."""
+    """``cfg.stop_token_ids`` when set, else the EOS ids of :func:`rlexact.rollout.eos_token_ids` (model configs and
+    tokenizer), sorted; None when there is none."""
     if cfg.stop_token_ids is not None:
         return list(cfg.stop_token_ids)
-    ids: list[int] = []
-    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        ids += [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        ids.append(int(tok_eos))
-    return sorted(set(ids)) or None
+    return sorted(eos_token_ids(model, tokenizer)) or None
 
 
 def sampling_params(

@@ -1,0 +1,91 @@
+"""Trainer stages on one process: activation checkpointing, the one stop-token rule, the one seed mixer, and the
+reducer without a process group."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import tiny_model
+from rlexact.logprobs import pack, packed_logprobs
+from rlexact.models import exactify
+from rlexact.reduction import MetricReducer, all_reduce
+from rlexact.rollout import eos_token_ids
+from rlexact.rollout.keyed_hash import request_key
+from rlexact.trainer.policy import enable_activation_checkpointing
+
+
+def _fwd_bwd(model: torch.nn.Module, packed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    lp, ent = packed_logprobs(model, packed, 0.9, with_entropy=True)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_activation_checkpointing_same_logprobs_and_gradients(arch: str) -> None:
+    base = exactify(tiny_model(arch)).train()
+    ckpt = copy.deepcopy(base)
+    exactify(ckpt, enabled=False)
+    exactify(ckpt)
+    enable_activation_checkpointing(ckpt)
+    packed = pack([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]], "cpu")
+    calls = SimpleNamespace(n=0)
+    ckpt.model.layers[0].self_attn.register_forward_hook(lambda *a: setattr(calls, "n", calls.n + 1))
+    lp0, g0 = _fwd_bwd(base, packed)
+    lp1, g1 = _fwd_bwd(ckpt, packed)
+    assert calls.n == 2, "the checkpointed layer must run its forward again in the backward"
+    assert torch.equal(lp0, lp1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():  # no recompute without grad (rollout, scoring)
+        calls.n = 0
+        assert torch.equal(packed_logprobs(ckpt, packed, 0.9)[0], lp0)
+        assert calls.n == 1
+    # the input-embedding hook that transformers adds for reentrant checkpointing is not left behind
+    emb = ckpt.get_input_embeddings()
+    with torch.no_grad():
+        assert not emb(torch.tensor([1, 2])).requires_grad
+
+
+def test_activation_checkpointing_needs_support() -> None:
+    with pytest.raises(ValueError, match="does not support activation checkpointing"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_one_eos_rule() -> None:
+    model = tiny_model("qwen3")
+    model.config.eos_token_id = 5
+    model.generation_config.eos_token_id = [6, 7]
+    assert eos_token_ids(model) == {5, 6, 7}
+    assert eos_token_ids(model, SimpleNamespace(eos_token_id=8)) == {5, 6, 7, 8}
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    assert eos_token_ids(model, SimpleNamespace(eos_token_id=None)) == set()
+
+
+def test_seed_mixer() -> None:
+    keys = {request_key(s, step, rank) for s in range(3) for step in range(20) for rank in range(4)}
+    assert len(keys) == 240 and all(0 <= k < 2**63 for k in keys)
+    assert request_key(1, 2) != request_key(2, 1)
+    assert request_key(1, 2) == request_key(1, 2 + 2**64)  # parts are taken modulo 2**64
+
+
+def test_reducer_is_the_identity_without_a_process_group() -> None:
+    values = (
+        MetricReducer()
+        .add_mean("m", 0.1 + 0.2, 3)
+        .add_mean("empty", 5.0, 0, empty=-1.0)
+        .add_sum("s", 4)
+        .add_max("hi", None, empty=7.0)
+        .add_min("lo", -2.5)
+        .reduce()
+    )
+    assert values == {"m": 0.1 + 0.2, "empty": -1.0, "s": 4.0, "hi": 7.0, "lo": -2.5}
+    t = torch.tensor([1.5, -2.0])
+    assert all_reduce(t, "max") is t
+    with pytest.raises(ValueError, match="op must be one of"):
+        all_reduce(t, "mean")
