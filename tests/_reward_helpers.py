@@ -7,9 +7,9 @@ import time
 
 from rlexact.rewards import PerSampleReward
 
-HANG = "<hang>"
-RAISE = "<raise>"
-DIE = "<die>"
+HANG = "hang forever"
+RAISE = "please raise"
+DIE = "please die"
 
 
 class SleepyReward(PerSampleReward):

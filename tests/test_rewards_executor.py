@@ -234,3 +234,44 @@ def test_explosion_guard_flags(expr):
 )
 def test_explosion_guard_passes(expr):
     assert explosion_reason(expr) is None
+
+
+def test_module_scores_through_the_executor(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from models import tiny_rl_config
+    from rlexact import RLModule
+    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.rollout import Completion
+    from rlexact.trainer import rewards as reward_stage
+
+    tok = build_char_tokenizer()
+    module = RLModule(
+        model_config=tiny_rl_config(len(tok), 64),
+        tokenizer=tok,
+        reward="_reward_helpers:SleepyReward",
+        reward_config={"workers": 2, "timeout_s": 1.0, "timeout_value": -1.0},
+        rollout={"n": 2},
+    )
+    assert module.hparams["reward_config"]["timeout_s"] == 1.0 and not module.reward_executor.in_process
+    module.reward_executor.run(["w"], ["w"], [None])  # start the workers outside the timed part
+    texts = ["12", HANG, "345", "6"]
+    comps = [
+        Completion(tok(t)["input_ids"][:1], tok(t)["input_ids"], None, "stop", k, k // 2) for k, t in enumerate(texts)
+    ]
+    items = [{"prompt_text": "1+1=", "answer": "2"}, {"prompt_text": "2+2=", "answer": "4"}]
+    t0 = time.monotonic()
+    rewards = module.compute_rewards(items, comps, 2)
+    assert time.monotonic() - t0 < 1.0 + SLACK_S
+    assert rewards.tolist() == [2.0, -1.0, 3.0, 1.0]
+    result = module.reward_result
+    metrics = reward_stage.execution_metrics(result)
+    assert metrics["reward/timeouts"] == 1.0 and metrics["reward/timeout_frac"] == 0.25
+    assert metrics["reward/errors"] == 0.0
+    logger = TensorBoardLogger(tmp_path)
+    reward_stage.log_reward_examples([logger], result, step=3)
+    logger.experiment.flush()
+    events = b"".join(p.read_bytes() for p in tmp_path.rglob("events.out.tfevents.*"))
+    assert b"hang forever" in events and b"reward/timeout_example" in events
+    with pytest.raises(ValueError, match="unknown RewardConfig keys"):
+        RLModule(model_config=tiny_rl_config(len(tok), 64), tokenizer=tok, reward_config={"timeout": 3})

@@ -65,7 +65,7 @@ from rlexact.data import PromptDataset
 from rlexact.distributed import is_fsdp
 from rlexact.models import exactify
 from rlexact.reduction import MetricReducer
-from rlexact.rewards import resolve_reward
+from rlexact.rewards import RewardConfig, RewardExecutor, RewardResult, resolve_reward, shared_executor
 from rlexact.rollout import Completion, Generator, SamplingParams
 from rlexact.trainer import advantages as advantage_stage
 from rlexact.trainer import batching, data_checks, policy, sampling
@@ -98,6 +98,9 @@ class RLModule(L.LightningModule):
         reward: reward name (``"math"``, ``"arithmetic"``, ``"exact_match"``), import path ``"pkg.mod:Name"``, or a
             callable ``(prompts, completions, answers) -> list[float]``.
         reward_kwargs: constructor arguments of a named reward.
+        reward_config: how the reward runs (:class:`rlexact.rewards.RewardConfig`, or a dict of its fields): worker
+            processes (``workers``, default the CPUs per rank; 0 = in this process), a wall-clock limit per sample
+            (``timeout_s``) and what a timed-out or failing sample scores. See :mod:`rlexact.rewards.executor`.
         rollout / algorithm / optim / fsdp: :mod:`rlexact.config` dataclasses (or dicts of their fields).
         dtype: dtype the model is loaded / built in (``"float32"``, ``"bfloat16"``, ``"float16"``); None = the
             checkpoint's dtype for ``model_path``, float32 for ``model_config``, unchanged for ``model``.
@@ -124,6 +127,7 @@ class RLModule(L.LightningModule):
         tokenizer: Any = None,
         reward: Any = "math",
         reward_kwargs: dict[str, Any] | None = None,
+        reward_config: RewardConfig | None = None,
         rollout: RolloutConfig | None = None,
         algorithm: AlgorithmConfig | None = None,
         optim: OptimConfig | None = None,
@@ -139,6 +143,7 @@ class RLModule(L.LightningModule):
         self.algo: AlgorithmConfig = policy.as_config(algorithm, AlgorithmConfig)
         self.optim_cfg: OptimConfig = policy.as_config(optim, OptimConfig)
         self.fsdp_cfg: FSDPConfig = policy.as_config(fsdp, FSDPConfig)
+        self.reward_cfg: RewardConfig = policy.as_config(reward_config, RewardConfig)
         if self.algo.old_logprob_mode == "exact" and self.rollout_cfg.kernels != "exact":
             raise ValueError(
                 "algorithm.old_logprob_mode='exact' needs rollout.kernels='exact' (the native generator's log-probs "
@@ -160,6 +165,7 @@ class RLModule(L.LightningModule):
             raise ValueError("a tokenizer is required when the model is not given by model_path")
         self._tokenizer = None if isinstance(tokenizer, (str, os.PathLike)) or tokenizer is None else tokenizer
         self.reward_fn: Callable = resolve_reward(reward, **(reward_kwargs or {}))
+        self.reward_result: RewardResult | None = None  # of the last compute_rewards call
         self.model: nn.Module | None = None
         self.__dict__["ref_model"] = None
         self.__dict__["_generator"] = None
@@ -175,6 +181,7 @@ class RLModule(L.LightningModule):
         # save_hyperparameters records the arguments' current values: plain ones, so checkpoints load with
         # weights_only=True, and the tokenizer actually used (model_path by default) rather than None
         rollout, algorithm, optim, fsdp = map(plain, (self.rollout_cfg, self.algo, self.optim_cfg, self.fsdp_cfg))
+        reward_config = plain(self.reward_cfg)
         if isinstance(self._tokenizer_arg, (str, os.PathLike)):
             tokenizer = os.fspath(self._tokenizer_arg)
         self.save_hyperparameters(ignore=ignore)
@@ -362,16 +369,26 @@ class RLModule(L.LightningModule):
         Returns ``len(prompts) * params.n`` completions in prompt-major order."""
         return sampling.generate_completions(self.model, self.generator, prompts, params, keys)
 
+    @property
+    def reward_executor(self) -> RewardExecutor:
+        """The process-wide executor of ``reward_fn`` with ``reward_config`` (workers start on first use)."""
+        executor = self.__dict__.get("_reward_executor")
+        if executor is None or executor.closed:
+            executor = self.__dict__["_reward_executor"] = shared_executor(self.reward_fn, self.reward_cfg)
+        return executor
+
     def compute_rewards(self, items: Sequence[dict], completions: list[Completion], n: int) -> torch.Tensor:
-        """Decode the completions and score them: float32 ``[len(completions)]`` (validated)."""
-        return reward_stage.score_completions(
-            self.reward_fn,
+        """Decode the completions and score them with :attr:`reward_executor`: float32 ``[len(completions)]``
+        (validated); the :class:`~rlexact.rewards.RewardResult` (timeouts, errors) is kept in ``reward_result``."""
+        rewards, self.reward_result = reward_stage.score_completions(
+            self.reward_executor,
             self.tokenizer,
             items,
             completions,
             n,
             skip_special_tokens=self.rollout_cfg.skip_special_tokens,
         )
+        return rewards
 
     def compute_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages ``[N]`` by ``algorithm.estimator`` (REINFORCE whitening over the global batch)."""
@@ -434,6 +451,10 @@ class RLModule(L.LightningModule):
         seq_adv = self.compute_advantages(scores, group_ids)
         metrics.update(advantage_metrics(scores, seq_adv, group_ids))
         metrics.update(reward_stage.reward_metrics(scores, lengths, completions))
+        if self.reward_result is not None:  # None when an override of compute_rewards does not set it
+            metrics.update(reward_stage.execution_metrics(self.reward_result, self.device))
+            reward_stage.log_reward_examples(self.loggers, self.reward_result, self.rollout_step)
+            self.reward_result = None
 
         keep = torch.ones(len(completions), dtype=torch.bool)
         num_kept = len(completions)  # > 0 on every rank without dynamic sampling

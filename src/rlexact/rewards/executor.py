@@ -75,6 +75,7 @@ ON_ERROR: tuple[str, ...] = ("raise", "score")
 
 _EXAMPLE_CHARS = 2000  # a logged example keeps the prompt head and the completion tail up to this many characters
 _POLL_S = 0.05  # the scheduler looks for newly submitted batches at least this often while workers are busy
+_START_TIMEOUT_S = 300.0  # a worker that has not loaded the reward by then counts as unable to load it
 
 
 def default_workers() -> int:
@@ -295,6 +296,7 @@ class _Worker:
         self.ready = False
         self.items: deque[tuple[_Job, int]] = deque()  # items[0] is being scored since `since`
         self.since = 0.0
+        self.started = time.monotonic()
 
 
 class _Pool:
@@ -444,9 +446,12 @@ class _Pool:
             self.sample_failed(job, i, msg[2], msg[3])
 
     def enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        if any(not w.ready and now - w.started > _START_TIMEOUT_S for w in self.procs):
+            self.fall_back(f"a worker process did not load it within {_START_TIMEOUT_S:.0f} s")
+            return
         if self.cfg.timeout_s is None:
             return
-        now = time.monotonic()
         for w in list(self.procs):
             if w.items and now - w.since >= self.cfg.timeout_s:
                 job, i = w.items.popleft()
