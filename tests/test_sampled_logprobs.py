@@ -57,6 +57,8 @@ def test_truncation_is_row_invariant() -> None:
         assert torch.equal(top_k_top_p_threshold(z[i : i + 1], 40, 0.8), thr[i : i + 1])
         assert torch.equal(kept_logsumexp(z[i : i + 1], thr[i : i + 1]), lse[i : i + 1])
     assert top_k_top_p_threshold(z, 0, 1.0) is None and top_k_top_p_threshold(z, 301, 1.0) is None
+    empty = top_k_top_p_threshold(z[:0], 40, 0.8)
+    assert empty.shape == (0, 1) and kept_logsumexp(z[:0], empty).shape == (0,)
 
 
 def _reference(hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float, temp: float):

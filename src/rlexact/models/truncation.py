@@ -39,8 +39,9 @@ def truncates(vocab: int, top_k: int, top_p: float) -> bool:
 
 
 def _blocks(z: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``z`` zero-padded to a positive multiple of :data:`TRUNC_ROWS` rows, and its original row count."""
     rows = z.shape[0]
-    pad = (-rows) % TRUNC_ROWS
+    pad = (-rows) % TRUNC_ROWS or (TRUNC_ROWS if rows == 0 else 0)
     if pad:
         z = torch.cat([z, z.new_zeros((pad, z.shape[1]))])
     return z, rows
