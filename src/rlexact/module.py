@@ -178,13 +178,14 @@ class RLModule(L.LightningModule):
             ignore.append("tokenizer")
         if not isinstance(reward, str):
             ignore.append("reward")
-        # save_hyperparameters records the arguments' current values: plain ones, so checkpoints load with
-        # weights_only=True, and the tokenizer actually used (model_path by default) rather than None
-        rollout, algorithm, optim, fsdp = map(plain, (self.rollout_cfg, self.algo, self.optim_cfg, self.fsdp_cfg))
-        reward_config = plain(self.reward_cfg)
-        if isinstance(self._tokenizer_arg, (str, os.PathLike)):
-            tokenizer = os.fspath(self._tokenizer_arg)
         self.save_hyperparameters(ignore=ignore)
+        # plain values (checkpoints load with weights_only=True) and the tokenizer actually used (model_path by
+        # default) rather than None
+        configs = {"rollout": self.rollout_cfg, "algorithm": self.algo, "optim": self.optim_cfg, "fsdp": self.fsdp_cfg}
+        configs["reward_config"] = self.reward_cfg
+        self._record_hparams(**{k: plain(v) for k, v in configs.items()})
+        if isinstance(self._tokenizer_arg, (str, os.PathLike)):
+            self._record_hparams(tokenizer=os.fspath(self._tokenizer_arg))
         if model is not None:
             if dtype is not None:
                 model = model.to(DTYPES[dtype])
@@ -250,9 +251,13 @@ class RLModule(L.LightningModule):
             return
         data_checks.same_tokenizer(self._tokenizer_arg, self.tokenizer, source, data.tokenizer)
         if isinstance(source, (str, os.PathLike)) and isinstance(self.hparams.get("tokenizer"), str):
-            # one value for Lightning's merge of module and data hparams (it reads the initial copy)
-            for hparams in (self.hparams, getattr(self, "_hparams_initial", {})):
-                hparams["tokenizer"] = os.fspath(source)
+            self._record_hparams(tokenizer=os.fspath(source))
+
+    def _record_hparams(self, **values: Any) -> None:
+        """Replace recorded hyperparameters in ``hparams`` and in Lightning's initial copy (which the loggers and the
+        merge with the datamodule's hyperparameters read)."""
+        for hparams in (self.hparams, getattr(self, "_hparams_initial", None) or {}):
+            hparams.update({k: v for k, v in values.items() if k in hparams})
 
     def configure_callbacks(self) -> list[Callback]:
         """A :class:`rlexact.callbacks.SampleLogger` (prompts and completions as TensorBoard text every 10 rollout
