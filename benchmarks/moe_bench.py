@@ -155,7 +155,6 @@ def bench_sweep(args: argparse.Namespace, shape: dict, dtype: torch.dtype) -> di
     from itertools import product
 
     from rlexact.ops import triton_moe
-    from rlexact.ops.moe import moe_plan
 
     dev = torch.device("cuda")
     tm = timer(dev)
@@ -165,10 +164,9 @@ def bench_sweep(args: argparse.Namespace, shape: dict, dtype: torch.dtype) -> di
         w = torch.randn(e, n, k, device=dev, dtype=dtype) * 0.02
         base = triton_moe.grouped_config(n, k, dtype, dev)
         for t in args.tokens:
-            x, eids, _ = _sorted_rows(t, shape, dev, dtype, k)
-            plans = {bm: moe_plan(eids[:, None], e, bm) for bm in (64, 128)}
+            x, _, counts = _sorted_rows(t, shape, dev, dtype, k)
             ref = torch.empty(x.shape[0], n, device=dev, dtype=dtype)
-            triton_moe.grouped_matmul(x, w, ref, plans[triton_moe.BLOCK_M_GPU].tiles, None, None)
+            triton_moe.grouped_matmul(x, w, ref, counts, None, None)
             for bm, bn, bk, warps, stages in product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4)):
                 cfg = triton_moe.GroupedConfig(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                 library = cfg == base and bm == triton_moe.BLOCK_M_GPU
@@ -176,8 +174,8 @@ def bench_sweep(args: argparse.Namespace, shape: dict, dtype: torch.dtype) -> di
                 try:
                     out = torch.empty_like(ref)
 
-                    def run(out=out, cfg=cfg, bm=bm, x=x, w=w, tiles=plans[bm].tiles) -> None:  # noqa: ANN001
-                        triton_moe.grouped_matmul(x, w, out, tiles, None, None, cfg=cfg, bm=bm)
+                    def run(out=out, cfg=cfg, bm=bm, x=x, w=w, counts=counts) -> None:  # noqa: ANN001
+                        triton_moe.grouped_matmul(x, w, out, counts, None, None, cfg=cfg, bm=bm)
 
                     run()
                     entry["bitwise_equal_to_library"] = bool(torch.equal(out, ref))

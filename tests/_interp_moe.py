@@ -43,7 +43,7 @@ def check_grouped() -> None:
         w = torch.randn(5, 37, 40).to(dtype)
         pool = torch.randn(24, 40).to(dtype)
         eids = torch.randint(0, 5, (24,))
-        eids[:14] = 3  # skewed: one expert spans several 16-row tiles
+        eids[:20] = 3  # skewed: expert 3 spans two 16-row tiles, the others share the rest
         full = ops.grouped_matmul(pool, w, eids, backend=T)
         ref = torch.einsum("mk,mnk->mn", pool.double(), w[eids].double())
         rtol = 1e-5 if dtype == torch.float32 else 2**-7
@@ -54,6 +54,23 @@ def check_grouped() -> None:
             out = ops.grouped_matmul(pool[idx], w, eids[idx], backend=T)
             for pos, i in enumerate(idx):
                 assert torch.equal(out[pos : pos + 1], singles[i]), (dtype, m, pos, i)
+
+
+def check_tiles() -> None:
+    """Every row computed once by the worst-case grid: 64 experts, most empty, one with 3 tiles; idle tiles write
+    nothing (the output is pre-filled with NaN)."""
+    from rlexact.ops import triton_moe
+
+    w = torch.randn(64, 20, 24)
+    eids = torch.tensor([5] * 40 + [63] * 3 + [0] * 2 + [17])
+    x = torch.randn(eids.numel(), 24)
+    counts = torch.bincount(eids, minlength=64)
+    order = torch.sort(eids, stable=True).indices
+    out = torch.full((eids.numel(), 20), float("nan"))
+    triton_moe.grouped_matmul(x, w, out, counts, order, order)
+    ref = torch.einsum("mk,mnk->mn", x.double(), w[eids].double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+    assert triton_moe.num_row_tiles(46, 64, 16) == (46 + 46 * 15) // 16
 
 
 def check_experts() -> None:
@@ -74,5 +91,6 @@ def check_experts() -> None:
 if __name__ == "__main__":
     check_router()
     check_grouped()
+    check_tiles()
     check_experts()
     print("moe ok")

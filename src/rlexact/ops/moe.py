@@ -42,55 +42,34 @@ def _triton():  # noqa: ANN202 - the kernel module (triton is an optional depend
     return importlib.import_module(".triton_moe", __package__)
 
 
-def _block_m(device: torch.device, backend: Backend) -> int:
-    return _triton().block_m(device) if backend == "triton" else 0
-
-
 @dataclass(frozen=True)
 class MoePlan:
     """Expert grouping of ``S = T * k`` (token, slot) pairs; built on the device without host synchronization.
 
     Attributes:
         top_k: slots per token ``k``; pair ``p = t * k + j`` is slot ``j`` of token ``t``.
-        order: ``[S]`` int64, the pair of each expert-sorted row (stable: ascending pair index within an expert).
-        counts: ``[E]`` int64, rows per expert.
-        tiles: Triton backend only: ``(tile_expert, tile_row0, tile_row1)`` int32 ``[num_tiles]``: the expert and the
-            sorted-row range ``[row0, row1)`` of each row tile (``row0 == row1`` for the idle tail of the worst-case
-            grid), ``num_tiles = (S + min(E, S) * (BM - 1)) // BM``; ``None`` for the torch backend.
+        order: ``[S]`` int64, the pair of each expert-sorted row (stable: ascending pair index within an expert), so
+            the rows of expert ``e`` are ``[sum(counts[:e]), sum(counts[:e + 1]))``.
+        counts: ``[E]`` int64, rows per expert (the grouped GEMMs derive their row tiles from it on the device).
     """
 
     top_k: int
     order: torch.Tensor
     counts: torch.Tensor
-    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
     @property
     def num_rows(self) -> int:
         return self.order.numel()
 
 
-def moe_plan(ids: torch.Tensor, num_experts: int, block_m: int = 0) -> MoePlan:
-    """Group the pairs of ``ids [T, k]`` (expert ids in ``[0, num_experts)``) by expert; ``block_m > 0`` also builds
-    the row-tile table of the Triton grouped GEMM. Only device-side ops: CUDA-graph capturable at a static ``T``."""
+def moe_plan(ids: torch.Tensor, num_experts: int) -> MoePlan:
+    """Group the pairs of ``ids [T, k]`` (expert ids in ``[0, num_experts)``) by expert. Device-side ops only:
+    CUDA-graph capturable at a static ``T``."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
-    tiles = None
-    if block_m:
-        s = flat.numel()
-        ends = torch.cumsum(counts, 0)
-        tiles_e = (counts + block_m - 1) // block_m
-        tile_end = torch.cumsum(tiles_e, 0)
-        t = torch.arange((s + min(num_experts, s) * (block_m - 1)) // block_m, device=ids.device)
-        expert = torch.searchsorted(tile_end, t, right=True)
-        live = expert < num_experts
-        ec = expert.clamp(max=num_experts - 1)
-        row0 = ends[ec] - counts[ec] + (t - tile_end[ec] + tiles_e[ec]) * block_m
-        row1 = torch.minimum(ends[ec], row0 + block_m)
-        zero = torch.zeros_like(row0)
-        tiles = (ec.int(), torch.where(live, row0, zero).int(), torch.where(live, row1, zero).int())
-    return MoePlan(top_k=ids.shape[-1], order=order, counts=counts, tiles=tiles)
+    return MoePlan(top_k=ids.shape[-1], order=order, counts=counts)
 
 
 def _grouped(
@@ -100,23 +79,27 @@ def _grouped(
     gather: torch.Tensor | None,
     scatter: torch.Tensor | None,
     backend: Backend,
+    gather_div: int = 1,
 ) -> torch.Tensor:
-    """Dispatch of the grouped GEMM (no autograd): ``[S, N]`` in ``a.dtype``."""
+    """Dispatch of the grouped GEMM (no autograd): sorted row ``r`` reads ``a[gather[r] // gather_div]`` and writes
+    output row ``scatter[r]``; ``[S, N]`` in ``a.dtype``."""
     if backend == "torch":
-        return cpu_moe.grouped_matmul(a, w, plan.counts.tolist(), gather, scatter)
+        rows = gather if gather is None or gather_div == 1 else torch.div(gather, gather_div, rounding_mode="floor")
+        return cpu_moe.grouped_matmul(a, w, plan.counts.tolist(), rows, scatter)
     out_dtype = a.dtype
     if a.dtype != w.dtype or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         a, w = a.float(), w.float()
     a = a if a.stride(-1) == 1 else a.contiguous()
     w = w if w.is_contiguous() else w.contiguous()
     out = torch.empty((plan.num_rows, w.shape[1]), dtype=a.dtype, device=a.device)
-    assert plan.tiles is not None, "the Triton grouped GEMM needs a plan built with block_m"
-    _triton().grouped_matmul(a, w, out, plan.tiles, gather, scatter)
+    _triton().grouped_matmul(a, w, out, plan.counts, gather, scatter, gather_div)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _silu_mul(h: torch.Tensor, inter: int, backend: Backend) -> torch.Tensor:
-    """The exact ``silu_mul`` (:func:`rlexact.ops.silu_mul`) of the gate and up halves of ``h [S, 2I]``."""
+    """The exact ``silu_mul`` (:func:`rlexact.ops.silu_mul`'s kernels) of the gate and up halves of ``h [S, 2I]``."""
+    if backend == "triton":
+        return _triton().silu_mul_halves(h, inter)
     return SiluMulFn.apply(h[:, :inter].contiguous(), h[:, inter:].contiguous(), backend)
 
 
@@ -187,9 +170,8 @@ class MoeExpertsFn(torch.autograd.Function):
     def forward(ctx, x, ids, weights, w1, w2, backend: Backend):  # noqa: ANN001, ANN205
         t, k = ids.shape
         inter = w2.shape[2]
-        plan = moe_plan(ids.long(), w1.shape[0], _block_m(x.device, backend))
-        tokens = torch.div(plan.order, k, rounding_mode="floor")
-        h = _grouped(x, w1, plan, tokens, None, backend)  # [S, 2I], expert-sorted rows
+        plan = moe_plan(ids.long(), w1.shape[0])
+        h = _grouped(x, w1, plan, plan.order, None, backend, gather_div=k)  # [S, 2I], expert-sorted rows
         act = _silu_mul(h, inter, backend)
         y = _grouped(act, w2, plan, None, plan.order, backend)  # [S, H], pair order t * k + j
         ctx.save_for_backward(x, weights, w1, w2, plan.order, plan.counts, h)
@@ -290,7 +272,7 @@ def grouped_matmul(
             f"{tuple(expert_ids.shape)}"
         )
     b = resolve_backend(x, backend)
-    plan = moe_plan(expert_ids.long()[:, None], w.shape[0], _block_m(x.device, b))
+    plan = moe_plan(expert_ids.long()[:, None], w.shape[0])
     with torch.no_grad():
         return _grouped(x.contiguous(), w, plan, plan.order, plan.order, b)
 

@@ -11,11 +11,11 @@ probabilities are summed left to right in selection order and divided. Weights a
 Grouped GEMM (:func:`grouped_matmul`)
 -------------------------------------
 ``out[r] = a[gather[r]] @ w[e(r)].T`` for the expert-sorted rows ``r``. The rows of one expert are contiguous; they are
-cut into row tiles of :data:`BLOCK_M` rows that never straddle two experts. The launch grid is a *worst-case* number of
-row tiles (a function of the number of rows, experts and ``BLOCK_M``, known on the host from shapes alone) times the
-``N`` tiles; each program reads its expert and row range from a device-side tile table (see
-:func:`rlexact.ops.moe.moe_plan`) and idle programs exit at once. Nothing is synchronized to the host, so the layer
-is capturable in a CUDA graph at a static token count.
+cut into row tiles of :func:`block_m` rows that never straddle two experts. The launch grid is a *worst-case* number
+of row tiles (:func:`num_row_tiles`: a function of the number of rows, experts and the row tile, known on the host
+from shapes alone) times the ``N`` tiles; each program finds its expert and row range from the per-expert row counts
+(a cumulative sum over the ``E`` counts, on the device) and idle programs exit at once. Nothing is synchronized to
+the host, so the layer is capturable in a CUDA graph at a static token count.
 
 Why a row's result does not depend on the other rows: every output element is the dense matmul's recurrence
 (:mod:`rlexact.ops.triton_matmul`) -- ``acc = 0; for k-tile ascending: acc = dot(a_tile, w_tile^T, acc)`` in fp32, one
@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .backend import interpreter_enabled
 from .triton_matmul import _TL_DTYPE, _device_key, _dot_flags, _rne_fix, cast_out
+from .triton_norm import SILU_BLOCK, _silu_mul_kernel
 
 _INTERPRET = interpreter_enabled()
 
@@ -128,9 +129,8 @@ def _grouped_mm_kernel(
     o_ptr,
     gather_ptr,
     scatter_ptr,
-    tile_expert_ptr,
-    tile_row0_ptr,
-    tile_row1_ptr,
+    counts_ptr,
+    E,
     N,
     K,
     stride_am,
@@ -141,32 +141,45 @@ def _grouped_mm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     GATHER: tl.constexpr,
+    GATHER_DIV: tl.constexpr,
     SCATTER: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     RNE_FIX: tl.constexpr,
     ROWWISE: tl.constexpr,
 ):
-    """One ``BM x BN`` output tile of one expert: rows ``[row0, row1)`` of the sorted rows, columns ``pid_n * BN``."""
+    """One ``BM x BN`` output tile of one expert: rows ``[row0, row1)`` of the sorted rows, columns ``pid_n * BN``.
+
+    Row tile ``pid_m`` is found from the per-expert row counts alone: expert ``e`` owns tiles
+    ``[tile_end[e-1], tile_end[e])`` with ``tile_end = cumsum(cdiv(counts, BM))``; tiles past the last are idle."""
     pid = tl.program_id(0)
     pid_m = pid // tiles_n
     pid_n = pid % tiles_n
-    row0 = tl.load(tile_row0_ptr + pid_m)
-    row1 = tl.load(tile_row1_ptr + pid_m)
-    if row0 < row1:  # idle tiles of the worst-case grid do nothing
-        e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    cnt = tl.load(counts_ptr + offs_e, mask=e_ok, other=0).to(tl.int32)
+    ends = tl.cumsum(cnt, axis=0)
+    tile_end = tl.cumsum((cnt + BM - 1) // BM, axis=0)
+    e = tl.sum(((tile_end <= pid_m) & e_ok).to(tl.int32), axis=0)
+    if e < E:  # idle tiles of the worst-case grid do nothing
+        sel = offs_e == e
+        cnt_e = tl.sum(tl.where(sel, cnt, 0), axis=0)
+        end_e = tl.sum(tl.where(sel, ends, 0), axis=0)
+        first_tile = tl.sum(tl.where(sel, tile_end, 0), axis=0) - (cnt_e + BM - 1) // BM
+        row0 = end_e - cnt_e + (pid_m - first_tile) * BM
         rm = row0 + tl.arange(0, BM)
-        m_ok = rm < row1
+        m_ok = rm < end_e
         if GATHER:
-            src = tl.load(gather_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+            src = (tl.load(gather_ptr + rm, mask=m_ok, other=0) // GATHER_DIV).to(tl.int64)
         else:
             src = rm.to(tl.int64)
         rn = pid_n * BN + tl.arange(0, BN)
         n_ok = rn < N
         rk = tl.arange(0, BK)
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :]
-        w_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BK, BN] of w[e]^T
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # w[e]^T
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):  # ascending K, accumulator chained through tl.dot
             k_ok = rk < K - ki * BK
@@ -236,40 +249,62 @@ def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[
     return weights, ids
 
 
+def num_row_tiles(rows: int, num_experts: int, bm: int) -> int:
+    """Worst-case number of ``bm``-row tiles for ``rows`` expert-sorted rows over ``num_experts`` experts (each
+    non-empty expert wastes at most ``bm - 1`` rows): the launch grid, from shapes alone (no host synchronization)."""
+    return (rows + min(num_experts, rows) * (bm - 1)) // bm
+
+
 def grouped_matmul(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    counts: torch.Tensor,
     gather: torch.Tensor | None,
     scatter: torch.Tensor | None,
+    gather_div: int = 1,
     cfg: GroupedConfig | None = None,
     bm: int | None = None,
 ) -> torch.Tensor:
     """Write the expert-grouped ``a @ w[e].T`` into ``out [S, N]`` (fp32 accumulation, cast to ``out.dtype``).
 
-    ``a [Ma, K]`` and ``w [E, N, K]`` of one dtype (fp32, bf16 or fp16) with unit last stride; ``tiles`` is the plan's
-    ``(tile_expert, tile_row0, tile_row1)`` int32 tables for ``bm`` rows (default :func:`block_m`); sorted row ``r``
-    reads ``a[gather[r]]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None). ``cfg`` / ``bm``
-    override the configuration (benchmark sweeps; the default is :func:`grouped_config`).
+    ``a [Ma, K]`` and ``w [E, N, K]`` of one dtype (fp32, bf16 or fp16) with unit last stride; ``counts [E]`` (any
+    integer dtype, on the device) are the rows per expert of the ``S`` expert-sorted rows; sorted row ``r`` reads
+    ``a[gather[r] // gather_div]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None). ``cfg`` /
+    ``bm`` override the configuration (benchmark sweeps; the defaults are :func:`grouped_config`, :func:`block_m`).
     """
     n, k = w.shape[1], w.shape[2]
-    tile_expert, tile_row0, tile_row1 = tiles
-    if tile_expert.numel() == 0 or n == 0:
+    e = w.shape[0]
+    bm = bm or block_m(a.device)
+    tiles_m = num_row_tiles(out.shape[0], e, bm)
+    if tiles_m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     cfg = cfg or grouped_config(n, k, a.dtype, a.device)
     tiles_n = triton.cdiv(n, cfg.BN)
-    dummy = tile_row0  # stands in for an absent gather/scatter table (never read)
-    _grouped_mm_kernel[(tile_expert.numel() * tiles_n,)](
+    _grouped_mm_kernel[(tiles_m * tiles_n,)](
         a, w, out,
-        gather if gather is not None else dummy, scatter if scatter is not None else dummy,
-        tile_expert, tile_row0, tile_row1,
-        n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_n,
-        BM=bm or block_m(a.device), BN=cfg.BN, BK=cfg.BK, GATHER=gather is not None, SCATTER=scatter is not None,
+        gather if gather is not None else counts, scatter if scatter is not None else counts,  # unread if absent
+        counts, e, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_n,
+        BM=bm, BN=cfg.BN, BK=cfg.BK, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None,
+        GATHER_DIV=gather_div, SCATTER=scatter is not None,
         RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_dot_flags(a.dtype),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_halves(h: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu_mul(h[:, :inter], h[:, inter:])`` of a gate/up activation ``h [S, 2 * inter]`` without copying the
+    halves: the kernel of :func:`rlexact.ops.silu_mul` with the halves' row stride."""
+    s = h.shape[0]
+    out = torch.empty((s, inter), dtype=h.dtype, device=h.device)
+    if s == 0 or inter == 0:
+        return out
+    _silu_mul_kernel[(s, triton.cdiv(inter, SILU_BLOCK))](
+        h, h[:, inter:], out, inter, h.stride(0), h.stride(0), out.stride(0),
+        BLOCK=SILU_BLOCK, O_DTYPE=_TL_DTYPE[h.dtype], RNE_O=_rne_fix(h.dtype), num_warps=4,
     )  # fmt: skip
     return out
 
