@@ -15,6 +15,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
+from _interp_dot import use_row_invariant_interpreter_dot  # noqa: E402
 from rlexact import ops  # noqa: E402
 from rlexact.ops import cpu, reference  # noqa: E402
 from rlexact.ops import triton_backward as tbw  # noqa: E402
@@ -331,6 +332,7 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
+    use_row_invariant_interpreter_dot()
     names = sys.argv[1:] or list(CHECKS)
     for name in names:
         t0 = time.time()
