@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 import traceback
 import warnings
@@ -66,19 +64,6 @@ def _device() -> torch.device:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _git_commit() -> str:
-    """``RLEXACT_BENCH_COMMIT`` when set (a copied working tree may carry a stale .git), else ``git rev-parse``."""
-    if os.environ.get("RLEXACT_BENCH_COMMIT"):
-        return os.environ["RLEXACT_BENCH_COMMIT"]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=ROOT,
-                               capture_output=True, text=True, check=True)  # fmt: skip
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build_model(cfg: dict, seed: int = 0) -> torch.nn.Module:
@@ -374,7 +359,6 @@ def main() -> None:
     default = Path("/tmp/train_small.json") if args.small else ROOT / "benchmarks" / "results" / "train_h200.json"
     out_path = Path(args.out) if args.out else default
     res = header("train_step", "triton", "transformers", "lightning")
-    res["git_commit"] = _git_commit()
     for section in args.section:
         t0 = time.perf_counter()
         try:

@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/rlexact_gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${RLEXACT_COMMIT:-unknown}")
+commit=${RLEXACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export RLEXACT_COMMIT=$commit
 rc=0
 if [[ $what == tests || $what == all ]]; then

@@ -27,8 +27,11 @@ def library_versions(*modules: str) -> dict[str, str]:
 
 
 def git_commit(path: str | Path | None = None) -> str:
-    """The ``HEAD`` commit of the repository holding ``path`` (default: this package), with ``+dirty`` when tracked
-    files differ from it; else the value of ``$RLEXACT_COMMIT``; else ``"unknown"``."""
+    """``$RLEXACT_COMMIT`` when set (a copied working tree may carry a stale ``.git``); else the ``HEAD`` commit of
+    the repository holding ``path`` (default: this package), with ``+dirty`` when tracked files differ from it; else
+    ``"unknown"``."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -39,7 +42,7 @@ def git_commit(path: str | Path | None = None) -> str:
             cwd=cwd, capture_output=True, text=True, check=True, timeout=30,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT_ENV, "unknown")
+        return "unknown"
     return head + ("+dirty" if dirty else "")
 
 
