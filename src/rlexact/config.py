@@ -1,4 +1,4 @@
-"""Validated configuration of :class:`rlexact.RLModule`: rollout, algorithm, optimizer and FSDP2 settings.
+"""Validated configuration of :class:`rlexact.RLModule`: rollout, algorithm, optimizer, FSDP2 and reward settings.
 
 Frozen dataclasses, validated in ``__post_init__`` (a bad value raises ``ValueError`` naming the field), with attribute
 docstrings that jsonargparse / LightningCLI turn into ``--help`` text. In YAML they are nested under the module::
@@ -10,6 +10,7 @@ docstrings that jsonargparse / LightningCLI turn into ``--help`` text. In YAML t
         rollout: {n: 8, max_new_tokens: 8192, temperature: 1.0}
         algorithm: {objective: dapo, clip_low: 0.2, clip_high: 0.28, loss_agg_mode: seq-mean-token-sum-norm}
         optim: {lr: 1.0e-6, betas: [0.9, 0.95]}
+        reward_config: {workers: 16, timeout_s: 10.0}   # RewardConfig (defined in rlexact.rewards.executor)
 
 Units. ``RolloutConfig.n`` is samples per prompt; a data batch of ``P`` prompts yields ``P * n`` sequences on each
 rank. ``AlgorithmConfig.mini_batch_size`` and ``micro_batch_size`` count **sequences on one rank** (not prompts, not
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlexact.models.exactify import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
+from rlexact.rewards.executor import RewardConfig
 from rlexact.rollout.config import GeneratorConfig
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "AlgorithmConfig",
     "FSDPConfig",
     "OptimConfig",
+    "RewardConfig",
     "RolloutConfig",
 ]
 
