@@ -28,7 +28,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from rlexact.data import PromptDataModule
 from rlexact.module import RLModule
@@ -38,7 +40,18 @@ __all__ = ["RLExactCLI", "entry", "main"]
 
 
 class RLExactCLI(LightningCLI):
-    """LightningCLI restricted to ``fit`` and ``validate`` (RL training has no test / predict loop)."""
+    """LightningCLI restricted to ``fit`` and ``validate`` (RL training has no test / predict loop).
+
+    The top-level ``optimizer:`` / ``lr_scheduler:`` sections (``--optimizer AdamW --optimizer.lr 1e-6``) are
+    LightningCLI's, linked into ``RLModule(optimizer=..., lr_scheduler=...)`` rather than patched into
+    ``configure_optimizers``: the parameters exist only after ``configure_model`` (and FSDP2 shards them there).
+    Without them the module's AdamW + warmup from ``optim:`` applies.
+    """
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_optimizer_args((Optimizer,), link_to="model.init_args.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.init_args.lr_scheduler")
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -59,7 +72,6 @@ def main(args: Any = None, *, run: bool = True) -> RLExactCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
         args=args,
         run=run,
     )

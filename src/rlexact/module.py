@@ -50,6 +50,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -69,6 +70,7 @@ from rlexact.rewards import RewardConfig, RewardExecutor, RewardResult, resolve_
 from rlexact.rollout import Completion, Generator, SamplingParams
 from rlexact.trainer import advantages as advantage_stage
 from rlexact.trainer import batching, data_checks, policy, sampling
+from rlexact.trainer import optim as optim_stage
 from rlexact.trainer import rewards as reward_stage
 from rlexact.trainer import update as update_stage
 from rlexact.trainer.hooks import call_rl_hook
@@ -108,6 +110,9 @@ class RLModule(L.LightningModule):
         activation_checkpointing: recompute each decoder layer's activations in the backward instead of keeping them
             (less memory for long sequences, one more layer forward per backward); with or without FSDP2. The
             forward's values, and so every log-prob, are unchanged bitwise.
+        optimizer / lr_scheduler: callables ``params -> Optimizer`` / ``optimizer -> scheduler`` (LightningCLI builds
+            them from its top-level ``optimizer:`` / ``lr_scheduler:`` sections); None keeps AdamW with ``optim``
+            and its warmup. ``optim.grad_clip`` applies either way; schedulers step once per optimizer step.
 
     After :meth:`configure_model`, ``self.model`` is the exactified causal LM (set at once when ``model`` is
     given); ``self.ref_model`` is a frozen copy of the initial policy when ``algorithm.kl_coef > 0`` (not in
@@ -135,6 +140,8 @@ class RLModule(L.LightningModule):
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         init_seed: int = 0,
         activation_checkpointing: bool = False,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -160,6 +167,10 @@ class RLModule(L.LightningModule):
         self.dtype_name = dtype
         self.init_seed = int(init_seed)
         self.activation_checkpointing = bool(activation_checkpointing)
+        optim_stage.check_spec("optimizer", optimizer)
+        optim_stage.check_spec("lr_scheduler", lr_scheduler)
+        self.optimizer_spec = optimizer
+        self.lr_scheduler_spec = lr_scheduler
         self._tokenizer_arg = tokenizer if tokenizer is not None else model_path
         if self._tokenizer_arg is None:
             raise ValueError("a tokenizer is required when the model is not given by model_path")
@@ -178,6 +189,7 @@ class RLModule(L.LightningModule):
             ignore.append("tokenizer")
         if not isinstance(reward, str):
             ignore.append("reward")
+        ignore += [name for name, spec in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if callable(spec)]
         self.save_hyperparameters(ignore=ignore)
         # plain values (checkpoints load with weights_only=True) and the tokenizer actually used (model_path by
         # default) rather than None
@@ -297,16 +309,11 @@ class RLModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:
-        """AdamW(lr, betas, eps, weight_decay) and, with ``warmup_steps > 0``, a linear-warmup ``LambdaLR`` stepped once
-        per optimizer step."""
+        """The ``optimizer`` / ``lr_scheduler`` arguments when given (LightningCLI's ``optimizer:`` /
+        ``lr_scheduler:`` sections), else AdamW(lr, betas, eps, weight_decay) with, when ``warmup_steps > 0``, a
+        linear warmup; schedulers step once per optimizer step (:mod:`rlexact.trainer.optim`)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        cfg = self.optim_cfg
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        if cfg.warmup_steps <= 0:
-            return opt
-        warm = cfg.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return optim_stage.build_optimizer(params, self.optim_cfg, self.optimizer_spec, self.lr_scheduler_spec)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[_CKPT_KEY] = {"rollout_step": int(self.rollout_step)}
