@@ -18,10 +18,11 @@ token's ``k`` slots in fp32 in top-k order (one Triton program per token and col
 rounded torch multiplies and adds). So a token's output depends only on that token and the weights -- not on how many
 tokens its experts received, nor on which other tokens are in the call.
 
-Backward (:class:`MoeExpertsFn`): per-expert torch GEMMs over each expert's contiguous row range, experts in
-ascending order. Each weight gradient ``dW[e] = g_e^T @ a_e`` is one GEMM whose reduction over the expert's rows has a
-fixed order for a fixed shape (no atomics), and the input gradient of a token sums its ``k`` slots in top-k order,
-so two identical backward calls give identical bits. It is not batch-invariant (it need not be).
+Backward (:class:`MoeExpertsFn`): the input gradients go through grouped GEMMs over the expert-sorted rows; each
+weight gradient ``dW[e] = g_e^T @ a_e`` reduces expert ``e``'s rows in a fixed order -- one fp32 accumulator per
+output tile walking the rows in ascending order (Triton), or one torch GEMM of a fixed shape per expert (CPU) -- with
+no atomics; a token's input gradient sums its ``k`` slots in top-k order. Two identical backward calls give identical
+bits. It is not batch-invariant (it need not be).
 """
 
 from __future__ import annotations
@@ -184,46 +185,79 @@ class MoeExpertsFn(torch.autograd.Function):
         t, k = weights.shape
         inter = w2.shape[2]
         dt = w1.dtype
-        tokens = torch.div(order, k, rounding_mode="floor")
+        plan = MoePlan(top_k=k, order=order, counts=counts)
+        grads = _ExpertGrads(plan, ctx.backend)
         rw = weights.reshape(-1)[order].float()[:, None]  # routing weight of each sorted row
-        g = grad[tokens].to(dt)  # [S, H] unweighted output gradient of each sorted row
-        gw = (g.float() * rw).to(dt)
+        grad = grad.to(dt).contiguous()
         act = _silu_mul(h, inter, ctx.backend)
-        xs = x[tokens].to(dt)
-        u = torch.empty((order.numel(), inter), dtype=dt, device=x.device)
-        d_h = torch.empty(h.shape, dtype=dt, device=h.device)
-        dw1 = torch.zeros_like(w1) if ctx.needs_input_grad[3] else None
-        dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[4] else None
-        ranges = []
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c:
-                ranges.append((e, start, start + c))
-            start += c
-        for e, s0, s1 in ranges:
-            u[s0:s1] = g[s0:s1] @ w2[e]
-            if dw2 is not None:
-                dw2[e] = gw[s0:s1].T @ act[s0:s1].to(dt)
         # d(out)/d(weight[t, j]) = <g_t, y_tj> = <g_t @ down[e], act_tj>; d(act) = weight * (g_t @ down[e])
+        u = grads.input_grad(grad, w2, gather_tokens=True)  # [S, I]
         d_rw = torch.zeros(order.numel(), dtype=torch.float32, device=x.device)
         d_rw[order] = (u.float() * act.float()).sum(-1)
         d_act = u.float() * rw
         gate, up = h[:, :inter].float(), h[:, inter:].float()
         sig = torch.sigmoid(gate)
-        d_h[:, :inter] = (d_act * up * sig * (1 + gate * (1 - sig))).to(dt)
-        d_h[:, inter:] = (d_act * gate * sig).to(dt)
-        dxs = torch.empty((order.numel(), x.shape[1]), dtype=dt, device=x.device)
-        for e, s0, s1 in ranges:
-            dxs[s0:s1] = d_h[s0:s1] @ w1[e]
-            if dw1 is not None:
-                dw1[e] = d_h[s0:s1].T @ xs[s0:s1]
+        d_h = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=-1).to(dt)
+        dw2 = dw1 = None
+        if ctx.needs_input_grad[4]:
+            gw = (grad[torch.div(order, k, rounding_mode="floor")].float() * rw).to(dt)
+            dw2 = grads.weight_grad(gw, act.to(dt), gather_tokens=False)
+        if ctx.needs_input_grad[3]:
+            dw1 = grads.weight_grad(d_h, x.to(dt), gather_tokens=True)
+        dxs = grads.input_grad(d_h, w1, gather_tokens=False)  # [S, H]
         dx_pairs = torch.empty_like(dxs)
         dx_pairs[order] = dxs
         dx_pairs = dx_pairs.view(t, k, -1).float()
         dx = dx_pairs[:, 0]
-        for j in range(1, k):
+        for j in range(1, k):  # a token's slots summed in top-k order
             dx = dx + dx_pairs[:, j]
         return dx.to(x.dtype), None, d_rw.view(t, k).to(weights.dtype), dw1, dw2, None
+
+
+class _ExpertGrads:
+    """The backward GEMMs over expert-sorted rows; deterministic on both backends.
+
+    * Triton: input gradients through the grouped GEMM on transposed expert weights, weight gradients through
+      :func:`rlexact.ops.triton_moe.grouped_wgrad` (each expert's rows reduced in ascending order into one fp32
+      accumulator per output tile, no atomics); no host synchronization.
+    * torch: one GEMM per non-empty expert over its contiguous row range, experts in ascending order (a GEMM of a
+      fixed shape reduces in a fixed order; the row counts are read to the host once).
+    """
+
+    def __init__(self, plan: MoePlan, backend: Backend) -> None:
+        self.plan = plan
+        self.backend = backend
+        self.tokens = torch.div(plan.order, plan.top_k, rounding_mode="floor")
+        self.ranges: list[tuple[int, int, int]] = []
+        if backend == "torch":
+            start = 0
+            for e, c in enumerate(plan.counts.tolist()):
+                if c:
+                    self.ranges.append((e, start, start + c))
+                start += c
+
+    def input_grad(self, a: torch.Tensor, w: torch.Tensor, gather_tokens: bool) -> torch.Tensor:
+        """Row ``r``: ``a[src(r)] @ w[e(r)]`` -> ``[S, K]`` for ``w [E, N, K]``; ``src(r)`` is the row's token when
+        ``gather_tokens``, else ``r``."""
+        if self.backend == "triton":
+            gather = self.plan.order if gather_tokens else None
+            return _grouped(a, w.transpose(1, 2), self.plan, gather, None, "triton", gather_div=self.plan.top_k)
+        rows = a[self.tokens] if gather_tokens else a
+        out = torch.empty((self.plan.num_rows, w.shape[2]), dtype=a.dtype, device=a.device)
+        for e, s0, s1 in self.ranges:
+            out[s0:s1] = rows[s0:s1] @ w[e]
+        return out
+
+    def weight_grad(self, g: torch.Tensor, a: torch.Tensor, gather_tokens: bool) -> torch.Tensor:
+        """``[E, N, K]``: expert ``e``'s ``g[rows_e]^T @ a[src(rows_e)]`` for ``g [S, N]``; zeros for empty experts."""
+        if self.backend == "triton":
+            gather = self.plan.order if gather_tokens else None
+            return _triton().grouped_wgrad(g, a, self.plan.counts, gather, self.plan.top_k)
+        rows = a[self.tokens] if gather_tokens else a
+        out = torch.zeros((self.plan.counts.numel(), g.shape[1], a.shape[1]), dtype=g.dtype, device=g.device)
+        for e, s0, s1 in self.ranges:
+            out[e] = g[s0:s1].T @ rows[s0:s1]
+        return out
 
 
 def moe_router(

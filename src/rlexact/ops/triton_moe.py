@@ -205,6 +205,68 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
+def _grouped_wgrad_kernel(
+    g_ptr,
+    a_ptr,
+    o_ptr,
+    gather_ptr,
+    counts_ptr,
+    E,
+    N,
+    K,
+    stride_gm,
+    stride_am,
+    tiles_k,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GATHER: tl.constexpr,
+    GATHER_DIV: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    RNE_FIX: tl.constexpr,
+):
+    """``o[e] = g[rows_e]^T @ a[src(rows_e)]`` for one ``BN x BK`` tile of expert ``e = program_id(0)``: the expert's
+    sorted rows are reduced in ``BR``-row chunks in ascending order into one fp32 accumulator (no atomics, no
+    split over rows), so the result is deterministic."""
+    e = tl.program_id(0)
+    pid = tl.program_id(1)
+    pid_n = pid // tiles_k
+    pid_k = pid % tiles_k
+    offs_e = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
+    sel = offs_e == e
+    end = tl.sum(tl.where(sel, tl.cumsum(cnt, axis=0), 0), axis=0)
+    start = end - tl.sum(tl.where(sel, cnt, 0), axis=0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
+    n_ok = rn < N
+    k_ok = rk < K
+    rr = tl.arange(0, BR)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + rr
+        r_ok = rows < end
+        if GATHER:
+            src = (tl.load(gather_ptr + rows, mask=r_ok, other=0) // GATHER_DIV).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_gm + rn[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # fmt: skip
+        a = tl.load(a_ptr + src[:, None] * stride_am + rk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            g = g.to(tl.float32)
+            a = a.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(g), a, acc)
+    o_ptrs = o_ptr + e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=n_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr,
     w_ptr,
@@ -325,5 +387,37 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> t
     _combine_kernel[(t, triton.cdiv(h, block))](
         y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=_TL_DTYPE[out_dtype],
         RNE_FIX=_rne_fix(out_dtype),
+    )  # fmt: skip
+    return out
+
+
+def grouped_wgrad(
+    g: torch.Tensor,
+    a: torch.Tensor,
+    counts: torch.Tensor,
+    gather: torch.Tensor | None,
+    gather_div: int = 1,
+) -> torch.Tensor:
+    """Per-expert weight gradient ``out[e] = g[rows_e]^T @ a[src(rows_e)]`` -> ``[E, N, K]`` in ``g.dtype``.
+
+    ``g [S, N]`` expert-sorted rows (``counts [E]`` rows per expert, in expert order), ``a [Ma, K]`` read at
+    ``gather[r] // gather_div`` (row ``r`` if None); same dtype. fp32 accumulation over each expert's rows in
+    ascending order, one program per output tile: deterministic, no atomics. Experts without rows get zeros.
+    """
+    e = counts.numel()
+    n, k = g.shape[1], a.shape[1]
+    out = torch.empty((e, n, k), dtype=g.dtype, device=g.device)
+    if out.numel() == 0:
+        return out
+    interp = g.device.type != "cuda"
+    bn, bk, br = (32, 32, 16) if interp else (128, 128, 64)
+    tiles_k = triton.cdiv(k, bk)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    _grouped_wgrad_kernel[(e, triton.cdiv(n, bn) * tiles_k)](
+        g, a, out, gather if gather is not None else counts, counts, e, n, k, g.stride(0), a.stride(0), tiles_k,
+        BR=br, BN=bn, BK=bk, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None, GATHER_DIV=gather_div,
+        RNE_FIX=_rne_fix(out.dtype), num_warps=8 if not interp else 4, num_stages=3 if not interp else 1,
+        **_dot_flags(g.dtype),
     )  # fmt: skip
     return out
