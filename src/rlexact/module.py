@@ -56,6 +56,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback, rl_callbacks
@@ -226,6 +227,7 @@ class RLModule(L.LightningModule):
         model.train()
         self.model = model
 
+    @override
     def configure_model(self) -> None:
         """Build / load the model (once), exactify it, and apply FSDP2 under ``ModelParallelStrategy``.
 
@@ -251,6 +253,7 @@ class RLModule(L.LightningModule):
             self.__dict__["_generator"] = sampling.make_generator(self.model, self.rollout_cfg)
         return self.__dict__["_generator"]
 
+    @override
     def setup(self, stage: str) -> None:
         """Install :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
         check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
@@ -271,6 +274,7 @@ class RLModule(L.LightningModule):
         for hparams in (self.hparams, getattr(self, "_hparams_initial", None) or {}):
             hparams.update({k: v for k, v in values.items() if k in hparams})
 
+    @override
     def configure_callbacks(self) -> list[Callback]:
         """A :class:`rlexact.callbacks.SampleLogger` (prompts and completions as TensorBoard text every 10 rollout
         steps) unless the trainer has one. For a fit whose datamodule has no validation data the module also presents
@@ -283,9 +287,11 @@ class RLModule(L.LightningModule):
             return []
         return [SampleLogger()]
 
+    @override
     def teardown(self, stage: str) -> None:
         self.__dict__.pop("validation_step", None)
 
+    @override
     def on_fit_start(self) -> None:
         policy.check_precision(self.trainer)
         data = self.trainer.datamodule
@@ -301,6 +307,7 @@ class RLModule(L.LightningModule):
             self.ref_model.to(device=self.device, dtype=dtype)
             policy.restore_fp32_rope(self.ref_model, self._rope_fp32)
 
+    @override
     def on_validation_start(self) -> None:
         policy.restore_fp32_rope(self.model, self._rope_fp32)
 
@@ -308,6 +315,7 @@ class RLModule(L.LightningModule):
     # optimizer, checkpoints
     # ------------------------------------------------------------------------------------------------------------
 
+    @override
     def configure_optimizers(self) -> Any:
         """The ``optimizer`` / ``lr_scheduler`` arguments when given (LightningCLI's ``optimizer:`` /
         ``lr_scheduler:`` sections), else AdamW(lr, betas, eps, weight_decay) with, when ``warmup_steps > 0``, a
@@ -315,9 +323,11 @@ class RLModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return optim_stage.build_optimizer(params, self.optim_cfg, self.optimizer_spec, self.lr_scheduler_spec)
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[_CKPT_KEY] = {"rollout_step": int(self.rollout_step)}
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.rollout_step = int(checkpoint.get(_CKPT_KEY, {}).get("rollout_step", 0))
 
@@ -433,6 +443,7 @@ class RLModule(L.LightningModule):
     # the step
     # ------------------------------------------------------------------------------------------------------------
 
+    @override
     def training_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One rollout step (see the module docstring). Returns None (manual optimization)."""
         items = batch
@@ -539,6 +550,7 @@ class RLModule(L.LightningModule):
     # validation
     # ------------------------------------------------------------------------------------------------------------
 
+    @override
     def validation_step(self, batch: list[dict], batch_idx: int = 0) -> None:
         """One sample per prompt at the rollout temperature; logs ``val/reward`` (epoch mean) and response length."""
         prompts = self._check_prompts(batch)

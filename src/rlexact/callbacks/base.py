@@ -3,7 +3,16 @@
 Lightning callbacks cannot change the loss through a sanctioned hook, so RL callbacks are ordinary
 ``lightning.Callback`` objects (they keep their resumable state in ``state_dict``/``load_state_dict`` and may use any
 Lightning hook) that also implement some of these hooks. The module calls them inside ``training_step``, so
-``pl_module.log`` works there. Order of one training step:
+``pl_module.log`` works there.
+
+Why the module dispatches these hooks itself (:func:`rlexact.trainer.hooks.call_rl_hook`) instead of Lightning: the
+hooks run *between* the stages of one ``training_step`` (after the old log-probs, per mini-batch before the loss,
+after the last optimizer step) and change what the next stage sees, while Lightning's callback hooks fire only around
+a whole step, and its dispatcher (``Trainer._call_callback_hooks``) is private. The module keeps Lightning's
+conventions: the callbacks are the trainer's ``callbacks`` list (including ``configure_callbacks``), called in list
+order; under FSDP2 the parameters are gathered around a hook that any callback implements.
+
+Order of one training step:
 
 1. rollout, rewards, advantages, old log-probs (by mode);
 2. ``on_rl_batch(trainer, pl_module, batch)`` for every RL callback in list order. Callbacks may *read* every field
@@ -24,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -41,9 +51,11 @@ class RLCallback(Callback):
     """``(attribute, type)`` pairs saved by :meth:`state_dict` and restored (cast to the type) by
     :meth:`load_state_dict`: the resumable counters of the callback."""
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name, _ in self.state_fields}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, kind in self.state_fields:
             setattr(self, name, kind(state_dict[name]))

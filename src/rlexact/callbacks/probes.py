@@ -12,11 +12,11 @@ probes see what the corrections act on; they never modify the batch. Values are 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
@@ -298,7 +298,7 @@ class MismatchProbe(RLCallback):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
+            rank_zero_warn(message, stacklevel=3)
 
     def _argmax_flip(self, pl_module: Any, batch: RolloutBatch) -> float | None:
         """Local argmax flip rate over response tokens (``None`` when the module has no exactified policy model)."""
