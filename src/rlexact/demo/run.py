@@ -81,8 +81,8 @@ class DemoConfig:
         seed: seed of the sampler, the data order and the evaluation draws.
         partial_credit: train and report the partial-credit reward (else 0/1 accuracy).
         threads: torch intra-op threads during the demo (restored afterwards); 0 leaves torch's setting. Default 1:
-            on 2 idle cores a second thread saves only ~12% of the demo's time, but with another busy process on
-            the same 2 cores 15 GRPO steps took 348 s with 2 threads against 26 s with 1 thread.
+            the demo's tiny matrices gain little from a second thread, and threads that compete with another busy
+            process for the same cores slow the demo down many times over.
         checkpoint: start checkpoint (``"demo"`` = the packaged one, or a local folder).
         progress: show the Lightning progress bar.
         kernels: rollout engine kernels, ``"exact"`` or ``"native"`` (the stock-kernel TIM baseline; pi_old is then
