@@ -136,6 +136,9 @@ def test_forward_matches_transformers_fp32(kw: dict) -> None:
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert torch.equal(native, want)  # native mode runs the stock forwards
     assert not torch.equal(got, want)  # and exact mode really runs other kernels
+    rlexact.exactify(model, enabled=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)  # every MoE patch removed
 
 
 # ----------------------------------------------------------------------------------------------------------------------
