@@ -1,6 +1,6 @@
 """rlexact: zero-mismatch LLM reinforcement learning on PyTorch Lightning.
 
-Public surface (see the README and ``../DESIGN.md`` §5): :func:`exactify`, :func:`sequence_logprobs`,
+Public surface (see the README and ``docs/design.md`` §5): :func:`exactify`, :func:`sequence_logprobs`,
 :mod:`rlexact.rollout` (``Generator``, ``SamplingParams``), :class:`RLModule` with its config dataclasses,
 :class:`PromptDataModule`, :mod:`rlexact.callbacks` and the pure :mod:`rlexact.algorithms`.
 """

@@ -150,8 +150,8 @@ def gathered_params(model: nn.Module) -> Iterator[list[nn.Module]]:
     (e.g. decode steps of a generate call, which differ across ranks) without per-forward collectives; on exit
     (``finally``) the previous reshard settings are restored and ``reshard()`` frees the full parameters. Every rank
     must enter and leave together. Reentrant: a nested block (the generator inside the module's rollout) reuses the
-    outer gather. Use it for no-grad work only. Per-rank compute is unchanged by FSDP (DESIGN §2.5), so exactness
-    holds on every rank.
+    outer gather. Use it for no-grad work only. Per-rank compute is unchanged by FSDP (docs/design.md §2.5), so
+    exactness holds on every rank.
     """
     mods = fsdp_modules(model)
     if not mods or model.__dict__.get(_GATHERED_ATTR, False):  # no FSDP, or an enclosing block holds the gather

@@ -9,7 +9,7 @@ Shared contracts:
 - Outputs are detached ``[N]`` tensors of ``rewards``' dtype and device. Statistics are accumulated in float64 and
   cast back. A group (for REINFORCE: the batch) whose rewards are all equal gets advantages of exactly 0.
 
-Formulas (paper notation, DESIGN §6):
+Formulas (paper notation, docs/design.md §6):
 
 - GRPO: ``A_i = (R_i - mean_g) / (std_g + eps)`` with the *unbiased* (sample, ``n - 1``) standard deviation, as
   verl's ``compute_grpo_outcome_advantage`` (``torch.std`` default). ``normalize_std=False`` is Dr. GRPO:

@@ -25,7 +25,7 @@ def first_bitwise_mismatch(a: Tensor, b: Tensor, mask: Tensor) -> tuple[int, int
     the first one (``None`` when none does). ``a``/``b`` are 1-D floating tensors of one dtype, ``mask`` bool.
 
     Bit patterns, not values: ``-0.0`` differs from ``0.0`` and two NaNs with the same payload are equal, i.e.
-    exactly the ``torch.equal``-or-stricter contract of DESIGN §1.
+    exactly the ``torch.equal``-or-stricter contract of docs/design.md §1.
     """
     if a.shape != b.shape or a.shape != mask.shape or a.dim() != 1:
         raise ValueError(f"shapes must be equal and 1-D: {tuple(a.shape)}, {tuple(b.shape)}, {tuple(mask.shape)}")

@@ -1,6 +1,6 @@
 """The math behind the mismatch probes and the TIM corrections (pure torch; callbacks are thin adapters over it).
 
-Notation (paper §2 and §4, DESIGN §6). Per response token ``t`` of sequence ``i``: ``pi_theta`` is the current
+Notation (paper §2 and §4, docs/design.md §6). Per response token ``t`` of sequence ``i``: ``pi_theta`` is the current
 policy (trainer), ``pi_old^rollout`` the behaviour policy that sampled the token (generator) and ``pi_old^train`` the
 trainer at the rollout weights. Ratios, always handled as float32 *log* ratios:
 
@@ -261,7 +261,7 @@ def argmax_flip_rate(rollout_argmax: Tensor, trainer_argmax: Tensor, mask: Tenso
 def update_direction_stats(
     logp_before: Tensor, logp_after: Tensor, advantages: Tensor, mask: Tensor
 ) -> dict[str, float | int]:
-    """Did an update move each token's log-prob in its advantage's direction? (paper §4.1, DESIGN §6)
+    """Did an update move each token's log-prob in its advantage's direction? (paper §4.1, docs/design.md §6)
 
     Over masked tokens with ``A != 0``, ``delta = logp_after - logp_before`` (both from the generator's numeric
     path, before and after the update). Returns ``misaligned_frac = mean[sign(delta) != sign(A)]`` (an unchanged

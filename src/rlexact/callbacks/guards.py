@@ -1,4 +1,4 @@
-"""ExactnessGuard: stop training the moment the exactness contract (DESIGN §1) breaks.
+"""ExactnessGuard: stop training the moment the exactness contract (docs/design.md §1) breaks.
 
 In an exact run the generator's log-prob of every sampled token equals, bit for bit, what the trainer computes for
 it. The guard asks the module for ``batch.trainer_logprobs`` (``needs_trainer_logprobs = True``: one extra no-grad

@@ -1,4 +1,4 @@
-"""Mismatch and update-direction probes (paper §4.1, DESIGN §6): thin adapters over ``callbacks.functional``.
+"""Mismatch and update-direction probes (paper §4.1, docs/design.md §6): thin adapters over ``callbacks.functional``.
 
 :class:`MismatchProbe` measures training-inference mismatch on every rollout step (``on_rl_batch``) and the
 surrogate contributions ``C(r_ppo^train)`` / ``C(r_ppo^rollout)`` on every PPO mini-step (``on_rl_minibatch``).
