@@ -275,3 +275,14 @@ def test_module_scores_through_the_executor(tmp_path):
     assert b"hang forever" in events and b"reward/timeout_example" in events
     with pytest.raises(ValueError, match="unknown RewardConfig keys"):
         RLModule(model_config=tiny_rl_config(len(tok), 64), tokenizer=tok, reward_config={"timeout": 3})
+
+
+def test_executor_copies_as_the_shared_executor():
+    import copy
+    import pickle
+
+    ex = RewardExecutor(count_reward, workers=0)
+    clone = copy.deepcopy(ex)
+    assert clone is shared_executor(count_reward, workers=0) and clone is not ex
+    assert pickle.loads(pickle.dumps(ex)) is clone
+    assert clone.run(["p"], ["11"], [None]).rewards == [2.0]

@@ -393,9 +393,10 @@ class RLModule(L.LightningModule):
 
     @property
     def reward_executor(self) -> RewardExecutor:
-        """The process-wide executor of ``reward_fn`` with ``reward_config`` (workers start on first use)."""
+        """The process-wide executor of ``reward_fn`` with ``reward_config`` (workers start on first use; a new one if
+        ``reward_fn`` was replaced)."""
         executor = self.__dict__.get("_reward_executor")
-        if executor is None or executor.closed:
+        if executor is None or executor.closed or executor.reward is not self.reward_fn:
             executor = self.__dict__["_reward_executor"] = shared_executor(self.reward_fn, self.reward_cfg)
         return executor
 

@@ -667,6 +667,11 @@ class RewardExecutor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __reduce__(self) -> tuple:
+        """Pickled (or deep-copied) as its reward and config; restored as the process's :func:`shared_executor` for
+        them (a pool of processes cannot be copied)."""
+        return shared_executor, (self.reward, self.config)
+
     def __repr__(self) -> str:
         where = "in process" if self.in_process else f"{self.workers} workers"
         return f"RewardExecutor({self.reward!r}, {where}, timeout_s={self.config.timeout_s})"
