@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, header
+from common import ROOT, bench, header
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
@@ -35,6 +35,27 @@ def decode_case(b: int, ctx: int, page: int = 16):
     cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
     return q, kc, vc, tables, cu, lens
+
+
+def graph_us(fn, reps: int = 200) -> float:
+    """Mean microseconds of one CUDA-graph replay of ``fn`` (one call captured; launch overhead excluded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
 
 
 def run(split: int, fn):
@@ -75,7 +96,7 @@ def main() -> int:
                 return ta.attention_paged(qd, kcd, vcd, tbl, cud, lens, scale)
 
             print(f"[split_kv_sweep] split {split} decode b={b} ctx={ctx}", flush=True)
-            row[f"decode_b{b}_ctx{ctx}_us"] = run(split, lambda step=step: bench_graph(step)) * 1e3
+            row[f"decode_b{b}_ctx{ctx}_us"] = run(split, lambda step=step: graph_us(step))
         for b, s in PREFILL:
             qp, kp, vp = (torch.randn(b * s, h, D, device="cuda").bfloat16() for h in (HQ, HKV, HKV))
             cup = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
