@@ -11,6 +11,7 @@ date, versions, CPU count and the load average, since the machine may be shared.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import random
@@ -97,6 +98,7 @@ def main() -> None:
     out.update(
         {
             "commit": git_commit(),
+            "math_verify_version": importlib.metadata.version("math-verify"),
             "samples": args.samples,
             "cpus": all_cores,
             "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
