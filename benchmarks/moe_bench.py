@@ -348,7 +348,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="layer token counts (default 1 64 1024 16384)")
     ap.add_argument("--sections", nargs="+", default=["gemm", "layer", "rollout", "train_step"],
                     help="also: sweep (grouped-GEMM launch configurations, GPU only)")  # fmt: skip
-    ap.add_argument("--rollout-layers", type=int, default=None, help="decoder layers of the rollout model (default 4)")
+    ap.add_argument("--rollout-layers", type=int, default=None, help="decoder layers of the rollout model (default 8)")
     ap.add_argument("--batch", type=int, default=None, help="rollout batch (default 64)")
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
@@ -358,7 +358,7 @@ def main() -> int:
     shape = SMALL if args.small else A3B
     dtype = torch.bfloat16
     args.tokens = args.tokens or ([1, 16, 64] if args.small else [1, 64, 1024, 16384])
-    args.rollout_layers = args.rollout_layers or (2 if args.small else 4)
+    args.rollout_layers = args.rollout_layers or (2 if args.small else 8)
     args.batch = args.batch or (4 if args.small else 64)
     args.prompt_len = args.prompt_len or (8 if args.small else 128)
     args.new_tokens = args.new_tokens or (4 if args.small else 128)
