@@ -154,6 +154,15 @@ def test_rollout_equals_trainer_fp32(moe_fp32) -> None:
     assert_exact(moe_fp32, outs)
 
 
+def test_rollout_equals_trainer_qwen2_moe_bf16() -> None:
+    """Qwen2-MoE: shared expert with its sigmoid gate, qkv bias, bf16."""
+    model = rlexact.exactify(tiny_moe("qwen2_moe", hidden=64, dtype=torch.bfloat16, seed=3))
+    outs = Generator(model, max_num_batched_tokens=16, block_size=4).generate(
+        prompts_for(7, VOCAB, lo=2, hi=20, seed=5), SamplingParams(max_new_tokens=5, seed=6)
+    )
+    assert_exact(model, outs)
+
+
 @pytest.mark.parametrize("budget", [13, 64])
 def test_rollout_equals_trainer_bf16_chunked(moe_bf16, budget: int) -> None:
     gen = Generator(moe_bf16, max_num_batched_tokens=budget, max_num_seqs=6, block_size=4)
