@@ -1,6 +1,6 @@
 """Split-KV attention on CPU: keys cut at fixed absolute positions every ``ATTN_SPLIT`` keys, partials merged in
-ascending order, the same in training, chunked prefill and decode. The production split (2,048 keys) is longer than
-these sequences, so the tests shrink it to one key tile (several splits on short sequences)."""
+ascending order, the same in training, chunked prefill and decode. The production split is longer than these
+sequences, so the tests shrink it to one key tile (several splits on short sequences)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ ATTN_BLOCK_N = 64
 """Keys per attention tile; tile ``j`` covers absolute key positions ``[j * ATTN_BLOCK_N, (j + 1) * ATTN_BLOCK_N)``."""
 ATTN_GROUP = 8
 """Query tiles processed together in one fixed-shape batched matmul (padded with idle tiles)."""
-ATTN_SPLIT = 2048
+ATTN_SPLIT = 1024
 """Keys per KV split (a multiple of :data:`ATTN_BLOCK_N`); split ``s`` covers absolute key positions
 ``[s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT)``."""
 

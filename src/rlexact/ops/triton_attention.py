@@ -33,8 +33,9 @@ programs past a tile's last split exit at once), so the launch needs no host syn
 capturable; so is the split-parallel workspace (fp32 partials, sized from the same shapes).
 
 Backward (:func:`attention_varlen_backward`) is FA2-style and deterministic (no atomics): the forward kernel is rerun
-to get the log-sum-exp of the split-merged forward (the same splits, so the same ``lse`` as the forward), one kernel computes dK/dV per key tile looping over the group's query heads and query tiles
-in a fixed order, another computes dQ per query tile looping over key tiles.
+to get the log-sum-exp of the split-merged forward (the same splits, so the same ``lse`` as the forward), one kernel
+computes dK/dV per key tile looping over the group's query heads and query tiles in a fixed order, another computes
+dQ per query tile looping over key tiles.
 
 Under ``TRITON_INTERPRET=1`` (CPU) the dots of 16-bit inputs are upcast to fp32 because the interpreter's bf16
 ``tl.dot`` is broken; on the GPU they run on tensor cores with fp32 accumulation. fp32 dots use
@@ -72,10 +73,14 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-SPLIT_KEYS_16BIT = 2048
-"""Keys per KV split (``SPLIT``) for bf16/fp16 at every head_dim: a multiple of every 16-bit ``BLOCK_N``."""
+SPLIT_KEYS_16BIT = 1024
+"""Keys per KV split (``SPLIT``) for bf16/fp16 at every head_dim (a multiple of every 16-bit ``BLOCK_N``). Chosen
+from ``benchmarks/split_kv_sweep.py`` at head_dim 128 (16 query / 8 KV heads): among 512 ... 8192 and no split,
+1,024 and 2,048 keys tie on the summed long-context decode time; 1,024 is faster for the few-sequence long tail
+(batch 1-4 at 8k keys), 2,048 for batch 32 at 8k and batch 4 at 32k keys. Short contexts (one split) and the
+prefill/training forward do not depend on it measurably."""
 SPLIT_KEYS_FP32 = 2048
-"""Keys per KV split (``SPLIT``) for fp32 at every head_dim: a multiple of every fp32 ``BLOCK_N``."""
+"""Keys per KV split (``SPLIT``) for fp32 at every head_dim (a multiple of every fp32 ``BLOCK_N``; not swept)."""
 
 
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
@@ -139,8 +144,8 @@ def _locate_tile(cu_ptr, num_seqs, slot, TILE: tl.constexpr, SCAN: tl.constexpr)
 def _merge_split(m, s, acc, m2, s2, acc2):
     """Fold the fp32 partial ``(m2, s2, acc2)`` (max, sum, accumulator) of the next KV split into the running
     ``(m, s, acc)``. Explicit fused multiply-adds fix the rounding (no compiler contraction choice), so every kernel
-    that merges computes the same bits. Merging into the empty state ``(-inf, 0, 0)`` returns the partial exactly; merging an empty partial is an
-    exact no-op."""
+    that merges computes the same bits. Merging into the empty state ``(-inf, 0, 0)`` returns the partial exactly;
+    merging an empty partial is an exact no-op."""
     m_new = tl.maximum(m, m2)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.math.exp2(m - m_use)
