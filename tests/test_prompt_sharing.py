@@ -94,3 +94,18 @@ def test_negative_control_without_copy_on_write(qwen, monkeypatch) -> None:
     bad = Generator(qwen, block_size=4).generate(prompts, params)
     assert torch.equal(bad[0].logprobs, good[0].logprobs)  # the sample that prefilled is unaffected
     assert any(not torch.equal(x.logprobs, y.logprobs) for x, y in zip(bad[1:], good[1:]))
+
+
+def test_block_copies_apply_in_order() -> None:
+    """Copy-on-write copies of one step that chain (a block copied from a block filled by an earlier copy) are
+    applied in order; independent copies in one batched gather/scatter."""
+    from types import SimpleNamespace
+
+    data = torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).reshape(2, 2, 4, 3)  # [layers, k/v, blocks, slots]
+    fake = SimpleNamespace(cache=SimpleNamespace(data=data.clone()), _to_device=lambda t: t)
+    ModelRunner._copy_blocks(fake, [(0, 1), (1, 2)])
+    for blk in (1, 2):
+        assert torch.equal(fake.cache.data[:, :, blk], data[:, :, 0])
+    fake.cache.data = data.clone()
+    ModelRunner._copy_blocks(fake, [(0, 2), (1, 3)])
+    assert torch.equal(fake.cache.data[:, :, 2:], data[:, :, :2])

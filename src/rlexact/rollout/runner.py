@@ -252,8 +252,12 @@ class ModelRunner:
         """Copy-on-write of forked prompt blocks: block ``dst`` gets block ``src``'s slots in every layer (K and V)."""
         if not copies:
             return
-        src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
         data = self.cache.data
+        if {s for s, _ in copies} & {d for _, d in copies}:  # a copy reads a block another one writes: in order
+            for s, d in copies:
+                data[:, :, d].copy_(data[:, :, s])
+            return
+        src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
         data.index_copy_(2, dst, data.index_select(2, src))
 
     def _eager_step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
