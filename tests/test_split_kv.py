@@ -73,6 +73,18 @@ def test_split_size_changes_bits_past_the_first_split(monkeypatch) -> None:
     assert not torch.equal(split[SPLIT:], whole[SPLIT:])
 
 
+@pytest.mark.parametrize("split", [1, 16, 64, 1000])
+def test_reference_split_decomposition_equals_dense(split) -> None:
+    """The split-then-merge decomposition the kernels compute is the dense softmax (float64, to rounding)."""
+    q, k, v, _ = _inputs([150], 4, 2, 16, torch.float64, seed=2)
+    for start, nq in ((0, 150), (149, 1), (40, 33)):
+        dense = reference.attention_sequence(q[start : start + nq], k[: start + nq], v[: start + nq], start, 0.25)
+        split_ = reference.attention_sequence_split(
+            q[start : start + nq], k[: start + nq], v[: start + nq], start, 0.25, split
+        )
+        assert (split_ - dense).abs().max().item() < 1e-12
+
+
 def test_generator_exact_with_several_splits(small_split) -> None:
     """Prompts spanning several splits, shared by n = 2 samples, chunked prefill, preemption and shuffled pages:
     every log-prob equals the trainer's (which uses the same split structure)."""

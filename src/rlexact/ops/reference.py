@@ -48,6 +48,36 @@ def attention_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_star
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vq)
 
 
+def attention_sequence_split(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float, split: int
+) -> torch.Tensor:
+    """:func:`attention_sequence` computed the way the exact kernels decompose it: keys cut into splits of ``split``
+    keys anchored at position 0, one ``(max, sum, acc)`` partial per split, folded in ascending split order
+    (``m = max(m, m_s)``, ``sum = sum * exp(m_old - m) + sum_s * exp(m_s - m)``, likewise ``acc``), then
+    ``acc / sum``. Equal to the dense softmax in exact arithmetic; in the dtype of the inputs (use float64)."""
+    nq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    kq = k.repeat_interleave(hq // hkv, dim=1)
+    vq = v.repeat_interleave(hq // hkv, dim=1)
+    qpos = q_start + torch.arange(nq, device=q.device)
+    m = torch.full((hq, nq), float("-inf"), dtype=q.dtype, device=q.device)
+    total = torch.zeros((hq, nq), dtype=q.dtype, device=q.device)
+    acc = torch.zeros((hq, nq, d), dtype=q.dtype, device=q.device)
+    for lo in range(0, lk, split):
+        kpos = torch.arange(lo, min(lk, lo + split), device=q.device)
+        scores = torch.einsum("qhd,khd->hqk", q, kq[kpos]) * scale
+        scores = scores.masked_fill((kpos[None, :] > qpos[:, None])[None], float("-inf"))
+        m_s = scores.amax(-1)
+        m_new = torch.maximum(m, m_s)
+        m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - torch.where(torch.isinf(m_s), torch.zeros_like(m_s), m_s)[..., None])
+        a, b = torch.exp(m - m_use), torch.exp(m_s - m_use)
+        total = total * a + p.sum(-1) * b
+        acc = acc * a[..., None] + torch.einsum("hqk,khd->hqd", p, vq[kpos]) * b[..., None]
+        m = m_new
+    return (acc / total[..., None]).transpose(0, 1)
+
+
 def attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
