@@ -1,42 +1,22 @@
 """The RL LightningModule: rollout -> reward -> advantages -> old log-probs -> RL callbacks -> PPO epochs.
 
-One ``training_step`` is one *rollout step* (manual optimization):
-
-1. **Rollout.** The prompts of the data batch go to :class:`rlexact.rollout.Generator`, which the module creates
-   lazily on its own model object (no weight copy: the generator and the trainer share the parameters), ``n`` samples
-   per prompt, under ``no_grad`` and ``model.eval()`` (the model has no dropout, so train/eval mode does not change the
-   numerics; the exactness contract relies on that).
-2. **Rewards** of the decoded completions, validated with :func:`rlexact.rewards.check_rewards` (a NaN/inf names the
-   sample, a count mismatch is an error).
-3. **Advantages** (GRPO / RLOO within each prompt's group, REINFORCE whitening over the batch); optional dynamic
-   sampling drops the groups whose rewards are all equal.
-4. **pi_old** by ``old_logprob_mode``: ``exact`` (the rollout log-probs, bitwise equal to the trainer's: no recompute
-   forward), ``recompute`` (no-grad trainer forward at the rollout weights) or ``bypass`` (the rollout log-probs even
-   though the generator is not exact). The packed :class:`rlexact.batch.RolloutBatch` is built;
-   ``batch.trainer_logprobs`` is computed when the mode is ``recompute`` or an RL callback sets
-   ``needs_trainer_logprobs``.
-5. ``on_rl_batch`` of every :class:`rlexact.callbacks.base.RLCallback`, in callback-list order.
-6. ``ppo_epochs`` x mini-batches: packed forward with grad, ``on_rl_minibatch`` hooks (they may change the mini-batch's
-   ``token_weights`` / ``loss_mask``), the policy loss (``token_weights`` multiply the per-token loss), aggregation, the
-   optional KL and entropy terms, ``manual_backward``, gradient clipping, optimizer step, LR-scheduler step, zero_grad.
-   A mini-step without any token left in the loss is skipped with a warning.
-7. ``on_rl_update_end`` hooks.
+One ``training_step`` is one *rollout step* (manual optimization); docs/design.md §3 walks through it, and each stage
+lives in :mod:`rlexact.trainer`. The module keeps the Lightning hooks, the override points of a subclass
+(``generate``, ``compute_rewards``, ``compute_advantages``, ``build_batch``, ``score_batch``, ``policy_loss``) and the
+order of the stages.
 
 Counters: Lightning's ``global_step`` counts **optimizer steps** (``ppo_epochs x mini-batches`` per rollout step, or
-fewer when mini-steps are skipped), so ``Trainer(max_steps=...)`` bounds optimizer steps (checked after each
-rollout step, so the last rollout step may overshoot by up to its mini-steps minus one). :attr:`RLModule.rollout_step`
-counts rollout steps (training_step calls); it is logged as ``rollout_step``, saved in checkpoints, and seeds the
-sampler and the mini-batch shuffle, so a resumed run continues the same sequence. LR schedulers step once per
+fewer when mini-steps are skipped), so ``Trainer(max_steps=...)`` bounds optimizer steps (checked after each rollout
+step, so the last rollout step may overshoot by up to its mini-steps minus one). :attr:`RLModule.rollout_step`
+counts rollout steps; it is logged as ``rollout_step`` and saved in checkpoints. LR schedulers step once per
 optimizer step.
 
-Data parallelism (FSDP2 via ``ModelParallelStrategy``): every rank generates for its own shard of the prompts (the
-DataLoader is sharded by rank), with its own sampler seed. All ``n`` samples of a prompt stay on the rank that holds
-the prompt, so GRPO/RLOO groups are never split across ranks and group advantages are computed locally; REINFORCE
-whitening uses the global batch statistics (an all-reduce of a few scalars). The loss is aggregated per rank and FSDP
-averages gradients over ranks. Rollout and no-grad scoring run with every parameter gathered once (ranks decode
-different numbers of steps); ranks may keep different numbers of sequences (dynamic sampling), so the number of
-mini- and micro-batches is padded to the maximum over ranks with no-loss placeholder batches, keeping FSDP's
-collectives aligned. Exactness holds per rank: FSDP all-gathers whole parameters, nothing is reduced inside a forward.
+Data parallelism (FSDP2 via ``ModelParallelStrategy``): every rank generates for its own shard of the prompts, and
+all ``n`` samples of a prompt stay on its rank, so GRPO / RLOO groups are local; REINFORCE whitening and every
+logged metric are reduced over ranks (:mod:`rlexact.reduction`). FSDP averages the gradients. Ranks may keep
+different numbers of sequences (dynamic sampling), so the number of mini- and micro-batches is padded to the maximum
+over ranks with no-loss placeholder batches, which keeps FSDP's collectives aligned. Exactness holds per rank
+(docs/design.md §2.5).
 """
 
 from __future__ import annotations
@@ -497,7 +477,6 @@ class RLModule(L.LightningModule):
             rank_zero_warn(
                 f"rollout step {self.rollout_step}: dynamic sampling dropped every group (all rewards equal within "
                 "each group); no optimizer step",
-                stacklevel=2,
             )
             self._finish_step(metrics, rl_batch, callbacks, updated=False, timer=timer)
             return None

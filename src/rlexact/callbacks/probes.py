@@ -298,7 +298,7 @@ class MismatchProbe(RLCallback):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            rank_zero_warn(message, stacklevel=3)
+            rank_zero_warn(message, stacklevel=5)
 
     def _argmax_flip(self, pl_module: Any, batch: RolloutBatch) -> float | None:
         """Local argmax flip rate over response tokens (``None`` when the module has no exactified policy model)."""

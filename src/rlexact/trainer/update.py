@@ -226,7 +226,6 @@ class PPOUpdate:
             rank_zero_warn(
                 f"rollout step {host.rollout_step}, epoch {epoch}, mini-batch {step}: no token left in the loss "
                 "(every token masked or rejected); skipping this optimizer step",
-                stacklevel=2,
             )
             stats.skipped += 1
             if single:  # release the graph (FSDP: run the backward so the hooks complete) without a step
