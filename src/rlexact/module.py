@@ -449,6 +449,7 @@ class RLModule(L.LightningModule):
         metrics["rollout/seconds"] = timing["seconds"]
 
         # (2) rewards, (3) advantages
+        self.reward_result = None
         with timer("scoring"):
             scores = self.compute_rewards(items, completions, n)
         group_ids = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
@@ -458,7 +459,6 @@ class RLModule(L.LightningModule):
         if self.reward_result is not None:  # None when an override of compute_rewards does not set it
             metrics.update(reward_stage.execution_metrics(self.reward_result, self.device))
             reward_stage.log_reward_examples(self.loggers, self.reward_result, self.rollout_step)
-            self.reward_result = None
 
         keep = torch.ones(len(completions), dtype=torch.bool)
         num_kept = len(completions)  # > 0 on every rank without dynamic sampling
