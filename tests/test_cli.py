@@ -206,3 +206,53 @@ def test_tiny_fit_and_validate(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         cli = main(["validate", "--config", str(path)])
     assert "val/reward" in cli.trainer.callback_metrics
+
+
+def test_command_line_has_no_args_warning(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from rlexact.cli import entry
+
+    monkeypatch.setattr(sys, "argv", ["rlexact", "fit", "--help"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exc:
+        warnings.simplefilter("always")
+        entry()
+    assert exc.value.code in (0, None)
+    assert not [w for w in caught if "args parameter" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_model_argument_help_text(capsys: pytest.CaptureFixture) -> None:
+    from rlexact.cli import entry
+
+    with pytest.raises(SystemExit):
+        entry(["fit", "--model.help", "rlexact.RLModule"])
+    out = capsys.readouterr().out
+    help_of_model = out.rsplit("--model.model MODEL", 1)[1].split("--model.", 1)[0]
+    assert "a transformers causal LM object" in " ".join(help_of_model.split())
+
+
+def test_packaged_recipe_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlexact.cli import _packaged_configs
+
+    monkeypatch.chdir(tmp_path)
+    resolved = _packaged_configs(["fit", "--config", "grpo_qwen3_1p7b.yaml", "-c", "corrections/srs-k3-ppo-ratio"])
+    assert Path(resolved[2]).resolve() == (CONFIGS / "grpo_qwen3_1p7b.yaml").resolve()
+    assert Path(resolved[4]).resolve() == (CONFIGS / "corrections" / "srs-k3-ppo-ratio.yaml").resolve()
+    (tmp_path / "grpo_qwen3_1p7b.yaml").write_text("{}")  # a file in the working directory wins
+    assert _packaged_configs(["--config=grpo_qwen3_1p7b.yaml"]) == ["--config=grpo_qwen3_1p7b.yaml"]
+
+
+def test_validate_without_val_path_names_it(tmp_path: Path) -> None:
+    cfg = yaml.safe_load(tiny_yaml(tmp_path).read_text())
+    del cfg["data"]["init_args"]["val_path"]
+    path = tmp_path / "no_val.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=r"validation needs evaluation prompts.*data.init_args.val_path"):
+        main(["validate", "--config", str(path)])
+
+
+def test_export_errors(tmp_path: Path) -> None:
+    from rlexact.cli import entry
+
+    with pytest.raises(FileNotFoundError, match="checkpoint .*missing.ckpt' does not exist"):
+        entry(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="is a folder .*export needs a full checkpoint file"):
+        entry(["export", str(tmp_path), str(tmp_path / "out")])

@@ -416,3 +416,64 @@ def test_resumable_loader_rejects_other_data(tok, change, message):
     state = {"epoch": 0, "batches": 1, "batch_size": 3, "num_items": 7, "seed": 2, "shuffle": True, "num_replicas": 1}
     with pytest.raises(ValueError, match=message):
         dm.train_dataloader().load_state_dict({**state, **change})
+
+
+# --------------------------------------------------------------------------- checks against the policy
+
+
+def test_validate_without_val_path_names_the_setting(tok):
+    message = r"validation needs evaluation prompts: set PromptDataModule\(val_path=\.\.\.\)"
+    with pytest.raises(ValueError, match=message):
+        PromptDataModule([{"prompt": "1+1="}], tokenizer=tok).setup("validate")
+
+
+def test_packaged_names_resolve_and_unknown_ones_error():
+    from rlexact.resources import checkpoint_path, config_path, resolve
+
+    assert resolve("demo") == resolve("rlexact://demo") == checkpoint_path()
+    assert resolve("rlexact://demo/data/train.jsonl").endswith("demo/assets/data/train.jsonl")
+    assert config_path("demo") == config_path("demo.yaml") == resolve("rlexact://configs/demo.yaml")
+    assert config_path("no_such_recipe") is None and resolve("/some/path") == "/some/path"
+    with pytest.raises(FileNotFoundError, match="unknown packaged name 'rlexact://models/x'"):
+        resolve("rlexact://models/x")
+    with pytest.raises(FileNotFoundError, match="no packaged recipe 'rlexact://configs/nope'"):
+        resolve("rlexact://configs/nope")
+
+
+def test_tokenizer_agreement(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlexact.trainer.data_checks import same_tokenizer
+
+    tok.save_pretrained(tmp_path / "tok")
+    assert same_tokenizer("demo-char", tok, str(tmp_path / "tok"), AutoTokenizer.from_pretrained(tmp_path / "tok"))
+    other = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"the data's tokenizer \('other'\) differs from the module's \('demo-char'\)"):
+        same_tokenizer("demo-char", tok, "other", other)
+
+
+def test_token_ids_and_prompt_lengths_checked_before_training(tok):
+    import lightning as L
+
+    from models import tiny_rl_config
+    from rlexact import RLModule
+    from rlexact.trainer.data_checks import check_token_ids
+
+    with pytest.raises(ValueError, match="contain token id 60, but the model's vocabulary has 50 tokens"):
+        check_token_ids(60, 50, "d.jsonl")
+
+    def fit(rows, max_new_tokens, vocab=None):
+        config = tiny_rl_config(vocab or len(tok), max_pos=16)
+        module = RLModule(model_config=config, tokenizer=tok, reward="arithmetic",
+                          rollout={"n": 2, "max_new_tokens": max_new_tokens})  # fmt: skip
+        trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu")  # fmt: skip
+        trainer.fit(module, datamodule=PromptDataModule(rows, tokenizer=tok, batch_size=2))
+        return module
+
+    rows = [{"prompt": "1+1="}, {"prompt": "12345+12345="}]
+    with pytest.raises(ValueError, match=r"longest prompt \(dataset row 1\) has 12 tokens.*max_prompt_length=6"):
+        fit(rows, max_new_tokens=10)
+    with pytest.raises(ValueError, match="contain token id .* but the model's vocabulary has 8 tokens"):
+        fit(rows, max_new_tokens=2, vocab=8)

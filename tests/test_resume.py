@@ -144,3 +144,20 @@ def test_atomic_save_replaces_and_rejects_remote_paths(tmp_path: Path) -> None:
     assert torch.load(tmp_path / "x.pt", weights_only=True) == {"a": 2}
     with pytest.raises(ValueError, match="writes local files only"):
         AtomicCheckpointIO().save_checkpoint({}, "s3://bucket/x.ckpt")
+
+
+def test_export_checkpoint_to_transformers_folder(runs: dict[str, dict], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.export import export_checkpoint
+
+    out = export_checkpoint(runs["step3"]["path"], tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    saved = torch.load(runs["step3"]["path"], weights_only=True)["state_dict"]
+    exported = model.state_dict()
+    for key, value in saved.items():  # "model.<name>" in the Lightning checkpoint
+        assert torch.equal(exported[key.removeprefix("model.")], value), key
+    tok = AutoTokenizer.from_pretrained(out)  # the tokenizer is saved without being passed
+    assert tok.get_vocab() == build_char_tokenizer().get_vocab()
+    assert "rlexact" not in (Path(out) / "config.json").read_text()
