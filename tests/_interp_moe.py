@@ -26,6 +26,11 @@ def check_router() -> None:
     w, ids = ops.moe_router(ties, 2, True, backend=T)
     assert ids.tolist() == [[0, 1], [1, 2], [1, 3]], ids.tolist()
     assert torch.equal(w[0], torch.tensor([0.5, 0.5]))
+    nan_row = torch.randn(3, 6)
+    nan_row[1] = float("nan")
+    w, ids = ops.moe_router(nan_row, 2, True, backend=T)
+    assert ids.min() >= 0 and ids.max() < 6  # whatever a NaN row selects, it is a valid expert
+    assert torch.equal(w[[0, 2]], ops.moe_router(nan_row[[0, 2]], 2, True, backend=T)[0])
     cases = [(8, 2, True, torch.float32), (12, 3, False, torch.float32), (16, 4, True, torch.bfloat16)]
     for e, k, norm, dtype in cases:
         z = torch.randn(10, e).to(dtype)

@@ -111,6 +111,7 @@ def _router_kernel(
     for j in tl.static_range(TOP_K):
         v = tl.max(p, axis=0)
         i = tl.min(tl.where(p == v, offs, BLOCK_E), axis=0)  # lowest expert index among equal probabilities
+        i = tl.minimum(i, E - 1)  # a NaN row matches nothing: keep its ids in range (the NaN stays in that row)
         top = tl.where(kk == j, v, top)
         sel = tl.where(kk == j, i.to(tl.int64), sel)
         total = total + v
