@@ -73,9 +73,9 @@ def test_shared_prompts_equal_unshared_and_trainer(qwen) -> None:
 
 
 def test_shared_prompts_with_preemption_and_shuffled_pages(qwen) -> None:
-    prompts = prompts_for(4, 97, lo=5, hi=15, seed=8)
-    params = SamplingParams(max_new_tokens=8, seed=2, n=3)
-    gen = Generator(qwen, num_kv_blocks=12, block_size=4, max_num_batched_tokens=20, shuffle_blocks=True)
+    prompts = prompts_for(3, 97, lo=5, hi=12, seed=8)
+    params = SamplingParams(max_new_tokens=6, seed=2, n=3)
+    gen = Generator(qwen, num_kv_blocks=9, block_size=4, max_num_batched_tokens=20, shuffle_blocks=True)
     outs = gen.generate(prompts, params)
     assert gen.stats["preemptions"] > 0 and gen.stats["prompt_forks"] > 0
     roomy = Generator(qwen, block_size=8, share_prompt_blocks=False).generate(prompts, params)
