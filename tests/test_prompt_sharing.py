@@ -109,3 +109,22 @@ def test_block_copies_apply_in_order() -> None:
     fake.cache.data = data.clone()
     ModelRunner._copy_blocks(fake, [(0, 2), (1, 3)])
     assert torch.equal(fake.cache.data[:, :, 2:], data[:, :, :2])
+
+
+def test_device_block_table_sync_last_write_wins() -> None:
+    """The decode graphs' copy of the block table follows the block manager through frees and reused rows: the
+    incremental sync applies the last write of an entry written twice since the previous sync."""
+    from types import SimpleNamespace
+
+    bm = BlockManager(num_blocks=16, block_size=4, max_rows=3, width=4)
+    fake = SimpleNamespace(bm=bm, _table_synced=False, _to_device=lambda t: t)
+    gs = SimpleNamespace(table=torch.full((4, 4), -1, dtype=torch.int32))
+    a, b, c = (Sequence(i, [1] * 9, i, 0, 4) for i in range(3))
+    assert bm.ensure(a, 8)
+    ModelRunner._sync_table(fake, gs)  # first sync: the whole table
+    assert torch.equal(gs.table[:3], bm.table)
+    bm.free(a)
+    assert bm.ensure(b, 12) and b.row == 0  # a's row again, other blocks: entries (0, 0), (0, 1) rewritten
+    assert bm.fork(b, c, 9) != (-1, -1)
+    ModelRunner._sync_table(fake, gs)
+    assert torch.equal(gs.table[:3], bm.table) and gs.table[3].eq(-1).all()
