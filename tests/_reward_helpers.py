@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from rlexact.rewards import PerSampleReward
+from rlexact.rewards import PerSampleReward, inside_reward_executor
 
 HANG = "hang forever"
 RAISE = "please raise"
@@ -35,3 +35,18 @@ class FailingReward(PerSampleReward):
 def count_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[float]:
     """A plain batch function (element-wise): the number of '1' characters in each completion."""
     return [float(c.count("1")) for c in completions]
+
+
+class UnloadableReward(PerSampleReward):
+    """Pickles in the main process but refuses to load in a reward worker (like a notebook's ``__main__`` function)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0  # a non-empty state, so unpickling calls __setstate__
+
+    def __setstate__(self, state: dict) -> None:
+        if inside_reward_executor():
+            raise RuntimeError("this reward cannot be loaded in a worker")
+        self.__dict__.update(state)
+
+    def score(self, prompt: str, completion: str, answer: str | None) -> float:
+        return self.scale * len(completion)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from _reward_helpers import DIE, HANG, RAISE, FailingReward, SleepyReward, count_reward
+from _reward_helpers import DIE, HANG, RAISE, FailingReward, SleepyReward, UnloadableReward, count_reward
 from rlexact.rewards import (
     MathReward,
     RewardConfig,
@@ -189,6 +189,15 @@ def test_unpicklable_closure_warns_and_runs_in_process():
     assert ex.in_process
     assert ex.run(["p"] * 3, ["a", "bb", "ccc"], [None] * 3).rewards == [1.0, 2.0, 3.0]
     assert calls == [3]  # one call on the whole batch, as without an executor
+
+
+def test_reward_a_worker_cannot_load_falls_back_to_in_process():
+    with RewardExecutor(UnloadableReward(), workers=1) as ex:
+        assert not ex.in_process  # it pickles: the failure shows only in the worker
+        with pytest.warns(UserWarning, match=r"could not load it \(RuntimeError: this reward cannot be loaded"):
+            result = ex.submit(["p"] * 3, ["a", "bb", "ccc"], [None] * 3).result(timeout=60)
+        assert result.rewards == [1.0, 2.0, 3.0] and ex.in_process
+        assert ex.run(["p"], ["dddd"], [None]).rewards == [4.0]
 
 
 def test_in_process_batch_error_names_the_sample():

@@ -346,7 +346,7 @@ class _Pool:
 
     def loop(self) -> None:
         try:
-            while self.take_new(block=not self.todo and not any(w.items for w in self.procs)):
+            while self.take_new(block=not self.jobs):
                 if self.in_process:
                     self.todo.clear()
                     for job in list(self.jobs):
@@ -357,7 +357,7 @@ class _Pool:
                 self.receive()
                 self.enforce_deadlines()
         except BaseException as e:  # a scheduler bug must not leave callers waiting forever
-            for job in self.jobs:
+            for job in list(self.jobs):
                 self.fail(job, RuntimeError(f"the reward executor's scheduler failed: {type(e).__name__}: {e}"))
             raise
         finally:
