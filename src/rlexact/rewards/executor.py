@@ -472,7 +472,7 @@ class _Pool:
             self.sample_failed(job, i, f"the worker process died (exit code {w.proc.exitcode})", "")
 
     def retire(self, w: _Worker, *, kill: bool) -> None:
-        """Stop a worker (SIGKILL if it may be busy) and put the samples queued behind its current one back in front."""
+        """Stop a worker (SIGKILL if it may be busy); the samples queued behind its current one go back in front."""
         self.procs.remove(w)
         if kill:
             w.proc.kill()
@@ -486,7 +486,7 @@ class _Pool:
             w.proc.kill()
             w.proc.join()
         w.conn.close()
-        self.todo.extendleft(reversed(w.items))
+        self.todo.extendleft(item for item in reversed(w.items) if not item[0].done)
         w.items.clear()
 
     def settle(self, job: _Job, i: int, value: Any) -> None:
