@@ -211,8 +211,11 @@ def bench_layer(args: argparse.Namespace, shape: dict, device: torch.device, dty
         return ops.moe_experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj)
 
     engines = {"exact": exact, "grouped_mm": lambda x: block(x[None])[0], "eager": lambda x: eager(x[None])[0]}
-    res: dict = {"rows": [], "engines": {"grouped_mm": "transformers Qwen3MoeSparseMoeBlock, grouped_mm experts",
-                                         "eager": "transformers Qwen3MoeSparseMoeBlock, eager per-expert loop"}}
+    stock = stock_grouped_mm()
+    res: dict = {"rows": [], "engines": {
+        "grouped_mm": "transformers Qwen3MoeSparseMoeBlock, grouped_mm experts (on "
+                      f"{stock[0] if stock else 'its fallback loop'} when the device supports it)",
+        "eager": "transformers Qwen3MoeSparseMoeBlock, eager per-expert loop"}}  # fmt: skip
     big = max(args.tokens)
     for t in args.tokens:
         entry: dict = {"T": t}
