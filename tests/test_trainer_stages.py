@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models import tiny_model
+from models import tiny_model, tiny_rl_config
+from rlexact.demo.tokenizer import build_char_tokenizer
 from rlexact.logprobs import pack, packed_logprobs
 from rlexact.models import exactify
+from rlexact.module import RLModule
 from rlexact.reduction import MetricReducer, all_reduce
 from rlexact.rollout import eos_token_ids
 from rlexact.rollout.keyed_hash import request_key
@@ -49,6 +51,18 @@ def test_activation_checkpointing_same_logprobs_and_gradients(arch: str) -> None
     emb = ckpt.get_input_embeddings()
     with torch.no_grad():
         assert not emb(torch.tensor([1, 2])).requires_grad
+
+
+def test_rl_module_option_turns_on_checkpointing_for_the_policy_only() -> None:
+    tok = build_char_tokenizer()
+    kwargs = dict(model_config=tiny_rl_config(len(tok)), tokenizer=tok, algorithm={"kl_coef": 0.1})
+    module = RLModule(**kwargs, activation_checkpointing=True)
+    module.configure_model()
+    assert all(layer.gradient_checkpointing for layer in module.model.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in module.ref_model.model.layers)
+    plain = RLModule(**kwargs)
+    plain.configure_model()
+    assert not any(layer.gradient_checkpointing for layer in plain.model.model.layers)
 
 
 def test_activation_checkpointing_needs_support() -> None:
