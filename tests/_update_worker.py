@@ -132,7 +132,7 @@ def main(rank: int, out: str) -> None:
                 "local": local_grads,
                 "sync_calls": calls,
                 "lp_equal": all(torch.equal(a, b) for a, b in zip(lp_plain, lp_ckpt)),
-                "recomputed": attn_calls.n / 3,  # 3 micro-batches (2 + 1 padded placeholder or 3 real)
+                "recomputed": attn_calls.n / 3,  # 3 micro-batches of at most 2 sequences on each rank
                 "metrics": metrics,
                 "local_pg": local_pg,
                 "local_tokens": int(batch.loss_mask.sum()),
