@@ -419,11 +419,10 @@ class ModelRunner:
         b = len(seqs)
         gs = self._ensure_graph_state()
         kv_len = self._kv_bucket(max(len(s.block_table) for s in seqs)) if self.native else None
-        bucket, graph = self._pick_graph(gs, b, kv_len)
-        if graph is None:
-            return None
+        # inputs first: a capture's eager warm-up run executes the step, so it must see this step's rows (it then
+        # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
         self._sync_table(gs)
-        host = gs.host[:, :bucket]
+        host = gs.host
         host[:, :b] = torch.tensor(
             [
                 [s.tokens[-1] for s in seqs],
@@ -433,10 +432,12 @@ class ModelRunner:
             ],
             dtype=torch.long,
         )
-        if bucket > b:  # padding rows: token 0 at position 0 of the scratch row (the scratch block)
-            host[:, b:].zero_()
-            host[3, b:] = gs.table.shape[0] - 1
-        gs.ints[:, :bucket].copy_(host, non_blocking=True)
+        host[:, b:].zero_()  # padding rows: token 0 at position 0 of the scratch row (the scratch block)
+        host[3, b:] = gs.table.shape[0] - 1
+        gs.ints.copy_(host, non_blocking=True)
+        bucket, graph = self._pick_graph(gs, b, kv_len)
+        if graph is None:
+            return None
         graph.replay()
         for s in seqs:
             s.num_computed += 1
