@@ -1,7 +1,10 @@
 """One tiny CPU RL run for tests/test_resume.py: train to ``steps`` rollout steps (optionally resuming from a
 checkpoint), checkpoint every step, and write the prompt indices consumed per step and the final weights.
 
-Run in-process (:func:`run`) or as a new process: ``python tests/_resume_worker.py '<json kwargs>'``.
+Run in-process (:func:`run`) or as a new process: ``python tests/_resume_worker.py '<json kwargs>'``. With
+``"ranks": 2`` it is an FSDP2 run on 2 CPU processes (gloo, ``ModelParallelStrategy``; Lightning's launcher re-runs
+this script for rank 1): checkpoints are ``torch.distributed.checkpoint`` folders, each rank records its own
+prompts (``result_rank<r>.json``) and rank 0 writes the gathered full weights.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import sys
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -45,10 +49,15 @@ class Consumed(Callback):
         self.indices.append([int(item["index"]) for item in batch])
 
 
-def run(out_dir: str, steps: int, resume: str | None = None) -> dict:
+def run(out_dir: str, steps: int, resume: str | None = None, ranks: int = 1) -> dict:
     """Train to ``steps`` rollout steps; returns ``{"consumed", "weights", "rollout_step"}`` (``weights`` is a file
-    holding the final state dict)."""
+    holding the final full state dict)."""
     torch.set_num_threads(1)
+    strategy: Any = "auto"
+    if ranks > 1:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1)
     module = RLModule(
         model_config=tiny_rl_config(len(build_char_tokenizer())),
         tokenizer="demo-char",
@@ -61,6 +70,8 @@ def run(out_dir: str, steps: int, resume: str | None = None) -> dict:
     consumed = Consumed()
     trainer = L.Trainer(
         accelerator="cpu",
+        devices=ranks,
+        strategy=strategy,
         max_steps=steps * 2,  # 2 mini-batches of 2 sequences per rollout step: 2 optimizer steps each
         logger=False,
         enable_progress_bar=False,
@@ -76,13 +87,23 @@ def run(out_dir: str, steps: int, resume: str | None = None) -> dict:
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
         warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
         trainer.fit(module, datamodule=data, ckpt_path=resume)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     weights = os.path.join(out_dir, "weights.pt")
-    torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()}, weights)
-    return {"consumed": consumed.indices, "weights": weights, "rollout_step": int(module.rollout_step)}
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in full.items()}, weights)
+    return {
+        "consumed": consumed.indices,
+        "weights": weights,
+        "rollout_step": int(module.rollout_step),
+        "rank": trainer.global_rank,
+    }
 
 
 if __name__ == "__main__":
     kwargs = json.loads(sys.argv[1])
     result = run(**kwargs)
-    with open(os.path.join(kwargs["out_dir"], "result.json"), "w", encoding="utf-8") as f:
+    name = "result.json" if kwargs.get("ranks", 1) == 1 else f"result_rank{result['rank']}.json"
+    with open(os.path.join(kwargs["out_dir"], name), "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -5,7 +5,9 @@ load with torch's default ``weights_only=True``, and atomic checkpoint writes.
   the same order (across the epoch boundary) and the final weights are bitwise equal;
 - negative control: the same resume from a checkpoint without the data order's state replays the epoch's first
   prompts and ends with other weights;
-- two same-seed runs (in-process and in a new process) end with bitwise-equal weights.
+- two same-seed runs (in-process and in a new process) end with bitwise-equal weights;
+- the same resume with 2 gloo ranks under FSDP2 (distributed-checkpoint folders): every rank consumes the same prompts
+  and the gathered weights are bitwise equal.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from rlexact.checkpoint import AtomicCheckpointIO, atomic_torch_save
 TESTS = Path(__file__).resolve().parent
 
 
-def spawn(out_dir: Path, steps: int, resume: str | None = None) -> subprocess.Popen:
+def spawn(out_dir: Path, steps: int, resume: str | None = None, ranks: int = 1) -> subprocess.Popen:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    args = json.dumps({"out_dir": str(out_dir), "steps": steps, "resume": resume})
+    env.update(OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    args = json.dumps({"out_dir": str(out_dir), "steps": steps, "resume": resume, "ranks": ranks})
     return subprocess.Popen(
         [sys.executable, str(TESTS / "_resume_worker.py"), args],
         env=env,
@@ -39,10 +43,10 @@ def spawn(out_dir: Path, steps: int, resume: str | None = None) -> subprocess.Po
     )
 
 
-def finish(proc: subprocess.Popen, out_dir: Path) -> dict:
-    out, _ = proc.communicate(timeout=300)
+def finish(proc: subprocess.Popen, out_dir: Path, name: str = "result.json") -> dict:
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
-    return json.loads((out_dir / "result.json").read_text())
+    return json.loads((out_dir / name).read_text())
 
 
 def weights(result: dict) -> dict[str, torch.Tensor]:
@@ -161,3 +165,26 @@ def test_export_checkpoint_to_transformers_folder(runs: dict[str, dict], tmp_pat
     tok = AutoTokenizer.from_pretrained(out)  # the tokenizer is saved without being passed
     assert tok.get_vocab() == build_char_tokenizer().get_vocab()
     assert "rlexact" not in (Path(out) / "config.json").read_text()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_rank_resume_is_exact(tmp_path: Path) -> None:
+    """6 steps vs 3 + resume on 2 gloo ranks (ModelParallelStrategy, sharded distributed checkpoints)."""
+    procs = {name: spawn(tmp_path / name, steps, ranks=2) for name, steps in (("full", 6), ("part", 3))}
+    for name, proc in procs.items():
+        finish(proc, tmp_path / name, "result_rank0.json")
+    step3 = tmp_path / "part" / "ckpt" / "epoch=1-step=6.ckpt"  # 2 batches per epoch and rank: mid-epoch 1
+    assert step3.is_dir() and (step3 / "meta.pt").is_file()  # a torch.distributed.checkpoint folder
+    finish(spawn(tmp_path / "resumed", 6, str(step3), ranks=2), tmp_path / "resumed", "result_rank0.json")
+    for rank in (0, 1):
+        full, part, resumed = (
+            json.loads((tmp_path / name / f"result_rank{rank}.json").read_text())
+            for name in ("full", "part", "resumed")
+        )
+        assert part["consumed"] == full["consumed"][:3]
+        assert resumed["consumed"] == full["consumed"][3:]
+    first = [json.loads((tmp_path / "full" / f"result_rank{r}.json").read_text())["consumed"] for r in (0, 1)]
+    assert first[0] != first[1]  # the ranks hold different shards of the data
+    full_w = torch.load(tmp_path / "full" / "weights.pt", weights_only=True)
+    assert bitwise_equal(torch.load(tmp_path / "resumed" / "weights.pt", weights_only=True), full_w)
+    assert not bitwise_equal(torch.load(tmp_path / "part" / "weights.pt", weights_only=True), full_w)
