@@ -98,15 +98,25 @@ def test_shadow_arguments_are_validated():
 def test_shadow_without_mismatch_gives_cosine_exactly_one_and_with_mismatch_does_not():
     clean = ShadowCorrection(mismatch="inject", scale=0.0, prefix="clean")
     same = ShadowCorrection(mismatch=lambda m, b: b.trainer_logprobs.clone(), prefix="same")
+    # an exact re-scoring source, probed on both mini-steps: mu must be taken at the rollout weights, not after the
+    # first optimizer step (the second mini-step would then see the policy's movement as a mismatch)
+    rescored = ShadowCorrection(mismatch=lambda m, b: m.score_batch(b), all_ministeps=True, prefix="rescored")
     noisy = ShadowCorrection(mismatch="inject", scale=0.5, prefix="noisy")
-    _fit(Arm("exact"), [clean, same, noisy])
-    for cb in (clean, same):
-        m = cb.last_metrics
-        assert m[f"{cb.prefix}/mismatch_k3_mean"] == 0.0
-        for name in SHADOW_CORRECTIONS:
-            assert m[f"{cb.prefix}/{name}/cosine"] == 1.0, name
-            assert m[f"{cb.prefix}/{name}/norm_ratio"] == 1.0, name
-            assert m[f"{cb.prefix}/{name}/masked_frac"] == 0.0, name
+    _fit(Arm("exact"), [clean, same, rescored, noisy])
+    assert [row["ministep"] for row in rescored.history] == [0.0, 1.0]
+    for cb in (clean, same, rescored):
+        for m in cb.history:
+            assert m[f"{cb.prefix}/mismatch_k3_mean"] == 0.0
+            for name in SHADOW_CORRECTIONS:
+                if name == "srs-k3-ppo-ratio" and m["ministep"] > 0:
+                    continue  # its signal pi_theta / mu also measures the policy's movement (below)
+                assert m[f"{cb.prefix}/{name}/cosine"] == 1.0, name
+                assert m[f"{cb.prefix}/{name}/norm_ratio"] == 1.0, name
+                assert m[f"{cb.prefix}/{name}/masked_frac"] == 0.0, name
+    # after the first optimizer step, r_ppo^rollout = pi_theta / pi_old != 1 without any mismatch: the ppo-ratio
+    # rejection drops sequences for the policy's own movement, so it departs from the exact gradient
+    later = rescored.history[1]
+    assert later["rescored/srs-k3-ppo-ratio/masked_frac"] > 0.0 and later["rescored/srs-k3-ppo-ratio/cosine"] < 1.0
     m = noisy.last_metrics
     assert m["noisy/none/cosine"] == 1.0  # recompute without correction ignores the reported numbers
     assert m["noisy/tis/cosine"] < 1.0 and m["noisy/bypass/cosine"] < 1.0

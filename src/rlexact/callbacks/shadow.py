@@ -30,7 +30,9 @@ gradient bit for bit and :func:`gradient_agreement` returns a cosine and a norm 
 
 Scope: the policy-gradient term only (KL and entropy terms are the same for every correction and left out); one
 process (the dot products are not reduced across data-parallel ranks: a clear error under ``torch.distributed``).
-Cost per probed mini-step: one forward with grad and ``1 + len(corrections)`` backward passes.
+``mu`` is computed once per probed rollout step, in ``on_rl_batch`` at the rollout weights (for ``"native"`` and
+callables one no-grad scoring pass of the batch), and gathered for each mini-batch by matching its sequences. Cost per
+probed mini-step: one forward with grad and ``1 + len(corrections)`` backward passes.
 """
 
 from __future__ import annotations
@@ -262,14 +264,17 @@ class ShadowCorrection(RLCallback):
         self.all_ministeps = bool(all_ministeps)
         self.prefix = prefix
         self.steps_seen = 0
+        """Rollout steps seen so far; keys the injected noise (resumable)."""
         self.probes = 0
-        """Mini-steps probed so far; keys the injected noise (resumable)."""
+        """Mini-steps probed so far."""
         self.history: list[dict[str, float]] = []
         self.last_metrics: dict[str, float] = {}
         self.last_mismatched_logprobs: Tensor | None = None
         """``mu`` of the last probed mini-batch (for inspection and tests)."""
         self._active = False
         self._warned = False
+        self._mu: Tensor | None = None
+        self._index: dict[tuple[int, ...], list[int]] = {}
 
     @property
     def state_key(self) -> str:
@@ -283,6 +288,10 @@ class ShadowCorrection(RLCallback):
                 "calibrate on a single device"
             )
         self._active = self.steps_seen % self.every_n_steps == 0
+        self._mu, self._index = None, {}
+        if self._active:  # mu at the rollout weights, before any optimizer step of this rollout
+            self._mu = self.mismatched_logprobs(pl_module, batch, key=self.steps_seen)
+            self._index = _sequence_index(batch)
         self.steps_seen += 1
         trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
         mask = batch.response_mask
@@ -306,7 +315,7 @@ class ShadowCorrection(RLCallback):
             return
         if not bool(minibatch.response_mask.any()):
             return
-        metrics = self.probe(pl_module, minibatch, logprobs)
+        metrics = self.probe(pl_module, minibatch, logprobs, self._minibatch_mu(minibatch))
         self.last_metrics = metrics
         self.history.append(
             {"rollout_step": float(self.steps_seen - 1), "epoch": float(epoch), "ministep": float(step), **metrics}
@@ -314,11 +323,12 @@ class ShadowCorrection(RLCallback):
         log_scalars(trainer, pl_module, metrics)
 
     # ----------------------------------------------------------------------------------------------------- probe
-    def mismatched_logprobs(self, pl_module: Any, batch: RolloutBatch) -> Tensor:
-        """``mu [T]`` fp32 for ``batch`` from the configured source (0 off the response tokens is not required)."""
+    def mismatched_logprobs(self, pl_module: Any, batch: RolloutBatch, key: int = 0) -> Tensor:
+        """``mu [T]`` fp32 for ``batch`` from the configured source, with the policy's *current* weights (the callback
+        calls it in ``on_rl_batch``, at the rollout weights). ``key`` keys the ``"inject"`` noise with the seed."""
         trainer_lp = require_trainer_logprobs(batch, type(self).__name__)
         if self.mismatch == "inject":
-            noise = self.scale * keyed_normal(batch.num_tokens, self.seed, self.probes)
+            noise = self.scale * keyed_normal(batch.num_tokens, self.seed, key)
             return perturb_logprobs(trainer_lp, noise.to(trainer_lp.device), batch.response_mask, self.target)
         if self.mismatch == "native":
             from rlexact.models import use_kernels
@@ -332,11 +342,30 @@ class ShadowCorrection(RLCallback):
             raise ValueError(f"the mismatch callable returned {shape}, expected a [{batch.num_tokens}] tensor")
         return mu.detach().float().to(trainer_lp.device)
 
-    def probe(self, pl_module: Any, batch: RolloutBatch, logprobs: Tensor) -> dict[str, float]:
-        """Compute every correction's gradient on ``batch`` under the mismatch and compare it with the exact one."""
+    def _minibatch_mu(self, minibatch: RolloutBatch) -> Tensor:
+        """The rollout step's ``mu`` gathered for the mini-batch's sequences (matched by their tokens; identical
+        sequences take the batch's copies in order)."""
+        if self._mu is None:
+            raise RuntimeError("ShadowCorrection: on_rl_minibatch before on_rl_batch of the rollout step")
+        queues = {key: list(starts) for key, starts in self._index.items()}
+        out = torch.zeros(minibatch.num_tokens, dtype=torch.float32, device=self._mu.device)
+        cu = minibatch.cu_seqlens.tolist()
+        for s, e in zip(cu[:-1], cu[1:]):
+            starts = queues.get(tuple(minibatch.input_ids[s:e].tolist()))
+            if not starts:
+                raise RuntimeError("ShadowCorrection: a mini-batch sequence is not in the rollout batch")
+            start = starts.pop(0)
+            out[s:e] = self._mu[start : start + e - s]
+        return out
+
+    def probe(
+        self, pl_module: Any, batch: RolloutBatch, logprobs: Tensor, mu: Tensor | None = None
+    ) -> dict[str, float]:
+        """Compute every correction's gradient on ``batch`` under the mismatch ``mu`` (default: computed now with
+        the current weights, key 0) and compare each with the exact gradient of the same batch."""
         model = self._model(pl_module)
         params = [p for p in model.parameters() if p.requires_grad]
-        mu = self.mismatched_logprobs(pl_module, batch)
+        mu = self.mismatched_logprobs(pl_module, batch) if mu is None else mu
         self.probes += 1
         self.last_mismatched_logprobs = mu
         mask = batch.response_mask
@@ -377,3 +406,12 @@ class ShadowCorrection(RLCallback):
     def _logprobs(pl_module: Any, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
         packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
         return packed_logprobs(model, packed, rollout_temperature(pl_module))[0]
+
+
+def _sequence_index(batch: RolloutBatch) -> dict[tuple[int, ...], list[int]]:
+    """``{token tuple: [start offsets in the packed batch]}`` of every sequence of ``batch``, in batch order."""
+    index: dict[tuple[int, ...], list[int]] = {}
+    cu = batch.cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        index.setdefault(tuple(batch.input_ids[s:e].tolist()), []).append(s)
+    return index

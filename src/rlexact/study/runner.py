@@ -340,7 +340,7 @@ def run_arms(
         else:
             todo.append((arm, scale, str(out), steps))
     log(f"study: {len(need)} runs needed, {len(results)} cached, {len(todo)} to train ({scale.workers} workers)")
-    todo.sort(key=lambda t: -t[3])
+    todo.sort(key=lambda t: -t[3] * (1 + len(t[0].shadow)))  # longest first (shadow probes slow a run down)
     if scale.workers == 1 or len(todo) <= 1:
         for task in todo:
             res = _run_task(task)
