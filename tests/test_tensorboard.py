@@ -100,6 +100,26 @@ def test_no_validation_warning_and_no_hparams_clash(events) -> None:
     assert "validation_step" not in trainer.lightning_module.__dict__  # restored at teardown
 
 
+def test_hparams_yaml_is_plain(events) -> None:
+    import yaml
+
+    _, _, trainer = events
+    hparams = yaml.safe_load((Path(trainer.logger.log_dir) / "hparams.yaml").read_text())  # no python objects
+    assert hparams["rollout"]["n"] == 2 and hparams["optim"]["betas"] == [0.9, 0.999]
+    assert hparams["tokenizer"] == "demo-char"
+
+
+def test_log_cadence_warning(tmp_path: Path) -> None:
+    module = RLModule(model_config=tiny_rl_config(len(build_char_tokenizer())), tokenizer="demo-char",
+                      reward=varied_reward, rollout={"n": 2, "max_new_tokens": 2})  # fmt: skip
+    data = PromptDataModule([{"prompt": "1+1="}, {"prompt": "2+2="}], tokenizer="demo-char", batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=TensorBoardLogger(str(tmp_path)),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    message = r"log_every_n_steps=50\) writes every 50th .* set Trainer\(log_every_n_steps=1"
+    with pytest.warns(UserWarning, match=message):
+        trainer.fit(module, datamodule=data)
+
+
 def test_sample_logger_validation() -> None:
     with pytest.raises(ValueError, match="every_n_steps >= 0"):
         SampleLogger(every_n_steps=-1)

@@ -274,6 +274,12 @@ class RLModule(L.LightningModule):
     @override
     def on_fit_start(self) -> None:
         policy.check_precision(self.trainer)
+        if self.trainer.loggers and self.trainer.log_every_n_steps > 1:
+            rank_zero_warn(
+                f"RLModule logs its metrics once per rollout step, and Trainer(log_every_n_steps="
+                f"{self.trainer.log_every_n_steps}) writes every {self.trainer.log_every_n_steps}th of them (a short "
+                "run may write none); set Trainer(log_every_n_steps=1)"
+            )
         data = self.trainer.datamodule
         dataset = getattr(data, "train_dataset", None)
         if isinstance(dataset, PromptDataset) and len(dataset):  # prompt problems surface now, not at their batch
