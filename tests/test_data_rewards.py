@@ -477,3 +477,12 @@ def test_token_ids_and_prompt_lengths_checked_before_training(tok):
         fit(rows, max_new_tokens=10)
     with pytest.raises(ValueError, match="contain token id .* but the model's vocabulary has 8 tokens"):
         fit(rows, max_new_tokens=2, vocab=8)
+
+
+def test_resumable_loader_needs_its_sampler():
+    from torch.utils.data import SequentialSampler
+
+    from rlexact.data import ResumableDataLoader
+
+    with pytest.raises(TypeError, match="ResumableDataLoader needs a ResumableSampler, got SequentialSampler"):
+        ResumableDataLoader([1, 2], sampler=SequentialSampler([1, 2]))
