@@ -192,9 +192,15 @@ def write_tables(doc: dict[str, Any], folder: str | Path) -> Path:
     return path
 
 
+_SMOOTHED = {"reward/mean": 5, "grad_norm": 5}
+"""Curves drawn as a trailing moving average over this many steps (the raw values are in the JSON)."""
+
+
 def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path]:
-    """One PNG per experiment in ``folder`` (curves per step, one line per arm; shadow: cosine per probe per
-    correction). Returns the paths; without matplotlib, none (and says so through ``log``)."""
+    """One PNG per experiment in ``folder``: curves per step with one line per arm (``reward/mean`` and
+    ``grad_norm`` as 5-step trailing means); ``c_ratio``: mean ``C(r)`` per arm, trainer vs rollout ratio, for
+    ``A > 0`` and ``A < 0``; ``shadow``: cosine to the exact gradient per probe and correction. Returns the paths;
+    without matplotlib, none (and says so through ``log``)."""
     try:
         import matplotlib
 
@@ -208,27 +214,19 @@ def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path
     paths = []
     for name, entry in doc.get("experiments", {}).items():
         if name == "shadow":
-            panels = [(p, c) for arm in entry["arms"] for p, c in (arm.get("shadow_curves") or {}).items()]
+            panels = [
+                (_plot_shadow, p, c) for arm in entry["arms"] for p, c in (arm.get("shadow_curves") or {}).items()
+            ]
+        elif name == "c_ratio":
+            panels = [(_plot_c_bars, sign, entry) for sign in ("pos", "neg")]
         else:
             keys = list(entry["arms"][0]["curves"]) if entry["arms"] else []
-            panels = [(k, None) for k in keys]
+            panels = [(_plot_curves, key, entry) for key in keys]
         if not panels:
             continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-        for ax, (key, shadow) in zip(axes[0], panels):
-            if shadow is not None:
-                x = shadow["x"]
-                for series, ys in shadow.items():
-                    if series != "x" and any(y is not None for y in ys):
-                        ax.plot(x, [math.nan if y is None else y for y in ys], marker=".", label=series.split("/")[0])
-                ax.set_title(f"{key}: cosine to exact", fontsize=9)
-                ax.set_xlabel("rollout step")
-            else:
-                for arm in entry["arms"]:
-                    ys = [math.nan if y is None else y for y in arm["curves"][key]]
-                    ax.plot(range(len(ys)), ys, label=arm["label"], linewidth=1.2)
-                ax.set_title(key, fontsize=9)
-                ax.set_xlabel("rollout step")
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+        for ax, (draw, key, data) in zip(axes[0], panels):
+            draw(ax, key, data)
             ax.tick_params(labelsize=8)
         axes[0][-1].legend(fontsize=7, loc="best")
         fig.suptitle(entry["title"], fontsize=10)
@@ -238,3 +236,39 @@ def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _trailing_mean(ys: list[float], k: int) -> list[float]:
+    out = []
+    for i in range(len(ys)):
+        window = [y for y in ys[max(0, i - k + 1) : i + 1] if not math.isnan(y)]
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
+def _plot_curves(ax, key: str, entry: dict[str, Any]) -> None:
+    k = _SMOOTHED.get(key, 1)
+    for arm in entry["arms"]:
+        ys = _trailing_mean([math.nan if y is None else y for y in arm["curves"][key]], k)
+        ax.plot(range(len(ys)), ys, label=arm["label"], linewidth=1.2)
+    ax.set_title(key + (f" ({k}-step mean)" if k > 1 else ""), fontsize=9)
+    ax.set_xlabel("rollout step")
+
+
+def _plot_c_bars(ax, sign: str, entry: dict[str, Any]) -> None:
+    labels = [arm["label"] for arm in entry["arms"]]
+    x = range(len(labels))
+    for offset, side in ((-0.2, "train"), (0.2, "rollout")):
+        ys = [arm["metrics"].get(f"c_ppo_{side}_{sign}") for arm in entry["arms"]]
+        ax.bar([i + offset for i in x], [math.nan if y is None else y for y in ys], width=0.4, label=f"C(r_ppo^{side})")
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_title(f"mean C(r) over tokens with A {'>' if sign == 'pos' else '<'} 0", fontsize=9)
+
+
+def _plot_shadow(ax, prefix: str, curve: dict[str, list[float | None]]) -> None:
+    for series, ys in curve.items():
+        if series != "x" and any(y is not None for y in ys):
+            ax.plot(curve["x"], [math.nan if y is None else y for y in ys], marker=".", label=series.split("/")[0])
+    ax.set_title(f"{prefix}: cosine to the exact gradient", fontsize=9)
+    ax.set_xlabel("rollout step (+ mini-step)")
