@@ -366,4 +366,5 @@ def test_smoke_corrections_and_shadow(smoke):
     assert set(shadow) == {"shadow_inject", "shadow_engine_fp8_e4m3", "shadow_native"}
     for stats in shadow.values():
         assert stats["none/cosine"] == 1.0 and stats["probes"] >= 1
+        assert "tis-srs-k3-corr-ratio@0.01/cosine" in stats  # the threshold calibration knob
     assert shadow["shadow_inject"]["tis/cosine"] < 1.0

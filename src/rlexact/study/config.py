@@ -144,6 +144,8 @@ class Arm:
             only; training is unchanged): ``"inject:<scale>"`` (logit noise), ``"engine:<perturbation>"`` (a
             :class:`~rlexact.study.engine.PerturbedCopy`, e.g. ``"engine:fp8_e4m3"``) or ``"native"``.
         shadow_every: probe one rollout step in this many (every PPO mini-step of a probed rollout step).
+        shadow_thresholds: extra shadow corrections: ``tis-srs-k3-corr-ratio`` with each of these ``tau_seq``
+            (named ``tis-srs-k3-corr-ratio@<tau>``), to calibrate the threshold.
         seed: seed of the run.
     """
 
@@ -156,6 +158,7 @@ class Arm:
     correction: str | None = None
     shadow: tuple[str, ...] = ()
     shadow_every: int = 4
+    shadow_thresholds: tuple[float, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -179,6 +182,9 @@ class Arm:
             raise ValueError(f"arm {self.label!r}: shadow mode calibrates against an exact run (exact engine)")
         for source in self.shadow:
             parse_shadow_source(source)
+        object.__setattr__(self, "shadow_thresholds", tuple(float(t) for t in self.shadow_thresholds))
+        if any(not (0.0 <= t < float("inf")) for t in self.shadow_thresholds):
+            raise ValueError(f"arm {self.label!r}: shadow_thresholds must be finite and >= 0")
         if self.shadow_every < 1:
             raise ValueError(f"arm {self.label!r}: shadow_every must be >= 1, got {self.shadow_every}")
 

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlexact.callbacks.functional import PRESETS
-from rlexact.callbacks.shadow import SHADOW_CORRECTIONS
 from rlexact.study.config import Arm, StudyConfig
 from rlexact.study.runner import truncate_result
 
@@ -121,9 +120,19 @@ def _shadow_curve(rows: list[dict[str, float]], prefix: str) -> dict[str, list[f
     curve: dict[str, list[float | None]] = {
         "x": [row["rollout_step"] + row.get("ministep", 0) / per_step for row in rows]
     }
-    for n in SHADOW_CORRECTIONS:
+    for n in _correction_names(rows, prefix):
         curve[f"{n}/cosine"] = [row.get(f"{prefix}/{n}/cosine") for row in rows]
     return curve
+
+
+def _correction_names(rows: list[dict[str, float]], prefix: str) -> list[str]:
+    """Correction names probed by a shadow source, in first-seen order."""
+    names: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            if key.startswith(prefix + "/") and key.endswith("/cosine") and key.count("/") == 2:
+                names[key.split("/")[1]] = None
+    return list(names)
 
 
 def _mean_over_seeds(values: list[float | None]) -> float | None:
@@ -161,7 +170,12 @@ def _grpo_arms(cfg: StudyConfig, knobs: dict[str, Any]) -> list[Arm]:
 def _exact_fp32_grpo(cfg: StudyConfig) -> Arm:
     """The exact fp32 GRPO arm, carrying the shadow probes of the ``shadow`` experiment's knobs."""
     knobs = cfg.knobs("shadow", _SHADOW_DEFAULTS)
-    return Arm("exact fp32", shadow=tuple(knobs["sources"]), shadow_every=int(knobs["every"]))
+    return Arm(
+        "exact fp32",
+        shadow=tuple(knobs["sources"]),
+        shadow_every=int(knobs["every"]),
+        shadow_thresholds=tuple(knobs["thresholds"]),
+    )
 
 
 def _reinforce_arms(cfg: StudyConfig, knobs: dict[str, Any]) -> list[Arm]:
@@ -272,7 +286,7 @@ def _shadow_findings(entries: list[dict[str, Any]], knobs: dict[str, Any]) -> di
     shadow = entries[0].get("shadow") or {}
     ranking = {}
     for prefix, stats in shadow.items():
-        names = [n for n in SHADOW_CORRECTIONS if f"{n}/cosine" in stats]
+        names = [k[: -len("/cosine")] for k in stats if k.endswith("/cosine")]
         ranking[prefix] = sorted(
             (
                 {
@@ -290,7 +304,12 @@ def _shadow_findings(entries: list[dict[str, Any]], knobs: dict[str, Any]) -> di
     return {"ranking_by_cosine": ranking}
 
 
-_SHADOW_DEFAULTS: dict[str, Any] = {"sources": ["inject:0.1", "engine:fp8_e4m3", "native"], "every": 4, "steps": None}
+_SHADOW_DEFAULTS: dict[str, Any] = {
+    "sources": ["inject:0.1", "engine:fp8_e4m3", "native"],
+    "every": 4,
+    "thresholds": [0.01, 0.1],
+    "steps": None,
+}
 _GRPO_DEFAULTS: dict[str, Any] = {"engines": ["fp8_e4m3"], "native": True, "steps": None}
 _TRAINING_CURVES = ("reward/mean", "mismatch/k3_mean", "mismatch/bitwise_equal_frac", "grad_norm")
 

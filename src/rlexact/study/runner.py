@@ -152,7 +152,9 @@ def _engine_scorer(kind: str, scale: float, seed: int):
 
 def build_callbacks(arm: Arm) -> tuple[list[Callback], dict[str, Any], dict[str, Any]]:
     """``(callbacks in hook order, {name: callback} for the history, {prefix: ShadowCorrection})``."""
-    from rlexact.callbacks import MismatchProbe, ShadowCorrection, TruncatedIS, correction_callbacks
+    from rlexact.callbacks import MismatchProbe, ShadowCorrection, ShadowSpec, TruncatedIS, correction_callbacks
+    from rlexact.callbacks.functional import RejectionSpec, TISSpec
+    from rlexact.callbacks.shadow import SHADOW_CORRECTIONS
     from rlexact.study.probes import DirectionAgreementProbe
 
     corrections: list[Callback] = []
@@ -162,6 +164,11 @@ def build_callbacks(arm: Arm) -> tuple[list[Callback], dict[str, Any], dict[str,
         corrections = list(correction_callbacks(arm.correction))
     probe = MismatchProbe(argmax=False, histograms=True, histogram_every_n_steps=10)
     direction = DirectionAgreementProbe()
+    specs: dict[str, Any] = dict(SHADOW_CORRECTIONS)
+    for tau in arm.shadow_thresholds:
+        specs[f"tis-srs-k3-corr-ratio@{tau:g}"] = ShadowSpec(
+            "recompute", tis=TISSpec("token", 2.0), rejection=RejectionSpec("corr", "sequence_sum", "k3", tau)
+        )
     shadows: dict[str, Any] = {}
     for source in arm.shadow:
         kind, engine, value = parse_shadow_source(source)
@@ -174,6 +181,7 @@ def build_callbacks(arm: Arm) -> tuple[list[Callback], dict[str, Any], dict[str,
         else:
             mismatch = _engine_scorer(engine, value, arm.seed)
         shadows[prefix] = ShadowCorrection(
+            corrections=specs,
             mismatch=mismatch,
             scale=value,
             target="logits",
