@@ -29,27 +29,19 @@ __all__ = [
 
 BENCHMARK = "rlexact mismatch study"
 
+_TRAINING_COLUMNS = (
+    "reward_first5",
+    "reward_last10",
+    "eval_before",
+    "eval_after",
+    "k3_mean",
+    "bitwise_equal_frac",
+    "grad_norm_mean",
+)
+
 _TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "reinforce": (
-        "reward_first5",
-        "reward_last10",
-        "eval_before",
-        "eval_after",
-        "k3_mean",
-        "bitwise_equal_frac",
-        "grad_norm_mean",
-        "grad_norm_max",
-    ),
-    "grpo": (
-        "reward_first5",
-        "reward_last10",
-        "eval_before",
-        "eval_after",
-        "k3_mean",
-        "bitwise_equal_frac",
-        "grad_norm_mean",
-        "clipfrac_mean",
-    ),
+    "reinforce": (*_TRAINING_COLUMNS, "grad_norm_max"),
+    "grpo": (*_TRAINING_COLUMNS, "clipfrac_mean"),
     "c_ratio": ("c_ppo_train_pos", "c_ppo_rollout_pos", "c_ppo_train_neg", "c_ppo_rollout_neg", "k3_mean"),
     "misalignment": (
         "misaligned_frac",
