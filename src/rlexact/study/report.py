@@ -167,7 +167,9 @@ def _corrections_table(findings: dict[str, Any]) -> str:
 
 
 def _shadow_table(prefix: str, stats: dict[str, Any]) -> str:
-    names = sorted({k.split("/")[0] for k in stats if "/" in k}, key=lambda n: -(stats.get(f"{n}/cosine") or -math.inf))
+    names = sorted(
+        sorted({k.split("/")[0] for k in stats if "/" in k}), key=lambda n: -(stats.get(f"{n}/cosine") or -math.inf)
+    )
     rows = [[n, *(stats.get(f"{n}/{c}") for c in _SHADOW_COLUMNS)] for n in names]
     title = (
         f"Shadow source `{prefix}` ({_fmt(stats.get('probes'))} probes; mismatch K3 "
