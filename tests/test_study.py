@@ -326,6 +326,15 @@ def test_smoke_result_file_and_report(smoke):
     for key in ("command", "commit", "date", "device", "versions"):
         assert key in doc and key in doc["experiments"]["grpo"], key
     assert doc["command"].startswith(("python", "pytest")) or doc["command"]
+    from rlexact.study.report import fill_page
+
+    page = tmp / "page.md"
+    page.write_text(
+        "intro\n<!-- study:grpo -->\nold\n<!-- /study:grpo -->\n<!-- study:nope -->\nkeep\n<!-- /study:nope -->\n"
+    )
+    assert fill_page(doc, page) == ["grpo"]
+    text = page.read_text()
+    assert "old" not in text and "| arm | reward_first5 |" in text and "keep" in text and text.startswith("intro\n")
     tables = (tmp / "report" / "tables.md").read_text()
     assert "### corrections" in tables and "Shadow source `shadow_inject`" in tables
     try:

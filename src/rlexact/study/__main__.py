@@ -16,7 +16,7 @@ from typing import Any
 
 from rlexact.study.config import load_config
 from rlexact.study.experiments import EXPERIMENTS, experiment_arms, summarize
-from rlexact.study.report import device_tag, entry_header, write_json, write_plots, write_tables
+from rlexact.study.report import device_tag, entry_header, fill_page, write_json, write_plots, write_tables
 from rlexact.study.runner import resolve_device, run_arms
 
 __all__ = ["main", "run_study"]
@@ -35,8 +35,10 @@ def run_study(
     docs: str | None = None,
     out: str | None = None,
     report: bool = True,
+    page: str | None = None,
 ) -> dict[str, Any]:
-    """Run experiments ``names`` (or ``["all"]``) and write the JSON (and the report unless ``report=False``).
+    """Run experiments ``names`` (or ``["all"]``) and write the JSON (and the report unless ``report=False``; with
+    ``page``, also the tables between the ``<!-- study:NAME -->`` markers of that markdown file).
 
     Returns the whole result document."""
     cfg = load_config(config, overrides)
@@ -52,14 +54,16 @@ def run_study(
     doc = write_json(path, entries)
     _say(f"wrote {path}")
     if report:
-        _report(doc, docs or cfg.docs)
+        _report(doc, docs or cfg.docs, page)
     return doc
 
 
-def _report(doc: dict[str, Any], folder: str) -> None:
+def _report(doc: dict[str, Any], folder: str, page: str | None) -> None:
     _say(f"wrote {write_tables(doc, folder)}")
     for path in write_plots(doc, folder, log=_say):
         _say(f"wrote {path}")
+    if page is not None:
+        _say(f"filled the tables of {', '.join(fill_page(doc, page)) or 'no experiment'} in {page}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="result JSON (overrides output.json)")
     parser.add_argument("--docs", help="folder of the report's tables and plots (overrides output.docs)")
     parser.add_argument("--no-report", action="store_true", help="write the JSON only")
+    parser.add_argument(
+        "--page", help="markdown page whose <!-- study:NAME --> ... <!-- /study:NAME --> blocks get the tables"
+    )
     args = parser.parse_args(argv)
     if args.experiments == ["list"]:
         for exp in EXPERIMENTS.values():
@@ -89,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is None:
             parser.error("report needs --json PATH (or output.json in --config)")
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        _report(doc, args.docs or cfg.docs)
+        _report(doc, args.docs or cfg.docs, args.page)
         return 0
     overrides = {k: v for k, v in (("steps", args.steps), ("workers", args.workers), ("device", args.device)) if v}
     if args.seeds:
@@ -102,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         docs=args.docs,
         out=args.out,
         report=not args.no_report,
+        page=args.page,
     )
     return 0
 

@@ -20,6 +20,8 @@ from rlexact.envinfo import result_header
 __all__ = [
     "device_tag",
     "entry_header",
+    "experiment_markdown",
+    "fill_page",
     "markdown_tables",
     "study_command",
     "write_json",
@@ -140,22 +142,44 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def markdown_tables(doc: dict[str, Any]) -> str:
-    """One markdown section per experiment of the result document: the arm table (means over seeds), and for the
-    corrections and shadow experiments their rankings."""
-    parts = []
-    for name, entry in doc.get("experiments", {}).items():
-        cols = _TABLE_COLUMNS.get(name, ())
-        parts.append(f"### {name}: {entry['title']}\n")
-        run = f"{entry['steps']} steps, seeds {entry['seeds']}, commit {entry['commit']}"
-        parts.append(f"`{entry['command']}` ({run})\n")
-        rows = [[e["label"], *(e["metrics"].get(c) for c in cols)] for e in entry["arms"]]
-        parts.append(_table(["arm", *cols], rows) + "\n")
-        if name == "corrections":
-            parts.append(_corrections_table(entry.get("findings", {})))
-        if name == "shadow":
-            for arm in entry["arms"]:
-                parts += [_shadow_table(prefix, stats) for prefix, stats in (arm.get("shadow") or {}).items()]
+    """One markdown section per experiment of the result document (:func:`experiment_markdown`)."""
+    return "\n".join(
+        f"### {name}: {entry['title']}\n\n" + experiment_markdown(name, entry)
+        for name, entry in doc.get("experiments", {}).items()
+    )
+
+
+def experiment_markdown(name: str, entry: dict[str, Any]) -> str:
+    """The command and the arm table (means over seeds) of one experiment, and for the corrections and shadow
+    experiments their rankings."""
+    cols = _TABLE_COLUMNS.get(name, ())
+    run = f"{entry['steps']} steps, seeds {entry['seeds']}, commit {entry['commit']}"
+    parts = [f"`{entry['command']}` ({run})\n"]
+    rows = [[e["label"], *(e["metrics"].get(c) for c in cols)] for e in entry["arms"]]
+    parts.append(_table(["arm", *cols], rows) + "\n")
+    if name == "corrections":
+        parts.append(_corrections_table(entry.get("findings", {})))
+    if name == "shadow":
+        for arm in entry["arms"]:
+            parts += [_shadow_table(prefix, stats) for prefix, stats in (arm.get("shadow") or {}).items()]
     return "\n".join(parts)
+
+
+def fill_page(doc: dict[str, Any], page: str | Path) -> list[str]:
+    """Replace, in the markdown file ``page``, the text between ``<!-- study:NAME -->`` and ``<!-- /study:NAME -->``
+    with :func:`experiment_markdown` of experiment ``NAME`` (so a hand-written report carries the measured tables);
+    returns the names filled. Markers of experiments missing from ``doc`` are left as they are."""
+    path = Path(page)
+    text = path.read_text(encoding="utf-8")
+    filled = []
+    for name, entry in doc.get("experiments", {}).items():
+        pattern = re.compile(rf"(<!-- study:{re.escape(name)} -->\n).*?(<!-- /study:{re.escape(name)} -->)", re.DOTALL)
+        if pattern.search(text):
+            body = experiment_markdown(name, entry)
+            text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+            filled.append(name)
+    path.write_text(text, encoding="utf-8")
+    return filled
 
 
 def _corrections_table(findings: dict[str, Any]) -> str:
