@@ -94,6 +94,34 @@ def test_shadow_arguments_are_validated():
         ShadowCorrection(every_n_steps=0)
 
 
+def test_shadow_mu_sources_on_a_packed_batch():
+    from _callbacks_worker import make_batch
+    from rlexact.callbacks.shadow import corrected_batch, shadow_spec
+
+    batch = make_batch(seed=1, num_seqs=5)
+    bad = ShadowCorrection(mismatch=lambda m, b: torch.zeros(3))
+    with pytest.raises(ValueError, match=r"returned \(3,\), expected a \[\d+\] tensor"):
+        bad.mismatched_logprobs(None, batch)
+    inject = ShadowCorrection(mismatch="inject", scale=0.2, seed=5)
+    a, b = inject.mismatched_logprobs(None, batch, key=1), inject.mismatched_logprobs(None, batch, key=1)
+    assert torch.equal(a, b) and not torch.equal(a, inject.mismatched_logprobs(None, batch, key=2))  # keyed draws
+    assert torch.equal(a[~batch.response_mask], batch.trainer_logprobs[~batch.response_mask])  # prompts untouched
+    # a mini-batch (shuffled subset) gets the batch's mu of its own sequences
+    inject.on_rl_batch(None, None, batch)
+    mini = batch.select([3, 0])
+    mu = inject._minibatch_mu(mini)
+    assert mu.shape == (mini.num_tokens,)
+    full = inject._mu
+    assert torch.equal(mu[: int(mini.cu_seqlens[1])], full[int(batch.cu_seqlens[3]) : int(batch.cu_seqlens[4])])
+    # corrected_batch: bypass sets pi_old = mu, recompute keeps pi_old^train, the input batch is not modified
+    old = batch.old_logprobs.clone()
+    by, _ = corrected_batch(shadow_spec("bypass"), batch, full)
+    re, stats = corrected_batch(shadow_spec("srs-k3-corr-ratio"), batch, full)
+    assert torch.equal(by.old_logprobs, full) and torch.equal(re.old_logprobs, batch.trainer_logprobs)
+    assert torch.equal(batch.old_logprobs, old) and torch.equal(batch.loss_mask, batch.response_mask)
+    assert stats["masked_frac"] == float((batch.response_mask & ~re.loss_mask).sum() / batch.response_mask.sum())
+
+
 # ------------------------------------------------------------------------------------------- shadow: on a model
 def test_shadow_without_mismatch_gives_cosine_exactly_one_and_with_mismatch_does_not():
     clean = ShadowCorrection(mismatch="inject", scale=0.0, prefix="clean")
