@@ -639,13 +639,14 @@ def _reward(prompts, completions, answers):
     return [float(sum(map(ord, c)) % 7) for c in completions]  # varied within groups: nonzero advantages
 
 
-def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, same_prompts=False, **algo):
+def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, **algo):
+    from rlexact.data import ResumableDataLoader, ResumableSampler
     from rlexact.demo.tokenizer import build_char_tokenizer
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()
     cfg = tiny_rl_config(len(tok))
-    texts = ["3+4=" if same_prompts else f"{i}+{i}=" for i in range(8)]
+    texts = [f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)
     ]
@@ -658,7 +659,8 @@ def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, same
         algorithm=dict(old_logprob_mode=mode, **algo),
         optim=dict(lr=lr),
     )
-    return module, torch.utils.data.DataLoader(data, batch_size=2, collate_fn=list)
+    sampler = ResumableSampler(len(data), shuffle=False)
+    return module, ResumableDataLoader(data, batch_size=2, sampler=sampler, collate_fn=list)  # resumable order
 
 
 def fit_rl(callbacks, tmp_path, steps=1, ckpt_path=None, logger=False, **module_kwargs):
@@ -783,7 +785,8 @@ def test_e2e_all_rejected_steps_are_skipped(tmp_path):
 
 def test_e2e_lightning_resume(tmp_path):
     """2 rollout steps straight == 1 step, checkpoint, resume for the 2nd: same callback state, same injected
-    noise and the same batch on the resumed step."""
+    noise and the same batch on the resumed step (distinct dataset rows, so a replayed batch would sample other
+    tokens: keys come from the row index)."""
     ckpt = tmp_path / "step1.ckpt"
 
     class SaveAfterFirst(pl.Callback):
@@ -795,9 +798,9 @@ def test_e2e_lightning_resume(tmp_path):
         return [MismatchInjection(scale=0.05, seed=2), TruncatedIS(), RejectionSampling(), MismatchProbe(argmax=False)]
 
     full, cap_full = callbacks(), Capture()
-    fit_rl([*full, cap_full, SaveAfterFirst()], tmp_path / "full", steps=2, same_prompts=True)
+    fit_rl([*full, cap_full, SaveAfterFirst()], tmp_path / "full", steps=2)
     resumed, cap_res = callbacks(), Capture()
-    _, module = fit_rl([*resumed, cap_res], tmp_path / "res", steps=2, ckpt_path=str(ckpt), same_prompts=True)
+    _, module = fit_rl([*resumed, cap_res], tmp_path / "res", steps=2, ckpt_path=str(ckpt))
     assert module.rollout_step == 2 and len(cap_res.batches) == 1
     a, b = cap_full.batches[1], cap_res.batches[0]
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
