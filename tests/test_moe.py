@@ -607,7 +607,7 @@ def test_gpu_rollout_equals_trainer_a3b_layers_cuda_graphs() -> None:
         prompts_for(16, 4096, lo=4, hi=60, seed=0), SamplingParams(max_new_tokens=16, seed=1)
     )
     ref = rlexact.sequence_logprobs(model, [o.sequence for o in native])
-    assert any(not torch.equal(o.logprobs, r[-len(o.token_ids) :]) for o, r in zip(native, ref))
+    assert any(not torch.equal(o.logprobs, r[-len(o.token_ids) :].to(o.logprobs.device)) for o, r in zip(native, ref))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
