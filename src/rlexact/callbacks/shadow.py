@@ -26,7 +26,9 @@ Corrections (names of :data:`SHADOW_CORRECTIONS`): ``"none"`` (recompute, no cor
 
 Exactness of the comparison: with no mismatch (``mu`` bitwise equal to ``pi``) every correction leaves the loss
 unchanged bit for bit (weights exactly 1, no token masked, ``pi_old`` unchanged), so its gradient equals the exact
-gradient bit for bit and :func:`gradient_agreement` returns a cosine and a norm ratio of exactly 1.0.
+gradient bit for bit and :func:`gradient_agreement` returns a cosine and a norm ratio of exactly 1.0. The one
+exception is a rejection on the ``"ppo"`` signal after the first mini-step of a rollout step: ``pi_theta / mu`` then
+also measures the policy's own movement, so it drops sequences without any mismatch.
 
 Scope: the policy-gradient term only (KL and entropy terms are the same for every correction and left out); one
 process (the dot products are not reduced across data-parallel ranks: a clear error under ``torch.distributed``).
