@@ -53,6 +53,9 @@ _MODULE_KEYS = (
 )
 """Scalars the module logs on every rollout step that the history keeps."""
 
+_UPDATE_KEYS = ("grad_norm", "loss/pg_loss", "entropy", "clipfrac", "ratio/mean")
+"""Of those, the ones logged only when the rollout step made an optimizer step."""
+
 
 def resolve_device(device: str) -> str:
     """``"auto"`` -> ``"cuda"`` when a GPU is visible, else ``"cpu"``; ``"cuda"`` without one is an error."""
@@ -80,6 +83,9 @@ class History(Callback):
         for key in _MODULE_KEYS:
             if key in metrics:
                 row[key] = float(metrics[key])
+        if row.get("update/optimizer_steps") == 0.0:  # no update: the module logged no update metrics this step,
+            for key in _UPDATE_KEYS:  # so callback_metrics still hold the previous step's
+                row.pop(key, None)
         for cb in self.sources.values():
             for key, value in getattr(cb, "last_metrics", {}).items():
                 row[key] = float(value)
