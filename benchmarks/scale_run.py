@@ -12,6 +12,11 @@ other ranks) or by ``torchrun`` (one process per rank):
 * ``report``: no ranks; compares the two runs and writes the JSON.
 * ``all`` (default): runs ``train``, ``resume`` and ``report`` as child processes (plain-``python`` launch only).
 
+Stages of a step (``stages_s``, seconds of the slowest rank): ``rollout`` (generation), ``rewards`` (decoding and the
+reward), ``scoring`` (trainer log-probs of the batch), ``callbacks`` (the probe, incl. its argmax forward), ``update``
+(the PPO mini-steps); ``step_s`` is the whole step. Rollout tok/s = generated tokens of all ranks / ``rollout``;
+trainer tok/s = packed tokens of all ranks x PPO epochs / ``update``.
+
 Every rank records, per rollout step, the packed token ids, ``cu_seqlens`` and rollout log-probs of every sequence it
 sampled, its own fraction of response tokens whose trainer and rollout log-probs have identical bits (and the
 probe's all-rank ``mismatch/bitwise_equal_frac``), the stage times, its peak GPU memory, and after the last step a
@@ -55,8 +60,8 @@ Commands (a GPU session, through the device tool; from the repository root, wher
     RLEXACT_COMMIT=<sha> python3 benchmarks/scale_run.py --phase report $A
     cp benchmarks/results/scale_h200x8.json $OUT/
 
-    # CPU check (tests/test_scale_run.py): 2 gloo ranks, tiny MoE
-    python benchmarks/scale_run.py --accelerator cpu --devices 2 --tiny --steps 2 --kind cpu --work-dir /tmp/scale_cpu
+    # CPU check (benchmarks/results/scale_cpu.json; tests/test_scale_run.py runs K = 2): 2 gloo ranks, tiny MoE
+    python benchmarks/scale_run.py --accelerator cpu --devices 2 --tiny --kind cpu --work-dir /tmp/scale_cpu
 
 ``--algo reinforce`` runs the paper's MoE REINFORCE recipe instead.
 """
