@@ -271,7 +271,8 @@ def build_module(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
         def configure_model(self) -> None:
             super().configure_model()
             if any(t.is_meta for t in self.model.parameters()):
-                materialize(self.model, self.device, args.init_seed, self.global_rank)
+                # the strategy's device: the module itself is moved there only after configure_model
+                materialize(self.model, self.trainer.strategy.root_device, args.init_seed, self.global_rank)
 
         def score_batch(self, batch, model=None):  # noqa: ANN001, ANN202
             _sync()
