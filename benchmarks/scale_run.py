@@ -12,6 +12,9 @@ other ranks) or by ``torchrun`` (one process per rank):
 * ``report``: no ranks; compares the two runs and writes the JSON.
 * ``all`` (default): runs ``train``, ``resume`` and ``report`` as child processes (plain-``python`` launch only).
 
+``--no-resume`` runs the ``K + 1`` steps without a checkpoint or a resume (for a model whose checkpoint does not fit
+on the disk); its JSON has ``resume_matches_uninterrupted: null``.
+
 Stages of a step (``stages_s``, seconds of the slowest rank): ``rollout`` (generation), ``rewards`` (decoding and the
 reward), ``scoring`` (trainer log-probs of the batch), ``callbacks`` (the probe, incl. its argmax forward), ``update``
 (the PPO mini-steps); ``step_s`` is the whole step. Rollout tok/s = generated tokens of all ranks / ``rollout``;
@@ -52,6 +55,10 @@ Commands (a GPU session, through the device tool; from the repository root, wher
     # 8 x H200 (nvidia-h200-x8): 24 layers (the full 48 need a ~366 GB checkpoint, more than the 235 GiB disk)
     RLEXACT_COMMIT=<sha> python3 benchmarks/scale_run.py --devices 8 --layers 24 --algo grpo --kind h200x8 \\
         --work-dir /tmp/scale8 && cp benchmarks/results/scale_h200x8.json $OUT/
+
+    # 8 x H200, the full 48 layers: the K + 1 steps only (--no-resume: no checkpoint), same JSON without the resume
+    RLEXACT_COMMIT=<sha> python3 benchmarks/scale_run.py --devices 8 --algo grpo --kind h200x8_full --no-resume \\
+        --work-dir /tmp/scale8full && cp benchmarks/results/scale_h200x8_full.json $OUT/
 
     # the same phases in separate calls (the machine must stay warm between them: /tmp/scale8 holds the state)
     A="--devices 8 --layers 24 --algo grpo --kind h200x8 --work-dir /tmp/scale8"
@@ -297,7 +304,7 @@ def build_module(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------ the callbacks
-def make_recorder(work: Path, phase: str, save_at: int | None) -> Any:
+def make_recorder(work: Path, save_at: int | None) -> Any:
     """A callback that records every rollout step of this rank (see the module docstring) and, after rollout step
     ``save_at``, saves the distributed checkpoint ``<work>/ckpt``."""
     from rlexact.callbacks.base import RLCallback
@@ -381,12 +388,13 @@ def run_phase(args: argparse.Namespace) -> None:
     per_rank = settings["prompts_per_rank"]
     rows = synthetic_rows(per_rank * args.devices * (args.steps + 1), args.prompt_len, cfg["vocab_size"], args.seed)
     ckpt = work / "ckpt"
-    if args.phase == "train":
+    save = args.phase == "train" and not args.no_resume
+    if save:
         check_disk(work, cfg)
-    elif not ckpt.is_dir():
+    elif args.phase == "resume" and not ckpt.is_dir():
         raise FileNotFoundError(f"{ckpt} does not exist; run --phase train with the same --work-dir first")
     module = build_module(args, settings)
-    recorder = make_recorder(work, args.phase, args.steps if args.phase == "train" else None)
+    recorder = make_recorder(work, args.steps if save else None)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -477,11 +485,44 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     """Compare the resumed step with the uninterrupted run and write the result JSON; returns it."""
     work = Path(args.work_dir)
     runs = {}
-    for phase in ("train", "resume"):
+    for phase in ("train",) if args.no_resume else ("train", "resume"):
         files = sorted((work / phase).glob("rank*.json"))
         if len(files) != args.devices:
             raise FileNotFoundError(f"{work / phase} holds {len(files)} rank results, expected {args.devices}")
         runs[phase] = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
+    steps = [summarize_step(s, runs["train"]) for s in range(1, args.steps + 2)]
+    resume = {"resume": "not run (--no-resume)", "resume_matches_uninterrupted": None}
+    if not args.no_resume:
+        resume = resume_check(args, runs)
+    checked = [*steps, resume["resumed_step"]] if "resumed_step" in resume else steps
+    fracs = [f for s in checked for f in s["mismatch/bitwise_equal_frac_per_rank"]]
+    res = header("scale_run", "triton", "transformers", "lightning")
+    res.update(
+        kind=args.kind,
+        device=runs["train"][0]["device"],
+        world_size=args.devices,
+        model={**model_config(args), "parameters": parameter_count(model_config(args)), "init": "random meta-init"},
+        algo=args.algo,
+        settings=runs["train"][0]["settings"],
+        prompt_len=args.prompt_len,
+        checkpoint_steps=args.steps,
+        steps=steps,
+        fit_s={phase: max(r["fit_s"] for r in ranks) for phase, ranks in runs.items()},
+        all_bitwise_equal=all(f == 1.0 for f in fracs),
+        **resume,
+    )
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"scale_{args.kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}: all_bitwise_equal={res['all_bitwise_equal']} "
+          f"resume_matches_uninterrupted={res['resume_matches_uninterrupted']}", flush=True)  # fmt: skip
+    return res
+
+
+def resume_check(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The resumed step's summary and, per rank, whether its rollouts and final weights equal the uninterrupted
+    run's step ``K + 1`` and whether that step changed the weights."""
+    work = Path(args.work_dir)
     last = args.steps + 1
     rollouts_match, weights_match, weights_changed = [], [], []
     for rank in range(args.devices):
@@ -491,35 +532,13 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         weights_match.append(runs["resume"][rank]["weights_sha256"] == runs["train"][rank]["weights_sha256"])
         at_ckpt = next(s["weights_sha256"] for s in runs["train"][rank]["steps"] if s["step"] == args.steps)
         weights_changed.append(at_ckpt != runs["train"][rank]["weights_sha256"])
-    steps = [summarize_step(s, runs["train"]) for s in range(1, last + 1)]
-    resumed_step = summarize_step(last, runs["resume"])
-    fracs = [f for s in [*steps, resumed_step] for f in s["mismatch/bitwise_equal_frac_per_rank"]]
-    settings = runs["train"][0]["settings"]
-    res = header("scale_run", "triton", "transformers", "lightning")
-    res.update(
-        kind=args.kind,
-        device=runs["train"][0]["device"],
-        world_size=args.devices,
-        model={**model_config(args), "parameters": parameter_count(model_config(args)), "init": "random meta-init"},
-        algo=args.algo,
-        settings=settings,
-        prompt_len=args.prompt_len,
-        checkpoint_steps=args.steps,
-        steps=steps,
-        resumed_step=resumed_step,
-        fit_s={phase: max(r["fit_s"] for r in ranks) for phase, ranks in runs.items()},
-        all_bitwise_equal=all(f == 1.0 for f in fracs),
-        resume_rollouts_equal_per_rank=rollouts_match,
-        resume_weights_equal_per_rank=weights_match,
-        weights_changed_after_checkpoint_per_rank=weights_changed,
-        resume_matches_uninterrupted=all(rollouts_match) and all(weights_match),
-    )
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"scale_{args.kind}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {out}: all_bitwise_equal={res['all_bitwise_equal']} "
-          f"resume_matches_uninterrupted={res['resume_matches_uninterrupted']}", flush=True)  # fmt: skip
-    return res
+    return {
+        "resumed_step": summarize_step(last, runs["resume"]),
+        "resume_rollouts_equal_per_rank": rollouts_match,
+        "resume_weights_equal_per_rank": weights_match,
+        "weights_changed_after_checkpoint_per_rank": weights_changed,
+        "resume_matches_uninterrupted": all(rollouts_match) and all(weights_match),
+    }
 
 
 def run_all(args: argparse.Namespace, argv: list[str]) -> None:
@@ -531,7 +550,7 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> None:
     for sub in ("train", "resume", "ckpt"):
         shutil.rmtree(work / sub, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NODE_RANK", "LOCAL_RANK")}
-    for phase in ("train", "resume"):
+    for phase in ("train",) if args.no_resume else ("train", "resume"):
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--phase", phase]
         subprocess.run(cmd, env=env, check=True)
     report(args)
@@ -559,6 +578,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="prompts and data order")
     ap.add_argument("--init-seed", type=int, default=0, help="random weights")
     ap.add_argument("--work-dir", default="/tmp/rlexact_scale", help="checkpoint and per-rank records")
+    ap.add_argument("--no-resume", action="store_true", help="K + 1 steps only: no checkpoint, no resume")
     ap.add_argument("--keep-checkpoint", action="store_true", help="--phase all: keep <work-dir>/ckpt")
     ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/scale_<kind>.json)")
     args = ap.parse_args(argv)
