@@ -90,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from common import ROOT, header
 
@@ -275,12 +276,14 @@ def build_module(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     class ScaleModule(RLModule):
         score_seconds = 0.0
 
+        @override
         def configure_model(self) -> None:
             super().configure_model()
             if any(t.is_meta for t in self.model.parameters()):
                 # the strategy's device: the module itself is moved there only after configure_model
                 materialize(self.model, self.trainer.strategy.root_device, args.init_seed, self.global_rank)
 
+        @override
         def score_batch(self, batch, model=None):  # noqa: ANN001, ANN202
             _sync()
             t0 = time.perf_counter()
@@ -317,6 +320,7 @@ def make_recorder(work: Path, save_at: int | None) -> Any:
             self.rollouts: dict[int, dict[str, torch.Tensor]] = {}
             self._t0 = 0.0
 
+        @override
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
             _sync()
             if torch.cuda.is_available():
@@ -324,6 +328,7 @@ def make_recorder(work: Path, save_at: int | None) -> Any:
             pl_module.score_seconds = 0.0
             self._t0 = time.perf_counter()
 
+        @override
         def on_rl_batch(self, trainer, pl_module, batch) -> None:  # noqa: ANN001
             m = batch.response_mask
             train_bits = batch.trainer_logprobs[m].contiguous().view(torch.int32)
@@ -342,6 +347,7 @@ def make_recorder(work: Path, save_at: int | None) -> Any:
                 "bitwise_equal_tokens": int((train_bits == roll_bits).sum()),
             })  # fmt: skip
 
+        @override
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             _sync()
             rec = self.steps[-1]
