@@ -193,18 +193,14 @@ def tiny_yaml(tmp_path: Path) -> Path:
 
 def test_tiny_fit_and_validate(tmp_path: Path) -> None:
     path = tiny_yaml(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cli = main(["fit", "--config", str(path)])
+    cli = main(["fit", "--config", str(path)])
     trainer, module = cli.trainer, cli.model
     assert module.rollout_step == 2 and trainer.global_step == 2
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["mismatch/bitwise_equal_frac"] == 1.0  # exact rollout, seen by a class_path callback
     assert metrics["clipfrac"] == 0.0
     assert (tmp_path / "config.yaml").exists()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cli = main(["validate", "--config", str(path)])
+    cli = main(["validate", "--config", str(path)])
     assert "val/reward" in cli.trainer.callback_metrics
 
 

@@ -18,6 +18,7 @@ from models import tiny_rl_config
 from rlexact import algorithms as alg
 from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
+from rlexact.data import ResumableDataLoader, ResumableSampler
 from rlexact.demo.tokenizer import build_char_tokenizer
 from rlexact.module import RLModule
 from rlexact.trainer.batching import batch_logprobs, chunks, seq_valid
@@ -44,7 +45,9 @@ def prompt_items(k: int = 4) -> list[dict]:
 
 
 def loader(k: int = 4, batch_size: int = 2) -> DataLoader:
-    return DataLoader(prompt_items(k), batch_size=batch_size, collate_fn=list)
+    """Items in order through rlexact's resumable loader (a resumed fit continues at the next unseen batch)."""
+    sampler = ResumableSampler(k, shuffle=False)
+    return ResumableDataLoader(prompt_items(k), batch_size=batch_size, sampler=sampler, collate_fn=list)
 
 
 def make_module(dtype: str = "float32", rollout: dict | None = None, algorithm: dict | None = None, **kw) -> RLModule:
@@ -339,13 +342,14 @@ class Counter(Callback):
         self.calls = state["calls"]
 
 
+@pytest.mark.filterwarnings("error:.*dataloader is not resumable")
 def test_resume_from_lightning_checkpoint(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
     module = make_module(optim={"lr": 1e-3, "warmup_steps": 10})
     fit(module, 2, [ckpt, Counter()], enable_checkpointing=True, data=loader(8))
     path = tmp_path / "last.ckpt"
     assert path.exists()
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     assert saved["rlexact"]["rollout_step"] == 2
     assert "ref_model" not in "".join(saved["state_dict"])
 
@@ -366,9 +370,7 @@ def test_resume_from_lightning_checkpoint(tmp_path: Path) -> None:
         enable_model_summary=False,
         callbacks=[counter, StepSpy()],
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(resumed, loader(8), ckpt_path=path)
+    trainer.fit(resumed, loader(8), ckpt_path=path)
     assert seen == [2, 3]  # the rollout counter continues
     assert resumed.rollout_step == 4 and trainer.global_step == 4
     assert counter.calls == 4  # callback state restored (2 before + 2 after)
@@ -533,9 +535,7 @@ def test_validation_between_training_steps() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=1,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, loader(), val_dataloaders=loader(2))
+    trainer.fit(module, loader(), val_dataloaders=loader(2))
     assert module.rollout_step == 2 and trainer.global_step == 2
     assert "val/reward" in trainer.callback_metrics
 
