@@ -103,7 +103,7 @@ def fsdp_main(out: str) -> None:
         TruncatedIS,
         UpdateDirectionProbe,
     )
-    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.module import RLModule
 
     class LocalTokens(RLCallback):

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from models import tiny_rl_config
 from rlexact.callbacks.base import RLCallback
-from rlexact.demo.tokenizer import build_char_tokenizer
+from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.export import save_pretrained
 from rlexact.module import RLModule
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import tiny_rl_config  # noqa: E402
 from rlexact import PromptDataModule, RLModule  # noqa: E402
-from rlexact.demo.tokenizer import build_char_tokenizer  # noqa: E402
+from rlexact.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 NUM_PROMPTS = 8
 BATCH_SIZE = 2  # 4 batches per epoch: 6 steps cross an epoch boundary

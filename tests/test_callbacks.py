@@ -640,8 +640,8 @@ def _reward(prompts, completions, answers):
 
 
 def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, **algo):
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.data import ResumableDataLoader, ResumableSampler
-    from rlexact.demo.tokenizer import build_char_tokenizer
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()

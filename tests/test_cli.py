@@ -130,8 +130,8 @@ def test_console_script_demo_subcommand_help() -> None:
 
 
 def tiny_yaml(tmp_path: Path) -> Path:
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.demo.task import make_dataset, write_jsonl
-    from rlexact.demo.tokenizer import build_char_tokenizer
 
     write_jsonl(tmp_path / "train.jsonl", make_dataset(8, seed=0, max_operand=9))
     write_jsonl(tmp_path / "val.jsonl", make_dataset(4, seed=1, max_operand=9))

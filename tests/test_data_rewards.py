@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
+from rlexact.char_tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
 from rlexact.data import PromptDataModule, ResumableSampler, encode_prompts
 from rlexact.demo.task import ArithmeticTask, make_dataset, read_jsonl, write_jsonl
-from rlexact.demo.tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
 from rlexact.rewards import (
     ArithmeticReward,
     ExactMatchReward,

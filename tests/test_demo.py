@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlexact.char_tokenizer import EOS_ID, PAD_ID, VOCAB
 from rlexact.demo import run, sft
-from rlexact.demo.tokenizer import EOS_ID, PAD_ID, VOCAB
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_JSON = REPO / "benchmarks" / "results" / "demo_cpu.json"
@@ -64,7 +64,7 @@ def test_sft_is_reproducible_bitwise(tmp_path):
 def test_sft_loss_is_on_the_completion_only():
     from transformers import AutoTokenizer  # noqa: F401  (the tokenizer is a transformers object)
 
-    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.char_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     ids, plen = sft.encode_example(tok, "12+7=", "19")

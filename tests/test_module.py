@@ -18,8 +18,8 @@ from models import tiny_rl_config
 from rlexact import algorithms as alg
 from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
+from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.data import ResumableDataLoader, ResumableSampler
-from rlexact.demo.tokenizer import build_char_tokenizer
 from rlexact.module import RLModule
 from rlexact.trainer.batching import batch_logprobs, chunks, seq_valid
 from rlexact.trainer.update import PPOUpdate

@@ -385,7 +385,7 @@ class _Check(RLCallback):
 
 
 def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
-    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.export import save_pretrained
     from rlexact.module import RLModule
 

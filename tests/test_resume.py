@@ -153,7 +153,7 @@ def test_atomic_save_replaces_and_rejects_remote_paths(tmp_path: Path) -> None:
 def test_export_checkpoint_to_transformers_folder(runs: dict[str, dict], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.export import export_checkpoint
 
     out = export_checkpoint(runs["step3"]["path"], tmp_path / "hf")

@@ -250,7 +250,7 @@ def test_module_scores_through_the_executor(tmp_path):
 
     from models import tiny_rl_config
     from rlexact import RLModule
-    from rlexact.demo.tokenizer import build_char_tokenizer
+    from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.rollout import Completion
     from rlexact.trainer import rewards as reward_stage
 

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from models import tiny_rl_config
 from rlexact import PromptDataModule, RLModule
 from rlexact.callbacks import MismatchProbe, SampleLogger
-from rlexact.demo.tokenizer import build_char_tokenizer
+from rlexact.char_tokenizer import build_char_tokenizer
 
 STEPS = 3
 SCALARS = [

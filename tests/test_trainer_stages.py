@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import tiny_model, tiny_rl_config
-from rlexact.demo.tokenizer import build_char_tokenizer
+from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.logprobs import pack, packed_logprobs
 from rlexact.models import exactify
 from rlexact.module import RLModule

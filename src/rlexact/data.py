@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.resources import resolve
 
 __all__ = [
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 DEMO_TOKENIZER = "demo-char"
-"""Special tokenizer name: :func:`rlexact.demo.tokenizer.build_char_tokenizer` (the demo's 50-token vocabulary)."""
+"""Special tokenizer name: :func:`rlexact.char_tokenizer.build_char_tokenizer` (the demo's 50-token vocabulary)."""
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -60,8 +61,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
     if isinstance(tokenizer, (str, os.PathLike)):
         name = resolve(os.fspath(tokenizer))
         if name == DEMO_TOKENIZER:
-            from rlexact.demo.tokenizer import build_char_tokenizer
-
             return build_char_tokenizer()
         from transformers import AutoTokenizer
 

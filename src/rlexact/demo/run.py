@@ -189,8 +189,8 @@ def demo_rows(split: str, size: int, ckpt: str | None = None) -> list[dict[str, 
 
 def build_module(cfg: DemoConfig, ckpt: str):
     """The :class:`rlexact.RLModule` of the demo (GRPO, exact rollouts, pi_old = rollout log-probs)."""
+    from rlexact.char_tokenizer import EOS_ID
     from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
-    from rlexact.demo.tokenizer import EOS_ID
     from rlexact.module import RLModule
 
     return RLModule(

@@ -1,7 +1,7 @@
 """Supervised fine-tuning of the embedded demo's start checkpoint (reproducible, CPU, plain torch).
 
 Builds a tiny ``Qwen3ForCausalLM`` from a ``Qwen3Config`` with the character tokenizer of
-:mod:`rlexact.demo.tokenizer`, trains it with AdamW and teacher forcing on ``"12+7=" → "19<|im_end|>"`` (loss on the
+:mod:`rlexact.char_tokenizer`, trains it with AdamW and teacher forcing on ``"12+7=" → "19<|im_end|>"`` (loss on the
 completion only) and saves model + tokenizer with ``save_pretrained`` (safetensors, fp32) plus ``sft.json`` (the
 settings, the parameter count and the held-out evaluation)::
 
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from rlexact.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
 from rlexact.demo.task import ArithmeticTask
-from rlexact.demo.tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
 from rlexact.envinfo import library_versions
 
 __all__ = [

@@ -97,8 +97,8 @@ class History(Callback):
 
 def build_module(arm: Arm, scale: Scale, checkpoint: str):
     """The arm's :class:`~rlexact.study.engine.PerturbedRolloutModule` (arithmetic reward, demo tokenizer)."""
+    from rlexact.char_tokenizer import EOS_ID
     from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
-    from rlexact.demo.tokenizer import EOS_ID
     from rlexact.study.engine import PerturbedRolloutModule
 
     reinforce = arm.objective == "reinforce"
