@@ -840,3 +840,17 @@ def test_argmax_tokens_align_with_the_model_and_ignore_chunking():
     assert probe._argmax_flip(Module("exact"), b) == 0.0  # same kernels: one forward serves both sides
     native = probe._argmax_flip(Module("native"), b)  # a second forward under the native kernels
     assert 0.0 <= native <= 1.0
+
+
+def test_two_differently_configured_probes_attach_and_log(tmp_path):
+    """Two ``MismatchProbe``s with different prefixes are distinct callbacks (state keys differ), both run, and each
+    logs under its own prefix; two with the same settings are rejected by Lightning as duplicates."""
+    a, b = MismatchProbe(), MismatchProbe(prefix="probe2", argmax=False, histograms=False)
+    assert a.state_key != b.state_key
+    trainer, _ = fit_rl([a, b], tmp_path, steps=1)
+    assert a.last_metrics["mismatch/bitwise_equal_frac"] == 1.0
+    assert b.last_metrics["probe2/bitwise_equal_frac"] == 1.0 and "probe2/argmax_flip_rate" not in b.last_metrics
+    logged = set(trainer.callback_metrics)
+    assert {"mismatch/bitwise_equal_frac", "probe2/bitwise_equal_frac"} <= logged
+    with pytest.raises(RuntimeError, match="state_key"):
+        fit_rl([MismatchProbe(), MismatchProbe()], tmp_path / "dup", steps=1)
