@@ -13,6 +13,7 @@ probes see what the corrections act on; they never modify the batch. Values are 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
+from rlexact.callbacks.routing import RouterDisagreement, RouterRecorder, router_disagreement
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -144,6 +146,17 @@ class MismatchProbe(RLCallback):
     by construction. :class:`~rlexact.callbacks.injection.MismatchInjection` perturbs log-probs only, so it leaves
     the flip rate at 0. Without a policy model on the module the metric is skipped with a one-time warning.
 
+    **Router mismatch** (Mixture-of-Experts policies, ``router=True``; silently skipped for dense models). The same
+    forwards (one per kernel set, shared with the argmax when both are on) record, through forward hooks on every MoE
+    router (:class:`~rlexact.callbacks.routing.RouterRecorder`), the experts selected for the row that scores each
+    response token (the previous position, as for the argmax). A token disagrees in a layer when its expert *set*
+    differs between the generator-kernel and trainer-kernel forwards:
+
+    - ``router_token_disagree_frac``: fraction of those tokens that disagree in at least one MoE layer;
+    - ``router_layer_disagree/<i>``: per MoE layer (``i`` = decoder layer index), the fraction that disagree there.
+
+    Both are 0 by construction when the two sides use the same kernels (one forward serves both).
+
     Args:
         argmax: compute ``argmax_flip_rate`` (one or two extra no-grad forwards per rollout step).
         histograms: write TensorBoard histograms (when a ``TensorBoardLogger`` is attached).
@@ -151,6 +164,7 @@ class MismatchProbe(RLCallback):
         log_ministeps: also log each mini-step's contributions.
         argmax_chunk_tokens: rows of ``[rows, V]`` logits materialized at once for the argmax.
         prefix: metric prefix.
+        router: compute the router mismatch metrics when the policy has MoE layers.
     """
 
     state_fields = (
@@ -170,6 +184,7 @@ class MismatchProbe(RLCallback):
         log_ministeps: bool = False,
         argmax_chunk_tokens: int = 1024,
         prefix: str = "mismatch",
+        router: bool = True,
     ) -> None:
         if histogram_every_n_steps < 1 or argmax_chunk_tokens < 1:
             raise ValueError("histogram_every_n_steps and argmax_chunk_tokens must be >= 1")
@@ -179,6 +194,7 @@ class MismatchProbe(RLCallback):
         self.log_ministeps = log_ministeps
         self.argmax_chunk_tokens = argmax_chunk_tokens
         self.prefix = prefix
+        self.router = router
         self.steps = 0
         """Rollout steps probed (resumable)."""
         self.tokens_total = 0.0
@@ -209,9 +225,14 @@ class MismatchProbe(RLCallback):
         red.add_mean(f"{p}/abs_diff_mean", stats["abs_diff_mean"], n)
         red.add_max(f"{p}/abs_diff_max", stats["abs_diff_max"] if n else None)
         red.add_max(f"{p}/prob_diff_max", stats["prob_diff_max"] if n else None)
-        flips = self._argmax_flip(pl_module, batch) if self.argmax else None
+        flips, routing = self._kernel_paths(pl_module, batch)
         if flips is not None:
             red.add_mean(f"{p}/argmax_flip_rate", flips, n)
+        if routing is not None:
+            dis, labels = routing
+            red.add_mean(f"{p}/router_token_disagree_frac", dis.token_disagree_frac, dis.num_tokens)
+            for label, frac in zip(labels, dis.layer_disagree_frac):
+                red.add_mean(f"{p}/router_layer_disagree/{label}", frac, dis.num_tokens)
         for key in ("k1_mean", "k2_mean", "k3_mean"):
             red.add_mean(f"{p}/{key}", stats[key], n)
         red.add_mean(f"{p}/chi2", stats["chi2"], n)
@@ -302,34 +323,70 @@ class MismatchProbe(RLCallback):
 
     def _argmax_flip(self, pl_module: Any, batch: RolloutBatch) -> float | None:
         """Local argmax flip rate over response tokens (``None`` when the module has no exactified policy model)."""
-        from rlexact.models import get_state, use_kernels
+        return self._kernel_paths(pl_module, batch, router=False)[0]
 
+    def _kernel_paths(
+        self, pl_module: Any, batch: RolloutBatch, router: bool | None = None
+    ) -> tuple[float | None, tuple[RouterDisagreement, tuple[str, ...]] | None]:
+        """Local argmax flip rate and router disagreement (with the MoE layer labels) between the generator-kernel
+        and trainer-kernel forwards; ``None`` for what is off or not computable (no exactified policy model: a
+        one-time warning when the argmax is on; a dense model: no router metrics). ``router`` overrides
+        ``self.router``."""
+        from rlexact.models import get_state, use_kernels
+        from rlexact.models.moe import is_moe
+
+        router = self.router if router is None else router
+        if not (self.argmax or router):
+            return None, None
         model = policy_model(pl_module)
         if model is None or get_state(model) is None:
-            self._warn_once(
-                "model", "MismatchProbe: no exactified policy model on the module; argmax_flip_rate is skipped"
-            )
-            return None
+            if self.argmax:
+                self._warn_once(
+                    "model", "MismatchProbe: no exactified policy model on the module; argmax_flip_rate is skipped"
+                )
+            return None, None
+        router = router and is_moe(model)
+        if not (self.argmax or router):
+            return None, None
         # a response token that starts its sequence has no prediction row; it never happens with non-empty prompts
         mask = batch.response_mask & (batch.position_ids > 0)
         trainer_kernels = get_state(model).kernels
         gen_kernels = rollout_kernels(pl_module) or trainer_kernels
         chunk = _score_chunk(pl_module) or batch.num_seqs
-        trainer_arg = _module_call(model, lambda: self._argmax_tokens(model, batch, mask, chunk))
+
+        def side() -> tuple[torch.Tensor, RouterRecorder | None]:
+            recorder = RouterRecorder(model) if router else None
+            with recorder or nullcontext():
+                tokens = self._argmax_tokens(model, batch, mask, chunk, recorder=recorder, head=self.argmax)
+            return tokens, recorder
+
+        trainer_side = _module_call(model, side)
         if gen_kernels == trainer_kernels:
-            rollout_arg = trainer_arg
+            rollout_side = trainer_side
         else:
             with use_kernels(model, gen_kernels):
-                rollout_arg = _module_call(model, lambda: self._argmax_tokens(model, batch, mask, chunk))
-        return F.argmax_flip_rate(rollout_arg, trainer_arg, mask)
+                rollout_side = _module_call(model, side)
+        flips = F.argmax_flip_rate(rollout_side[0], trainer_side[0], mask) if self.argmax else None
+        routing = None
+        if rollout_side[1] is not None and trainer_side[1] is not None:
+            dis = router_disagreement(rollout_side[1].ids, trainer_side[1].ids)
+            routing = (dis, trainer_side[1].labels)
+        return flips, routing
 
     @torch.no_grad()
     def _argmax_tokens(
-        self, model: torch.nn.Module, batch: RolloutBatch, mask: torch.Tensor, chunk_seqs: int
+        self,
+        model: torch.nn.Module,
+        batch: RolloutBatch,
+        mask: torch.Tensor,
+        chunk_seqs: int,
+        recorder: RouterRecorder | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """``[T]`` int64: the top-1 next token predicted for every ``mask`` position (from the hidden state of the
         previous token), 0 elsewhere. Packed forwards over ``chunk_seqs`` sequences at a time, ``[rows, V]`` logits
-        over ``argmax_chunk_tokens`` rows at a time."""
+        over ``argmax_chunk_tokens`` rows at a time. ``recorder`` (entered by the caller) records the MoE routing of
+        those previous-token rows, in ``mask`` order; ``head=False`` skips the logits (all zeros returned)."""
         from rlexact.models import AttnMetadata, forward_hidden, head_logits
 
         out = torch.zeros_like(batch.input_ids)
@@ -340,9 +397,11 @@ class MismatchProbe(RLCallback):
             if hi == lo or not bool(mask[lo:hi].any()):
                 continue
             sub_cu = batch.cu_seqlens[first : last + 1] - batch.cu_seqlens[first]
-            hidden = forward_hidden(model, batch.input_ids[lo:hi], batch.position_ids[lo:hi], AttnMetadata(sub_cu))
             targets = torch.nonzero(mask[lo:hi]).squeeze(-1)
-            for rows in targets.split(self.argmax_chunk_tokens):
+            if recorder is not None:
+                recorder.select(targets - 1)
+            hidden = forward_hidden(model, batch.input_ids[lo:hi], batch.position_ids[lo:hi], AttnMetadata(sub_cu))
+            for rows in targets.split(self.argmax_chunk_tokens) if head else ():
                 logits, _ = head_logits(model, hidden[rows - 1], 1.0)
                 out[lo + rows] = logits.argmax(dim=-1)
         return out

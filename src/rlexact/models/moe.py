@@ -121,6 +121,12 @@ def is_moe(model: nn.Module) -> bool:
     return any(_is_router(m) for m in model.modules())
 
 
+def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every MoE router of ``model`` in module order (empty for a dense model). Each
+    returns ``(logits, weights, ids)`` in both kernel modes; ``ids [T, k]`` are the selected experts."""
+    return [(name, m) for name, m in model.named_modules() if _is_router(m)]
+
+
 def check_moe(model: nn.Module) -> None:
     """Raise ``ValueError`` when an experts module of ``model`` has a layout the exact kernels do not implement."""
     for m in model.modules():
