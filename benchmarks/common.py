@@ -12,12 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from rlexact.envinfo import result_header  # noqa: E402
-
-
-def header(benchmark: str, *libraries: str) -> dict:
-    """The result JSON's provenance block (:func:`rlexact.envinfo.result_header`)."""
-    return result_header(benchmark, *libraries)
+from rlexact.envinfo import result_header as header  # noqa: E402, F401 - re-exported: the result provenance block
 
 
 def bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
