@@ -81,7 +81,6 @@ BIT_VIEWS = {
     torch.float64: torch.int64,
 }
 """The signed integer dtype of the same width as each float dtype: ``t.view(BIT_VIEWS[t.dtype])`` exposes its bits."""
-"""Same-width integer dtype used to compare log-probs bit for bit."""
 
 
 # --------------------------------------------------------------------------------------------------- estimators
