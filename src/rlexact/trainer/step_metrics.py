@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rlexact import algorithms as alg
 from rlexact.reduction import MetricReducer
 
 __all__ = ["StageTimer", "advantage_metrics"]
@@ -27,7 +28,7 @@ def advantage_metrics(rewards: torch.Tensor, advantages: torch.Tensor, group_ids
     g = group_ids.detach().cpu()
     n = a.numel()
     groups = torch.unique(g)
-    constant = sum(int((r[g == k] == r[g == k][0]).all()) for k in groups.tolist())
+    constant = torch.unique(g[~alg.dynamic_sampling_keep(r, g)]).numel()  # groups whose rewards are all equal
     red = MetricReducer()
     red.add_mean("advantage/mean", float(a.mean()) if n else 0.0, n)
     red.add_mean("advantage_sq", float((a * a).mean()) if n else 0.0, n)
