@@ -40,6 +40,7 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableSampler",
     "collate_prompts",
+    "describe_source",
     "encode_prompts",
     "load_prompt_rows",
     "load_tokenizer",
@@ -369,7 +370,9 @@ class ResumableDataLoader(DataLoader):
         self._batches = batches
 
 
-def _describe(path: Any) -> str:
+def describe_source(path: Any) -> str:
+    """A path or name as its ``repr`` (for error messages), any other source (a tokenizer or dataset object) as its
+    type name."""
     return repr(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else type(path).__name__
 
 
@@ -509,11 +512,11 @@ class PromptDataModule(L.LightningDataModule):
         else:
             ds = load_prompt_rows(path, split=split)
         if ds is None or len(ds) == 0:
-            raise ValueError(f"dataset {_describe(path)} is empty")
+            raise ValueError(f"dataset {describe_source(path)} is empty")
         if limit is not None:
             ds = ds.select(range(min(limit, len(ds))))
             if len(ds) == 0:
-                raise ValueError(f"dataset {_describe(path)} is empty (limit={limit})")
+                raise ValueError(f"dataset {describe_source(path)} is empty (limit={limit})")
         return ds
 
     def build_dataset(self, path: Any, split: str | None = None, limit: int | None = None) -> PromptDataset:
@@ -522,13 +525,13 @@ class PromptDataModule(L.LightningDataModule):
         columns = list(ds.column_names)
         if self.prompt_key not in columns:
             raise ValueError(
-                f"prompt_key {self.prompt_key!r} not in dataset {_describe(path)}; available columns: {columns}"
+                f"prompt_key {self.prompt_key!r} not in dataset {describe_source(path)}; available columns: {columns}"
             )
         prompts = list(ds[self.prompt_key])
         for i, p in enumerate(prompts):
             if p is None or not isinstance(p, (str, list)):
                 raise ValueError(
-                    f"row {i} of {_describe(path)}: prompt must be a string or a list of messages, got "
+                    f"row {i} of {describe_source(path)}: prompt must be a string or a list of messages, got "
                     f"{type(p).__name__}"
                 )
         if self.answer_key is not None and self.answer_key in columns:
@@ -538,29 +541,29 @@ class PromptDataModule(L.LightningDataModule):
         ids = encode_prompts(self.tokenizer, prompts, self.chat_template_enabled)
         if self.chat_template_enabled:
             preview = self.tokenizer.decode(ids[0]) if ids else ""
-            rank_zero_info(f"rlexact: chat template on; prompt 0 of {_describe(path)} renders as {preview!r}")
+            rank_zero_info(f"rlexact: chat template on; prompt 0 of {describe_source(path)} renders as {preview!r}")
         keep = []
         for i, x in enumerate(ids):
             if not x:
-                raise ValueError(f"row {i} of {_describe(path)}: prompt encodes to zero tokens")
+                raise ValueError(f"row {i} of {describe_source(path)}: prompt encodes to zero tokens")
             if self.max_prompt_length is not None and len(x) > self.max_prompt_length:
                 if self.overlong == "raise":
                     raise ValueError(
-                        f"row {i} of {_describe(path)}: prompt has {len(x)} tokens > max_prompt_length="
+                        f"row {i} of {describe_source(path)}: prompt has {len(x)} tokens > max_prompt_length="
                         f"{self.max_prompt_length} (overlong='raise'; overlong='filter' drops such rows)"
                     )
                 continue
             keep.append(i)
         filtered = len(ids) - len(keep)
-        self.num_filtered[_describe(path)] = filtered
+        self.num_filtered[describe_source(path)] = filtered
         if filtered:
             if not keep:
                 raise ValueError(
-                    f"every prompt of {_describe(path)} is longer than max_prompt_length={self.max_prompt_length} "
-                    "tokens; raise max_prompt_length"
+                    f"every prompt of {describe_source(path)} is longer than "
+                    f"max_prompt_length={self.max_prompt_length} tokens; raise max_prompt_length"
                 )
             rank_zero_info(
-                f"rlexact: filtered {filtered} of {len(ids)} prompts of {_describe(path)} longer than "
+                f"rlexact: filtered {filtered} of {len(ids)} prompts of {describe_source(path)} longer than "
                 f"max_prompt_length={self.max_prompt_length} tokens"
             )
         texts = [p if isinstance(p, str) else _last_user_content(p) for p in prompts]

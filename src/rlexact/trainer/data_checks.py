@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rlexact.data import describe_source
+
 __all__ = ["check_prompt_lengths", "check_token_ids", "same_tokenizer"]
-
-
-def _describe(source: Any) -> str:
-    return repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else type(source).__name__
 
 
 def same_tokenizer(module_source: Any, module_tok: Any, data_source: Any, data_tok: Any) -> bool:
@@ -30,9 +28,10 @@ def same_tokenizer(module_source: Any, module_tok: Any, data_source: Any, data_t
     )
     if not agree:
         raise ValueError(
-            f"the data's tokenizer ({_describe(data_source)}) differs from the module's ({_describe(module_source)}): "
-            "prompts would be encoded with one vocabulary and decoded with another; pass the model's tokenizer to "
-            "both (PromptDataModule(tokenizer=...) and RLModule(tokenizer=...), by default its model_path)"
+            f"the data's tokenizer ({describe_source(data_source)}) differs from the module's "
+            f"({describe_source(module_source)}): prompts would be encoded with one vocabulary and decoded with "
+            "another; pass the model's tokenizer to both (PromptDataModule(tokenizer=...) and "
+            "RLModule(tokenizer=...), by default its model_path)"
         )
     return True
 
@@ -41,7 +40,7 @@ def check_token_ids(max_token_id: int, vocab_size: int, source: Any) -> None:
     """Raise ``ValueError`` if a prompt token id does not fit the model's vocabulary."""
     if max_token_id >= vocab_size:
         raise ValueError(
-            f"the prompts of {_describe(source)} contain token id {max_token_id}, but the model's vocabulary has "
+            f"the prompts of {describe_source(source)} contain token id {max_token_id}, but the model's vocabulary has "
             f"{vocab_size} tokens: the data was tokenized with another tokenizer; pass the model's tokenizer to "
             "PromptDataModule(tokenizer=...)"
         )
