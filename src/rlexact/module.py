@@ -516,10 +516,9 @@ class RLModule(L.LightningModule):
         callbacks: list[RLCallback],
         *,
         updated: bool,
-        timer: StageTimer | None = None,
+        timer: StageTimer,
     ) -> None:
         # (7) post-update hooks
-        timer = timer or StageTimer()
         if updated:
             with timer("callbacks"):
                 call_rl_hook(
