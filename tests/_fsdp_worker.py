@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
-from models import tiny_rl_config
+from models import tiny_moe_rl_config, tiny_rl_config
 from rlexact.callbacks.base import RLCallback
 from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.export import save_pretrained
@@ -76,10 +76,8 @@ def main() -> None:
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
-    cfg = tiny_rl_config(len(tok))
-    if len(sys.argv) > 4 and sys.argv[4] == "moe":
-        cfg.update(model_type="qwen3_moe", moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                   norm_topk_prob=True, mlp_only_layers=[1])  # fmt: skip
+    moe = len(sys.argv) > 4 and sys.argv[4] == "moe"
+    cfg = tiny_moe_rl_config(len(tok)) if moe else tiny_rl_config(len(tok))
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

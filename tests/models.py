@@ -6,7 +6,20 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+MOE_VOCAB = 97
 
 
 def tiny_model(
@@ -75,6 +88,63 @@ def tiny_rl_config(vocab_size: int, max_pos: int = 64) -> dict:
         max_position_embeddings=max_pos,
         tie_word_embeddings=True,
     )
+
+
+def tiny_moe(
+    arch: str = "qwen3_moe",
+    *,
+    experts: int = 8,
+    top_k: int = 2,
+    layers: int = 3,
+    hidden: int = 48,
+    moe_inter: int = 24,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    weight_scale: float = 2.5,
+    **extra: object,
+) -> torch.nn.Module:
+    """A random tiny MoE causal LM in eval mode. Defaults mix in a dense layer (``mlp_only_layers=[1]``); 2-D and 3-D
+    weights are scaled for sharper distributions and norm weights drawn from U(0.5, 1.5)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=MOE_VOCAB, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=moe_inter,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    common.update(extra)
+    common.setdefault("mlp_only_layers", [1])
+    if arch == "qwen3_moe":
+        common.setdefault("head_dim", 16)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(norm_topk_prob=True, **common))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=32, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.mul_(weight_scale)
+    return model.to(dtype).eval()
+
+
+def tiny_moe_rl_config(
+    vocab_size: int, *, layers: int = 2, experts: int = 8, top_k: int = 2, mlp_only_layers: tuple[int, ...] = (1,)
+) -> dict:
+    """``model_config`` dict of a tiny Qwen3-MoE for the RLModule tests: :func:`tiny_rl_config` with MoE layers
+    (``moe_intermediate_size=32``, normalized top-k) except the dense ``mlp_only_layers``."""
+    cfg = tiny_rl_config(vocab_size)
+    cfg.update(
+        model_type="qwen3_moe", num_hidden_layers=layers, moe_intermediate_size=32, num_experts=experts,
+        num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),
+    )  # fmt: skip
+    return cfg
+
+
+def addition_items(tok, n: int) -> list[dict]:  # noqa: ANN001 - a tokenizer callable
+    """``n`` prompt items ``"i+i="`` with answer ``2 i`` (the fields the RL data module yields)."""
+    texts = [f"{i}+{i}=" for i in range(n)]
+    return [{"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": str(2 * i), "index": i}
+            for i, t in enumerate(texts)]  # fmt: skip
 
 
 def prompts_for(n: int, vocab: int, lo: int = 1, hi: int = 20, seed: int = 0) -> list[list[int]]:

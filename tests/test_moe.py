@@ -25,16 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoModelForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
 import rlexact
-from models import prompts_for
+from models import MOE_VOCAB as VOCAB
+from models import addition_items, prompts_for, tiny_moe, tiny_moe_rl_config
 from rlexact import ops
 from rlexact.callbacks.base import RLCallback
 from rlexact.ops.moe import moe_plan
@@ -42,44 +37,6 @@ from rlexact.rollout import Generator, SamplingParams
 
 HERE = Path(__file__).resolve().parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-VOCAB = 97
-
-
-def tiny_moe(
-    arch: str = "qwen3_moe",
-    *,
-    experts: int = 8,
-    top_k: int = 2,
-    layers: int = 3,
-    hidden: int = 48,
-    moe_inter: int = 24,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    weight_scale: float = 2.5,
-    **extra: object,
-) -> torch.nn.Module:
-    """A random tiny MoE causal LM in eval mode. Defaults mix in a dense layer (``mlp_only_layers=[1]``); 2-D and 3-D
-    weights are scaled for sharper distributions and norm weights drawn from U(0.5, 1.5)."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=moe_inter,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
-        num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
-    common.update(extra)
-    common.setdefault("mlp_only_layers", [1])
-    if arch == "qwen3_moe":
-        common.setdefault("head_dim", 16)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(norm_topk_prob=True, **common))
-    else:
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=32, **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif p.dim() >= 2:
-                p.mul_(weight_scale)
-    return model.to(dtype).eval()
 
 
 def assert_exact(model: torch.nn.Module, outs: list, temperature: float = 1.0) -> None:
@@ -390,14 +347,8 @@ def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()
-    cfg = dict(
-        model_type="qwen3_moe", vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    items = [{"prompt_ids": tok(f"{i}+{i}=")["input_ids"], "prompt_text": f"{i}+{i}=", "answer": str(2 * i),
-              "index": i} for i in range(4)]  # fmt: skip
+    cfg = tiny_moe_rl_config(len(tok), mlp_only_layers=(0,))
+    items = addition_items(tok, 4)
     module = RLModule(
         model_config=cfg, tokenizer=tok, dtype="bfloat16",
         reward=lambda p, c, a: [float(len(x) % 3) for x in c],

@@ -18,10 +18,9 @@ from torch.utils.data import DataLoader
 
 import rlexact
 from _callbacks_worker import make_batch
-from models import ids, tiny_model
+from models import addition_items, ids, tiny_model, tiny_moe, tiny_moe_rl_config
 from rlexact.callbacks import MismatchProbe
 from rlexact.callbacks.routing import RouterRecorder, router_disagreement
-from test_moe import tiny_moe
 
 
 class _Module:
@@ -128,14 +127,8 @@ def test_rlmodule_logs_router_mismatch(kernels: str) -> None:
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()
-    cfg = dict(
-        model_type="qwen3_moe", vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=64,
-        num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    items = [{"prompt_ids": tok(f"{i}+{i}=")["input_ids"], "prompt_text": f"{i}+{i}=", "answer": str(2 * i),
-              "index": i} for i in range(2)]  # fmt: skip
+    cfg = tiny_moe_rl_config(len(tok), layers=3, experts=64, top_k=8)
+    items = addition_items(tok, 2)
     mode = "exact" if kernels == "exact" else "recompute"
     module = RLModule(
         model_config=cfg, tokenizer=tok, dtype="bfloat16", reward=_reward,
