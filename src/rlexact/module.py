@@ -43,7 +43,7 @@ from rlexact.callbacks.base import RLCallback, rl_callbacks
 from rlexact.callbacks.samples import SampleLogger
 from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
-from rlexact.data import PromptDataset
+from rlexact.data import PromptDataset, load_tokenizer
 from rlexact.distributed import is_fsdp
 from rlexact.models import exactify
 from rlexact.reduction import MetricReducer
@@ -192,8 +192,6 @@ class RLModule(L.LightningModule):
     def tokenizer(self) -> Any:
         """The tokenizer (loaded from the ``tokenizer`` argument on first use)."""
         if self._tokenizer is None:
-            from rlexact.data import load_tokenizer
-
             self._tokenizer = load_tokenizer(self._tokenizer_arg)
         return self._tokenizer
 
