@@ -28,18 +28,9 @@ import os
 import torch
 
 from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
-from rlexact.rollout.keyed_hash import mix32, request_key, row_keys, token_hash
+from rlexact.rollout.keyed_hash import row_keys, token_hash
 
-__all__ = [
-    "gumbel_argmax",
-    "gumbel_from_hash",
-    "gumbel_noise",
-    "mix32",
-    "request_key",
-    "row_keys",
-    "sample",
-    "token_hash",
-]
+__all__ = ["gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
 
 
 def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
