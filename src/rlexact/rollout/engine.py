@@ -246,9 +246,10 @@ class Generator:
             for j in range(n)
         ]
         self._check_lengths(seqs)
-        stop = set(params.stop_token_ids) if params.stop_token_ids is not None else eos_token_ids(self.model)
+        eos = eos_token_ids(self.model)
+        stop = set(params.stop_token_ids) if params.stop_token_ids is not None else set(eos)
         if params.ignore_eos:
-            stop -= eos_token_ids(self.model)
+            stop -= eos
         sampling = SamplingSetup(
             greedy=params.greedy,
             temperature=params.logprob_temperature,
