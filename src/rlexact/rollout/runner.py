@@ -451,7 +451,6 @@ class ModelRunner:
 
     def score_step(self, batch: ScheduledBatch, temperature: float) -> None:
         """Feed a step of score-only sequences; store the log-prob of every fed token's successor."""
-        self._copy_blocks(batch.copies)
         inp = self._prepare(batch)
         hidden = self._eager_forward(inp)
         cu = inp["cu"].tolist()
