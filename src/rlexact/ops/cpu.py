@@ -37,8 +37,8 @@ ATTN_SPLIT = 1024
 ``[s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT)``."""
 
 
-def _padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
-    """Zero-pad the rows of 2-D ``x`` to a multiple of ``block``; return ``(padded, original_rows)``."""
+def padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
+    """Zero-pad the rows of ``x`` to a multiple of ``block``; return ``(padded, original_rows)``."""
     m = x.shape[0]
     pad = (-m) % block
     if pad:
@@ -48,7 +48,7 @@ def _padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tenso
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with fp32 accumulation. ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``."""
-    xp, m = _padded_blocks(x)
+    xp, m = padded_blocks(x)
     wf = w.float()
     out = torch.empty((xp.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
     for s in range(0, xp.shape[0], ROW_BLOCK):
@@ -58,7 +58,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers RMSNorm semantics: ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``. ``x [M, H]``."""
-    xp, m = _padded_blocks(x)
+    xp, m = padded_blocks(x)
     out_dtype = torch.promote_types(w.dtype, x.dtype)
     out = torch.empty(xp.shape, dtype=out_dtype, device=x.device)
     for s in range(0, xp.shape[0], ROW_BLOCK):
@@ -100,8 +100,8 @@ def _norm_rope_one(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``(silu(gate32) * up32).to(gate.dtype)``: one cast at the end. ``gate, up [M, I]``."""
-    gp, m = _padded_blocks(gate)
-    upp, _ = _padded_blocks(up)
+    gp, m = padded_blocks(gate)
+    upp, _ = padded_blocks(up)
     out = torch.empty(gp.shape, dtype=gate.dtype, device=gate.device)
     for s in range(0, gp.shape[0], ROW_BLOCK):
         out[s : s + ROW_BLOCK] = (F.silu(gp[s : s + ROW_BLOCK].float()) * upp[s : s + ROW_BLOCK].float()).to(gate.dtype)
@@ -124,8 +124,8 @@ def token_logprobs(
     Never holds more than ``[ROW_BLOCK, V]`` logits. ``logp == scaled[target] - lse`` with the same ``scaled`` and
     ``lse`` that :func:`lm_head_logits` returns, so the sampler and the trainer agree bitwise.
     """
-    hp, m = _padded_blocks(hidden)
-    tp, _ = _padded_blocks(targets)
+    hp, m = padded_blocks(hidden)
+    tp, _ = padded_blocks(targets)
     wf = w.float()
     logp = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)
     ent = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)
@@ -138,7 +138,7 @@ def token_logprobs(
 
 def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled logits ``[B, V]`` fp32 and logsumexp ``[B]`` fp32, computed exactly as in :func:`token_logprobs`."""
-    hp, m = _padded_blocks(hidden)
+    hp, m = padded_blocks(hidden)
     wf = w.float()
     logits = torch.empty((hp.shape[0], w.shape[0]), dtype=torch.float32, device=hidden.device)
     lse = torch.empty(hp.shape[0], dtype=torch.float32, device=hidden.device)

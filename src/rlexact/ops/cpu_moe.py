@@ -16,21 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu import ROW_BLOCK
-
-
-def _row_blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Zero-pad the rows of ``x`` to a multiple of ``ROW_BLOCK``; return ``(padded, original_rows)``."""
-    m = x.shape[0]
-    pad = (-m) % ROW_BLOCK
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
-    return x, m
+from .cpu import ROW_BLOCK, padded_blocks
 
 
 def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] in logits.dtype, expert ids [T, k] int64)`` from router logits ``[T, E]``; see module doc."""
-    lp, t = _row_blocks(logits)
+    lp, t = padded_blocks(logits)
     weights = torch.empty((lp.shape[0], top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((lp.shape[0], top_k), dtype=torch.int64, device=logits.device)
     for s in range(0, lp.shape[0], ROW_BLOCK):
@@ -68,7 +59,7 @@ def grouped_matmul(
         if c == 0:
             continue
         rows = a[gather[start : start + c]] if gather is not None else a[start : start + c]
-        rp, _ = _row_blocks(rows)
+        rp, _ = padded_blocks(rows)
         we = w[e].float()
         res = torch.empty((rp.shape[0], n), dtype=torch.float32, device=a.device)
         for s in range(0, rp.shape[0], ROW_BLOCK):
@@ -87,9 +78,9 @@ def sigmoid_gate(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.T
     ``routed, shared [T, H]``, ``gate_logit [T, 1]``. CPU ``sigmoid`` is vectorized with a scalar tail whose ``exp``
     differs from the SIMD one, so the rows go through fixed ``[ROW_BLOCK, ...]`` shapes.
     """
-    r, t = _row_blocks(routed)
-    sh, _ = _row_blocks(shared)
-    g, _ = _row_blocks(gate_logit)
+    r, t = padded_blocks(routed)
+    sh, _ = padded_blocks(shared)
+    g, _ = padded_blocks(gate_logit)
     blocks = [
         r[s : s + ROW_BLOCK].float() + torch.sigmoid(g[s : s + ROW_BLOCK].float()) * sh[s : s + ROW_BLOCK].float()
         for s in range(0, r.shape[0], ROW_BLOCK)
