@@ -208,6 +208,19 @@ def test_gpu_silu_mul(dtype: torch.dtype) -> None:
     assert torch.equal(triton_norm.silu_mul(gate[7:8], up[7:8])[0], y[7])
 
 
+def _qk_rope_inputs(t: int, d: int, dtype: torch.dtype, norm: bool, seed: int) -> tuple:
+    """Qwen3-1.7B-shaped q (16 heads) / k (8 heads), transformers-layout cos/sin of large angles, and the q/k norm
+    weights (``None`` without ``norm``), on the GPU in ``dtype``."""
+    torch.manual_seed(seed)
+    q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
+    k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
+    ang = torch.rand(t, d // 2, device=_dev()) * 4000
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)  # as transformers
+    qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    return q, k, cos, sin, qw, kw
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -216,14 +229,8 @@ def test_gpu_qk_norm_rope(dtype: torch.dtype, norm: bool) -> None:
     """Qwen3-1.7B heads (16 q / 8 kv, head_dim 128): float64 reference and bitwise row invariance, 1..64 rows."""
     from rlexact.ops import reference, triton_rope
 
-    torch.manual_seed(5)
     t, d = 300, 128
-    q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
-    k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
-    ang = torch.rand(t, d // 2, device=_dev()) * 4000
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)  # as transformers
-    qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
-    kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm, seed=5)
     qo, ko = triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, x, w in ((qo, q, qw), (ko, k, kw)):
@@ -367,14 +374,8 @@ def test_gpu_column_sum_order_negative_control() -> None:
 def test_gpu_qk_norm_rope_backward(dtype: torch.dtype, norm: bool) -> None:
     from rlexact.ops import reference, triton_backward
 
-    torch.manual_seed(22)
     t, d = 2000, 128
-    q = (torch.randn(t, 16, d, device=_dev()) * 2).to(dtype)
-    k = (torch.randn(t, 8, d, device=_dev()) * 2).to(dtype)
-    ang = torch.rand(t, d // 2, device=_dev()) * 4000
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    qw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
-    kw = torch.rand(d, device=_dev()).add(0.5).to(dtype) if norm else None
+    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm, seed=22)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     out = triton_backward.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
