@@ -17,9 +17,9 @@ class BlockManager:
     Allocation is optimistic: a sequence gets blocks only for the tokens of the step being scheduled
     (:meth:`ensure`), and the scheduler preempts when the free list runs dry. A sequence holding blocks also holds a
     row of :attr:`table` (``[max_rows, width]`` int32, CPU) mirroring its ``block_table``, so the runner builds the
-    per-step block tables with one ``index_select`` instead of per-sequence Python lists. Every write to
-    :attr:`table` is also appended to :attr:`updates` so a device copy of the table can be kept in sync
-    incrementally (:meth:`take_updates`).
+    per-step block tables with one ``index_select`` instead of per-sequence Python lists. While
+    :attr:`record_updates` is set, every write to :attr:`table` is also appended to :attr:`updates` so a device copy
+    of the table can be kept in sync incrementally (:meth:`take_updates`).
 
     Sharing (:meth:`fork`): a sequence may take references to the full blocks of another sequence's first
     ``num_tokens`` positions; a block returns to the free list when its last holder frees it. Shared blocks are never
@@ -50,6 +50,8 @@ class BlockManager:
         """``[max_rows, width]`` int32: row ``seq.row`` lists ``seq.block_table`` (stale entries past its end)."""
         self.updates: list[tuple[int, int, int]] = []
         """``(row, column, block)`` writes to :attr:`table` since the last :meth:`take_updates`."""
+        self.record_updates = True
+        """Whether writes are logged in :attr:`updates`; turned off by a user that keeps no device copy."""
 
     @property
     def num_free(self) -> int:
@@ -76,7 +78,8 @@ class BlockManager:
         start = len(seq.block_table)
         seq.block_table.extend(blocks)
         self.table[seq.row, start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.updates.extend((seq.row, start + i, b) for i, b in enumerate(blocks))
+        if self.record_updates:
+            self.updates.extend((seq.row, start + i, b) for i, b in enumerate(blocks))
 
     def _take(self, count: int) -> list[int]:
         new = [self._free.popleft() for _ in range(count)]

@@ -148,6 +148,7 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.buckets = config.batch_buckets()
         self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
+        block_manager.record_updates = self.use_graphs  # only the graph path mirrors the table on the device
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
         self._reuse_count: dict[tuple[int, int | None], int] = {}
@@ -237,8 +238,6 @@ class ModelRunner:
         ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
-        if not self.use_graphs:
-            self.bm.take_updates()  # nothing mirrors the table on the device
         if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
             out = self._graph_decode(batch)
             if out is not None:
