@@ -159,11 +159,16 @@ class SiluMulFn(torch.autograd.Function):
         if ctx.backend == "triton":
             d_gate, d_up = _impl("triton", "silu_mul_backward")(gate, up, grad)
             return d_gate, d_up, None
-        g, u, dy = gate.float(), up.float(), grad.float()
-        sig = torch.sigmoid(g)
-        d_gate = dy * u * sig * (1 + g * (1 - sig))
-        d_up = dy * g * sig
+        d_gate, d_up = silu_mul_grad(gate.float(), up.float(), grad.float())
         return d_gate.to(gate.dtype), d_up.to(up.dtype), None
+
+
+def silu_mul_grad(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_gate, d_up)`` of ``silu(gate) * up`` given the output gradient ``dy``, elementwise in the inputs' dtype
+    (callers pass fp32): ``d_gate = dy * up * s * (1 + gate * (1 - s))`` and ``d_up = dy * gate * s`` with
+    ``s = sigmoid(gate)``."""
+    sig = torch.sigmoid(gate)
+    return dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig
 
 
 class TokenLogprobsFn(torch.autograd.Function):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_moe
-from .autograd import SiluMulFn
+from .autograd import SiluMulFn, silu_mul_grad
 from .backend import Backend, resolve_backend
 
 __all__ = ["MoePlan", "grouped_matmul", "moe_experts", "moe_plan", "moe_router", "sigmoid_gate"]
@@ -195,9 +195,7 @@ class MoeExpertsFn(torch.autograd.Function):
         d_rw = torch.zeros(order.numel(), dtype=torch.float32, device=x.device)
         d_rw[order] = (u.float() * act.float()).sum(-1)
         d_act = u.float() * rw
-        gate, up = h[:, :inter].float(), h[:, inter:].float()
-        sig = torch.sigmoid(gate)
-        d_h = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=-1).to(dt)
+        d_h = torch.cat(silu_mul_grad(h[:, :inter].float(), h[:, inter:].float(), d_act), dim=-1).to(dt)
         dw2 = dw1 = None
         if ctx.needs_input_grad[4]:
             gw = (grad[torch.div(order, k, rounding_mode="floor")].float() * rw).to(dt)
