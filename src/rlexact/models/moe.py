@@ -105,11 +105,11 @@ def _shared_expert_block_forward(m: nn.Module) -> Callable:
 
 def moe_forward(m: nn.Module) -> Callable | None:
     """The exact forward replacing ``m.forward`` when ``m`` is a MoE router, fused experts module or Qwen2-MoE sparse
-    block; ``None`` for every other module. Raises ``ValueError`` for an experts layout the kernels do not implement."""
+    block; ``None`` for every other module. Does not validate the experts layout: :func:`check_moe` does, for the
+    whole model, before :func:`rlexact.exactify` patches anything."""
     if _is_router(m):
         return _router_forward(m)
     if _is_experts(m):
-        _check_experts_layout(m)
         return _experts_forward(m)
     if _is_shared_expert_block(m):
         return _shared_expert_block_forward(m)
