@@ -168,7 +168,7 @@ def gather_cat(values: Tensor, device: torch.device | str | None = None) -> Tens
     size = torch.tensor([local.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(n)]
     dist.all_gather(sizes, size)
-    counts = [int(s.item()) for s in sizes]
+    counts = torch.cat(sizes).tolist()
     longest = max(counts)
     padded = torch.zeros(longest, dtype=local.dtype, device=dev)
     padded[: local.numel()] = local
