@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logits, head_logprobs
+from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.sampler import sample
@@ -92,7 +93,7 @@ class SamplingSetup:
     top_k: int
     top_p: float
     seed: int
-    logprobs: str = "full"
+    logprobs: LogprobMode = "full"
 
 
 @dataclass

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
+from rlexact.models.truncation import LogprobMode, kept_logsumexp, top_k_top_p_threshold
 from rlexact.rollout.keyed_hash import row_keys, token_hash
 
 __all__ = ["gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
@@ -84,7 +84,7 @@ def sample(
     seed: int,
     request_ids: torch.Tensor,
     positions: torch.Tensor,
-    logprobs: str = "full",
+    logprobs: LogprobMode = "full",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and report its log-prob.
 
