@@ -51,6 +51,7 @@ __all__ = [
     "demo_rows",
     "evaluate",
     "main",
+    "quiet_library_logs",
     "run_demo",
     "write_record",
 ]
@@ -59,8 +60,6 @@ TRAIN_FILE_ROWS = 8192
 """Rows of the packaged ``train.jsonl``."""
 EVAL_FILE_ROWS = 500
 """Rows of the packaged ``eval.jsonl`` (the SFT's held-out problems)."""
-
-
 
 
 @dataclass
@@ -307,9 +306,9 @@ class RewardHistory(Callback):
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence library chatter that does not apply to a CPU demo (GPU/TPU availability, tips, the transformers
-    weight-loading bar, hints about workers and validation); warnings that matter still show."""
+def quiet_library_logs() -> Iterator[None]:
+    """Lightning's info lines (GPU/TPU availability, tips) and the transformers weight-loading bar off for the block;
+    the previous logger levels and bar setting are restored afterwards. Warnings are untouched."""
     import logging
 
     from transformers.utils import logging as hf_logging
@@ -321,22 +320,29 @@ def _quiet() -> Iterator[None]:
     for lg in loggers:
         lg.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings():
-            for pattern in (
-                ".*does not have many workers.*",
-                ".*GPU available but not used.*",
-                ".*The number of training batches.*",
-                ".*smaller than the logging interval.*",
-                ".*validation_step.*no .val_dataloader.*",
-                ".*isinstance.treespec, LeafSpec.*",
-            ):
-                warnings.filterwarnings("ignore", message=pattern)
-            yield
+        yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
         if bar_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence library chatter that does not apply to a CPU demo (:func:`quiet_library_logs`, hints about workers and
+    validation); warnings that matter still show."""
+    with quiet_library_logs(), warnings.catch_warnings():
+        for pattern in (
+            ".*does not have many workers.*",
+            ".*GPU available but not used.*",
+            ".*The number of training batches.*",
+            ".*smaller than the logging interval.*",
+            ".*validation_step.*no .val_dataloader.*",
+            ".*isinstance.treespec, LeafSpec.*",
+        ):
+            warnings.filterwarnings("ignore", message=pattern)
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ first ``k`` steps of a run do not depend on how many steps it has in all).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -244,7 +243,7 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from rlexact.data import PromptDataModule
-    from rlexact.demo.run import demo_rows, evaluate, resolve_model_path
+    from rlexact.demo.run import demo_rows, evaluate, quiet_library_logs, resolve_model_path
 
     steps = scale.steps if steps is None else int(steps)
     device = resolve_device(scale.device)
@@ -259,70 +258,62 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
     threads = torch.get_num_threads()
     if scale.threads > 0:
         torch.set_num_threads(scale.threads)
-    from transformers.utils import logging as hf_logging
-
-    pl_logger = logging.getLogger("lightning.pytorch")
-    pl_level, bar = pl_logger.level, hf_logging.is_progress_bar_enabled()
-    pl_logger.setLevel(logging.WARNING)  # GPU/TPU availability lines of every fit
-    hf_logging.disable_progress_bar()  # the weight-loading bar of every run
     try:
-        t_start = time.perf_counter()
-        module = build_module(arm, scale, checkpoint)
-        module.configure_model()
-        if device == "cuda":
-            module.to("cuda")
-        pool = max(TRAIN_POOL, steps * scale.prompts_per_step)
-        data = PromptDataModule(
-            demo_rows("train", pool, checkpoint),
-            tokenizer=checkpoint,
-            batch_size=scale.prompts_per_step,
-            use_chat_template=False,
-            shuffle=True,
-            seed=arm.seed,
-            drop_last=True,
-        )
-        eval_rows = demo_rows("eval", scale.eval_prompts, checkpoint) if scale.eval_prompts else []
-        eval_seed = arm.seed + 1_000_003
-        before = evaluate(module, eval_rows, scale.eval_n, eval_seed, scale.max_new_tokens) if eval_rows else None
-        callbacks, sources, shadows = build_callbacks(arm)
-        history = History(sources)
-        logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version=0, default_hp_metric=False)
-        trainer = L.Trainer(
-            accelerator="gpu" if device == "cuda" else "cpu",
-            devices=1,
-            max_epochs=1,
-            limit_train_batches=steps,
-            logger=logger,
-            callbacks=[*callbacks, history],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            log_every_n_steps=1,
-            num_sanity_val_steps=0,
-        )
-        t0 = time.perf_counter()
-        trainer.fit(module, datamodule=data)
-        train_s = time.perf_counter() - t0
-        after = evaluate(module, eval_rows, scale.eval_n, eval_seed, scale.max_new_tokens) if eval_rows else None
-        result = {
-            "arm": asdict(arm),
-            "key": arm.key(),
-            "steps": len(history.rows),
-            "history": history.rows,
-            "shadow": {prefix: cb.history for prefix, cb in shadows.items()},
-            "eval_before": before,
-            "eval_after": after,
-            "train_seconds": round(train_s, 1),
-            "wall_seconds": round(time.perf_counter() - t_start, 1),
-            "threads": torch.get_num_threads(),
-            "device": device,
-            "tensorboard": os.path.abspath(logger.log_dir),
-        }
+        with quiet_library_logs():
+            t_start = time.perf_counter()
+            module = build_module(arm, scale, checkpoint)
+            module.configure_model()
+            if device == "cuda":
+                module.to("cuda")
+            pool = max(TRAIN_POOL, steps * scale.prompts_per_step)
+            data = PromptDataModule(
+                demo_rows("train", pool, checkpoint),
+                tokenizer=checkpoint,
+                batch_size=scale.prompts_per_step,
+                use_chat_template=False,
+                shuffle=True,
+                seed=arm.seed,
+                drop_last=True,
+            )
+            eval_rows = demo_rows("eval", scale.eval_prompts, checkpoint) if scale.eval_prompts else []
+            eval_seed = arm.seed + 1_000_003
+            before = evaluate(module, eval_rows, scale.eval_n, eval_seed, scale.max_new_tokens) if eval_rows else None
+            callbacks, sources, shadows = build_callbacks(arm)
+            history = History(sources)
+            logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version=0, default_hp_metric=False)
+            trainer = L.Trainer(
+                accelerator="gpu" if device == "cuda" else "cpu",
+                devices=1,
+                max_epochs=1,
+                limit_train_batches=steps,
+                logger=logger,
+                callbacks=[*callbacks, history],
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                log_every_n_steps=1,
+                num_sanity_val_steps=0,
+            )
+            t0 = time.perf_counter()
+            trainer.fit(module, datamodule=data)
+            train_s = time.perf_counter() - t0
+            after = evaluate(module, eval_rows, scale.eval_n, eval_seed, scale.max_new_tokens) if eval_rows else None
+            result = {
+                "arm": asdict(arm),
+                "key": arm.key(),
+                "steps": len(history.rows),
+                "history": history.rows,
+                "shadow": {prefix: cb.history for prefix, cb in shadows.items()},
+                "eval_before": before,
+                "eval_after": after,
+                "train_seconds": round(train_s, 1),
+                "wall_seconds": round(time.perf_counter() - t_start, 1),
+                "threads": torch.get_num_threads(),
+                "device": device,
+                "tensorboard": os.path.abspath(logger.log_dir),
+            }
     finally:
         torch.set_num_threads(threads)
-        pl_logger.setLevel(pl_level)
-        if bar:
-            hf_logging.enable_progress_bar()
     if result["steps"] != steps:
         raise RuntimeError(f"arm {arm.label!r} ran {result['steps']} of {steps} steps (too few training prompts?)")
     with open(run_dir / "result.json", "w", encoding="utf-8") as f:
