@@ -172,11 +172,12 @@ class PPOUpdate:
         g = torch.Generator()
         g.manual_seed(request_key(algo.shuffle_seed, host.rollout_step, host.global_rank))
         n_seq = batch.num_seqs
+        size = algo.mini_batch_size or n_seq
+        # mini-batches per epoch: this rank's count is the same every epoch; every rank runs the largest one
+        num_minis = int(MetricReducer().add_max("n", len(range(0, n_seq, size))).reduce()["n"])
         for epoch in range(algo.ppo_epochs):
             order = torch.randperm(n_seq, generator=g).tolist() if algo.shuffle else list(range(n_seq))
-            size = algo.mini_batch_size or n_seq
             minis = [order[i : i + size] for i in range(0, n_seq, size)]
-            num_minis = int(MetricReducer().add_max("n", len(minis)).reduce()["n"])
             for step in range(num_minis):
                 if step < len(minis):
                     mb = batch.select(minis[step])
