@@ -53,11 +53,6 @@ def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel funct
     return fn
 
 
-def _supported_norm(h: int) -> bool:
-    """Whether the Triton RMSNorm backward keeps a row of ``h`` in registers (else autograd through the reference)."""
-    return _impl("triton", "rms_norm_supported")(h)
-
-
 class MatmulFn(torch.autograd.Function):
     """Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
 
@@ -95,7 +90,7 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        if ctx.backend == "triton" and _supported_norm(x.shape[-1]):
+        if ctx.backend == "triton" and _impl("triton", "rms_norm_supported")(x.shape[-1]):  # else autograd via reference
             dx, dw = _impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps)
             want = ctx.needs_input_grad
             return (dx if want[0] else None), (dw if want[1] else None), None, None
