@@ -575,6 +575,15 @@ def _score_in_process(
     return RewardResult(rewards=out)
 
 
+def _merged_config(config: RewardConfig | None, overrides: dict[str, Any]) -> RewardConfig:
+    """``config`` (default :class:`RewardConfig`) with the fields in ``overrides`` replaced; unknown names raise."""
+    base = asdict(config if config is not None else RewardConfig())
+    unknown = sorted(set(overrides) - set(base))
+    if unknown:
+        raise TypeError(f"unknown RewardExecutor options {unknown}; RewardConfig fields: {sorted(base)}")
+    return RewardConfig(**{**base, **overrides})
+
+
 class RewardExecutor:
     """Score batches with ``reward`` in worker processes with a time limit per sample (see the module docstring).
 
@@ -597,11 +606,7 @@ class RewardExecutor:
     ) -> None:
         if not callable(reward):
             raise TypeError(f"reward must be callable, got {type(reward).__name__}")
-        base = config if config is not None else RewardConfig()
-        unknown = sorted(set(overrides) - set(asdict(base)))
-        if unknown:
-            raise TypeError(f"unknown RewardExecutor options {unknown}; RewardConfig fields: {sorted(asdict(base))}")
-        self.config = RewardConfig(**{**asdict(base), **overrides})
+        self.config = _merged_config(config, overrides)
         if start_method is None:
             start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         if start_method not in ("forkserver", "spawn"):
@@ -685,7 +690,7 @@ def shared_executor(reward: RewardFn, config: RewardConfig | None = None, **over
     """A process-wide executor for ``reward`` and these options: rewards that pickle to the same bytes share one pool
     (so repeated ``MathReward()`` calls or several modules start workers once). A reward that cannot be pickled gets a
     new in-process executor. Shared executors are closed at interpreter exit or by :func:`close_shared_executors`."""
-    cfg = RewardConfig(**{**asdict(config or RewardConfig()), **overrides})
+    cfg = _merged_config(config, overrides)
     try:
         key = (pickle.dumps(reward), tuple(asdict(cfg).items()))
     except Exception:  # unpicklable: nothing to share; the executor warns and runs it in process
