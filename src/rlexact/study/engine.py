@@ -111,13 +111,15 @@ class PerturbedCopy:
         self.model: nn.Module | None = None
         self.weight_rel_diff = 0.0
         self._noise: dict[str, torch.Tensor] = {}
+        self._names: set[str] = set()  # perturbed_parameter_names of the source, found when the copy is built
 
     @torch.no_grad()
     def sync(self) -> nn.Module:
         """Write ``q(theta)`` of the source's current weights into the copy; returns the copy."""
         if self.model is None:
             self.model = self._build()
-        names = perturbed_parameter_names(self.source, self.kind)
+            self._names = perturbed_parameter_names(self.source, self.kind)
+        names = self._names
         target = dict(self.model.named_parameters())
         diff2, norm2 = 0.0, 0.0
         for index, (name, p) in enumerate(self.source.named_parameters()):
