@@ -90,7 +90,7 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        if ctx.backend == "triton" and _impl("triton", "rms_norm_supported")(x.shape[-1]):  # else autograd via reference
+        if ctx.backend == "triton" and _impl("triton", "rms_norm_supported")(x.shape[-1]):  # else: reference autograd
             dx, dw = _impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps)
             want = ctx.needs_input_grad
             return (dx if want[0] else None), (dw if want[1] else None), None, None
@@ -189,31 +189,39 @@ class TokenLogprobsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):  # noqa: ANN205
+        hidden, w, targets, *lse_ent = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
         if ctx.backend == "triton":
-            hidden, w, targets, lse, ent = ctx.saved_tensors
             h2, w2 = (hidden, w) if hidden.dtype == w.dtype else (hidden.float(), w.float())
             gh, gw = _impl("triton", "head_backward")(
-                h2, w2, targets, lse, ent, g_logp, g_ent, ctx.temperature, ctx.needs_input_grad[0],
-                ctx.needs_input_grad[1],
-            )  # fmt: skip
+                h2, w2, targets, *lse_ent, g_logp, g_ent, ctx.temperature, want_h, want_w
+            )
         else:
-            gh, gw = _head_backward_torch(ctx, g_logp, g_ent)
+            gh, gw = _head_backward_torch(hidden, w, targets, ctx.temperature, g_logp, g_ent, want_h, want_w)
         return (
-            gh.to(ctx.saved_tensors[0].dtype) if gh is not None else None,
-            gw.to(ctx.saved_tensors[1].dtype) if gw is not None else None,
+            gh.to(hidden.dtype) if gh is not None else None,
+            gw.to(w.dtype) if gw is not None else None,
             None,
             None,
             None,
         )
 
 
-def _head_backward_torch(ctx, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):  # noqa: ANN001, ANN202
-    """The torch-backend head backward: fp32 logits recomputed for ``ROW_CHUNK_BACKWARD`` rows at a time."""
-    hidden, w, targets = ctx.saved_tensors
-    t = ctx.temperature
+def _head_backward_torch(
+    hidden: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    t: float,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    want_h: bool,
+    want_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The torch-backend head backward: fp32 logits recomputed for ``ROW_CHUNK_BACKWARD`` rows at a time; fp32
+    ``(d_hidden, d_w)``, ``None`` where not wanted."""
     wf = w.float()
-    gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
-    gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+    gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+    gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
     for s in range(0, hidden.shape[0], ROW_CHUNK_BACKWARD):
         h = hidden[s : s + ROW_CHUNK_BACKWARD].float()
         z = (h @ wf.T) / t
