@@ -1,48 +1,101 @@
 #!/usr/bin/env bash
-# Runs the GPU test suite and the benchmarks on a CUDA machine (used on the H200 through the device tool).
-# Usage: RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh [tests|bench|all]
-# Writes one complete test log, $OUT/gpu_tests_h200.log, whose header names the commit, GPU, driver and library
-# versions and the exact pytest command; benchmark JSONs (each with its own header) are copied to $OUT.
-# GPU_GROUPS overrides the test groups (|-separated); BENCHES the benchmark scripts (e.g. the tuning sweeps
-# "benchmarks/matmul_variants.py benchmarks/attention_configs.py").
+# Runs the GPU test suite and the benchmarks on a CUDA machine (used on the H200s through the device tool).
+#
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests          # every test marked gpu, one log
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | sweeps | all (default all)
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
+#
+# On a two-GPU machine the halves run side by side, e.g.
+#   CUDA_VISIBLE_DEVICES=0 scripts/gpu_suite.sh bench train & CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh bench rollout
+#
+# tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, GPU, driver, library versions and
+#   the pytest command; every test file that uses the gpu marker runs (three pytest processes in parallel: Triton
+#   compilation is CPU-bound and the GPU has room for all three).
+# bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
+#   $RESULTS (default /tmp/rlexact_results), packed into $OUT/bench_<SET>.tgz at the end (the device returns at most
+#   eight files). Unpack into benchmarks/results/ to commit them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlexact_gpu}
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-/tmp/rlexact_results}
+mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
+set_name=${2:-all}
 commit=${RLEXACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export RLEXACT_COMMIT=$commit
 rc=0
+
+gpu_test_files() {
+  grep -l -E "pytest\.mark\.gpu|mark\.gpu" tests/test_*.py | sort
+}
+
 if [[ $what == tests || $what == all ]]; then
-  # three pytest processes in parallel (Triton compilation is CPU-bound; the GPU has room for all three), one log
   log=$OUT/gpu_tests_h200.log
-  groups=${GPU_GROUPS:-"tests/test_triton_kernels.py|tests/test_triton_attention.py tests/test_moe.py tests/test_segment_sum.py|tests/test_rollout_gpu.py tests/test_gpu_models.py tests/test_no_fallback.py tests/test_sampled_logprobs.py tests/test_module.py"}
   cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -q -rfE --durations=5"
+  # three groups of about equal length (measured): the kernel tests, the MoE tests, the model/rollout tests
+  mapfile -t files < <(gpu_test_files)
+  g0="" g1="" g2=""
+  for f in "${files[@]}"; do
+    case $f in
+      tests/test_triton_kernels.py | tests/test_segment_sum.py | tests/test_repro_gpu.py) g0+=" $f" ;;
+      tests/test_triton_attention.py | tests/test_moe.py) g1+=" $f" ;;
+      *) g2+=" $f" ;;
+    esac
+  done
+  parts=("$g0" "$g1" "$g2")
   {
     echo "# rlexact GPU test suite, one run at commit $commit"
     echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
     echo "# versions (torch triton transformers lightning): $(python3 -c 'import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)')"
+    echo "# test files using the gpu marker: ${files[*]}"
   } > "$log"
-  IFS='|' read -ra parts <<< "$groups"
-  i=0
-  for g in "${parts[@]}"; do
-    ( $cmd $g > "$OUT/group$i.log" 2>&1; echo "# exit code $?" >> "$OUT/group$i.log" ) &
-    i=$((i + 1))
+  for i in 0 1 2; do
+    ( $cmd ${parts[$i]} > "$RESULTS/group$i.log" 2>&1; echo "# exit code $?" >> "$RESULTS/group$i.log" ) &
   done
   wait
-  for ((j = 0; j < i; j++)); do
-    { echo "## group $j: $cmd ${parts[$j]}"; cat "$OUT/group$j.log"; } >> "$log"
-    rm "$OUT/group$j.log"
+  for i in 0 1 2; do
+    { echo "## group $i: $cmd${parts[$i]}"; cat "$RESULTS/group$i.log"; } >> "$log"
   done
   grep -q "# exit code [^0]" "$log" && rc=1
   grep -E "passed|failed|exit code" "$log"
 fi
+
 if [[ $what == bench || $what == all ]]; then
-  for b in ${BENCHES:-benchmarks/ops_bench.py benchmarks/rollout_throughput.py}; do
-    [[ -f $b ]] && { python3 "$b" > "$OUT/$(basename "$b" .py).log" 2>&1 || rc=1; tail -n 3 "$OUT/$(basename "$b" .py).log"; }
+  R=$RESULTS
+  train=(
+    "benchmarks/train_step.py --reps 3 --profile --out $R/train_h200.json"
+    "benchmarks/ops_bench.py --out $R/ops_h200.json"
+    "benchmarks/matmul_launch.py --out $R/matmul_launch_h200.json"
+  )
+  rollout=(
+    "benchmarks/rollout_throughput.py --profile 32 --out $R/rollout_h200.json"
+    "benchmarks/rollout_throughput.py --prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native --out $R/rollout_long_h200.json"
+    "benchmarks/rollout_throughput.py --grpo --out $R/rollout_grpo_h200.json"
+    "benchmarks/moe_bench.py --out $R/moe_h200.json"
+  )
+  sweeps=(
+    "benchmarks/attention_configs.py --out $R/attention_configs_h200.json"
+    "benchmarks/matmul_variants.py --out $R/matmul_variants_h200.json"
+    "benchmarks/matmul_variants.py --ms 256 --out $R/matmul_variants_m256_h200.json"
+  )
+  case $set_name in
+    train) cmds=("${train[@]}") ;;
+    rollout) cmds=("${rollout[@]}") ;;
+    sweeps) cmds=("${sweeps[@]}") ;;
+    all) cmds=("${train[@]}" "${rollout[@]}" "${sweeps[@]}") ;;
+    *) echo "gpu_suite.sh: unknown benchmark set '$set_name' (train | rollout | sweeps | all)" >&2; exit 2 ;;
+  esac
+  for c in "${cmds[@]}"; do
+    name=$(basename "${c##*--out }" .json)
+    t0=$(date +%s)
+    # shellcheck disable=SC2086
+    python3 $c > "$R/$name.log" 2>&1
+    status=$?
+    echo "$name: exit $status in $(($(date +%s) - t0)) s"
+    ((status)) && { rc=1; tail -n 20 "$R/$name.log"; }
   done
-  cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/bench_${set_name}.tgz" -C "$R" --exclude 'group*.log' .
 fi
 exit $rc
