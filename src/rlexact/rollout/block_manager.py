@@ -48,6 +48,7 @@ class BlockManager:
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         self.table = torch.zeros((max_rows, width), dtype=torch.int32)
         """``[max_rows, width]`` int32: row ``seq.row`` lists ``seq.block_table`` (stale entries past its end)."""
+        self._table_view = self.table.numpy()  # the same memory: element writes without a tensor op each
         self.updates: list[tuple[int, int, int]] = []
         """``(row, column, block)`` writes to :attr:`table` since the last :meth:`take_updates`."""
         self.record_updates = True
@@ -77,7 +78,7 @@ class BlockManager:
             seq.row = self._free_rows.pop()
         start = len(seq.block_table)
         seq.block_table.extend(blocks)
-        self.table[seq.row, start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self._table_view[seq.row, start : start + len(blocks)] = blocks
         if self.record_updates:
             self.updates.extend((seq.row, start + i, b) for i, b in enumerate(blocks))
 
@@ -89,9 +90,9 @@ class BlockManager:
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` cache slots for positions ``[0, num_tokens)``; ``False`` (nothing changed) if blocks run out."""
-        need = self.missing(seq, num_tokens)
-        if need == 0:
+        if num_tokens <= len(seq.block_table) * self.block_size:
             return True
+        need = self.missing(seq, num_tokens)
         if need > len(self._free):
             return False
         self._check_width(num_tokens)

@@ -347,12 +347,14 @@ class Generator:
 
                     bar = tqdm(total=progress_total, unit="tok", desc=f"generate[{cfg.kernels}]", dynamic_ncols=True)
                 steps = generated = prefill_tokens = 0
+                host = runner.decode_host_s
+                clock = time.perf_counter
                 while not sched.done:
+                    t_sched = clock()
                     batch = sched.schedule()
+                    t_step = clock()
                     steps += 1
-                    prefill_tokens += sum(
-                        n for s, n in zip(batch.seqs, batch.num_new) if s.num_computed < s.num_prompt_tokens
-                    )
+                    prefill_tokens += batch.num_prefill_tokens
                     if sampling is None:
                         runner.score_step(batch, temperature)
                         for s in batch.seqs:
@@ -360,13 +362,17 @@ class Generator:
                                 sched.finish(s, "length")
                         continue
                     results = runner.step(batch)
+                    t_post = clock()
                     for seq, tok, lp in results:
                         seq.append(tok, lp)
                         if tok in stop:
                             sched.finish(seq, "stop")
-                        elif seq.num_generated >= seq.max_new_tokens:
+                        elif len(seq.tokens) - seq.num_prompt_tokens >= seq.max_new_tokens:
                             sched.finish(seq, "length")
                     generated += len(results)
+                    if runner.last_step_graph:
+                        host["schedule"] += t_step - t_sched
+                        host["postprocess"] += clock() - t_post
                     if bar is not None:
                         bar.update(len(results))
                         el = time.perf_counter() - t0

@@ -11,7 +11,9 @@ loops). Pure decode steps replay CUDA graphs captured lazily per batch-size buck
 key-length bucket) on static buffers; padding rows write their K/V to a scratch block and are discarded. A graph
 captures the block-table gather, slot and key-length arithmetic, forward, lm head and sampler: a decode step uploads
 one ``[4, B]`` int64 tensor (tokens, positions, request ids, table rows) plus the block-table entries written since
-the previous step, replays, and reads back one ``[2, B]`` tensor (the only host synchronization).
+the previous step, replays, and reads back one ``[2, B]`` tensor into pinned memory (the only host synchronization).
+While consecutive graph steps decode the same sequences in the same order, the upload is updated in place (the
+sampled tokens read back become the next input ids, positions advance by one) instead of being rebuilt from them.
 """
 
 from __future__ import annotations
@@ -103,14 +105,16 @@ class GraphState:
     ``max_bs`` below is the largest batch bucket (``max_num_seqs``), ``width`` the block manager's table width (both
     in ``signature``). A step uploads only ``ints``; the graph gathers its block tables from the device mirror
     ``table`` of the block manager's table (kept in sync incrementally) and derives slots and key lengths itself.
+    Host buffers are pinned on CUDA.
     """
 
     signature: tuple
     ints: torch.Tensor  # [4, max_bs] int64: input ids, positions, request ids, block-table rows
-    host: torch.Tensor  # [4, max_bs] int64, pinned: the staging copy of ints
+    host: torch.Tensor  # [4, max_bs] int64, host: the staging copy of ints
     table: torch.Tensor  # [max_bs + 1, width] int32: the block manager's table; the last row is all scratch block
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
     out: torch.Tensor  # [2, max_bs] float64: sampled tokens and their log-probs (both exact in float64)
+    host_out: torch.Tensor  # [2, max_bs] float64, host: where out is read back
     pool: object = None
     graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = field(default_factory=dict)
 
@@ -154,6 +158,17 @@ class ModelRunner:
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
         self._reuse_count: dict[tuple[int, int | None], int] = {}
         self._table_synced = False
+        self._staged: list[Sequence] | None = None
+        """The sequences whose inputs ``graph_state.host`` holds after the last graph step (``None``: rebuild)."""
+        self.last_step_graph = False
+        """Whether the last :meth:`step` ran as a CUDA-graph decode."""
+        self.decode_host_s: dict[str, float] = self.stats.setdefault(
+            "decode_host_s", dict.fromkeys(("schedule", "prepare", "launch", "wait", "collect", "postprocess"), 0.0)
+        )
+        """Seconds per part of the graph decode steps: ``prepare`` (block copies, table sync, input staging, graph
+        choice), ``launch`` (the replay call), ``wait`` (the read-back of the sampled tokens, which waits for the
+        device), ``collect`` (advancing the sequences, the result list); the engine adds ``schedule`` and
+        ``postprocess`` (appending tokens, stop checks, finishing)."""
 
     # ---------------------------------------------------------------------------------------------------------------
     # helpers
@@ -240,10 +255,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
         if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
-            out = self._graph_decode(batch)
+            out = self._graph_decode(batch, t0)
             if out is not None:
+                self.last_step_graph = True
                 self.stats["graph_s"] += time.perf_counter() - t0
                 return out
+        self.last_step_graph = False
+        self._staged = None
         out = self._eager_step(batch)
         self.stats["eager_s"] += time.perf_counter() - t0
         return out
@@ -307,11 +325,12 @@ class ModelRunner:
         gs = GraphState(
             signature=self._signature,
             ints=torch.zeros((4, max_bs), dtype=torch.long, device=dev),
-            host=torch.zeros((4, max_bs), dtype=torch.long).pin_memory(),
+            host=torch.zeros((4, max_bs), dtype=torch.long, pin_memory=self._pin),
             table=table,
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
-            pool=torch.cuda.graph_pool_handle(),
+            host_out=torch.zeros((2, max_bs), dtype=torch.float64, pin_memory=self._pin),
+            pool=torch.cuda.graph_pool_handle() if dev.type == "cuda" else None,
         )
         self.graph_state = gs
         return gs
@@ -414,15 +433,19 @@ class ModelRunner:
         self.stats["graph_captures"] += 1
         return graph
 
-    def _graph_decode(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]] | None:
-        seqs = batch.seqs
+    def _stage_inputs(self, gs: GraphState, seqs: list[Sequence]) -> None:
+        """Write the decode inputs of ``seqs`` to ``gs.host``: rows ``[:b]`` tokens, positions, request ids and
+        table rows; padding rows token 0 at position 0 of the scratch row (the scratch block).
+
+        When the last graph step decoded the same sequences in the same order, each of them has since appended the
+        token that step read back into ``gs.host_out`` and advanced ``num_computed`` by one, so the rows are updated
+        in place; anything else (an eager step, a finished, preempted or admitted sequence) rebuilds them."""
         b = len(seqs)
-        gs = self._ensure_graph_state()
-        kv_len = self._kv_bucket(max(len(s.block_table) for s in seqs)) if self.native else None
-        # inputs first: a capture's eager warm-up run executes the step, so it must see this step's rows (it then
-        # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
-        self._sync_table(gs)
         host = gs.host
+        if self._staged is not None and seqs == self._staged:
+            host[0, :b].copy_(gs.host_out[0, :b])
+            host[1, :b] += 1
+            return
         host[:, :b] = torch.tensor(
             [
                 [s.tokens[-1] for s in seqs],
@@ -432,18 +455,49 @@ class ModelRunner:
             ],
             dtype=torch.long,
         )
-        host[:, b:].zero_()  # padding rows: token 0 at position 0 of the scratch row (the scratch block)
+        host[:, b:].zero_()
         host[3, b:] = gs.table.shape[0] - 1
-        gs.ints.copy_(host, non_blocking=True)
+        self._staged = list(seqs)
+
+    def _read_back(self, gs: GraphState, b: int) -> torch.Tensor:
+        """``gs.out[:, :b]`` copied into ``gs.host_out`` (pinned, so the copy is one DMA); waits for the device."""
+        dst = gs.host_out[:, :b]
+        if self.device.type == "cuda":
+            dst.copy_(gs.out[:, :b], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            dst.copy_(gs.out[:, :b])
+        return dst
+
+    def _graph_decode(self, batch: ScheduledBatch, t0: float) -> list[tuple[Sequence, int, float]] | None:
+        seqs = batch.seqs
+        b = len(seqs)
+        gs = self._ensure_graph_state()
+        kv_len = self._kv_bucket(max(len(s.block_table) for s in seqs)) if self.native else None
+        # inputs first: a capture's eager warm-up run executes the step, so it must see this step's rows (it then
+        # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
+        self._sync_table(gs)
+        self._stage_inputs(gs, seqs)
+        gs.ints.copy_(gs.host, non_blocking=True)
         bucket, graph = self._pick_graph(gs, b, kv_len)
         if graph is None:
+            self._staged = None
             return None
+        t1 = time.perf_counter()
         graph.replay()
+        t2 = time.perf_counter()
+        both = self._read_back(gs, b)
+        t3 = time.perf_counter()
         for s in seqs:
             s.num_computed += 1
         self.stats["graph_steps"] += 1
-        both = gs.out[:, :b].cpu()
-        return list(zip(seqs, both[0].long().tolist(), both[1].tolist()))
+        out = list(zip(seqs, both[0].long().tolist(), both[1].tolist()))
+        host = self.decode_host_s
+        host["prepare"] += t1 - t0
+        host["launch"] += t2 - t1
+        host["wait"] += t3 - t2
+        host["collect"] += time.perf_counter() - t3
+        return out
 
     # ---------------------------------------------------------------------------------------------------------------
     # scoring (teacher forcing)

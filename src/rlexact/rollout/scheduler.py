@@ -20,12 +20,15 @@ class ScheduledBatch:
         is_decode: every sequence feeds exactly one token and samples (the CUDA-graph path).
         copies: ``(src_block, dst_block)`` cache blocks to copy (all layers, K and V) before the step runs: the
             partial last prompt block of a sequence that forked from a sibling (copy on write).
+        num_prefill_tokens: the sum of ``num_new`` over the sequences that have not fed their whole prompt yet
+            (``num_computed < num_prompt_tokens`` when scheduled).
     """
 
     seqs: list[Sequence]
     num_new: list[int]
     is_decode: bool
     copies: list[tuple[int, int]] = field(default_factory=list)
+    num_prefill_tokens: int = 0
 
 
 class Scheduler:
@@ -130,24 +133,34 @@ class Scheduler:
         num_new: list[int] = []
         copies: list[tuple[int, int]] = []
         preempted = False
+        is_decode = True
+        prefill = 0
+        block_size = self.bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_pending, budget)
+            computed = seq.num_computed
+            pending = len(seq.tokens) - computed
+            n = pending if pending <= budget else (budget if self.chunked_prefill else 0)
             if n == 0:
                 i += 1
                 continue
-            target = seq.num_computed + n
-            while not self.bm.ensure(seq, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
-                break  # seq preempted itself: everything after it is gone too
+            target = computed + n
+            if target > len(seq.block_table) * block_size:
+                while not self.bm.ensure(seq, target):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    break  # seq preempted itself: everything after it is gone too
             seqs.append(seq)
             num_new.append(n)
+            if pending != 1:
+                is_decode = False
+            if computed < seq.num_prompt_tokens:
+                prefill += n
             budget -= n
             i += 1
         w = 0
@@ -182,14 +195,17 @@ class Scheduler:
             self._start(seq)
             seqs.append(seq)
             num_new.append(n)
+            if n != 1 or seq.num_computed + 1 != len(seq.tokens):
+                is_decode = False
+            if seq.num_computed < seq.num_prompt_tokens:
+                prefill += n
             budget -= n
         if not seqs:
             raise RuntimeError(
                 "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
                 f"(free blocks {self.bm.num_free}/{self.bm.num_blocks}, budget {self.max_num_batched_tokens})"
             )
-        is_decode = all(n == 1 and s.num_computed + 1 == len(s.tokens) for s, n in zip(seqs, num_new))
-        return ScheduledBatch(seqs, num_new, is_decode, copies)
+        return ScheduledBatch(seqs, num_new, is_decode, copies, prefill)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and release its blocks."""
