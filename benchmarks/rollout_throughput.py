@@ -19,7 +19,10 @@ of one decode step with prefill and warm-up removed.
 
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
-``results[batch]["exact"]["profile"]``.
+``results[batch]["exact"]["profile"]``. ``profile.host_ms_per_decode_step`` splits the host side of a CUDA-graph
+decode step by part (the generator's ``stats["decode_host_s"]``: schedule, prepare, launch, wait, collect,
+postprocess, and ``host_total`` = all but ``wait``, the read-back that waits for the device), from the same two
+profiled calls; ``host_ms_per_decode_step_unprofiled`` is the same split from the two timed calls without the profiler.
 
 ``--grpo`` runs the GRPO-shaped load instead (``--grpo-prompts`` prompts of ``--prompt-len`` tokens (default 512),
 ``n = --grpo-n`` samples each, ``--new-tokens`` new tokens): exact generation with the prompt blocks shared by the
@@ -89,6 +92,22 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def host_snapshot(gen: Generator) -> tuple[dict[str, float], int]:
+    """The generator's per-part host seconds of CUDA-graph decode steps and their count, after its last call."""
+    return dict(gen.stats.get("decode_host_s") or {}), int(gen.stats.get("graph_steps") or 0)
+
+
+def host_per_step(long: tuple[dict[str, float], int], short: tuple[dict[str, float], int]) -> dict | None:
+    """Milliseconds per graph decode step and part: the difference of two calls that differ only in new tokens."""
+    steps = long[1] - short[1]
+    if steps <= 0:
+        return None
+    per = {k: (v - short[0].get(k, 0.0)) / steps * 1e3 for k, v in long[0].items()}
+    per["host_total"] = sum(v for k, v in per.items() if k != "wait")
+    per["graph_steps"] = steps
+    return per
+
+
 def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dict[str, list[float]], float]:
     """``({kernel: [gpu_ms, calls]}, wall_s)`` of one profiled exact ``generate`` with ``new_tokens`` new tokens."""
     from torch.profiler import ProfilerActivity, profile
@@ -114,7 +133,9 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     tokens (same prompts, so the same prefill and graph captures); their difference divided by ``args.profile`` is
     the cost of one decode step, with the prefill and warm-up removed."""
     short, wall_short = _kernel_times(gen, prompts, 4, device)
+    host_short = host_snapshot(gen)
     long, wall_long = _kernel_times(gen, prompts, 4 + args.profile, device)
+    host_long = host_snapshot(gen)
     steps = args.profile
     per_step = {n: ((long[n][0] - short.get(n, [0.0, 0])[0]) / steps, (long[n][1] - short.get(n, [0, 0])[1]) / steps)
                 for n in long}  # fmt: skip
@@ -135,6 +156,7 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
         "top_kernels_per_decode_step": [
             {"name": n[:160], "ms": ms, "calls": c, "category": kernel_category(n)} for n, (ms, c) in top
         ],
+        "host_ms_per_decode_step": host_per_step(host_long, host_short),
         "note": "profiler-on timings; kernel durations from CUPTI (CUDA-graph replays included)",
     }
 
@@ -161,17 +183,22 @@ def run_rlexact(
 
     timed(min(8, args.new_tokens), 1)  # warm-up: Triton JIT, graph capture, allocator
     elapsed, outs = timed(args.new_tokens, 0)
+    host_long = host_snapshot(gen)
     tokens = sum(len(o.token_ids) for o in outs)
     stats = {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
     res = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}
     half = args.new_tokens // 2
+    host_short = None
     if decode_step and half >= 1 and kernels == "exact":
         short, _ = timed(half, 0)
+        host_short = host_snapshot(gen)
         res["decode_step_ms"] = (elapsed - short) / (args.new_tokens - half) * 1e3
         res["decode_step_note"] = f"(wall({args.new_tokens} new) - wall({half} new)) / {args.new_tokens - half}"
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)
+            if host_short is not None:
+                res["profile"]["host_ms_per_decode_step_unprofiled"] = host_per_step(host_long, host_short)
         except Exception:  # noqa: BLE001
             res["profile_error"] = traceback.format_exc()
     return res, outs

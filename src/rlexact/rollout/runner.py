@@ -460,14 +460,14 @@ class ModelRunner:
         self._staged = list(seqs)
 
     def _read_back(self, gs: GraphState, b: int) -> torch.Tensor:
-        """``gs.out[:, :b]`` copied into ``gs.host_out`` (pinned, so the copy is one DMA); waits for the device."""
-        dst = gs.host_out[:, :b]
+        """``gs.out`` copied whole into ``gs.host_out`` (both contiguous, pinned on CUDA: one DMA); waits for the
+        device. Returns the first ``b`` columns."""
         if self.device.type == "cuda":
-            dst.copy_(gs.out[:, :b], non_blocking=True)
+            gs.host_out.copy_(gs.out, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            dst.copy_(gs.out[:, :b])
-        return dst
+            gs.host_out.copy_(gs.out)
+        return gs.host_out[:, :b]
 
     def _graph_decode(self, batch: ScheduledBatch, t0: float) -> list[tuple[Sequence, int, float]] | None:
         seqs = batch.seqs
