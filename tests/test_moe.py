@@ -404,16 +404,41 @@ def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter_moe_kernels() -> None:
+def _run_interpreter(script: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_interp_moe.py")], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, str(HERE / script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "moe ok" in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_moe_kernels() -> None:
+    assert "moe ok" in _run_interpreter("_interp_moe.py")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_grouped_candidates_bitwise() -> None:
+    """Every grouped-GEMM configuration the sweep may choose gives the reference configuration's bits (with a
+    reduction-order negative control); see ``tests/_interp_moe_configs.py``."""
+    assert "moe configs ok" in _run_interpreter("_interp_moe_configs.py")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_grouped_row_classes_and_table() -> None:
+    """Row classes depend on shapes only and grow with rows per expert; the library table's entries are sweep
+    candidates (so they are covered by the bitwise interpreter check) and decode keeps 64-row tiles."""
+    from rlexact.ops import triton_moe as tm
+
+    assert [tm.row_class(t * 8, 128) for t in (1, 64, 256, 1024, 16384)] == ["decode", "decode", "decode", "mid",
+                                                                              "large"]  # fmt: skip
+    cands = set(tm.grouped_candidates())
+    assert set(tm._HOPPER_16BIT) == {name for name, _ in tm.ROW_CLASSES}
+    assert all(cfg in cands for cfg in tm._HOPPER_16BIT.values())
+    assert tm._HOPPER_16BIT["decode"].BM == 64
+    with pytest.raises(ValueError, match="w_load"):
+        tm.GroupedConfig(64, 128, 64, 4, 4, w_load="tma")
 
 
 def _compile_for_hopper(fn, args: dict, const: dict, **options: int):  # noqa: ANN001, ANN202 - a compiled kernel
@@ -438,12 +463,17 @@ def test_kernels_compile_for_hopper() -> None:
 
     p, i = "*bf16", "i32"
     gemm = dict(a_ptr=p, w_ptr=p, o_ptr=p, gather_ptr="*i64", scatter_ptr="*i64", counts_ptr="*i64", E=i, N=i, K=i,
-                stride_am=i, stride_we=i, stride_wn=i, stride_om=i, tiles_n=i)  # fmt: skip
+                stride_am=i, stride_we=i, stride_wn=i, stride_om=i, tiles_m=i, tiles_n=i)  # fmt: skip
     flags = dict(UPCAST=False, IEEE=False, RNE_FIX=False)
     for gather in (True, False):
-        const = dict(BM=64, BN=128, BK=64, BLOCK_E=128, GATHER=gather, GATHER_DIV=8, SCATTER=not gather, ROWWISE=False)
-        k = _compile_for_hopper(tm._grouped_mm_kernel, gemm, {**const, **flags}, num_warps=4, num_stages=4)
-        assert "warp_group_dot" in k.asm["ttgir"] and "async_copy_global_to_local" in k.asm["ttgir"]
+        for cfg in {*tm._HOPPER_16BIT.values(), *[c for c in tm.grouped_candidates() if c.w_load == "tma_device"]}:
+            const = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, BLOCK_E=128, GROUP_M=cfg.group_m, EVEN_K=cfg.even_k,
+                         W_DESC=tm._W_LOADS[cfg.w_load], GATHER=gather, GATHER_DIV=8, SCATTER=not gather,
+                         ROWWISE=False)  # fmt: skip
+            k = _compile_for_hopper(tm._grouped_mm_kernel, gemm, {**const, **flags}, num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages)  # fmt: skip
+            assert "warp_group_dot" in k.asm["ttgir"], cfg
+            assert "async_copy_global_to_local" in k.asm["ttgir"] or "async_tma_copy" in k.asm["ttgir"], cfg
     wgrad = dict(g_ptr=p, a_ptr=p, o_ptr=p, gather_ptr="*i64", counts_ptr="*i64", E=i, N=i, K=i, stride_gm=i,
                  stride_am=i, tiles_k=i)  # fmt: skip
     const = dict(BR=64, BN=128, BK=128, BLOCK_E=128, GATHER=True, GATHER_DIV=8)

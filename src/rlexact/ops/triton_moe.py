@@ -31,52 +31,126 @@ product and ``tl.sum`` instead (``ROWWISE``); the tiling, gather/scatter and til
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_matmul import _TL_DTYPE, _device_key, _dot_flags, _rne_fix, cast_out
+from .triton_matmul import (
+    _TL_DTYPE,
+    USE_ROW_TILE_VARIANTS,
+    TensorDescriptor,
+    _cuda_props,
+    _device_key,
+    _dot_flags,
+    _ensure_allocator,
+    _rne_fix,
+    _tile_coords,
+    _tma_ok,
+    cast_out,
+)
 from .triton_norm import SILU_BLOCK, _silu_mul_kernel
 
 _INTERPRET = interpreter_enabled()
 
-BLOCK_M_INTERP = 16
-"""Row-tile height under the Triton interpreter (small: the interpreter runs every program in Python)."""
-BLOCK_M_GPU = 64
-"""Row-tile height on GPUs: one Hopper warpgroup; decode steps give most experts one row, so a taller tile only
-wastes tensor-core work there."""
-
-
-def block_m(device: torch.device) -> int:
-    """Rows per grouped-GEMM tile on ``device`` (fixed per device kind; the plan's tile table is built with it)."""
-    return BLOCK_M_INTERP if device.type != "cuda" else BLOCK_M_GPU
+_W_LOADS = {"ptr": 0, "tma_host": 1, "tma_device": 2}
+"""``GroupedConfig.w_load`` -> the kernel's ``W_DESC``."""
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Launch configuration of the grouped GEMM (the row tile is :func:`block_m`)."""
+    """Launch configuration of the grouped GEMM.
 
+    ``BM x BN`` output tiles, ``BK`` K tiles; ``group_m`` row tiles per program group (program order only);
+    ``even_k``: drop the K-tail masks when ``K % BK == 0``; ``w_load``: ``"ptr"`` (masked pointer loads),
+    ``"tma_host"`` / ``"tma_device"`` (TMA tensor descriptor over the ``[E * N, K]`` view of the weights, built on the
+    host / on the device; Hopper and 16-byte-aligned rows only, otherwise pointer loads are used)."""
+
+    BM: int
     BN: int
     BK: int
     num_warps: int
     num_stages: int
+    group_m: int = 1
+    even_k: bool = True
+    w_load: str = "ptr"
+
+    def __post_init__(self) -> None:
+        if self.w_load not in _W_LOADS:
+            raise ValueError(f"GroupedConfig.w_load must be one of {sorted(_W_LOADS)}, got {self.w_load!r}")
+        if self.BK % 16 or self.BM % 16 or self.BN % 16:
+            raise ValueError(f"GroupedConfig: BM, BN and BK must be multiples of 16, got {self}")
+
+
+ROW_CLASSES: tuple[tuple[str, int | None], ...] = (("decode", 16), ("mid", 256), ("large", None))
+"""``(name, most rows per expert)``, ascending: a call with ``S`` rows over ``E`` experts belongs to the first class
+whose bound admits ``cdiv(S, E)`` (a function of shapes alone, so a CUDA graph at a static token count keeps one)."""
+
+_HOPPER_16BIT: dict[str, GroupedConfig] = {
+    "decode": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+    "mid": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+    "large": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+}
+"""bf16 / fp16 on Hopper, per row class. Every entry must give the same bits as every other (``python
+benchmarks/moe_bench.py --sweep`` times the candidates of :func:`grouped_candidates` and checks them bitwise); decode
+keeps 64-row tiles, since decode steps give most experts one row."""
+
+
+def row_class(rows: int, num_experts: int) -> str:
+    """The :data:`ROW_CLASSES` name of a call with ``rows`` expert-sorted rows over ``num_experts`` experts."""
+    per_expert = -(-rows // max(num_experts, 1))
+    return next(name for name, bound in ROW_CLASSES if bound is None or per_expert <= bound)
 
 
 @functools.cache
-def _grouped_config(N: int, K: int, dtype: torch.dtype, device_key: tuple) -> GroupedConfig:
+def _grouped_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, klass: str, tma: bool) -> GroupedConfig:
     if device_key[0] == "interp":
-        return GroupedConfig(BN=32, BK=32, num_warps=4, num_stages=1)
+        return GroupedConfig(BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # FMA path (ieee): tiles only affect speed
-        return GroupedConfig(BN=64, BK=32, num_warps=4, num_stages=3)
-    return GroupedConfig(BN=128, BK=64, num_warps=4, num_stages=4)
+        return GroupedConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
+    hopper = _cuda_props(device_key[1])[0] >= 9
+    cfg = _HOPPER_16BIT[klass if hopper and USE_ROW_TILE_VARIANTS else "decode"]
+    return cfg if cfg.w_load == "ptr" or tma else replace(cfg, w_load="ptr")
 
 
-def grouped_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> GroupedConfig:
-    """The configuration for every call with these ``(N, K, dtype, device)``, whatever the row counts."""
-    return _grouped_config(N, K, dtype, _device_key(device))
+def grouped_config(
+    N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int, num_experts: int
+) -> GroupedConfig:
+    """The configuration of every call with these ``(N, K, dtype, device)`` and row class (:func:`row_class`). The
+    members of one ``(N, K, dtype, device)`` differ only in tile shape, program order and load path, which do not
+    change any row's bits (checked bitwise by the sweep and the interpreter tests)."""
+    klass = row_class(rows, num_experts)
+    return _grouped_config(N, K, dtype, _device_key(device), klass, _tma_ok(N, K, dtype, device))
+
+
+def grouped_candidates() -> tuple[GroupedConfig, ...]:
+    """bf16 / fp16 launch configurations the sweep times (``benchmarks/moe_bench.py --sweep``) and the interpreter
+    tests compare bitwise; the first is the kernel as it was before row classes (64-row tiles, masked K tail, pointer
+    loads) and is the bitwise reference."""
+    g = GroupedConfig
+    return (
+        g(64, 128, 64, 4, 4, even_k=False),
+        g(64, 128, 64, 4, 4),
+        g(64, 128, 64, 4, 4, group_m=8),
+        g(64, 128, 64, 4, 4, w_load="tma_host"),
+        g(64, 128, 128, 4, 3),
+        g(64, 256, 64, 4, 3),
+        g(64, 256, 64, 8, 3),
+        g(128, 64, 64, 4, 4),
+        g(128, 128, 64, 4, 4),
+        g(128, 128, 64, 8, 4),
+        g(128, 128, 64, 8, 4, group_m=4),
+        g(128, 128, 64, 8, 4, w_load="tma_host"),
+        g(128, 128, 64, 8, 4, w_load="tma_device"),
+        g(128, 128, 64, 8, 4, group_m=8, w_load="tma_host"),
+        g(128, 128, 128, 8, 3),
+        g(128, 256, 64, 8, 3),
+        g(128, 256, 64, 8, 3, w_load="tma_host"),
+        g(128, 256, 64, 8, 3, group_m=8, w_load="tma_host"),
+        g(128, 256, 64, 8, 4, w_load="tma_host"),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -123,6 +197,28 @@ def _router_kernel(
     tl.store(id_ptr + row * TOP_K + kk, sel, mask=k_ok)
 
 
+_ROWWISE_CHUNK = tl.constexpr(16)
+"""K width of one step of the interpreter's reduction (:func:`_rowwise_dot`): a Hopper tensor-core instruction's K."""
+
+
+@triton.jit
+def _rowwise_dot(a, b, acc, BK: tl.constexpr):
+    """``acc`` plus ``a [BM, BK] @ b [BK, BN]`` as the interpreter's stand-in for ``tl.dot``: per ``_ROWWISE_CHUNK``
+    slice of K, in ascending order, the sequential fp32 sum of that slice's products is added to ``acc``. Each
+    element uses its own row and column only, and the sequence of additions is the same for every ``BK`` that is a
+    multiple of the slice, like the hardware's chain of K-16 instructions. (A slice is picked out of the tile by a
+    sum with zeros, which is exact.)"""
+    NC: tl.constexpr = BK // _ROWWISE_CHUNK
+    a3 = tl.reshape(a, (a.shape[0], NC, _ROWWISE_CHUNK))
+    b3 = tl.reshape(b, (NC, _ROWWISE_CHUNK, b.shape[1]))
+    idx = tl.arange(0, NC)
+    for j in tl.static_range(NC):
+        aj = tl.sum(tl.where((idx == j)[None, :, None], a3, 0.0), axis=1)
+        bj = tl.sum(tl.where((idx == j)[:, None, None], b3, 0.0), axis=0)
+        acc = acc + tl.sum(aj[:, :, None] * bj[None, :, :], axis=1)
+    return acc
+
+
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr,
@@ -138,11 +234,15 @@ def _grouped_mm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    tiles_m,
     tiles_n,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_DESC: tl.constexpr,
     GATHER: tl.constexpr,
     GATHER_DIV: tl.constexpr,
     SCATTER: tl.constexpr,
@@ -154,10 +254,12 @@ def _grouped_mm_kernel(
     """One ``BM x BN`` output tile of one expert: rows ``[row0, row1)`` of the sorted rows, columns ``pid_n * BN``.
 
     Row tile ``pid_m`` is found from the per-expert row counts alone: expert ``e`` owns tiles
-    ``[tile_end[e-1], tile_end[e])`` with ``tile_end = cumsum(cdiv(counts, BM))``; tiles past the last are idle."""
-    pid = tl.program_id(0)
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
+    ``[tile_end[e-1], tile_end[e])`` with ``tile_end = cumsum(cdiv(counts, BM))``; tiles past the last are idle.
+    ``GROUP_M`` orders the programs in groups of that many row tiles (one weight tile serves consecutive programs).
+    ``EVEN_K`` (``K % BK == 0``): no K-tail masks. ``W_DESC``: ``w`` tiles come from a TMA descriptor over the
+    ``[E * N, K]`` view of ``w`` (0: pointer loads, 1: ``w_ptr`` is a host descriptor, 2: built on the device);
+    columns past ``N`` read the next expert's rows (or TMA's zero fill) and are never stored."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     cnt = tl.load(counts_ptr + offs_e, mask=e_ok, other=0).to(tl.int32)
@@ -180,23 +282,38 @@ def _grouped_mm_kernel(
         n_ok = rn < N
         rk = tl.arange(0, BK)
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :]
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # w[e]^T
+        if W_DESC == 2:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+        elif W_DESC == 1:
+            w_desc = w_ptr
+        if W_DESC == 0:
+            w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # w[e]^T
+        else:
+            w_row = e * N + pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):  # ascending K, accumulator chained through tl.dot
-            k_ok = rk < K - ki * BK
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & (rk < K - ki * BK)[None, :], other=0.0)
+            if W_DESC != 0:
+                b = tl.trans(w_desc.load([w_row, ki * BK]))
+            elif EVEN_K:
+                b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk < K - ki * BK)[:, None], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             if ROWWISE:
-                acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+                acc = _rowwise_dot(a, b, acc, BK)
             elif IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
             a_ptrs += BK
-            w_ptrs += BK
+            if W_DESC == 0:
+                w_ptrs += BK
         if SCATTER:
             dst = tl.load(scatter_ptr + rm, mask=m_ok, other=0).to(tl.int64)
         else:
@@ -327,30 +444,37 @@ def grouped_matmul(
     scatter: torch.Tensor | None,
     gather_div: int = 1,
     cfg: GroupedConfig | None = None,
-    bm: int | None = None,
 ) -> torch.Tensor:
     """Write the expert-grouped ``a @ w[e].T`` into ``out [S, N]`` (fp32 accumulation, cast to ``out.dtype``).
 
     ``a [Ma, K]`` and ``w [E, N, K]`` of one dtype (fp32, bf16 or fp16) with unit last stride; ``counts [E]`` (any
     integer dtype, on the device) are the rows per expert of the ``S`` expert-sorted rows; sorted row ``r`` reads
-    ``a[gather[r] // gather_div]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None). ``cfg`` /
-    ``bm`` override the configuration (benchmark sweeps; the defaults are :func:`grouped_config`, :func:`block_m`).
+    ``a[gather[r] // gather_div]`` (``a[r]`` if None) and writes ``out[scatter[r]]`` (``out[r]`` if None). ``cfg``
+    overrides the configuration (benchmark sweeps, tests; the default is :func:`grouped_config`).
     """
     n, k = w.shape[1], w.shape[2]
     e = w.shape[0]
-    bm = bm or block_m(a.device)
-    tiles_m = num_row_tiles(out.shape[0], e, bm)
+    cfg = cfg or grouped_config(n, k, a.dtype, a.device, out.shape[0], e)
+    tiles_m = num_row_tiles(out.shape[0], e, cfg.BM)
     if tiles_m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    cfg = cfg or grouped_config(n, k, a.dtype, a.device)
+    w_load = cfg.w_load
+    if w_load != "ptr" and not (w.is_contiguous() and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0):
+        w_load = "ptr"  # same arithmetic; TMA needs a contiguous, 16-byte-aligned [E * N, K] view
+    w_arg = w
+    if w_load == "tma_host":
+        w_arg = TensorDescriptor.from_tensor(w.view(e * n, k), [cfg.BN, cfg.BK])
+    elif w_load == "tma_device":
+        _ensure_allocator()
     tiles_n = triton.cdiv(n, cfg.BN)
     _grouped_mm_kernel[(tiles_m * tiles_n,)](
-        a, w, out,
+        a, w_arg, out,
         gather if gather is not None else counts, scatter if scatter is not None else counts,  # unread if absent
-        counts, e, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_n,
-        BM=bm, BN=cfg.BN, BK=cfg.BK, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None,
+        counts, e, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_m, tiles_n,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, BLOCK_E=triton.next_power_of_2(e), GROUP_M=cfg.group_m,
+        EVEN_K=cfg.even_k and k % cfg.BK == 0, W_DESC=_W_LOADS[w_load], GATHER=gather is not None,
         GATHER_DIV=gather_div, SCATTER=scatter is not None,
         RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **_dot_flags(a.dtype),
