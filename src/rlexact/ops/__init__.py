@@ -42,15 +42,30 @@ def _check_2d_match(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """``x @ w.T``: ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``; fp32 accumulation, fixed K order."""
-    _check_2d_match(x, w, "matmul")
-    return MatmulFn.apply(x.contiguous(), w, resolve_backend(x, backend))
+    """``x @ w.T``: ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``; fp32 accumulation, fixed K order.
+
+    Differentiable through :class:`MatmulFn`. When autograd is off or neither input requires grad, the kernel is
+    called without the ``autograd.Function`` (the same kernel, so the same bits, and the same result: no graph)."""
+    be = ("triton" if x.is_cuda else "torch") if backend is None else resolve_backend(x, backend)
+    if be == "torch":  # the Triton matmul checks its operands itself (one check per call)
+        _check_2d_match(x, w, "matmul")
+    return _matmul(x, w, be)
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return MatmulFn.run(x.contiguous(), w, backend)
+    return _impl(backend, "matmul")(x.contiguous(), w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None):
     """``nn.Linear`` semantics on any leading shape: ``matmul(x.reshape(-1, K), w).reshape(..., N) + bias``."""
-    _check_2d_match(x, w, "linear")
-    y = matmul(x.reshape(-1, x.shape[-1]), w, backend=backend).reshape(*x.shape[:-1], w.shape[0])
+    be = ("triton" if x.is_cuda else "torch") if backend is None else resolve_backend(x, backend)
+    if x.dim() == 2 and be == "triton":  # the Triton matmul checks its operands itself (one check per call)
+        y = _matmul(x, w, be)
+    else:
+        _check_2d_match(x, w, "linear")
+        y = _matmul(x.reshape(-1, x.shape[-1]), w, be).reshape(*x.shape[:-1], w.shape[0])
     return y + bias if bias is not None else y
 
 

@@ -53,6 +53,10 @@ def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel funct
     return fn
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
 class MatmulFn(torch.autograd.Function):
     """Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
 
@@ -72,11 +76,24 @@ class MatmulFn(torch.autograd.Function):
         return _impl(backend, "matmul")(x, w)
 
     @staticmethod
+    def run(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
+        """``MatmulFn.apply(x, w, backend)`` with less host work: with no functorch transform active and outside
+        ``torch.compile`` tracing, ``Function.apply`` only unwraps dead functorch wrappers and calls the C
+        ``apply``; this does the same without the generic Python wrapper. Otherwise it is ``apply`` itself."""
+        if _functorch_active() or torch.compiler.is_compiling():
+            return MatmulFn.apply(x, w, backend)
+        return _matmul_c_apply(_unwrap_if_dead(x), _unwrap_if_dead(w), backend)
+
+    @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
         gx = grad.to(w.dtype) @ w if ctx.needs_input_grad[0] else None
         gw = grad.to(x.dtype).T @ x if ctx.needs_input_grad[1] else None
         return gx, gw, None
+
+
+_matmul_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, MatmulFn)
+"""The C ``apply`` of ``torch.autograd.Function`` bound to :class:`MatmulFn` (where ``Function.apply`` ends)."""
 
 
 class RMSNormFn(torch.autograd.Function):

@@ -77,6 +77,11 @@ try:  # triton >= 3.3: host-side tensor descriptors
 except ImportError:  # pragma: no cover - old triton
     TensorDescriptor = None
 
+try:  # the thread's Triton allocator (device-side descriptor scratch)
+    from triton.runtime import _allocation
+except ImportError:  # pragma: no cover - old triton
+    _allocation = None
+
 _INTERPRET = interpreter_enabled()
 _HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
@@ -360,28 +365,34 @@ _SCRATCH: dict = {}
 
 
 def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need scratch memory from a Triton allocator (a per-thread context variable).
-    Install :func:`_torch_alloc` when none is set."""
-    try:
-        from triton.runtime import _allocation
-    except ImportError:  # pragma: no cover
-        return
-    if type(_allocation._allocator.get()).__name__ == "NullAllocator":
+    """Device-side tensor descriptors need scratch memory. Launches through Triton's own launcher (JIT dispatch, or
+    the cached ``CompiledKernel[grid]`` runner) ask the allocator of the current thread (Triton keeps it in a context
+    variable, so every new thread starts without one); install :func:`_torch_alloc` there when none is set, and
+    never replace an allocator the user installed. Called on those paths only: the direct launcher of
+    :func:`_direct_runner` hands the scratch to the kernel itself and needs no allocator."""
+    if _allocation is not None and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_alloc)
 
 
-def _torch_alloc(size: int, alignment: int, stream) -> torch.Tensor:  # noqa: ANN001
-    """Descriptor scratch. Kernels on one stream run in order and each writes its descriptors before reading them,
-    so launches on the same stream can share one buffer (cached per device and stream, grown when needed). During
-    CUDA-graph capture a fresh tensor comes from the graph's private pool instead, so a replay never shares scratch
-    with an eager launch on another stream."""
+def _scratch(size: int, device: int, stream: int) -> torch.Tensor:
+    """Descriptor scratch of at least ``size`` bytes for a launch on ``stream`` of CUDA device ``device``.
+
+    Kernels on one stream run in order and each writes its descriptors before reading them, so launches on the same
+    stream share one buffer (cached per device and stream, grown when needed). During CUDA-graph capture a fresh
+    tensor comes from the graph's private pool instead, so a replay never shares scratch with an eager launch on
+    another stream."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch.cuda.current_device(), stream)
+        return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
+    key = (device, stream)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < size:
-        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=torch.device("cuda", device))
     return buf
+
+
+def _torch_alloc(size: int, alignment: int, stream) -> torch.Tensor:  # noqa: ANN001
+    """Triton's allocator protocol over :func:`_scratch` (the current device; buffers are 512-byte aligned)."""
+    return _scratch(size, torch.cuda.current_device(), stream)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -392,17 +403,18 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 class _Launch:
     """Everything about one matmul launch that depends only on ``(M, N, K, dtype, device)``.
 
-    ``runner`` is the compiled kernel's launcher for ``grid`` (``CompiledKernel[grid]``, which also calls any
-    installed launch hooks), set after the first launch through Triton's JIT dispatch with 16-byte-aligned operands;
-    it takes every kernel argument positionally (the runtime ones, then ``constexprs`` in the kernel's order)."""
+    ``ints`` are the integer kernel arguments (fixed by the key); ``runner``, set after the first launch through
+    Triton's JIT dispatch with 16-byte-aligned operands (:func:`_keep_runner`), launches the compiled kernel again:
+    ``runner(x, w, out, x_ptr, w_ptr, out_ptr) -> bool`` (False: not launched, use the JIT dispatch)."""
 
     cfg: MatmulConfig
     kernel: object
     grid: tuple
     constexprs: dict
     options: dict
+    ints: tuple
+    device: int
     runner: object = None
-    tail: tuple = ()
 
 
 _LAUNCHES: dict = {}
@@ -415,6 +427,7 @@ MAX_LAUNCHES = 4096
 def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> _Launch:
     out_flags = {"RNE_FIX": _rne_fix(dtype)}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    idx = device.index if device.type == "cuda" and device.index is not None else -1
     if cfg.kernel == "tma":
         num_progs = max(1, min(_num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
         constexprs = dict(
@@ -422,44 +435,50 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
             OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, **out_flags,
         )  # fmt: skip
-        return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options)
+        return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, **_dot_flags(dtype), **out_flags)
-    return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options)
+    return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 
 
 _RUNNER_BROKEN: list[bool] = [os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") == "1"]
 """True: every launch goes through Triton's JIT dispatch (``RLEXACT_MATMUL_JIT_LAUNCH=1``, or set when a cached
 launcher raised, i.e. an incompatible Triton)."""
 
+_RUNNER_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
+"""What a cached launcher raises when this Triton's launcher API is not the one it was written for."""
+
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch ``plan`` on contiguous ``x [M, K]``, ``w [N, K]``, ``out [M, N]``."""
-    M, K = x.shape
-    N = w.shape[0]
+    """Launch ``plan`` on contiguous ``x [M, K]``, ``w [N, K]``, ``out [M, N]`` (same CUDA device, or the
+    interpreter). TMA kernels need 16-byte-aligned bases, so a misaligned operand is copied first."""
     cfg = plan.cfg
-    if cfg.kernel == "tma":
+    px, pw = x.data_ptr(), w.data_ptr()
+    if (px | pw) % 16 and cfg.kernel == "tma":
         x, w = _aligned(x), _aligned(w)
-        if cfg.device_desc:
-            _ensure_allocator()
-            args = (x, w, out, M, N, K)
-        else:
-            o_block = [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN]
-            args = (
-                TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK]),
-                TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK]),
-                TensorDescriptor.from_tensor(out, o_block),
-            ) + (M, N, K)
+        px, pw = x.data_ptr(), w.data_ptr()
+    runner = plan.runner
+    if runner is not None:
+        po = out.data_ptr()
+        if (px | pw | po) % 16 == 0:
+            try:
+                if runner(x, w, out, px, pw, po):
+                    return
+            except _RUNNER_ERRORS as e:
+                _RUNNER_BROKEN[0] = True
+                plan.runner = None
+                warnings.warn(f"cached Triton launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=2)
+    M, N, K = plan.ints[:3]
+    if cfg.kernel == "tma" and not cfg.device_desc:
+        o_block = [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN]
+        args = (
+            TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK]),
+            TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK]),
+            TensorDescriptor.from_tensor(out, o_block),
+        ) + (M, N, K)
     else:
-        args = (x, w, out, M, N, K, K, K, N)
-    if plan.runner is not None and (x.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0:
-        try:
-            plan.runner(*args, *plan.tail)
-            return
-        except (TypeError, IndexError, AttributeError, ValueError) as e:
-            _RUNNER_BROKEN[0] = True
-            plan.runner = None
-            warnings.warn(f"cached Triton launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=2)
+        _ensure_allocator()
+        args = (x, w, out, *plan.ints)
     try:
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     except Exception:
@@ -469,24 +488,120 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
         _WS_BROKEN.add(cfg)
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
-    _keep_runner(plan, compiled, args, x, w, out)
+    _keep_runner(plan, compiled, x, w, out)
 
 
-def _keep_runner(plan: _Launch, compiled, args: tuple, *tensors: torch.Tensor) -> None:  # noqa: ANN001
-    """Keep ``compiled[grid]`` for later launches when this launch's specialization is the one every later launch of
-    the plan will have (16-byte-aligned pointers; the integers are fixed by the plan's key, M is not specialized)."""
-    if _INTERPRET or _RUNNER_BROKEN[0] or not hasattr(compiled, "__getitem__"):
+def _keep_runner(plan: _Launch, compiled, *tensors: torch.Tensor) -> None:  # noqa: ANN001
+    """Keep a launcher of ``compiled`` for later launches when this launch's specialization is the one every later
+    launch of the plan will have (16-byte-aligned pointers; the integers are fixed by the plan's key, M is not
+    specialized): :func:`_direct_runner` where this Triton's launcher API is the known one, else
+    :func:`_triton_runner`."""
+    if _INTERPRET or _RUNNER_BROKEN[0] or not hasattr(compiled, "__getitem__") or plan.runner is not None:
         return
     if any(t.data_ptr() % 16 for t in tensors):
         return
     if not plan.cfg.device_desc and plan.cfg.kernel == "tma":
         return  # host descriptors are rebuilt per call
     names = list(plan.kernel.arg_names)
-    n_rt = len(args)
+    n_rt = 3 + len(plan.ints)
     if set(names[n_rt:]) != set(plan.constexprs):
         return
-    plan.tail = tuple(plan.constexprs[n] for n in names[n_rt:])
-    plan.runner = compiled[(*plan.grid, 1, 1)[:3]]  # the launcher reads a 3-D grid
+    tail = (*plan.ints, *(plan.constexprs[n] for n in names[n_rt:]))
+    grid = (*plan.grid, 1, 1)[:3]  # the launcher reads a 3-D grid
+    plan.runner = _direct_runner(plan.device, compiled, grid, tail) or _triton_runner(plan.device, compiled, grid, tail)
+
+
+def _triton_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: ANN001, ANN202
+    """``CompiledKernel[grid]`` (Triton's own per-launch path: stream query, launch hooks, scratch from the thread's
+    allocator), skipped when the current device is not the plan's (then the JIT dispatch decides, as without a
+    cached launcher)."""
+    run = compiled[grid]
+    get_device = _cuda_queries()[0]
+
+    def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ptrs: int) -> bool:
+        if get_device() != device:
+            return False
+        _ensure_allocator()
+        run(x, w, out, *tail)
+        return True
+
+    return runner
+
+
+def _cuda_queries() -> tuple:
+    """``(current device, current raw stream of a device, is the current stream capturing)`` as torch's C functions
+    (the per-launch queries of the direct launcher; CUDA builds of torch only)."""
+    c = torch._C
+    return c._cuda_getDevice, c._cuda_getCurrentRawStream, c._cuda_isCurrentStreamCapturing
+
+
+def _direct_layout(launcher) -> bool:  # noqa: ANN001
+    """True when ``launcher`` (``CompiledKernel.run``) is the CUDA launcher whose call this module reproduces:
+    Triton 3.6's ``CudaLauncher``, ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocating global and
+    profile scratch and then calling the C ``launch(gridX, gridY, gridZ, stream, function, cooperative, pdl,
+    global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)``
+    (argument formats ``iiiKKppOOOOOO``)."""
+    try:
+        from triton.backends.nvidia import driver as nv
+    except ImportError:  # pragma: no cover - no CUDA backend
+        return False
+    if getattr(nv, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or type(launcher) is not nv.CudaLauncher:
+        return False
+    params = list(inspect.signature(nv.CudaLauncher.__call__).parameters)
+    return params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and hasattr(
+        getattr(triton, "knobs", None), "runtime"
+    )
+
+
+def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: ANN001, ANN202
+    """A launcher that calls Triton's C ``launch`` of ``compiled`` itself, or None where :func:`_direct_layout`
+    does not recognise this Triton (then :func:`_triton_runner` is used).
+
+    Per launch it does only what Triton's ``CompiledKernel[grid]`` + ``CudaLauncher`` would do for this kernel with
+    no launch hooks installed: read the current stream, take the global scratch (descriptor scratch of
+    device-side tensor descriptors) from :func:`_scratch` -- the buffer of the last stream is kept, so an eager
+    launch on the same stream costs one capture query -- and call the C launcher with pointers as integers (the
+    plan's operands are CUDA tensors of its device, checked by :func:`matmul`). With launch hooks installed
+    (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, e.g. a profiler) it defers to Triton's own
+    runner so the hooks see every launch; when the current device is not the plan's it returns False (the JIT
+    dispatch decides)."""
+    launcher = compiled.run
+    if not _direct_layout(launcher) or launcher.profile_scratch_size:
+        return None
+    c_launch = launcher.launch
+    gx, gy, gz = grid
+    nbytes = gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size
+    function, meta = compiled.function, compiled.packed_metadata
+    coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    get_device, raw_stream, capturing = _cuda_queries()
+    rt = triton.knobs.runtime
+    chain = getattr(triton.knobs, "HookChain", ())
+    hooked = _triton_runner(device, compiled, grid, tail)
+    last = (None, None)  # (stream, scratch buffer) of the previous eager launch
+
+    def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, px: int, pw: int, po: int) -> bool:
+        nonlocal last
+        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+        if (enter is not None and (type(enter) is not chain or enter.calls)) or (
+            leave is not None and (type(leave) is not chain or leave.calls)
+        ):
+            return hooked(x, w, out)
+        if get_device() != device:
+            return False
+        stream = raw_stream(device)
+        scratch = None
+        if nbytes:
+            if capturing():
+                scratch = _scratch(nbytes, device, stream)
+            elif last[0] == stream:
+                scratch = last[1]
+            else:
+                scratch = _scratch(nbytes, device, stream)
+                last = (stream, scratch)
+        c_launch(gx, gy, gz, stream, function, coop, pdl, scratch, None, meta, None, None, None, px, pw, po, *tail)
+        return True
+
+    return runner
 
 
 def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> torch.Tensor:
@@ -506,29 +621,34 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> t
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T -> [M, N]`` in ``x.dtype``; fp32 accumulation; rows independent of M (bitwise).
 
-    Mixed dtypes run the fp32 kernel on upcast copies (products in fp32, as the CPU twin), then cast once.
+    Mixed dtypes run the fp32 kernel on upcast copies (products in fp32, as the CPU twin), then cast once. ``x`` and
+    ``w`` must be on the same device. A call with a cached plan does: this check, one dictionary lookup, one
+    ``torch.empty`` and the launch (:func:`_launch`).
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"matmul: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
-    out_dtype = x.dtype
-    if x.dtype != w.dtype or x.dtype not in _TL_DTYPE:
-        x, w = x.float(), w.float()
+        raise ValueError(
+            f"matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [M, K] and w [N, K]"
+        )
+    dtype = x.dtype
+    if dtype != w.dtype or dtype not in _TL_DTYPE:
+        return matmul(x.float(), w.float()).to(dtype)
+    dev = x.get_device()
+    if w.get_device() != dev:
+        raise ValueError(f"matmul: x is on {x.device} but w is on {w.device}; move both to one device")
     if not x.is_contiguous():
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
     M, K = x.shape
     N = w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M and N:
-        if K == 0:
-            out.zero_()
-        else:
-            key = (M, N, K, x.dtype, x.get_device())
-            plan = _LAUNCHES.get(key)
-            if plan is None:
-                if len(_LAUNCHES) >= MAX_LAUNCHES:
-                    _LAUNCHES.clear()
-                plan = _LAUNCHES[key] = _plan(M, N, K, x.dtype, x.device, config_for(M, N, K, x.dtype, x.device))
-            _launch(plan, x, w, out)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    key = (M, N, K, dtype, dev)
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        if not (M and N and K):
+            return torch.zeros((M, N), dtype=dtype, device=x.device)
+        if len(_LAUNCHES) >= MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        plan = _LAUNCHES[key] = _plan(M, N, K, dtype, x.device, config_for(M, N, K, dtype, x.device))
+    out = torch.empty((M, N), dtype=dtype, device=x.device)
+    _launch(plan, x, w, out)
+    return out
