@@ -28,12 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = Scale(steps=1, prompts_per_step=4, n=4, mini_batches=2, eval_prompts=0, device="cpu", threads=1)
 
 
-def _fit(arm: Arm, callbacks: list, scale: Scale = TINY, steps: int = 1):
+def _fit(arm: Arm, callbacks: list, scale: Scale = TINY, steps: int = 1, rollout: dict | None = None):
+    """Train ``arm`` on the demo checkpoint for ``steps`` rollout steps (``rollout``: RolloutConfig fields to
+    override) and return the module."""
+    from dataclasses import replace
+
     from rlexact.data import PromptDataModule
     from rlexact.demo.run import checkpoint_path, demo_rows
 
     ckpt = checkpoint_path()
     module = build_module(arm, scale, ckpt)
+    if rollout:
+        module.rollout_cfg = replace(module.rollout_cfg, **rollout)
     data = PromptDataModule(
         demo_rows("train", 64, ckpt), tokenizer=ckpt, batch_size=scale.prompts_per_step, use_chat_template=False
     )
@@ -52,15 +58,18 @@ def _fit(arm: Arm, callbacks: list, scale: Scale = TINY, steps: int = 1):
 
 
 class _Snapshot(RLCallback):
-    """Keeps the first mini-batch and the weights the shadow probe sees (placed before it in the list)."""
+    """Keeps the first mini-batch, the trainer's log-probs of it and the weights the shadow probe sees (placed before
+    it in the list)."""
 
     def __init__(self) -> None:
         self.minibatch = None
+        self.logprobs = None
         self.state = None
 
     def on_rl_minibatch(self, trainer, pl_module, minibatch, logprobs, epoch, step) -> None:
         if self.minibatch is None:
             self.minibatch = minibatch
+            self.logprobs = logprobs.clone()
             self.state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
 
 
@@ -149,6 +158,44 @@ def test_shadow_without_mismatch_gives_cosine_exactly_one_and_with_mismatch_does
     assert m["noisy/none/cosine"] == 1.0  # recompute without correction ignores the reported numbers
     assert m["noisy/tis/cosine"] < 1.0 and m["noisy/bypass/cosine"] < 1.0
     assert m["noisy/srs-k3-corr-ratio/masked_frac"] > 0.0
+
+
+def test_shadow_uses_the_module_truncation_with_sampled_logprobs():
+    """rollout.logprobs="sampled" with top-k / top-p: the trainer's log-probs are of the truncated distribution, so
+    the shadow's must be too. Its exact gradient then is the module's (bitwise), and with no mismatch every correction
+    gives cosine and norm ratio exactly 1. Negative controls: the full-softmax log-probs and gradient of the same
+    mini-batch differ, and a mismatch moves the cosine."""
+    from rlexact.callbacks.shadow import flat_grad, module_logprobs, policy_gradient_loss
+    from rlexact.trainer.batching import batch_logprobs
+
+    snap = _Snapshot()
+    clean = ShadowCorrection(mismatch="inject", scale=0.0, prefix="clean")
+    noisy = ShadowCorrection(mismatch="inject", scale=0.5, prefix="noisy")
+    truncation = {"top_k": 4, "top_p": 0.99, "logprobs": "sampled"}
+    module = _fit(Arm("exact"), [snap, clean, noisy], rollout=truncation)
+    assert module.logprob_truncation == (4, 0.99)
+    m = clean.history[0]
+    assert m["clean/mismatch_k3_mean"] == 0.0
+    for name in SHADOW_CORRECTIONS:
+        assert m[f"clean/{name}/cosine"] == 1.0 and m[f"clean/{name}/norm_ratio"] == 1.0, name
+        assert m[f"clean/{name}/masked_frac"] == 0.0 and m[f"clean/{name}/ppo_clipped_frac"] == 0.0, name
+    assert noisy.history[0]["noisy/tis/cosine"] < 1.0
+
+    module.model.load_state_dict(snap.state)  # the weights of the probed mini-step
+    mb, resp = snap.minibatch, snap.minibatch.response_mask
+    assert torch.equal(module_logprobs(module, module.model, mb), snap.logprobs)  # the trainer's log-probs, bitwise
+
+    def exact_grad_norm(truncation: tuple[int, float]) -> tuple[float, torch.Tensor]:
+        params = [p for p in module.model.parameters() if p.requires_grad]
+        logp = batch_logprobs(module.model, mb, 1.0, with_entropy=False, truncation=truncation)[0]
+        loss, _ = policy_gradient_loss(module, mb, logp)
+        grad = flat_grad(torch.autograd.grad(loss, params, allow_unused=True), params)
+        return float(grad.double().norm()), logp.detach()
+
+    norm, logp = exact_grad_norm(module.logprob_truncation)
+    assert m["clean/exact_grad_norm"] == norm  # the module's gradient, bitwise
+    full_norm, full_logp = exact_grad_norm((0, 1.0))
+    assert not torch.equal(full_logp[resp], logp[resp]) and full_norm != norm  # negative control: the full softmax
 
 
 def _reference_logprobs(state: dict, batch) -> torch.Tensor:

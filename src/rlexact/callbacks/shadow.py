@@ -24,6 +24,10 @@ Corrections (names of :data:`SHADOW_CORRECTIONS`): ``"none"`` (recompute, no cor
 (``pi_old = mu``), ``"tis"`` (token TIS, ``tau = 2``, recompute) and the paper's four presets
 (``functional.PRESETS``, recompute). Each one is a :class:`ShadowSpec`; pass specs for other settings.
 
+Every log-prob the shadow computes is the trainer's (:func:`module_logprobs`): the rollout temperature and, with
+``rollout.logprobs="sampled"``, the sampling's top-k / top-p truncation, so its exact gradient is the one the module
+applies and a ``"native"`` ``mu`` describes the same (truncated) distribution as the rollout log-probs.
+
 Exactness of the comparison: with no mismatch (``mu`` bitwise equal to ``pi``) every correction leaves the loss
 unchanged bit for bit (weights exactly 1, no token masked, ``pi_old`` unchanged), so its gradient equals the exact
 gradient bit for bit and :func:`gradient_agreement` returns a cosine and a norm ratio of exactly 1.0. The one
@@ -68,6 +72,8 @@ __all__ = [
     "corrected_batch",
     "flat_grad",
     "gradient_agreement",
+    "logprob_truncation",
+    "module_logprobs",
     "policy_gradient_loss",
     "shadow_spec",
 ]
@@ -337,7 +343,7 @@ class ShadowCorrection(RLCallback):
 
             model = self._model(pl_module)
             with torch.no_grad(), use_kernels(model, "native"):
-                return self._logprobs(pl_module, model, batch)
+                return module_logprobs(pl_module, model, batch)
         mu = self.mismatch(pl_module, batch)
         if not isinstance(mu, Tensor) or mu.shape != (batch.num_tokens,):
             shape = tuple(mu.shape) if isinstance(mu, Tensor) else type(mu).__name__
@@ -352,8 +358,9 @@ class ShadowCorrection(RLCallback):
         queues = {key: list(starts) for key, starts in self._index.items()}
         out = torch.zeros(minibatch.num_tokens, dtype=torch.float32, device=self._mu.device)
         cu = minibatch.cu_seqlens.tolist()
+        ids = minibatch.input_ids.tolist()  # one device-to-host copy for the whole mini-batch
         for s, e in zip(cu[:-1], cu[1:]):
-            starts = queues.get(tuple(minibatch.input_ids[s:e].tolist()))
+            starts = queues.get(tuple(ids[s:e]))
             if not starts:
                 raise RuntimeError("ShadowCorrection: a mini-batch sequence is not in the rollout batch")
             start = starts.pop(0)
@@ -379,7 +386,7 @@ class ShadowCorrection(RLCallback):
         }
         variants = {name: corrected_batch(spec, batch, mu, logprobs) for name, spec in self.specs.items()}
         with torch.enable_grad():
-            logp = self._logprobs(pl_module, model, batch)
+            logp = module_logprobs(pl_module, model, batch)
             ref_loss, _ = policy_gradient_loss(pl_module, batch, logp)
             ref = flat_grad(torch.autograd.grad(ref_loss, params, retain_graph=True, allow_unused=True), params)
             metrics[f"{p}/exact_grad_norm"] = float(ref.double().norm())
@@ -404,16 +411,36 @@ class ShadowCorrection(RLCallback):
             raise RuntimeError("ShadowCorrection needs the policy model on the module (pl_module.model)")
         return model
 
-    @staticmethod
-    def _logprobs(pl_module: Any, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
-        packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
-        return packed_logprobs(model, packed, rollout_temperature(pl_module))[0]
+
+def logprob_truncation(pl_module: Any) -> tuple[int, float]:
+    """``(top_k, top_p)`` of the distribution the module's trainer-side log-probs describe:
+    ``pl_module.logprob_truncation`` (:class:`rlexact.RLModule`: the sampling truncation with
+    ``rollout.logprobs="sampled"``), else the same rule applied to ``pl_module.rollout_cfg``; ``(0, 1.0)`` (the full
+    tempered softmax) when the module says neither."""
+    value = getattr(pl_module, "logprob_truncation", None)
+    if value is not None:
+        top_k, top_p = value
+        return int(top_k), float(top_p)
+    cfg = getattr(pl_module, "rollout_cfg", None)
+    if cfg is not None and getattr(cfg, "logprobs", "full") == "sampled":
+        return int(cfg.top_k), float(cfg.top_p)
+    return 0, 1.0
+
+
+def module_logprobs(pl_module: Any, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+    """``[T]`` fp32 log-probs of ``batch`` under ``model`` as the module's trainer computes them: one packed forward
+    at the rollout temperature (:func:`~rlexact.callbacks.probes.rollout_temperature`) and the module's truncation
+    (:func:`logprob_truncation`). Differentiable when grad is enabled."""
+    packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
+    top_k, top_p = logprob_truncation(pl_module)
+    return packed_logprobs(model, packed, rollout_temperature(pl_module), top_k=top_k, top_p=top_p)[0]
 
 
 def _sequence_index(batch: RolloutBatch) -> dict[tuple[int, ...], list[int]]:
     """``{token tuple: [start offsets in the packed batch]}`` of every sequence of ``batch``, in batch order."""
     index: dict[tuple[int, ...], list[int]] = {}
     cu = batch.cu_seqlens.tolist()
+    ids = batch.input_ids.tolist()  # one device-to-host copy for the whole batch
     for s, e in zip(cu[:-1], cu[1:]):
-        index.setdefault(tuple(batch.input_ids[s:e].tolist()), []).append(s)
+        index.setdefault(tuple(ids[s:e]), []).append(s)
     return index
