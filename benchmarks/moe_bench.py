@@ -2,6 +2,8 @@
 
     python benchmarks/moe_bench.py                 # the H200 benchmark
     python benchmarks/moe_bench.py --small         # CPU smoke run: tiny shapes, a few tokens (< 1 min)
+    python benchmarks/moe_bench.py --sweep         # grouped-GEMM configuration sweep (H200, about 3 min)
+    TRITON_INTERPRET=1 python benchmarks/moe_bench.py --sweep --small   # its CPU smoke run
 
 Sections (independent: a failure is recorded in the JSON and the run continues):
 
@@ -19,8 +21,10 @@ Sections (independent: a failure is recorded in the JSON and the run continues):
 * ``rollout``: generator throughput (tokens/s), exact vs native, on a model with Qwen3-30B-A3B layers and fewer of
   them (``--rollout-layers``), batch ``--batch``, ``--prompt-len`` random prompt tokens, ``--new-tokens`` new tokens;
   plus a bitwise rollout == trainer spot check of the exact run.
-* ``sweep`` (only when asked: ``--sections sweep``): grouped-GEMM launch configurations (BM, BN, BK, warps, stages)
-  per projection and T, each timed and compared bitwise with the library configuration.
+* ``sweep`` (only with ``--sweep``, alone; writes ``moe_sweep_h200.json``): the grouped-GEMM launch configurations of
+  :func:`rlexact.ops.triton_moe.grouped_candidates` (BM, BN, BK, warps, stages, program order, TMA weight loads) for
+  gate_up and down at T = 1024 and 16384 (``--tokens``): CUDA-graph time, speed vs the stock grouped GEMM, and
+  bitwise equality with the reference candidate; a ranked table per T and the line to put in the row-class table.
 * ``train_step``: one REINFORCE-style step on packed rollouts of the same model (forward with grad, backward, AdamW):
   exact vs native seconds.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 import traceback
@@ -147,46 +152,119 @@ def bench_gemm(args: argparse.Namespace, shape: dict, device: torch.device, dtyp
     return res
 
 
-def bench_sweep(args: argparse.Namespace, shape: dict, dtype: torch.dtype) -> dict:
-    """Grouped-GEMM launch configurations (row tile BM x BN x BK, warps, stages) on the GPU at every ``--tokens``
-    count: time and whether each gives bitwise the same output as the library configuration. A candidate may
-    replace :func:`rlexact.ops.triton_moe.grouped_config` / ``BLOCK_M_GPU`` only if it is bitwise equal at every
-    T (the per-row arithmetic must not change)."""
-    from itertools import product
+def _sweep_inputs(t: int, shape: dict, dev: torch.device, dtype: torch.dtype) -> dict:
+    """The two expert GEMMs of one MoE layer call at ``t`` tokens, as :func:`rlexact.ops.moe_experts` launches them:
+    gate_up gathers token rows (``order // k``) into expert-sorted rows, down scatters sorted rows back to pair
+    order. Also the stock grouped GEMM's inputs: the same rows already sorted, ``w`` transposed, group ends."""
+    from rlexact.ops.moe import moe_plan
 
-    from rlexact.ops import triton_moe
+    e, h, inter, k = shape["experts"], shape["hidden"], shape["moe_inter"], shape["top_k"]
+    ids = torch.rand(t, e, device=dev).topk(k, dim=-1).indices
+    plan = moe_plan(ids, e)
+    ends = torch.cumsum(plan.counts, 0).to(torch.int32)
+    x = torch.randn(t, h, device=dev, dtype=dtype)
+    act = torch.randn(plan.num_rows, inter, device=dev, dtype=dtype)
+    projs = {}
+    for name, (n, kk, a) in {"gate_up": (2 * inter, h, x), "down": (h, inter, act)}.items():
+        w = torch.randn(e, n, kk, device=dev, dtype=dtype) * 0.02
+        gather = name == "gate_up"
+        projs[name] = dict(
+            w=w, a=a, gather=plan.order if gather else None, scatter=None if gather else plan.order,
+            div=k if gather else 1, sorted_a=x[plan.order // k] if gather else act, wt=w.transpose(1, 2),
+            counts=plan.counts, ends=ends,
+        )  # fmt: skip
+    return dict(rows=plan.num_rows, projs=projs)
 
-    dev = torch.device("cuda")
-    tm = timer(dev)
-    e, h, inter = shape["experts"], shape["hidden"], shape["moe_inter"]
-    res: dict = {"rows": []}
-    for name, (n, k) in {"gate_up": (2 * inter, h), "down": (h, inter)}.items():
-        w = torch.randn(e, n, k, device=dev, dtype=dtype) * 0.02
-        base = triton_moe.grouped_config(n, k, dtype, dev)
-        for t in args.tokens:
-            x, _, counts = _sorted_rows(t, shape, dev, dtype, k)
-            ref = torch.empty(x.shape[0], n, device=dev, dtype=dtype)
-            triton_moe.grouped_matmul(x, w, ref, counts, None, None)
-            for bm, bn, bk, warps, stages in product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4)):
-                cfg = triton_moe.GroupedConfig(BN=bn, BK=bk, num_warps=warps, num_stages=stages)
-                library = cfg == base and bm == triton_moe.BLOCK_M_GPU
-                entry: dict = {"proj": name, "T": t, "BM": bm, **vars(cfg), "library": library}
+
+def bench_sweep(args: argparse.Namespace, shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Grouped-GEMM launch configurations (:func:`rlexact.ops.triton_moe.grouped_candidates`) for gate_up and down at
+    every ``--tokens`` count: CUDA-graph time, speed vs the stock grouped GEMM, and whether the output equals the
+    reference candidate's bitwise. Prints a table per T ranked by gate_up + down time; only bitwise-equal candidates
+    are ranked, and the fastest one's line for the row-class table (``triton_moe._HOPPER_16BIT``) is printed.
+    On CPU (``--small`` under ``TRITON_INTERPRET=1``) it is a smoke run of the same logic with wall-clock times."""
+    from rlexact.ops import triton_moe as tm
+
+    dev = device
+    if dev.type == "cuda":
+        from common import bench_graph
+
+        def tm_graph(fn: Callable[[], object]) -> float:
+            return bench_graph(fn, rep=30)
+    else:
+        tm_graph = timer(dev)
+    stock = stock_grouped_mm()
+    cands = tm.grouped_candidates()
+    e = shape["experts"]
+    res: dict = {"stock_grouped_mm": stock[0] if stock else "unavailable", "rows": [], "ranking": {}, "choice": {}}
+    for t in args.tokens:
+        torch.manual_seed(t)
+        inp = _sweep_inputs(t, shape, dev, dtype)
+        rows_s = inp["rows"]
+        klass = tm.row_class(rows_s, e)
+        lib = {}
+        stock_ms = {}
+        for name, pr in inp["projs"].items():
+            n, kk = pr["w"].shape[1], pr["w"].shape[2]
+            lib[name] = tm.grouped_config(n, kk, dtype, dev, rows_s, e)
+            if stock is not None:
+                stock_ms[name] = tm_graph(lambda pr=pr: stock[1](pr["sorted_a"], pr["wt"], offs=pr["ends"]))
+        per_cfg: dict = {}
+        refs: dict = {}
+        for ci, cfg in enumerate(cands):
+            entry: dict = {"T": t, "row_class": klass, "candidate": ci, **vars(cfg)}
+            entry["library"] = [name for name in lib if lib[name] == cfg]
+            for name, pr in inp["projs"].items():
+                out = torch.empty(rows_s, pr["w"].shape[1], device=dev, dtype=dtype)
+
+                def run(pr=pr, out=out, cfg=cfg) -> None:  # noqa: ANN001
+                    tm.grouped_matmul(pr["a"], pr["w"], out, pr["counts"], pr["gather"], pr["scatter"],
+                                      pr["div"], cfg)  # fmt: skip
+
                 try:
-                    out = torch.empty_like(ref)
-
-                    def run(out=out, cfg=cfg, bm=bm, x=x, w=w, counts=counts) -> None:  # noqa: ANN001
-                        triton_moe.grouped_matmul(x, w, out, counts, None, None, cfg=cfg, bm=bm)
-
                     run()
-                    entry["bitwise_equal_to_library"] = bool(torch.equal(out, ref))
-                    entry["ms"] = tm(run)
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                res["rows"].append(entry)
-            best = min((r for r in res["rows"] if r["proj"] == name and r["T"] == t and "ms" in r),
-                       key=lambda r: r["ms"])  # fmt: skip
-            print(json.dumps({"best": best}), flush=True)
+                    sync(dev)
+                    if ci == 0:
+                        refs[name] = out.clone()
+                    entry[f"{name}_bitwise_equal"] = bool(name in refs and torch.equal(out, refs[name]))
+                    entry[f"{name}_ms"] = tm_graph(run)
+                    if name in stock_ms:
+                        entry[f"{name}_speed_vs_grouped_mm"] = stock_ms[name] / entry[f"{name}_ms"]
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: recorded, the sweep goes on
+                    entry[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if "gate_up_ms" in entry and "down_ms" in entry:
+                entry["total_ms"] = entry["gate_up_ms"] + entry["down_ms"]
+                entry["bitwise_equal"] = entry["gate_up_bitwise_equal"] and entry["down_bitwise_equal"]
+                if len(stock_ms) == 2:
+                    entry["speed_vs_grouped_mm"] = sum(stock_ms.values()) / entry["total_ms"]
+            per_cfg[ci] = entry
+            res["rows"].append(entry)
+        ranked = sorted((r for r in per_cfg.values() if r.get("bitwise_equal")), key=lambda r: r["total_ms"])
+        res["ranking"][str(t)] = [r["candidate"] for r in ranked]
+        _print_ranking(t, klass, stock_ms, ranked, [r for r in per_cfg.values() if not r.get("bitwise_equal")])
+        if ranked:
+            best = cands[ranked[0]["candidate"]]
+            res["choice"][klass] = {"T": t, "candidate": ranked[0]["candidate"], "config": vars(best),
+                                    "table_line": f"    {klass!r}: {best!r},".replace("'", '"')}  # fmt: skip
+            print(
+                f"fastest bitwise-equal config for row class {klass!r} (T = {t}):\n{res['choice'][klass]['table_line']}"
+            )
     return res
+
+
+def _print_ranking(t: int, klass: str, stock_ms: dict, ranked: list, rejected: list) -> None:
+    """The ranked table of one T (bitwise-equal candidates, fastest first), then the candidates that were not."""
+    stock = " ".join(f"{k} {v:.3f} ms" for k, v in stock_ms.items())
+    print(f"\n== T = {t} (row class {klass}); stock grouped_mm: {stock or 'unavailable'}")
+    print(f"{'rank':>4} {'cand':>4} {'BM':>4} {'BN':>4} {'BK':>4} {'wrp':>3} {'stg':>3} {'grp':>3} {'evenK':>5} "
+          f"{'w_load':>10} {'gate_up':>8} {'down':>8} {'total':>8} {'x_gmm':>6} lib")  # fmt: skip
+    for i, r in enumerate(ranked):
+        print(f"{i + 1:>4} {r['candidate']:>4} {r['BM']:>4} {r['BN']:>4} {r['BK']:>4} {r['num_warps']:>3} "
+              f"{r['num_stages']:>3} {r['group_m']:>3} {r['even_k']!s:>5} {r['w_load']:>10} {r['gate_up_ms']:8.3f} "
+              f"{r['down_ms']:8.3f} {r['total_ms']:8.3f} {r.get('speed_vs_grouped_mm', float('nan')):6.2f} "
+              f"{','.join(r['library'])}")  # fmt: skip
+    for r in rejected:
+        why = "; ".join(f"{k}={v}" for k, v in r.items() if k.endswith(("_error", "_bitwise_equal")) and v is not True)
+        print(f"  not ranked: candidate {r['candidate']} ({r['BM']}x{r['BN']}x{r['BK']}, {r['w_load']}): {why}")
 
 
 def bench_layer(args: argparse.Namespace, shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
@@ -349,8 +427,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on CPU (smoke run)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="layer token counts (default 1 64 1024 16384)")
-    ap.add_argument("--sections", nargs="+", default=["gemm", "layer", "rollout", "train_step"],
-                    help="also: sweep (grouped-GEMM launch configurations, GPU only)")  # fmt: skip
+    ap.add_argument("--sections", nargs="+", default=["gemm", "layer", "rollout", "train_step"])
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the grouped-GEMM configuration sweep (GPU; default T 1024 16384)")  # fmt: skip
     ap.add_argument("--rollout-layers", type=int, default=None, help="decoder layers of the rollout model (default 8)")
     ap.add_argument("--batch", type=int, default=None, help="rollout batch (default 64)")
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
@@ -360,20 +439,25 @@ def main() -> int:
     device = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
     shape = SMALL if args.small else A3B
     dtype = torch.bfloat16
+    if args.sweep:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--sweep runs the Triton kernels: use a CUDA GPU, or TRITON_INTERPRET=1 with --small on CPU")
+        args.sections = ["sweep"]
+        args.tokens = args.tokens or ([16, 256] if args.small else [1024, 16384])
     args.tokens = args.tokens or ([1, 16, 64] if args.small else [1, 64, 1024, 16384])
     args.rollout_layers = args.rollout_layers or (2 if args.small else 8)
     args.batch = args.batch or (4 if args.small else 64)
     args.prompt_len = args.prompt_len or (8 if args.small else 128)
     args.new_tokens = args.new_tokens or (4 if args.small else 128)
-    default_out = "moe_small.json" if args.small else "moe_h200.json"
+    default_out = f"moe{'_sweep' if args.sweep else ''}_{'small' if args.small else 'h200'}.json"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / default_out
     result = {**header("moe_bench", "transformers", "triton"), "shape": shape, "dtype": str(dtype), "results": {}}
     result["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
     sections = result["results"]
     if "gemm" in args.sections:
         sections["gemm"] = _guard(lambda: bench_gemm(args, shape, device, dtype))
-    if "sweep" in args.sections and device.type == "cuda":
-        sections["sweep"] = _guard(lambda: bench_sweep(args, shape, dtype))
+    if "sweep" in args.sections:
+        sections["sweep"] = _guard(lambda: bench_sweep(args, shape, device, dtype))
     if "layer" in args.sections:
         sections["layer"] = _guard(lambda: bench_layer(args, shape, device, dtype))
     if {"rollout", "train_step"} & set(args.sections):

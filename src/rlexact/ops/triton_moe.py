@@ -36,12 +36,12 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .backend import interpreter_enabled
 from .triton_matmul import (
     _TL_DTYPE,
     USE_ROW_TILE_VARIANTS,
-    TensorDescriptor,
     _cuda_props,
     _device_key,
     _dot_flags,
