@@ -58,7 +58,9 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 class MatmulFn(torch.autograd.Function):
-    """Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
+    """``x [..., K] @ w[N, K].T`` (the Triton backend takes leading dimensions; the torch backend ``[M, K]``).
+
+    Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
 
     The backward need not be batch-invariant, only deterministic and correct, and cuBLAS is the fastest such GEMM
     here (the exact kernel's fixed tiles and ban on split-K buy batch invariance, which a gradient does not need).
@@ -87,9 +89,13 @@ class MatmulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
+        lead = x.dim() != 2  # leading dimensions (the Triton backend's linear): the same GEMMs on [M, *] views
+        x2 = x.reshape(-1, x.shape[-1]) if lead else x
+        if lead:
+            grad = grad.reshape(-1, grad.shape[-1])
         gx = grad.to(w.dtype) @ w if ctx.needs_input_grad[0] else None
-        gw = grad.to(x.dtype).T @ x if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+        gw = grad.to(x.dtype).T @ x2 if ctx.needs_input_grad[1] else None
+        return (gx.view(x.shape) if lead and gx is not None else gx), gw, None
 
 
 _matmul_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, MatmulFn)

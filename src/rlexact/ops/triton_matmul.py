@@ -48,13 +48,19 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
   default (``MatmulConfig.warp_specialize``; a failed WS compile falls back to the same kernel without it).
 
 Host overhead (the trainer calls the matmul eagerly): every TMA variant builds its tensor descriptors on the device
-(``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch; the descriptor scratch comes from a
-per-stream cached buffer (:func:`_torch_alloc`). Each ``(M, N, K, dtype, device)`` gets a cached :class:`_Launch`
-(configuration, grid, constexpr arguments) and, after its first launch, the compiled kernel's own launcher, so a
-call costs one dictionary lookup, one ``torch.empty`` and one launch (launch hooks, if installed, still run). Where
-the launcher cannot be reused (unaligned pointers, the interpreter) the call goes through Triton's regular JIT
-dispatch, which compiles the same kernel for the same specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that
-path everywhere).
+(``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch. Each ``(M, N, K, dtype, device)`` gets
+a cached :class:`_Launch` (configuration, grid, arguments) and, after its first launch, a cached launcher
+(:func:`_keep_runner`). On Triton 3.6 that is :func:`_direct_runner`: it calls the compiled kernel's C launcher
+itself with the stream, function, metadata and arguments bound once, pointers passed as integers and the descriptor
+scratch handed over directly (the last stream's buffer, or the CUDA-graph pool during capture, :func:`_scratch`),
+so a call costs one shape check, one dictionary lookup, one ``torch.empty`` and the C launch. Launch hooks, when
+installed, still see every launch (the launch then goes through Triton's runner). On other Triton versions the
+cached launcher is Triton's ``CompiledKernel[grid]`` runner, whose descriptor scratch comes from Triton's per-thread
+allocator (:func:`_ensure_allocator` installs :func:`_torch_alloc` in a thread that has none; nothing else is
+global). Where no launcher can be reused (unaligned pointers of the pointer kernel, the interpreter, another current
+device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the same
+specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
+incompatible Triton warns and switches to it).
 Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
 
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -450,8 +457,8 @@ _RUNNER_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
 
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch ``plan`` on contiguous ``x [M, K]``, ``w [N, K]``, ``out [M, N]`` (same CUDA device, or the
-    interpreter). TMA kernels need 16-byte-aligned bases, so a misaligned operand is copied first."""
+    """Launch ``plan`` on contiguous ``x [..., K]``, ``w [N, K]``, ``out [..., N]`` (``M`` rows; same CUDA device,
+    or the interpreter). TMA kernels need 16-byte-aligned bases, so a misaligned operand is copied first."""
     cfg = plan.cfg
     px, pw = x.data_ptr(), w.data_ptr()
     if (px | pw) % 16 and cfg.kernel == "tma":
@@ -472,9 +479,9 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     if cfg.kernel == "tma" and not cfg.device_desc:
         o_block = [cfg.BM, cfg.BN // 2 if cfg.subtile else cfg.BN]
         args = (
-            TensorDescriptor.from_tensor(x, [cfg.BM, cfg.BK]),
+            TensorDescriptor.from_tensor(x.view(M, K), [cfg.BM, cfg.BK]),
             TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK]),
-            TensorDescriptor.from_tensor(out, o_block),
+            TensorDescriptor.from_tensor(out.view(M, N), o_block),
         ) + (M, N, K)
     else:
         _ensure_allocator()
@@ -619,15 +626,16 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig) -> t
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T -> [M, N]`` in ``x.dtype``; fp32 accumulation; rows independent of M (bitwise).
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in ``x.dtype``; fp32 accumulation; rows independent of how many rows
+    there are (bitwise). The leading dimensions of ``x`` are rows (``[M, K]`` is the usual case).
 
     Mixed dtypes run the fp32 kernel on upcast copies (products in fp32, as the CPU twin), then cast once. ``x`` and
     ``w`` must be on the same device. A call with a cached plan does: this check, one dictionary lookup, one
     ``torch.empty`` and the launch (:func:`_launch`).
     """
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+    if w.dim() != 2 or x.dim() == 0 or x.size(-1) != w.size(1):
         raise ValueError(
-            f"matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [M, K] and w [N, K]"
+            f"matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K] and w [N, K]"
         )
     dtype = x.dtype
     if dtype != w.dtype or dtype not in _TL_DTYPE:
@@ -639,16 +647,22 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
-    M, K = x.shape
-    N = w.shape[0]
+    N, K = w.shape
+    shape = x.shape
+    if len(shape) == 2:
+        M = shape[0]
+        out_shape = (M, N)
+    else:
+        M = math.prod(shape[:-1])
+        out_shape = (*shape[:-1], N)
     key = (M, N, K, dtype, dev)
     plan = _LAUNCHES.get(key)
     if plan is None:
         if not (M and N and K):
-            return torch.zeros((M, N), dtype=dtype, device=x.device)
+            return torch.zeros(out_shape, dtype=dtype, device=x.device)
         if len(_LAUNCHES) >= MAX_LAUNCHES:
             _LAUNCHES.clear()
         plan = _LAUNCHES[key] = _plan(M, N, K, dtype, x.device, config_for(M, N, K, dtype, x.device))
-    out = torch.empty((M, N), dtype=dtype, device=x.device)
+    out = torch.empty(out_shape, dtype=dtype, device=x.device)
     _launch(plan, x, w, out)
     return out
