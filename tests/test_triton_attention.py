@@ -35,6 +35,22 @@ def test_interpreter(section: str) -> None:
     assert f"{section}: ok" in proc.stdout
 
 
+@pytest.mark.skipif(triton_missing, reason="needs triton")
+def test_interpreter_sweep_candidates() -> None:
+    """Every launch candidate of ``benchmarks/attention_configs.py`` gives the library config's bits (training, paged
+    prefill, chunked prefill, decode), and another ``BLOCK_N`` does not (``tests/_interp_attention_configs.py``)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    helper = Path(__file__).with_name("_interp_attention_configs.py")
+    proc = subprocess.run(
+        [sys.executable, str(helper)], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "configs: ok" in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------------

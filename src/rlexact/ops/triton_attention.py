@@ -9,15 +9,22 @@ folded in ascending split order by :func:`_merge_split` (explicit FMAs), startin
 keys get a ``-inf`` score and are loaded as 0 (so garbage or NaN in unwritten cache slots never enters), which makes
 them contribute exactly zero; a fully masked tile is an exact no-op (``alpha = exp2(0) = 1``, ``p = 0``) and so is a
 split wholly past a query (an empty partial), so a query tile may visit tiles and splits up to its largest position.
-The number of splits of a query is ``p // SPLIT + 1``: a function of its own position, never of the batch. Tile
-shapes, warps, stages and ``SPLIT`` depend only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence
-lengths, the number of sequences, or paged vs packed. ``attention_varlen`` and ``attention_paged`` launch the same
-``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes how a key position becomes an address, and ``SPLIT_PAR``
-only changes which program computes a split: decode-sized paged launches give each split its own program (grid axis
-2) and fold the stored fp32 partials in ``_attn_merge_kernel``; other launches loop over the splits in one program and
-fold in registers. Both fold the same partials with the same function in the same order, so a query row is bitwise
-equal whether it is computed in a training batch, in a prefill chunk of any size, or in decode. (One online softmax
-across all tiles would give other bits than split-then-merge; what matters is that every path uses the same splits.)
+Key tiles wholly at or before a query tile's first position are visible to all its rows and skip the bounds and
+score masks; the mask only turns hidden scores into ``-inf`` ahead of the same operations, whose roundings are all
+explicit (``exp2(fma(s, scale, -m))``, ``fma(l, alpha, rowsum(p))``; no compiler contraction choice), so a row's
+bits do not depend on which of its tiles were masked. The number of splits of a query is ``p // SPLIT + 1``: a
+function of its own position, never of the batch. The key-side partition (``BLOCK_N``, ``SPLIT``) depends only on
+``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of sequences, or paged vs packed.
+The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
+(one query per sequence) and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
+``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an entry may differ.
+``attention_varlen`` and ``attention_paged`` launch the same ``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes
+how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized paged
+launches give each split its own program (grid axis 2) and fold the stored fp32 partials in ``_attn_merge_kernel``;
+other launches loop over the splits in one program and fold in registers. Both fold the same partials with the same
+function in the same order, so a query row is bitwise equal whether it is computed in a training batch, in a prefill
+chunk of any size, or in decode. (One online softmax across all tiles would give other bits than split-then-merge; what
+matters is that every path uses the same splits.)
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -83,9 +90,18 @@ SPLIT_KEYS_FP32 = 2048
 """Keys per KV split (``SPLIT``) for fp32 at every head_dim (a multiple of every fp32 ``BLOCK_N``; not swept)."""
 
 
+PREFILL_LAUNCH_16BIT = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+"""Query-side launch ``BLOCK_M, num_warps, num_stages`` of bf16/fp16 forwards at head_dim <= 128 for every launch
+that is not a pure decode step (training forward, backward's forward rerun, prefill chunks, mixed batches); pure
+decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
+``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
+a query row must get the same bits from both launches."""
+
+
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` and KV split size ``SPLIT`` for
-    ``(head_dim, dtype)``: nothing else."""
+    ``(head_dim, dtype)``: nothing else. Decode launches use it as is; other launches replace the query-side entries
+    with :func:`_launch_config`'s."""
     block_d = _block_d(head_dim)
     if dtype == torch.float32:
         split = {"SPLIT": SPLIT_KEYS_FP32}
@@ -100,6 +116,16 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
             return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3} | split
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} | split
     raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
+
+
+def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str, int]:
+    """The forward config of one launch: :func:`_fwd_config`, with the query-side entries of
+    :data:`PREFILL_LAUNCH_16BIT` unless every sequence of the launch has exactly one query (``decode``). The key-side
+    entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for both."""
+    cfg = _fwd_config(head_dim, dtype)
+    if decode or dtype == torch.float32 or _block_d(head_dim) > 128:
+        return cfg
+    return cfg | PREFILL_LAUNCH_16BIT
 
 
 def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int, int]]:
@@ -153,6 +179,154 @@ def _merge_split(m, s, acc, m2, s2, acc2):
     return m_new, tl.fma(s, a, s2 * b), tl.fma(acc, a[:, None], acc2 * b[:, None])
 
 
+@triton.jit
+def _bf16_round_f32(x):
+    """``x`` (fp32, finite) rounded to the nearest bfloat16, ties to even, as fp32: the GPU's fp32 -> bf16 conversion,
+    for the interpreter, whose conversion truncates (probabilities just below 1 would lose a whole bf16 step)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _attn_key_tile(
+    q,
+    m_s,
+    l_s,
+    acc_s,
+    K,
+    V,
+    j,
+    kv_begin,
+    seqlen_k,
+    kv_head,
+    pos,
+    bt_row,
+    offs_n,
+    offs_d,
+    d_ok,
+    qk_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
+
+    ``MASKED=False`` is only for tiles visible to every row of the query tile (all keys written, none past a query):
+    it skips the loads' bounds masks and the score mask. Unmasked scores take exactly the same operations as visible
+    scores of a masked tile (the mask only replaces hidden scores by ``-inf`` before them), and every rounding is
+    explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked."""
+    kpos = j * BLOCK_N + offs_n
+    k_ok = kpos < seqlen_k
+    if PAGED:
+        if MASKED:
+            blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=k_ok, other=0)
+        else:
+            blk = tl.load(bt_row + kpos // PAGE_SIZE)
+        krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
+    else:
+        krow = (kv_begin + kpos).to(tl.int64)
+    k_ptrs = K + krow[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    v_ptrs = V + krow[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    if MASKED:
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], s, float("-inf"))
+    # the scale is positive, so max(s) * scale is the max of the rounded scaled scores
+    m_new = tl.maximum(m_s, tl.max(s, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
+    alpha = tl.math.exp2(m_s - m_use)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
+    l_s = tl.fma(l_s, alpha, tl.sum(p, 1))
+    acc_s = acc_s * alpha[:, None]
+    if FP32_DOT:
+        acc_s = tl.dot(p, v, acc_s, input_precision="ieee")
+    else:
+        if UPCAST:
+            if V.dtype.element_ty == tl.bfloat16:
+                pv = _bf16_round_f32(p)
+            else:
+                pv = p.to(V.dtype.element_ty).to(tl.float32)
+        else:
+            pv = p.to(V.dtype.element_ty)
+        acc_s = tl.dot(pv, v, acc_s)
+    return m_new, l_s, acc_s
+
+
+@triton.jit
+def _attn_split(
+    q,
+    K,
+    V,
+    j_lo,
+    j_hi,
+    n_full,
+    kv_begin,
+    seqlen_k,
+    kv_head,
+    pos,
+    bt_row,
+    offs_n,
+    offs_d,
+    d_ok,
+    qk_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The fp32 partial ``(max, sum, acc)`` of key tiles ``[j_lo, j_hi)`` (one split, ascending, from the empty
+    state): tiles below ``n_full`` unmasked, the rest masked."""
+    m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    j_mid = tl.minimum(j_hi, tl.maximum(j_lo, n_full))
+    for j in range(j_lo, j_mid):
+        m_s, l_s, acc_s = _attn_key_tile(
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+        )  # fmt: skip
+    for j in range(j_mid, j_hi):
+        m_s, l_s, acc_s = _attn_key_tile(
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+        )  # fmt: skip
+    return m_s, l_s, acc_s
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _attn_fwd_kernel(
     Q,
@@ -182,6 +356,7 @@ def _attn_fwd_kernel(
     n_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HP: tl.constexpr,
@@ -240,48 +415,26 @@ def _attn_fwd_kernel(
         sp_lo = 0
         sp_hi = n_splits
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for sp in range(sp_lo, sp_hi):
-        m_s = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc_s = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for j in range(sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles)):
-            kpos = j * BLOCK_N + offs_n
-            k_ok = kpos < seqlen_k
-            if PAGED:
-                blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
-                krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
-            else:
-                krow = (kv_begin + kpos).to(tl.int64)
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + krow[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + krow[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if FP32_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_s, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
-            alpha = tl.math.exp2(m_s - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_s = l_s * alpha + tl.sum(p, 1)
-            acc_s = acc_s * alpha[:, None]
-            if FP32_DOT:
-                acc_s = tl.dot(p, v, acc_s, input_precision="ieee")
-            else:
-                pv = p.to(V.dtype.element_ty)
-                if UPCAST:
-                    pv = pv.to(tl.float32)
-                acc_s = tl.dot(pv, v, acc_s)
-            m_s = m_new
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    kv_head = kvh.to(tl.int64)
+    # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
+    n_full = (q_start + tile * P + 1) // BLOCK_N
+    # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
+    # several splits hold two accumulators
+    m_i, l_i, acc = _attn_split(
+        q, K, V, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+        bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+        UPCAST=UPCAST,
+    )  # fmt: skip
+    for sp in range(sp_lo + 1, sp_hi):
+        m_s, l_s, acc_s = _attn_split(
+            q, K, V, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+            bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+            UPCAST=UPCAST,
+        )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -595,8 +748,7 @@ def _forward(
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
-    overrides entries of :func:`_fwd_config` (benchmarks and tests only: the library always uses the
-    ``(head_dim, dtype)`` config).
+    overrides entries of :func:`_launch_config` (benchmarks and tests only).
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -604,7 +756,7 @@ def _forward(
     num_seqs = cu_q.shape[0] - 1
     if tq == 0 or num_seqs <= 0:
         return
-    cfg = _fwd_config(d, q.dtype) | (cfg or {})
+    cfg = _launch_config(d, q.dtype, decode=tq == num_seqs) | (cfg or {})
     split = cfg["SPLIT"]
     if split % cfg["BLOCK_N"]:
         raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
@@ -662,6 +814,7 @@ def _forward(
         hq,
         HEAD_DIM=d,
         BLOCK_D=block_d,
+        EVEN_D=block_d == d,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         HP=hp,
