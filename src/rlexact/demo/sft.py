@@ -1,4 +1,4 @@
-"""Supervised fine-tuning of the embedded demo's start checkpoint (reproducible, CPU, plain torch).
+"""Supervised fine-tuning of the embedded demo's start checkpoint (reproducible, plain torch, CPU or one GPU).
 
 Builds a tiny ``Qwen3ForCausalLM`` from a ``Qwen3Config`` with the character tokenizer of
 :mod:`rlexact.char_tokenizer`, trains it with AdamW and teacher forcing on ``"12+7=" → "19<|im_end|>"`` (loss on the
@@ -15,6 +15,12 @@ Determinism: weights, data order and evaluation draws come from seeds only (torc
 :class:`rlexact.demo.task.ArithmeticTask`, whose rows are pure functions of ``(seed, index)``); deterministic
 algorithms are on and the thread count is fixed (``--threads``), so two runs on the same machine produce bitwise
 identical weights. Across CPUs with different vector units the float results may differ in the last bits.
+
+``--device cuda`` (or ``auto``) trains on the current GPU, for the larger start models of the study
+(``configs/study/h200.yaml``): the same seeded initialization (drawn on the CPU, then moved), data order and
+evaluation draws (sampled on the CPU from the GPU's probabilities), TF32 matrix products, and torch's deterministic
+algorithms where torch has them (an operation without one warns instead of failing), so a GPU run is seeded but
+bitwise reproducibility is only promised on the CPU. The CPU path is unchanged by the option.
 
 Held-out evaluation: ``eval_size`` rows of the task with ``eval_seed``; training rows (the task with ``train_seed``)
 whose prompt appears in the evaluation set are skipped.
@@ -39,17 +45,23 @@ from rlexact.demo.task import ArithmeticTask
 from rlexact.envinfo import library_versions
 
 __all__ = [
+    "DEVICES",
     "SFTConfig",
     "build_model",
     "encode_example",
+    "encode_examples",
     "evaluate",
     "main",
+    "resolve_device",
     "sample_answers",
     "train_sft",
 ]
 
 SFT_JSON = "sft.json"
 """Name of the settings/evaluation file written next to the checkpoint."""
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
+"""Values of ``SFTConfig.device`` / ``--device``."""
 
 
 @dataclass
@@ -80,6 +92,7 @@ class SFTConfig:
         eval_size: held-out problems.
         eval_temperature: sampling temperature of the evaluation (0 = greedy only).
         threads: torch intra-op threads (fixed for reproducibility).
+        device: ``"cpu"``, ``"cuda"`` (the current GPU) or ``"auto"`` (``"cuda"`` when one is visible).
     """
 
     seed: int = 0
@@ -105,9 +118,12 @@ class SFTConfig:
     eval_size: int = 500
     eval_temperature: float = 1.0
     threads: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         self.ops = tuple(self.ops)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         for name in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -158,6 +174,29 @@ def encode_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]
     return list(p) + list(a) + [EOS_ID], len(p)
 
 
+def encode_examples(tokenizer, rows: Sequence[dict]) -> list[tuple[list[int], int]]:
+    """:func:`encode_example` of every ``{"prompt", "answer"}`` row, with one batched tokenizer call per field (the
+    same ids)."""
+    if not rows:
+        return []
+    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    return [(list(p) + list(a) + [EOS_ID], len(p)) for p, a in zip(prompts, answers)]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"cpu"``, ``"cuda"`` (the current GPU; an error naming the fix when none is visible) or ``"auto"``."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _collate(examples: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on the prompt and the padding)."""
     width = max(len(ids) for ids, _ in examples)
@@ -191,11 +230,12 @@ def sample_answers(
 ) -> list[str]:
     """Decoded completions (cut at ``<|im_end|>``) of ``prompts``; ``temperature == 0`` is greedy.
 
-    A plain full-recompute loop over groups of equal-length prompts (no KV cache, no padding); draws come from a
-    ``torch.Generator`` seeded with ``seed``. Used for the SFT's held-out evaluation only (the demo's own evaluation
-    uses :class:`rlexact.rollout.Generator`).
+    A plain full-recompute loop over groups of equal-length prompts (no KV cache, no padding) on the model's
+    device; draws come from a CPU ``torch.Generator`` seeded with ``seed``. Used for the SFT's held-out evaluation
+    only (the demo's own evaluation uses :class:`rlexact.rollout.Generator`).
     """
     model.eval()
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     out: list[str] = [""] * len(prompts)
@@ -204,7 +244,7 @@ def sample_answers(
         by_len.setdefault(len(ids), []).append(i)
     for length in sorted(by_len):
         idx = by_len[length]
-        x = torch.tensor([encoded[i] for i in idx], dtype=torch.long)
+        x = torch.tensor([encoded[i] for i in idx], dtype=torch.long, device=device)
         done = torch.zeros(len(idx), dtype=torch.bool)
         new: list[list[int]] = [[] for _ in idx]
         for _ in range(max_new_tokens):
@@ -212,7 +252,7 @@ def sample_answers(
             if temperature == 0:
                 nxt = logits.argmax(-1)
             else:
-                probs = torch.softmax(logits / temperature, dim=-1)
+                probs = torch.softmax(logits / temperature, dim=-1).cpu()  # drawn on the CPU on every device
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             for j, t in enumerate(nxt.tolist()):
                 if not done[j]:
@@ -222,7 +262,7 @@ def sample_answers(
                         new[j].append(t)
             if bool(done.all()):
                 break
-            x = torch.cat([x, nxt[:, None]], dim=1)
+            x = torch.cat([x, nxt[:, None].to(device)], dim=1)
         for j, i in enumerate(idx):
             out[i] = tokenizer.decode(new[j], skip_special_tokens=True)
     return out
@@ -255,17 +295,27 @@ def _training_rows(cfg: SFTConfig, exclude: set[str]):
 
 
 def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
-    """Train the demo model. Returns ``(model, tokenizer, report)`` with the held-out evaluation in ``report``.
+    """Train the demo model on ``cfg.device``. Returns ``(model, tokenizer, report)``: the model on the CPU, the
+    held-out evaluation in ``report``.
 
-    Runs with ``cfg.threads`` torch threads and deterministic algorithms; both settings are restored afterwards.
+    Runs with ``cfg.threads`` torch threads and deterministic algorithms (on a GPU: where torch has them, and TF32
+    matrix products); every global setting it changes is restored afterwards.
     """
+    device = resolve_device(cfg.device)
+    cuda = device.type == "cuda"
+    if cuda:  # cuBLAS is deterministic only with a fixed workspace; read when the first handle is created
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     previous_threads = torch.get_num_threads()
     previous_det = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    previous_precision = torch.get_float32_matmul_precision()
     torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=cuda)
+    if cuda:
+        torch.set_float32_matmul_precision("high")
     try:
         tokenizer = build_char_tokenizer(model_max_length=cfg.max_position_embeddings)
-        model = build_model(cfg, vocab_size=len(tokenizer))
+        model = build_model(cfg, vocab_size=len(tokenizer)).to(device)
         eval_rows = ArithmeticTask(seed=cfg.eval_seed, max_operand=cfg.max_operand, ops=cfg.ops).generate(cfg.eval_size)
         rows = _training_rows(cfg, {r["prompt"] for r in eval_rows})
 
@@ -281,10 +331,8 @@ def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
         t0 = time.perf_counter()
         loss_value = float("nan")
         for step in range(cfg.steps):
-            batch = [
-                encode_example(tokenizer, r["prompt"], r["answer"]) for r in (next(rows) for _ in range(cfg.batch_size))
-            ]
-            input_ids, mask, labels = _collate(batch)
+            batch = encode_examples(tokenizer, [next(rows) for _ in range(cfg.batch_size)])
+            input_ids, mask, labels = (t.to(device) for t in _collate(batch))
             for group in opt.param_groups:
                 group["lr"] = _lr_at(cfg, step)
             logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
@@ -298,9 +346,13 @@ def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            loss_value = float(loss.detach())
-            if verbose and (step % log_every == 0 or step == cfg.steps - 1):
+            last = step == cfg.steps - 1
+            if last or (verbose and step % log_every == 0):  # read back only when shown (a GPU step runs ahead)
+                loss_value = float(loss.detach())
+            if verbose and (step % log_every == 0 or last):
                 print(f"step {step:5d}  loss {loss_value:.4f}  lr {_lr_at(cfg, step):.2e}", flush=True)
+        if cuda:
+            torch.cuda.synchronize(device)
         train_s = time.perf_counter() - t0
         metrics = evaluate(model, tokenizer, eval_rows, cfg.eval_temperature, seed=cfg.seed)
         report = {
@@ -312,10 +364,13 @@ def train_sft(cfg: SFTConfig, log_every: int = 50, verbose: bool = True):
             "versions": library_versions("transformers"),
             "machine": platform.machine(),
         }
-        return model, tokenizer, report
+        if cuda:
+            report["device"] = torch.cuda.get_device_name(device)
+        return model.cpu(), tokenizer, report
     finally:
-        torch.use_deterministic_algorithms(previous_det)
+        torch.use_deterministic_algorithms(previous_det, warn_only=previous_warn_only)
         torch.set_num_threads(previous_threads)
+        torch.set_float32_matmul_precision(previous_precision)
 
 
 def save_checkpoint(model, tokenizer, report: dict, out: str | os.PathLike) -> str:
@@ -339,6 +394,8 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, tuple):
             p.add_argument(flag, nargs="+", default=list(value))
+        elif f.name == "device":
+            p.add_argument(flag, choices=DEVICES, default=value, help="cpu (default), cuda or auto")
         else:
             p.add_argument(flag, type=type(value), default=value)
     p.add_argument("--quiet", action="store_true", help="no per-step log")
