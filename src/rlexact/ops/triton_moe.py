@@ -11,21 +11,31 @@ probabilities are summed left to right in selection order and divided. Weights a
 Grouped GEMM (:func:`grouped_matmul`)
 -------------------------------------
 ``out[r] = a[gather[r]] @ w[e(r)].T`` for the expert-sorted rows ``r``. The rows of one expert are contiguous; they are
-cut into row tiles of :func:`block_m` rows that never straddle two experts. The launch grid is a *worst-case* number
-of row tiles (:func:`num_row_tiles`: a function of the number of rows, experts and the row tile, known on the host
-from shapes alone) times the ``N`` tiles; each program finds its expert and row range from the per-expert row counts
-(a cumulative sum over the ``E`` counts, on the device) and idle programs exit at once. Nothing is synchronized to
-the host, so the layer is capturable in a CUDA graph at a static token count.
+cut into row tiles of ``BM`` rows that never straddle two experts. The launch grid is a *worst-case* number of row
+tiles (:func:`num_row_tiles`: a function of the number of rows, experts and the row tile, known on the host from shapes
+alone) times the ``N`` tiles; each program finds its expert and row range from the per-expert row counts (a cumulative
+sum over the ``E`` counts, on the device) and idle programs exit at once. Nothing is synchronized to the host, so the
+layer is capturable in a CUDA graph at a static token count.
 
 Why a row's result does not depend on the other rows: every output element is the dense matmul's recurrence
 (:mod:`rlexact.ops.triton_matmul`) -- ``acc = 0; for k-tile ascending: acc = dot(a_tile, w_tile^T, acc)`` in fp32, one
-program per output tile, no split-K, no atomics, ``input_precision="ieee"`` for fp32, zero-filled padding rows and
-K tail. The tile shape (:func:`grouped_config`) is a function of ``(N, K, dtype, device)`` only -- never of how many
-rows an expert received -- and a row's position inside its tile does not change its arithmetic.
+program per output tile, no split-K, no atomics, ``input_precision="ieee"`` for fp32; padding rows are zero-filled and
+never stored, padding columns are never stored, the K tail is zero-filled. ``K``, ``N`` and the dtype fix the
+reduction; a row's position inside its tile does not change its arithmetic.
+
+Configurations (:func:`grouped_config`). The launch configuration is a function of ``(N, K, dtype, device)`` and the
+call's *row class* (:data:`ROW_CLASSES`: rows per expert, from shapes alone), like the dense matmul's row-tile
+variants: decode-sized calls keep 64-row tiles, large ones may use taller and wider tiles, another program order
+(``group_m``), unmasked K loops (``even_k``) and TMA weight loads. These change which rows and columns one program
+computes and how operands reach shared memory, not the per-element chain of K-16 tensor-core steps, so every member
+of the table must give the same bits as every other -- verified, not assumed: ``benchmarks/moe_bench.py --sweep``
+compares each candidate (:func:`grouped_candidates`) bitwise on the GPU, and the interpreter tests compare them on CPU.
+With ``RLEXACT_MATMUL_SINGLE_TILE=1`` (or off Hopper) every call uses the decode entry.
 
 Under the Triton interpreter ``tl.dot`` is a NumPy BLAS call whose result for a row can depend on the row's position
-in the tile (OpenBLAS' Haswell kernels, for one), so there the kernel reduces each K tile with an explicit broadcast
-product and ``tl.sum`` instead (``ROWWISE``); the tiling, gather/scatter and tile-table logic are the same.
+in the tile (OpenBLAS' Haswell kernels, for one), so there the kernel reduces with :func:`_rowwise_dot` instead
+(``ROWWISE``): a sequential sum per K-16 slice added to the accumulator slice by slice, a function of ``K`` alone (not
+of BM, BN or BK); the tiling, gather/scatter, tile-table and TMA logic are the same.
 """
 
 from __future__ import annotations
