@@ -373,6 +373,30 @@ def test_config_validation(tmp_path):
         load_config(ROOT / "configs" / "study" / name)
 
 
+# ------------------------------------------------------------------------------------------ runner: scheduling
+def test_run_arms_reports_every_run_and_survives_failures(tmp_path):
+    from rlexact.study.runner import FailedRuns, run_arms, run_threads
+
+    arms = [Arm("exact", objective="reinforce"), Arm("exact bf16", objective="reinforce", dtype="bfloat16")]
+    scale = Scale(steps=1, prompts_per_step=2, n=2, mini_batches=1, eval_prompts=0, device="cpu", threads=1)
+    seen: list[int] = []
+    results = run_arms(
+        [(a, 1) for a in arms], scale, tmp_path, log=lambda m: None, on_result=lambda r: seen.append(len(r))
+    )
+    assert seen == [1, 2] and set(results) == {(a.key(), 0) for a in arms}  # called after every finished run
+    seen.clear()
+    cached = run_arms([(a, 1) for a in arms], scale, tmp_path, log=lambda m: None, on_result=seen.append)
+    assert seen == [] and all(cached[k]["history"] == results[k]["history"] for k in results)  # cached: none ran
+    bad = Scale(**{**scale.__dict__, "checkpoint": str(tmp_path / "missing")})
+    logged: list[str] = []
+    with pytest.raises(FailedRuns, match="2 run") as info:
+        run_arms([(a, 1) for a in arms], bad, tmp_path / "other", log=logged.append)
+    assert [arm.label for arm, _ in info.value.failures] == ["exact", "exact bf16"]  # every run was tried
+    assert info.value.results == {} and "FileNotFoundError" in info.value.failures[0][1]
+    assert sum("FAILED" in line for line in logged) == 2
+    assert run_threads(Scale(threads=3, workers=4)) == 3 and run_threads(Scale(threads=0, workers=10_000)) == 1
+
+
 # -------------------------------------------------------------------------------------------- CPU smoke study
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
@@ -440,6 +464,31 @@ def test_smoke_c_ratio_coincides_only_when_exact(smoke):
         m = arm["metrics"]
         same = m["c_ppo_train_pos"] == m["c_ppo_rollout_pos"] and m["c_ppo_train_neg"] == m["c_ppo_rollout_neg"]
         assert same == (arm["arm"]["kernels"] == "exact" and arm["arm"]["engine"] is None), label
+
+
+def test_smoke_partial_results_are_summarized_and_reported(smoke):
+    """A study cut short: the runs it finished are summarized, the missing ones listed, no findings."""
+    from rlexact.study.experiments import experiment_arms, summarize
+    from rlexact.study.report import experiment_markdown
+    from rlexact.study.runner import load_result
+
+    doc, tmp = smoke
+    cfg = load_config(ROOT / "configs" / "study" / "smoke.yaml")
+    arms, steps, _ = experiment_arms(cfg, "corrections")
+    results = {(a.key(), a.seed): load_result(tmp / "runs", a, steps) for a in arms}
+    header = {k: doc["experiments"]["corrections"][k] for k in ("command", "commit", "date")}
+    full = summarize(cfg, "corrections", results, header)
+    assert full["complete"] and full["missing_runs"] == [] and full["findings"] is not None
+    dropped = next(a for a in arms if a.correction == "tis")
+    del results[(dropped.key(), dropped.seed)]
+    part = summarize(cfg, "corrections", results, header)
+    assert not part["complete"] and part["missing_runs"] == [{"label": "tis", "seed": 0}]
+    assert part["findings"] is None and [a["label"] for a in part["arms"]] == [
+        a["label"] for a in full["arms"] if a["label"] != "tis"
+    ]
+    assert part["arms"][0]["metrics"] == full["arms"][0]["metrics"]  # the finished runs are summarized as before
+    text = experiment_markdown("corrections", part)
+    assert "**Incomplete:** 1 run(s) did not finish: tis (seed 0)." in text and "Ranked by" not in text
 
 
 def test_smoke_corrections_and_shadow(smoke):

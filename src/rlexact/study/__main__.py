@@ -17,7 +17,7 @@ from typing import Any
 from rlexact.study.config import load_config
 from rlexact.study.experiments import EXPERIMENTS, experiment_arms, summarize
 from rlexact.study.report import device_tag, entry_header, fill_page, write_json, write_plots, write_tables
-from rlexact.study.runner import resolve_device, run_arms
+from rlexact.study.runner import FailedRuns, resolve_device, run_arms
 
 __all__ = ["main", "run_study"]
 
@@ -40,21 +40,33 @@ def run_study(
     """Run experiments ``names`` (or ``["all"]``) and write the JSON (and the report unless ``report=False``; with
     ``page``, also the tables between the ``<!-- study:NAME -->`` markers of that markdown file).
 
-    Returns the whole result document."""
+    The JSON is rewritten after every finished run, so a study cut short (a time limit) leaves the runs it finished
+    in it (entries marked ``complete: false``, with their ``missing_runs``). When runs fail, the others still run,
+    the JSON and the report are written from the finished ones, and :class:`~rlexact.study.runner.FailedRuns` is
+    raised at the end. Returns the whole result document."""
     cfg = load_config(config, overrides)
     if out is not None:
         cfg.out = out
     names = list(EXPERIMENTS) if list(names) == ["all"] else list(names)
     plans = {name: experiment_arms(cfg, name) for name in names}  # validates every name and knob first
     tasks = [(arm, steps) for arms, steps, _ in plans.values() for arm in arms]
-    results = run_arms(tasks, cfg.scale, cfg.out, log=_say)
     header = entry_header()
-    entries = {name: summarize(cfg, name, results, header) for name in names}
     path = json_path or cfg.json or f"benchmarks/results/study_{device_tag(resolve_device(cfg.scale.device))}.json"
-    doc = write_json(path, entries)
+
+    def write(results: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+        return write_json(path, {name: summarize(cfg, name, results, header) for name in names})
+
+    failed: FailedRuns | None = None
+    try:
+        results = run_arms(tasks, cfg.scale, cfg.out, log=_say, on_result=write)
+    except FailedRuns as exc:
+        results, failed = exc.results, exc
+    doc = write(results)
     _say(f"wrote {path}")
     if report:
         _report(doc, docs or cfg.docs, page)
+    if failed is not None:
+        raise failed
     return doc
 
 
@@ -76,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", help="override scale.seeds")
     parser.add_argument("--workers", type=int, help="override scale.workers")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), help="override scale.device")
+    parser.add_argument("--checkpoint", help="override scale.checkpoint (a folder of python -m rlexact.demo.sft)")
     parser.add_argument("--out", help="runs folder (overrides output.out)")
     parser.add_argument("--json", help="result JSON (overrides output.json)")
     parser.add_argument("--docs", help="folder of the report's tables and plots (overrides output.docs)")
@@ -98,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         _report(doc, args.docs or cfg.docs, args.page)
         return 0
-    overrides = {k: v for k, v in (("steps", args.steps), ("workers", args.workers), ("device", args.device)) if v}
+    given = (("steps", args.steps), ("workers", args.workers), ("device", args.device), ("checkpoint", args.checkpoint))
+    overrides = {k: v for k, v in given if v}
     if args.seeds:
         overrides["seeds"] = tuple(args.seeds)
     run_study(

@@ -46,8 +46,9 @@ class Scale:
             arm's rollout engine); ``eval_prompts = 0`` skips it.
         seeds: one run per seed for every arm (sampler, data order, noise).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
-        threads: torch intra-op threads per run (0 = torch's default).
-        workers: runs in parallel (processes; use 1 per GPU).
+        threads: torch intra-op threads per run (0 = the CPUs divided among the workers).
+        workers: runs in parallel (spawned processes; on CUDA they share the visible GPUs round-robin, several per
+            GPU: a run of a small model is launch-bound and leaves most of a GPU idle).
     """
 
     checkpoint: str = "demo"

@@ -60,10 +60,10 @@ def perturb_weight(weight: torch.Tensor, kind: str, noise: torch.Tensor | None =
     if kind in _FP8:
         fmt = _FP8[kind]
         x = w.float()
-        amax = float(x.abs().max()) if x.numel() else 0.0
-        if amax == 0.0:
+        if not x.numel():
             return w.clone()
-        scale = torch.finfo(fmt).max / amax
+        amax = x.abs().amax().double()  # on the device: no host round trip per tensor
+        scale = torch.where(amax > 0, torch.finfo(fmt).max / amax, 1.0)  # float64, as a Python float would be
         return ((x * scale).to(fmt).float() / scale).to(w.dtype)
     if kind == "noise":
         if noise is None or noise.shape != w.shape:
@@ -121,15 +121,20 @@ class PerturbedCopy:
             self._names = perturbed_parameter_names(self.source, self.kind)
         names = self._names
         target = dict(self.model.named_parameters())
-        diff2, norm2 = 0.0, 0.0
+        diffs: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
         for index, (name, p) in enumerate(self.source.named_parameters()):
             if name not in names:
                 target[name].copy_(p.detach())
                 continue
             q = perturb_weight(p, self.kind, self._noise_for(name, index, p) if self.kind == "noise" else None)
             target[name].copy_(q)
-            diff2 += float((q.double() - p.double()).pow(2).sum())
-            norm2 += float(p.double().pow(2).sum())
+            diffs.append((q.double() - p.double()).pow(2).sum())
+            norms.append(p.double().pow(2).sum())
+        if diffs:  # one host read per sync
+            diff2, norm2 = (float(v) for v in torch.stack([torch.stack(diffs).sum(), torch.stack(norms).sum()]))
+        else:
+            diff2, norm2 = 0.0, 0.0
         self.weight_rel_diff = (diff2 / norm2) ** 0.5 if norm2 > 0 else 0.0
         return self.model
 

@@ -421,13 +421,21 @@ def experiment_arms(cfg: StudyConfig, name: str) -> tuple[list[Arm], int, dict[s
 def summarize(
     cfg: StudyConfig, name: str, results: dict[tuple[str, int], dict[str, Any]], header: dict[str, Any]
 ) -> dict[str, Any]:
-    """The JSON entry of experiment ``name`` from the runs in ``results`` (keyed by ``(arm key, seed)``)."""
+    """The JSON entry of experiment ``name`` from the runs in ``results`` (keyed by ``(arm key, seed)``).
+
+    Runs missing from ``results`` (a study cut short, or a run that failed) are listed in ``missing_runs`` and
+    ``complete`` is False; the arms that have runs are summarized over the seeds they have (each arm lists its
+    ``seeds``), and the ``findings`` are computed only when every arm has at least one run (else None)."""
     exp = _get(name)
     arms, steps, knobs = experiment_arms(cfg, name)
     by_label: dict[str, list[tuple[Arm, dict[str, Any]]]] = {}
+    missing: list[dict[str, Any]] = []
     for arm in arms:
-        res = truncate_result(results[(arm.key(), arm.seed)], steps)
-        by_label.setdefault(arm.label, []).append((arm, res))
+        found = results.get((arm.key(), arm.seed))
+        if found is None:
+            missing.append({"label": arm.label, "seed": arm.seed})
+            continue
+        by_label.setdefault(arm.label, []).append((arm, truncate_result(found, steps)))
     entries = []
     for label, runs in by_label.items():
         per_seed = [arm_metrics(res) for _, res in runs]
@@ -461,8 +469,10 @@ def summarize(
         "seeds": list(cfg.scale.seeds),
         "knobs": knobs,
         "scale": asdict(cfg.scale),
+        "complete": not missing,
+        "missing_runs": missing,
         "arms": entries,
-        "findings": exp.findings(entries, knobs),
+        "findings": exp.findings(entries, knobs) if len(by_label) == len({a.label for a in arms}) else None,
     }
 
 

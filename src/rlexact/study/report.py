@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -97,8 +98,8 @@ def entry_header() -> dict[str, Any]:
 
 
 def write_json(path: str | Path, entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Merge ``entries`` (``{experiment: entry}``) into the result JSON at ``path`` and write it; returns the whole
-    document."""
+    """Merge ``entries`` (``{experiment: entry}``) into the result JSON at ``path`` and write it (atomically: a new
+    file renamed over the old one); returns the whole document."""
     path = Path(path)
     doc: dict[str, Any] = {}
     if path.is_file():
@@ -108,9 +109,11 @@ def write_json(path: str | Path, entries: dict[str, dict[str, Any]]) -> dict[str
     experiments.update(entries)
     doc = {**_header(), "experiments": experiments}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(_finite(doc), f, indent=1)
         f.write("\n")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
     return doc
 
 
@@ -155,10 +158,14 @@ def experiment_markdown(name: str, entry: dict[str, Any]) -> str:
     cols = _TABLE_COLUMNS.get(name, ())
     run = f"{entry['steps']} steps, seeds {entry['seeds']}, commit {entry['commit']}"
     parts = [f"`{entry['command']}` ({run})\n"]
+    missing = entry.get("missing_runs") or []
+    if missing:
+        runs = ", ".join(f"{m['label']} (seed {m['seed']})" for m in missing)
+        parts.append(f"**Incomplete:** {len(missing)} run(s) did not finish: {runs}.\n")
     rows = [[e["label"], *(e["metrics"].get(c) for c in cols)] for e in entry["arms"]]
     parts.append(_table(["arm", *cols], rows) + "\n")
-    if name == "corrections":
-        parts.append(_corrections_table(entry.get("findings", {})))
+    if name == "corrections" and entry.get("findings"):
+        parts.append(_corrections_table(entry["findings"]))
     if name == "shadow":
         for arm in entry["arms"]:
             parts += [_shadow_table(prefix, stats) for prefix, stats in (arm.get("shadow") or {}).items()]

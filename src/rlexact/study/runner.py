@@ -7,6 +7,11 @@ PerturbedRolloutModule` and carries :class:`~rlexact.callbacks.MismatchProbe`,
 rollout step. A run's result is written to ``<out>/runs/<arm key>-s<seed>/result.json`` and reused by every later
 experiment that needs the same arm for at most as many steps (the training prompts are a fixed seeded pool, so the
 first ``k`` steps of a run do not depend on how many steps it has in all).
+
+Several runs at once (``scale.workers > 1``) are spawned processes; on CUDA they share the visible GPUs round-robin
+(several runs per GPU are fine: a run of a small model leaves most of a GPU idle). Each run uses ``scale.threads``
+torch threads (0: the CPUs divided among the workers). The reward (a string comparison) is scored in the run's own
+process, so the workers start no reward pools.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,7 @@ from lightning.pytorch import Callback
 from rlexact.study.config import Arm, Scale, parse_engine, parse_shadow_source
 
 __all__ = [
+    "FailedRuns",
     "History",
     "build_callbacks",
     "build_module",
@@ -33,6 +40,7 @@ __all__ = [
     "resolve_device",
     "run_arm",
     "run_arms",
+    "run_threads",
     "truncate_result",
 ]
 
@@ -65,6 +73,29 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def run_threads(scale: Scale) -> int:
+    """Torch intra-op threads of one run: ``scale.threads``, or for 0 the CPUs this process may use divided among
+    ``scale.workers`` (at least 1), so parallel runs do not oversubscribe the cores."""
+    if scale.threads > 0:
+        return scale.threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS, Windows)
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // scale.workers)
+
+
+class FailedRuns(RuntimeError):
+    """Some runs of :func:`run_arms` raised; the others finished. ``results``: the finished runs (as
+    :func:`run_arms` returns them); ``failures``: ``[(arm, traceback text)]``."""
+
+    def __init__(self, results: dict[tuple[str, int], dict[str, Any]], failures: list[tuple[Arm, str]]) -> None:
+        names = ", ".join(f"{arm.label!r} (seed {arm.seed})" for arm, _ in failures)
+        super().__init__(f"{len(failures)} run(s) failed: {names}; their tracebacks are in the log above")
+        self.results = results
+        self.failures = failures
+
+
 class History(Callback):
     """One row per rollout step: the module's scalars plus the ``last_metrics`` of the given RL callbacks.
 
@@ -95,9 +126,11 @@ class History(Callback):
 
 
 def build_module(arm: Arm, scale: Scale, checkpoint: str):
-    """The arm's :class:`~rlexact.study.engine.PerturbedRolloutModule` (arithmetic reward, demo tokenizer)."""
+    """The arm's :class:`~rlexact.study.engine.PerturbedRolloutModule` (arithmetic reward scored in this process,
+    demo tokenizer)."""
     from rlexact.char_tokenizer import EOS_ID
     from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+    from rlexact.rewards import RewardConfig
     from rlexact.study.engine import PerturbedRolloutModule
 
     reinforce = arm.objective == "reinforce"
@@ -107,6 +140,7 @@ def build_module(arm: Arm, scale: Scale, checkpoint: str):
         model_path=checkpoint,
         tokenizer=checkpoint,
         reward="arithmetic",
+        reward_config=RewardConfig(workers=0),
         rollout=RolloutConfig(
             n=scale.n,
             max_new_tokens=scale.max_new_tokens,
@@ -137,8 +171,8 @@ def build_module(arm: Arm, scale: Scale, checkpoint: str):
 
 def _engine_scorer(kind: str, scale: float, seed: int):
     """A ShadowCorrection mismatch callable: log-probs of the batch under a perturbed copy of the policy."""
-    from rlexact.callbacks.probes import policy_model, rollout_temperature
-    from rlexact.logprobs import Packed, packed_logprobs
+    from rlexact.callbacks.probes import policy_model
+    from rlexact.callbacks.shadow import module_logprobs
     from rlexact.study.engine import PerturbedCopy
 
     state: dict[str, Any] = {}
@@ -147,9 +181,7 @@ def _engine_scorer(kind: str, scale: float, seed: int):
     def engine_logprobs(pl_module, batch):
         if "copy" not in state:
             state["copy"] = PerturbedCopy(policy_model(pl_module), kind, scale, seed)
-        model = state["copy"].sync()
-        packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
-        return packed_logprobs(model, packed, rollout_temperature(pl_module))[0]
+        return module_logprobs(pl_module, state["copy"].sync(), batch)
 
     engine_logprobs.__name__ = f"engine_{kind}"
     return engine_logprobs
@@ -232,12 +264,13 @@ def truncate_result(result: dict[str, Any], steps: int) -> dict[str, Any]:
     return out
 
 
-def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -> dict[str, Any]:
+def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None, device_index: int = 0) -> dict[str, Any]:
     """Train one arm for ``steps`` rollout steps (default ``scale.steps``), write and return its result.
 
-    The result holds the arm, the per-step ``history`` rows, the ``shadow`` probes' rows, the held-out evaluation
-    ``eval_before`` / ``eval_after`` (:func:`rlexact.demo.run.evaluate`, sampled by the arm's rollout engine),
-    the wall time and the TensorBoard folder.
+    ``device_index``: the CUDA device of the run when ``scale.device`` resolves to ``"cuda"`` (made current for the
+    run's kernels). The result holds the arm, the per-step ``history`` rows, the ``shadow`` probes' rows, the
+    held-out evaluation ``eval_before`` / ``eval_after`` (:func:`rlexact.demo.run.evaluate`, sampled by the arm's
+    rollout engine), the wall time and the TensorBoard folder.
     """
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -255,16 +288,17 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
         )
     run_dir = _run_dir(out, arm)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if device == "cuda":
+        torch.cuda.set_device(device_index)  # Triton launches on the current device
     threads = torch.get_num_threads()
-    if scale.threads > 0:
-        torch.set_num_threads(scale.threads)
+    torch.set_num_threads(run_threads(scale))
     try:
         with quiet_library_logs():
             t_start = time.perf_counter()
             module = build_module(arm, scale, checkpoint)
             module.configure_model()
             if device == "cuda":
-                module.to("cuda")
+                module.to(torch.device("cuda", device_index))
             pool = max(TRAIN_POOL, steps * scale.prompts_per_step)
             data = PromptDataModule(
                 demo_rows("train", pool, checkpoint),
@@ -283,7 +317,7 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
             logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version=0, default_hp_metric=False)
             trainer = L.Trainer(
                 accelerator="gpu" if device == "cuda" else "cpu",
-                devices=1,
+                devices=[device_index] if device == "cuda" else 1,
                 max_epochs=1,
                 limit_train_batches=steps,
                 logger=logger,
@@ -309,7 +343,7 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
                 "train_seconds": round(train_s, 1),
                 "wall_seconds": round(time.perf_counter() - t_start, 1),
                 "threads": torch.get_num_threads(),
-                "device": device,
+                "device": device if device == "cpu" else f"cuda:{device_index}",
                 "tensorboard": os.path.abspath(logger.log_dir),
             }
     finally:
@@ -321,43 +355,81 @@ def run_arm(arm: Arm, scale: Scale, out: str | Path, steps: int | None = None) -
     return result
 
 
-def _run_task(task: tuple[Arm, Scale, str, int]) -> dict[str, Any]:
-    arm, scale, out, steps = task
-    return run_arm(arm, scale, out, steps)
+def _run_task(task: tuple[Arm, Scale, str, int, int]) -> dict[str, Any]:
+    arm, scale, out, steps, device_index = task
+    return run_arm(arm, scale, out, steps, device_index)
 
 
 def run_arms(
-    tasks: Sequence[tuple[Arm, int]], scale: Scale, out: str | Path, *, log=print
+    tasks: Sequence[tuple[Arm, int]],
+    scale: Scale,
+    out: str | Path,
+    *,
+    log: Callable[[str], None] = print,
+    on_result: Callable[[dict[tuple[str, int], dict[str, Any]]], Any] | None = None,
 ) -> dict[tuple[str, int], dict[str, Any]]:
     """Results of every ``(arm, steps)`` keyed by ``(arm key, seed)``: cached runs are reused, the others run in
-    ``scale.workers`` processes (longest first). Arms with one key run once, for the largest number of steps."""
+    ``scale.workers`` processes. Arms with one key run once, for the largest number of steps.
+
+    Order: seed by seed (in ``scale.seeds`` order), the longest runs of a seed first, so that a study cut short has
+    whole seeds. ``on_result(results so far)`` is called after every finished run (e.g. to write the result file).
+    A run that raises does not stop the others: its traceback is logged and, once every run has ended,
+    :class:`FailedRuns` is raised with the finished results."""
     need: dict[tuple[str, int], tuple[Arm, int]] = {}
     for arm, steps in tasks:
         k = (arm.key(), arm.seed)
         if k not in need or need[k][1] < steps:
             need[k] = (arm, steps)
     results: dict[tuple[str, int], dict[str, Any]] = {}
-    todo: list[tuple[Arm, Scale, str, int]] = []
+    todo: list[tuple[Arm, int]] = []
     for k, (arm, steps) in need.items():
         cached = load_result(out, arm, steps)
         if cached is not None:
             results[k] = cached
         else:
-            todo.append((arm, scale, str(out), steps))
-    log(f"study: {len(need)} runs needed, {len(results)} cached, {len(todo)} to train ({scale.workers} workers)")
-    todo.sort(key=lambda t: -t[3] * (1 + len(t[0].shadow)))  # longest first (shadow probes slow a run down)
-    if scale.workers == 1 or len(todo) <= 1:
-        for task in todo:
-            res = _run_task(task)
-            results[(task[0].key(), task[0].seed)] = res
-            log(f"  done {task[0].label} (seed {task[0].seed}): {res['wall_seconds']} s")
-        return results
-    import multiprocessing as mp
+            todo.append((arm, steps))
+    seed_rank = {seed: i for i, seed in enumerate(scale.seeds)}
+    todo.sort(key=lambda t: (seed_rank.get(t[0].seed, len(seed_rank)), -t[1] * (1 + len(t[0].shadow))))
+    gpus = torch.cuda.device_count() if resolve_device(scale.device) == "cuda" else 1
+    run_tasks = [(arm, scale, str(out), steps, i % gpus) for i, (arm, steps) in enumerate(todo)]
+    log(
+        f"study: {len(need)} runs needed, {len(results)} cached, {len(todo)} to train ({scale.workers} workers, "
+        f"{run_threads(scale)} threads each" + (f", {gpus} GPU(s))" if resolve_device(scale.device) == "cuda" else ")")
+    )
+    failures: list[tuple[Arm, str]] = []
 
-    with ProcessPoolExecutor(max_workers=scale.workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_task, task): task for task in todo}
-        for fut, task in futures.items():
-            res = fut.result()
-            results[(task[0].key(), task[0].seed)] = res
-            log(f"  done {task[0].label} (seed {task[0].seed}): {res['wall_seconds']} s")
+    def finished(task: tuple[Arm, Scale, str, int, int], res: dict[str, Any] | None, error: str | None) -> None:
+        arm = task[0]
+        name = f"{arm.objective} {arm.label} (seed {arm.seed}, {arm.key()})"
+        if error is not None:
+            failures.append((arm, error))
+            log(f"  FAILED {name}:\n{error}")
+            return
+        results[(arm.key(), arm.seed)] = res
+        log(f"  done {name}: {res['wall_seconds']} s ({len(results)} of {len(need)} runs)")
+        if on_result is not None:
+            on_result(results)
+
+    if scale.workers == 1 or len(run_tasks) <= 1:
+        for task in run_tasks:
+            try:
+                res = _run_task(task)
+            except Exception:  # noqa: BLE001 - reported with its traceback; the other runs go on
+                finished(task, None, traceback.format_exc())
+            else:
+                finished(task, res, None)
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=scale.workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_run_task, task): task for task in run_tasks}
+            for fut in as_completed(futures):
+                error = fut.exception()
+                if error is not None:
+                    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+                    finished(futures[fut], None, text)
+                else:
+                    finished(futures[fut], fut.result(), None)
+    if failures:
+        raise FailedRuns(results, failures)
     return results
