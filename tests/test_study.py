@@ -491,6 +491,45 @@ def test_smoke_partial_results_are_summarized_and_reported(smoke):
     assert "**Incomplete:** 1 run(s) did not finish: tis (seed 0)." in text and "Ranked by" not in text
 
 
+def test_study_gpu_script_runs_the_chain_on_cpu(tmp_path):
+    """scripts/study_gpu.sh with CPU overrides: SFT, one experiment, and its four outputs (no checkpoint packed)."""
+    import os
+    import subprocess
+    import tarfile
+
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "STUDY_CONFIG": "configs/study/smoke.yaml",
+        "STUDY_EXPERIMENTS": "shadow",
+        "STUDY_ARGS": "--device cpu",
+        "STUDY_RUNS": str(tmp_path / "runs"),
+        "STUDY_JSON": str(tmp_path / "study.json"),
+        "STUDY_DOCS": str(tmp_path / "docs"),
+        "SFT_OUT": str(tmp_path / "ckpt"),
+        "SFT_DEVICE": "cpu",
+        "SFT_ARGS": "--steps 2 --batch-size 4 --hidden-size 32 --num-layers 1 --num-heads 2 --num-kv-heads 1 "
+        "--head-dim 16 --intermediate-size 48 --eval-size 4",
+        "RLEXACT_COMMIT": "test-commit",
+    }
+    proc = subprocess.run(["bash", "scripts/study_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = tmp_path / "out"
+    assert proc.returncode == 0, (out / "study_gpu.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "study_gpu.log",
+        "study_gpu_summary.txt",
+        "study_h200.json",
+        "study_h200_runs.tgz",
+    ]
+    doc = json.loads((out / "study_h200.json").read_text())
+    assert doc["commit"] == "test-commit" and doc["experiments"]["shadow"]["complete"]
+    assert "shadow: complete" in (out / "study_gpu_summary.txt").read_text()
+    with tarfile.open(out / "study_h200_runs.tgz") as tar:
+        names = tar.getnames()
+    assert any("events.out.tfevents" in n for n in names) and any(n.endswith("sft.json") for n in names)
+    assert any(n.endswith("tables.md") for n in names) and not any(n.endswith(".safetensors") for n in names)
+
+
 def test_smoke_corrections_and_shadow(smoke):
     doc, _ = smoke
     ranked = doc["experiments"]["corrections"]["findings"]["ranking_by_reward_curve_distance"]
