@@ -5,9 +5,9 @@
 #
 # Steps (wall times go to the log):
 #   1. python -m rlexact.demo.sft on $SFT_DEVICE (default cuda) with $SFT_ARGS -> $SFT_OUT (the start checkpoint);
-#   2. python -m rlexact.study $STUDY_EXPERIMENTS --config $STUDY_CONFIG, stopped after min($STUDY_TIMEOUT, what is left of
-#      $STUDY_BUDGET for steps 1-2); the harness rewrites its JSON after every finished run, so a study cut short
-#      keeps the runs it finished (entries marked "complete": false, with "missing_runs");
+#   2. python -m rlexact.study $STUDY_EXPERIMENTS --config $STUDY_CONFIG, stopped after $STUDY_TIMEOUT seconds or
+#      when steps 1-2 have taken $STUDY_BUDGET seconds, whichever comes first; the harness rewrites its JSON after
+#      every finished run, so a study cut short keeps the runs it finished ("complete": false, "missing_runs");
 #   3. when the study did not finish, python -m rlexact.study report (tables, and plots with matplotlib) from the JSON.
 # Always, even after a failure or a timeout, $OUT receives (at most 4 files):
 #   study_h200.json        the result file (also left at $STUDY_JSON, default benchmarks/results/study_h200.json)
@@ -17,7 +17,7 @@
 #                          the SFT's sft.json and the GPU-utilization trace (no checkpoints; kept under 15 MB)
 #
 # Environment (defaults are the H200 run of configs/study/h200.yaml):
-#   OUT=/tmp/rlexact_study  STUDY_CONFIG=configs/study/h200.yaml  STUDY_TIMEOUT=480  STUDY_BUDGET=510
+#   OUT=/tmp/rlexact_study  STUDY_CONFIG=configs/study/h200.yaml  STUDY_TIMEOUT=480  STUDY_BUDGET=480
 #   STUDY_EXPERIMENTS=all  STUDY_ARGS=""  (extra arguments of python -m rlexact.study, e.g. "--device cpu")
 #   STUDY_RUNS=runs/study_h200  STUDY_JSON=benchmarks/results/study_h200.json  STUDY_DOCS=docs/study/h200
 #   SFT_OUT=runs/study_ckpt_h200  SFT_DEVICE=cuda  SFT_TIMEOUT=180  SFT_ARGS="<the h200 start model, see below>"
@@ -33,7 +33,7 @@ OUT=${OUT:-/tmp/rlexact_study}
 PYTHON=${PYTHON:-python3}
 STUDY_CONFIG=${STUDY_CONFIG:-configs/study/h200.yaml}
 STUDY_TIMEOUT=${STUDY_TIMEOUT:-480}
-STUDY_BUDGET=${STUDY_BUDGET:-510}
+STUDY_BUDGET=${STUDY_BUDGET:-480}
 STUDY_EXPERIMENTS=${STUDY_EXPERIMENTS:-all}
 STUDY_ARGS=${STUDY_ARGS:-}
 STUDY_RUNS=${STUDY_RUNS:-runs/study_h200}
@@ -66,8 +66,8 @@ if command -v nvidia-smi > /dev/null 2>&1; then
   nvidia-smi dmon -s u -d 5 > "$WORK/gpu_utilization.txt" 2>&1 &
   dmon_pid=$!
 fi
-$PYTHON -c 'import torch, triton, transformers, lightning; print("versions: torch", torch.__version__, "triton",
-  triton.__version__, "transformers", transformers.__version__, "lightning", lightning.__version__)' 2>&1 | tee -a "$LOG"
+versions='from rlexact.envinfo import library_versions as v; print(v("triton", "transformers", "lightning"))'
+$PYTHON -c "$versions" 2>&1 | tee -a "$LOG"
 
 # 1. the start checkpoint
 sft_rc=0
