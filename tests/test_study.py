@@ -341,6 +341,25 @@ def test_perturbed_copy_parameters_and_errors():
         PerturbedRolloutModule(model=model, tokenizer="demo-char", rollout_weights="bf16")
 
 
+# ------------------------------------------------------------------------------------------ start checkpoint
+def test_sft_batched_encoding_and_device_option():
+    from rlexact.char_tokenizer import build_char_tokenizer
+    from rlexact.demo import sft
+    from rlexact.demo.task import ArithmeticTask
+
+    tok = build_char_tokenizer()
+    rows = ArithmeticTask(max_operand=999, ops=("+", "-")).generate(64)
+    assert sft.encode_examples(tok, rows) == [sft.encode_example(tok, r["prompt"], r["answer"]) for r in rows]
+    assert sft.encode_examples(tok, []) == []
+    assert sft.SFTConfig().device == "cpu" and sft.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        sft.SFTConfig(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device is visible; use --device cpu or auto"):
+            sft.resolve_device("cuda")
+        assert sft.resolve_device("auto") == torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------------------- config
 def test_config_validation(tmp_path):
     assert parse_engine("noise:0.1") == ("noise", 0.1) and parse_engine("bf16") == ("bf16", 0.0)
