@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import lightning as L
@@ -376,6 +377,27 @@ def describe_source(path: Any) -> str:
     return repr(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else type(path).__name__
 
 
+class RowList:
+    """In-memory rows (a list of dicts) with the part of the ``datasets.Dataset`` interface the data module reads:
+    ``column_names`` (the keys of every row, in first-seen order), ``len``, ``ds[column]`` and ``select``."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise TypeError(f"row {bad} of the in-memory dataset is {type(rows[bad]).__name__}, not a dict")
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(k for r in rows for k in r))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, column: str) -> list:
+        return [r.get(column) for r in self.rows]
+
+    def select(self, indices: Iterable[int]) -> RowList:
+        return RowList([self.rows[i] for i in indices])
+
+
 class PromptDataModule(L.LightningDataModule):
     """Prompts (and ground-truth answers) for RL rollouts.
 
@@ -503,12 +525,10 @@ class PromptDataModule(L.LightningDataModule):
         return self.use_chat_template
 
     def _load_rows(self, path: Any, split: str, limit: int | None):
-        import datasets
-
-        if isinstance(path, datasets.Dataset):
-            ds = path
-        elif isinstance(path, list):
-            ds = datasets.Dataset.from_list(path) if path else None
+        if isinstance(path, list):
+            ds = RowList(path) if path else None
+        elif "datasets" in sys.modules and isinstance(path, sys.modules["datasets"].Dataset):
+            ds = path  # a user's datasets.Dataset (in-memory rows need no datasets import)
         else:
             ds = load_prompt_rows(path, split=split)
         if ds is None or len(ds) == 0:
