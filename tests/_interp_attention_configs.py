@@ -60,7 +60,8 @@ def main() -> int:
             assert torch.equal(_varlen(q, k, v, cu, cfg), ref), f"candidate {launch}: varlen bits differ"
             assert torch.equal(_paged_full(q, k, v, cu, cfg), ref), f"candidate {launch}: paged prefill bits differ"
         # each distinct query-side tiling installed as the prefill launch: training == chunked prefill == decode
-        saved = ta.PREFILL_LAUNCH_16BIT
+        saved, saved_dims = ta.PREFILL_LAUNCH_16BIT, ta.PREFILL_LAUNCH_HEAD_DIMS
+        ta.PREFILL_LAUNCH_HEAD_DIMS = (ta._block_d(D),)  # the prefill launch applies at this test's head dim
         try:
             for block_m in sorted({c["BLOCK_M"] for c in attention_configs.CANDIDATES}):
                 ta.PREFILL_LAUNCH_16BIT = saved | {"BLOCK_M": block_m}
@@ -74,7 +75,7 @@ def main() -> int:
                     out = run_schedule(q, k, v, LENS, sched, 16)
                     assert torch.equal(out, full), f"BLOCK_M {block_m}: {name} != training forward"
         finally:
-            ta.PREFILL_LAUNCH_16BIT = saved
+            ta.PREFILL_LAUNCH_16BIT, ta.PREFILL_LAUNCH_HEAD_DIMS = saved, saved_dims
         # negative control: another key tile (BLOCK_N) stays correct but changes bits
         other = _varlen(q, k, v, cu, library | {"BLOCK_N": library["BLOCK_N"] // 2})
         exact = reference.attention_varlen(q.double(), k.double(), v.double(), cu, D**-0.5)

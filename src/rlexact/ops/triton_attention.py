@@ -90,12 +90,15 @@ SPLIT_KEYS_FP32 = 2048
 """Keys per KV split (``SPLIT``) for fp32 at every head_dim (a multiple of every fp32 ``BLOCK_N``; not swept)."""
 
 
-PREFILL_LAUNCH_16BIT = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+PREFILL_LAUNCH_16BIT = {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
 """Query-side launch ``BLOCK_M, num_warps, num_stages`` of bf16/fp16 forwards at head_dim <= 128 for every launch
 that is not a pure decode step (training forward, backward's forward rerun, prefill chunks, mixed batches); pure
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
+PREFILL_LAUNCH_HEAD_DIMS = (128,)
+"""Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` applies: the ones the sweep checked bitwise
+on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side entries."""
 
 
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
@@ -123,7 +126,7 @@ def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str,
     :data:`PREFILL_LAUNCH_16BIT` unless every sequence of the launch has exactly one query (``decode``). The key-side
     entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for both."""
     cfg = _fwd_config(head_dim, dtype)
-    if decode or dtype == torch.float32 or _block_d(head_dim) > 128:
+    if decode or dtype == torch.float32 or _block_d(head_dim) not in PREFILL_LAUNCH_HEAD_DIMS:
         return cfg
     return cfg | PREFILL_LAUNCH_16BIT
 
