@@ -100,8 +100,8 @@ whose bound admits ``cdiv(S, E)`` (a function of shapes alone, so a CUDA graph a
 
 _HOPPER_16BIT: dict[str, GroupedConfig] = {
     "decode": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-    "mid": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-    "large": GroupedConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+    "mid": GroupedConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, group_m=1, even_k=True, w_load="tma_host"),
+    "large": GroupedConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, group_m=1, even_k=True, w_load="tma_host"),
 }
 """bf16 / fp16 on Hopper, per row class. Every entry must give the same bits as every other (``python
 benchmarks/moe_bench.py --sweep`` times the candidates of :func:`grouped_candidates` and checks them bitwise); decode
