@@ -20,7 +20,7 @@
 #   OUT=/tmp/rlexact_study  STUDY_CONFIG=configs/study/h200.yaml  STUDY_TIMEOUT=480  STUDY_BUDGET=480
 #   STUDY_EXPERIMENTS=all  STUDY_ARGS=""  (extra arguments of python -m rlexact.study, e.g. "--device cpu")
 #   STUDY_RUNS=runs/study_h200  STUDY_JSON=benchmarks/results/study_h200.json  STUDY_DOCS=docs/study/h200
-#   SFT_OUT=runs/study_ckpt_h200  SFT_DEVICE=cuda  SFT_TIMEOUT=180  SFT_ARGS="<the h200 start model, see below>"
+#   SFT_OUT=runs/study_ckpt_h200  SFT_DEVICE=cuda  SFT_TIMEOUT=200  SFT_ARGS="<the h200 start model, see below>"
 # CPU check of the whole chain (tiny SFT, the one-step smoke study; about a minute):
 #   OUT=/tmp/study_out STUDY_CONFIG=configs/study/smoke.yaml STUDY_ARGS="--device cpu" SFT_DEVICE=cpu \
 #   SFT_ARGS="--steps 5 --batch-size 8 --hidden-size 32 --num-layers 1 --num-heads 2 --num-kv-heads 1 --head-dim 16 \
@@ -41,9 +41,9 @@ STUDY_JSON=${STUDY_JSON:-benchmarks/results/study_h200.json}
 STUDY_DOCS=${STUDY_DOCS:-docs/study/h200}
 SFT_OUT=${SFT_OUT:-runs/study_ckpt_h200}
 SFT_DEVICE=${SFT_DEVICE:-cuda}
-SFT_TIMEOUT=${SFT_TIMEOUT:-180}
+SFT_TIMEOUT=${SFT_TIMEOUT:-200}
 SFT_ARGS=${SFT_ARGS:-"--hidden-size 512 --num-layers 6 --num-heads 8 --num-kv-heads 4 --head-dim 64 \
---intermediate-size 1536 --max-operand 999 --ops + - --steps 2500 --batch-size 256 --lr 1e-3 --warmup-steps 100 \
+--intermediate-size 1536 --max-operand 999 --ops + - --steps 1200 --batch-size 256 --lr 1e-3 --warmup-steps 100 \
 --label-smoothing 0.2 --threads 4"}
 TGZ_LIMIT=$((15 * 1024 * 1024))
 
