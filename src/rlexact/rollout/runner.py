@@ -311,10 +311,18 @@ class ModelRunner:
             self.cache.data.data_ptr(),
             self.bm.width,
             self.buckets,
-            self.sampling,
+            self._sampling_in_graph(),
             self.native,
             hash(params),
         )
+
+    def _sampling_in_graph(self) -> tuple | None:
+        """The sampling settings a decode graph reads (those of :meth:`_head_sample`); the rest of the
+        ``SamplingParams`` (max_new_tokens, n, stop tokens) stay on the host, so changing them keeps the graphs."""
+        sp = self.sampling
+        if sp is None:
+            return None
+        return (sp.temperature, sp.greedy, sp.top_k, sp.top_p, sp.seed, sp.logprobs)
 
     def _ensure_graph_state(self) -> GraphState:
         if self.graph_state is not None:
