@@ -25,6 +25,8 @@ class EagerGraphRunner(ModelRunner):
         self.use_graphs = self.sampling is not None
         self.bm.record_updates = self.use_graphs
         self._signature = self.signature()
+        kept = kwargs.get("graph_state")  # the engine's reuse rule, now that this runner has a signature
+        self.graph_state = kept if kept is not None and kept.signature == self._signature else None
 
     def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> SimpleNamespace:
         self.stats["graph_captures"] += 1
@@ -88,3 +90,23 @@ def test_negative_control_stale_staged_positions(qwen, monkeypatch) -> None:
     good, _ = _generate(qwen, EagerGraphRunner, monkeypatch, **TIGHT)
     bad, _ = _generate(qwen, StalePositions, monkeypatch, **TIGHT)
     assert not _same(bad, good)
+
+
+def test_fewer_new_tokens_reuse_the_kept_graphs(qwen, monkeypatch) -> None:
+    """With ``keep_kv_cache``, a call with fewer new tokens keeps the block-table width, so it keeps the graph state
+    (and the decode graphs) of the first call and generates what a fresh generator does. A call that needs a wider
+    table (more new tokens) starts a new graph state: the check can fail."""
+    short = SamplingParams(max_new_tokens=4, seed=2, n=3, stop_token_ids=[3, 11])
+    longer = SamplingParams(max_new_tokens=40, seed=2, n=3, stop_token_ids=[3, 11])
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", EagerGraphRunner)
+        gen = Generator(qwen, max_num_seqs=8, keep_kv_cache=True, block_size=4)
+        gen.generate(PROMPTS, PARAMS)
+        first = gen._graph_state
+        assert first is not None and first.graphs
+        outs = gen.generate(PROMPTS, short)
+        assert gen.stats["graph_steps"] > 0 and gen._graph_state is first
+        fresh = Generator(qwen, max_num_seqs=8, block_size=4).generate(PROMPTS, short)
+        gen.generate(PROMPTS, longer)
+        assert gen._graph_state is not first  # negative control: a wider table is a new graph state
+    assert _same(outs, fresh)

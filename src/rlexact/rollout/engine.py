@@ -68,6 +68,9 @@ class Generator:
         self.stats: dict[str, object] = {}
         self._cache: KVCache | None = None
         self._graph_state: GraphState | None = None
+        self._table_width = 0
+        """Block-table width of the kept cache's last call: a later call on the same cache keeps at least this width,
+        so its decode graphs (keyed by the width) are reused by a call with fewer new tokens."""
 
     # ---------------------------------------------------------------------------------------------------------------
     # properties of the model
@@ -319,6 +322,9 @@ class Generator:
                 num_blocks = self._cache_plan(seqs, device, dtype)
                 cache = self._get_cache(num_blocks, device, dtype)
                 width = max(self._cache_blocks(s) for s in seqs)
+                if cache is self._cache:
+                    width = max(width, self._table_width)
+                self._table_width = width
                 bm = BlockManager(
                     cache.num_blocks, cfg.block_size, cfg.max_num_seqs, width, cfg.shuffle_blocks, cfg.block_seed
                 )
