@@ -8,6 +8,7 @@ entry keeps its own command, commit and date. Plots need matplotlib (the optiona
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -224,8 +225,8 @@ _SMOOTHED = {"reward/mean": 5, "grad_norm": 5}
 def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path]:
     """One PNG per experiment in ``folder``: curves per step with one line per arm (``reward/mean`` and
     ``grad_norm`` as 5-step trailing means); ``c_ratio``: mean ``C(r)`` per arm, trainer vs rollout ratio, for
-    ``A > 0`` and ``A < 0``; ``shadow``: cosine to the exact gradient per probe and correction. Returns the paths;
-    without matplotlib, none (and says so through ``log``)."""
+    ``A > 0`` and ``A < 0``; ``shadow``: cosine to the exact gradient per probe and correction. The files are
+    256-colour palette PNGs. Returns the paths; without matplotlib, none (and says so through ``log``)."""
     try:
         import matplotlib
 
@@ -257,10 +258,22 @@ def write_plots(doc: dict[str, Any], folder: str | Path, log=print) -> list[Path
         fig.suptitle(entry["title"], fontsize=10)
         fig.tight_layout()
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=110)
         plt.close(fig)
+        _save_palette_png(buffer, path)
         paths.append(path)
     return paths
+
+
+def _save_palette_png(buffer: io.BytesIO, path: Path) -> None:
+    """Re-encode matplotlib's RGBA PNG as a 256-colour palette PNG (line plots use few colours; the files shrink to
+    about a third). Pillow is a dependency of matplotlib, so it is present whenever plots are drawn."""
+    from PIL import Image
+
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(256).save(path, "PNG", optimize=True)
 
 
 def _trailing_mean(ys: list[float], k: int) -> list[float]:
