@@ -639,7 +639,7 @@ def _reward(prompts, completions, answers):
     return [float(sum(map(ord, c)) % 7) for c in completions]  # varied within groups: nonzero advantages
 
 
-def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, **algo):
+def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, rollout=None, **algo):
     from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.data import ResumableDataLoader, ResumableSampler
     from rlexact.module import RLModule
@@ -655,7 +655,7 @@ def rl_module(kernels="exact", mode="exact", lr=1e-4, dtype="float32", n=4, **al
         tokenizer=tok,
         reward=_reward,
         dtype=dtype,
-        rollout=dict(n=n, max_new_tokens=8, seed=1, kernels=kernels),
+        rollout=dict(n=n, max_new_tokens=8, seed=1, kernels=kernels, **(rollout or {})),
         algorithm=dict(old_logprob_mode=mode, **algo),
         optim=dict(lr=lr),
     )
@@ -732,6 +732,41 @@ def test_e2e_exact_mode(tmp_path):
     hist = acc.Histograms("mismatch/delta_logp")
     assert len(hist) == 2 and hist[-1].histogram_value.min == 0.0 and hist[-1].histogram_value.max == 0.0
     assert {"mismatch/r_corr", "mismatch/r_ppo_train", "mismatch/r_ppo_rollout"} <= set(acc.Tags()["histograms"])
+
+
+def test_update_direction_probe_scores_the_sampled_distribution(tmp_path):
+    """rollout.logprobs="sampled" with top-k / top-p: the rollout log-probs are of the truncated distribution, so the
+    probe's re-scoring through the generator must be too. Exact engine, before the update: the probe's scores equal
+    the rollout log-probs and the trainer's truncated log-probs bitwise on the response tokens, and both "before"
+    choices give the same metrics. Negative control: the full-softmax log-probs of the same tokens differ."""
+    from rlexact.callbacks.probes import policy_model, rollout_temperature
+    from rlexact.callbacks.shadow import module_logprobs
+    from rlexact.logprobs import Packed, packed_logprobs
+
+    class Rescore(RLCallback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[RolloutBatch, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def on_rl_batch(self, trainer, pl_module, batch) -> None:
+            model = policy_model(pl_module)
+            with torch.no_grad():
+                probe_lp = UpdateDirectionProbe().score(pl_module, batch)
+                trainer_lp = module_logprobs(pl_module, model, batch)
+                packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
+                full_lp = packed_logprobs(model, packed, rollout_temperature(pl_module))[0]
+            self.seen.append((batch, probe_lp, trainer_lp, full_lp))
+
+    rescore, upd, rescored = Rescore(), UpdateDirectionProbe(), UpdateDirectionProbe(before="rescore")
+    truncation = {"top_k": 4, "top_p": 0.99, "logprobs": "sampled"}
+    _, module = fit_rl([rescore, upd, rescored], tmp_path, steps=2, rollout=truncation)
+    assert module.logprob_truncation == (4, 0.99) and len(rescore.seen) == 2
+    for batch, probe_lp, trainer_lp, full_lp in rescore.seen:
+        resp = batch.response_mask
+        assert torch.equal(probe_lp[resp], batch.rollout_logprobs[resp])
+        assert torch.equal(probe_lp[resp], trainer_lp[resp])
+        assert not torch.equal(full_lp[resp], probe_lp[resp])  # negative control: the full softmax
+    assert upd.tokens_total > 0 and rescored.last_metrics == upd.last_metrics
+    assert rescored.state_dict()["misaligned_total"] == upd.misaligned_total
 
 
 def test_e2e_native_generator(tmp_path):

@@ -412,8 +412,9 @@ class UpdateDirectionProbe(RLCallback):
     """Did the update move each token's generator log-prob in the direction of its advantage? (paper §4.1)
 
     In ``on_rl_update_end`` the trained batch's sequences are scored through the generator's numeric path with the
-    *new* weights (``pl_module.generator.score(sequences, temperature)``) and compared with the log-probs before the
-    update. Over response tokens with ``A != 0``, ``delta = logp_after - logp_before``; a token is misaligned when
+    *new* weights (``pl_module.generator.score(sequences, temperature)``, plus ``top_k=`` / ``top_p=`` when the
+    module's log-probs describe a truncated distribution, see :meth:`score`) and compared with the log-probs before
+    the update. Over response tokens with ``A != 0``, ``delta = logp_after - logp_before``; a token is misaligned when
     ``sign(delta) != sign(A)`` (an unchanged token counts as misaligned). The paper measures 17.3% misaligned with a
     non-exact engine and 0% with the exact one.
 
@@ -453,22 +454,29 @@ class UpdateDirectionProbe(RLCallback):
         return self._generate_state_key(before=self.before, every_n_steps=self.every_n_steps)
 
     def score(self, pl_module: Any, batch: RolloutBatch) -> torch.Tensor:
-        """``[T]`` fp32 log-probs of ``batch``'s tokens through the generator's numeric path (current weights)."""
+        """``[T]`` fp32 log-probs of ``batch``'s tokens through the generator's numeric path (current weights), at
+        the rollout temperature and with the module's truncation
+        (:func:`~rlexact.callbacks.shadow.logprob_truncation`: the sampling's top-k / top-p with
+        ``rollout.logprobs="sampled"``), i.e. of the same distribution as ``batch.rollout_logprobs``."""
+        from rlexact.callbacks.shadow import logprob_truncation  # shadow imports this module
+
         generator = getattr(pl_module, "generator", None)
         if generator is None or not hasattr(generator, "score"):
             raise RuntimeError("UpdateDirectionProbe needs pl_module.generator with a score(sequences, temperature)")
         model = policy_model(pl_module)
         sequences = [seq.tolist() for seq in _sequences(batch)]
         temperature = rollout_temperature(pl_module)
+        top_k, top_p = logprob_truncation(pl_module)
+        truncation = {"top_k": top_k, "top_p": top_p} if (top_k, top_p) != (0, 1.0) else {}
         was_training = model.training if model is not None else False
         try:
             if model is not None:
                 model.eval()  # as the module does around generate (no dropout: the numerics do not change)
             with torch.no_grad():
                 if model is None:
-                    scores = generator.score(sequences, temperature)
+                    scores = generator.score(sequences, temperature, **truncation)
                 else:
-                    scores = _module_call(model, lambda: generator.score(sequences, temperature))
+                    scores = _module_call(model, lambda: generator.score(sequences, temperature, **truncation))
         finally:
             if model is not None:
                 model.train(was_training)

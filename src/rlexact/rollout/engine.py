@@ -265,16 +265,24 @@ class Generator:
         return [s.to_completion() for s in seqs]
 
     @torch.no_grad()
-    def score(self, sequences: Seq[Seq[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(
+        self, sequences: Seq[Seq[int]], temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0
+    ) -> list[torch.Tensor]:
         """Teacher-forced log-probs of tokens ``1..L-1`` of each sequence through the generator's numeric path.
 
         Paged prefill in chunks of at most ``max_num_batched_tokens`` tokens (the generator's kernels and KV cache).
         Same format as :func:`rlexact.sequence_logprobs`: a list of ``[L-1]`` fp32 tensors on the model's device
         (``[0]`` for a one-token sequence). Exact mode: bitwise
         equal to ``sequence_logprobs``; native mode: the native inference path (e.g. for the update-direction probe).
+        ``top_k > 0`` or ``top_p < 1``: log-probs of the truncated, renormalized distribution (what ``generate``
+        reports with ``logprobs="sampled"``), bitwise equal to ``sequence_logprobs(..., top_k=, top_p=)`` in exact mode.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
         toks = self._check_tokens(sequences, "sequences")
         seqs = [Sequence(i, t, i, i, 0, score_only=True) for i, t in enumerate(toks)]
         self._check_lengths(seqs)
@@ -282,7 +290,8 @@ class Generator:
             s.score_logprobs = torch.zeros(len(s) - 1, dtype=torch.float32)
         todo = [s for s in seqs if len(s) > 1]
         if todo:
-            self._run(todo, None, set(), progress_total=0, temperature=float(temperature))
+            truncation = (int(top_k), float(top_p))
+            self._run(todo, None, set(), progress_total=0, temperature=float(temperature), truncation=truncation)
         device = self.model.get_input_embeddings().weight.device
         return [s.score_logprobs.to(device) for s in seqs]  # type: ignore[union-attr]
 
@@ -306,6 +315,7 @@ class Generator:
         stop: set[int],
         progress_total: int,
         temperature: float = 1.0,
+        truncation: tuple[int, float] = (0, 1.0),
     ) -> None:
         cfg = self.config
         model = self.model
@@ -362,7 +372,7 @@ class Generator:
                     steps += 1
                     prefill_tokens += batch.num_prefill_tokens
                     if sampling is None:
-                        runner.score_step(batch, temperature)
+                        runner.score_step(batch, temperature, *truncation)
                         for s in batch.seqs:
                             if s.num_computed == len(s):
                                 sched.finish(s, "length")

@@ -511,8 +511,9 @@ class ModelRunner:
     # scoring (teacher forcing)
     # ---------------------------------------------------------------------------------------------------------------
 
-    def score_step(self, batch: ScheduledBatch, temperature: float) -> None:
-        """Feed a step of score-only sequences; store the log-prob of every fed token's successor."""
+    def score_step(self, batch: ScheduledBatch, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+        """Feed a step of score-only sequences; store the log-prob of every fed token's successor (under the
+        ``top_k`` / ``top_p`` truncation when one is set, as :func:`rlexact.models.forward.head_logprobs`)."""
         inp = self._prepare(batch)
         hidden = self._eager_forward(inp)
         cu = inp["cu"].tolist()
@@ -530,7 +531,9 @@ class ModelRunner:
         if not spans:
             return
         row_t, target_t = torch.cat(rows), torch.tensor(targets, dtype=torch.long)
-        logp, _ = head_logprobs(self.model, hidden[self._to_device(row_t)], self._to_device(target_t), temperature)
+        logp, _ = head_logprobs(
+            self.model, hidden[self._to_device(row_t)], self._to_device(target_t), temperature, top_k=top_k, top_p=top_p
+        )
         logp = logp.float().cpu()
         offset = 0
         for s, start, k in spans:
