@@ -42,6 +42,21 @@ def policy_model(pl_module: Any) -> torch.nn.Module | None:
     return None
 
 
+def logprob_truncation(pl_module: Any) -> tuple[int, float]:
+    """``(top_k, top_p)`` of the distribution the module's trainer-side log-probs describe:
+    ``pl_module.logprob_truncation`` (:class:`rlexact.RLModule`: the sampling truncation with
+    ``rollout.logprobs="sampled"``), else the same rule applied to ``pl_module.rollout_cfg``; ``(0, 1.0)`` (the full
+    tempered softmax) when the module says neither."""
+    value = getattr(pl_module, "logprob_truncation", None)
+    if value is not None:
+        top_k, top_p = value
+        return int(top_k), float(top_p)
+    cfg = getattr(pl_module, "rollout_cfg", None)
+    if cfg is not None and getattr(cfg, "logprobs", "full") == "sampled":
+        return int(cfg.top_k), float(cfg.top_p)
+    return 0, 1.0
+
+
 def rollout_temperature(pl_module: Any) -> float:
     """The temperature of the rollout's reported log-probs: ``pl_module.logprob_temperature`` (``RLModule``), else
     ``pl_module.rollout_cfg.temperature``; 1.0 if the module says neither."""
@@ -456,9 +471,8 @@ class UpdateDirectionProbe(RLCallback):
     def score(self, pl_module: Any, batch: RolloutBatch) -> torch.Tensor:
         """``[T]`` fp32 log-probs of ``batch``'s tokens through the generator's numeric path (current weights), at
         the rollout temperature and with the module's truncation
-        (:func:`~rlexact.callbacks.shadow.logprob_truncation`: the sampling's top-k / top-p with
+        (:func:`logprob_truncation`: the sampling's top-k / top-p with
         ``rollout.logprobs="sampled"``), i.e. of the same distribution as ``batch.rollout_logprobs``."""
-        from rlexact.callbacks.shadow import logprob_truncation  # shadow imports this module
 
         generator = getattr(pl_module, "generator", None)
         if generator is None or not hasattr(generator, "score"):

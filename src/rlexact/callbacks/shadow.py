@@ -56,7 +56,7 @@ from rlexact.callbacks import functional as F
 from rlexact.callbacks._extra import InjectionTarget, keyed_normal, perturb_logprobs
 from rlexact.callbacks.aggregation import dist_ready, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
-from rlexact.callbacks.probes import policy_model, rollout_temperature
+from rlexact.callbacks.probes import logprob_truncation, policy_model, rollout_temperature
 from rlexact.logprobs import Packed, packed_logprobs
 
 if TYPE_CHECKING:
@@ -410,21 +410,6 @@ class ShadowCorrection(RLCallback):
         if model is None:
             raise RuntimeError("ShadowCorrection needs the policy model on the module (pl_module.model)")
         return model
-
-
-def logprob_truncation(pl_module: Any) -> tuple[int, float]:
-    """``(top_k, top_p)`` of the distribution the module's trainer-side log-probs describe:
-    ``pl_module.logprob_truncation`` (:class:`rlexact.RLModule`: the sampling truncation with
-    ``rollout.logprobs="sampled"``), else the same rule applied to ``pl_module.rollout_cfg``; ``(0, 1.0)`` (the full
-    tempered softmax) when the module says neither."""
-    value = getattr(pl_module, "logprob_truncation", None)
-    if value is not None:
-        top_k, top_p = value
-        return int(top_k), float(top_p)
-    cfg = getattr(pl_module, "rollout_cfg", None)
-    if cfg is not None and getattr(cfg, "logprobs", "full") == "sampled":
-        return int(cfg.top_k), float(cfg.top_p)
-    return 0, 1.0
 
 
 def module_logprobs(pl_module: Any, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
