@@ -20,6 +20,8 @@ from typing import Literal
 
 import torch
 
+from rlexact.ops.autograd import head_backward_torch
+
 LogprobMode = Literal["full", "sampled"]
 """Which distribution reported log-probs describe: the full tempered softmax, or the truncated one sampled from."""
 LOGPROB_MODES: tuple[str, ...] = ("full", "sampled")
@@ -111,30 +113,18 @@ class _TruncatedLogprobsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None):  # noqa: ANN205
         hidden, w, targets, thr = ctx.saved_tensors
-        temp = ctx.temperature
-        wf = w.float()
-        gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for s in range(0, hidden.shape[0], TRAIN_CHUNK_ROWS):
-            h = hidden[s : s + TRAIN_CHUNK_ROWS].float()
-            z = (h @ wf.T) / temp
-            logq = torch.log_softmax(z.masked_fill(z < thr[s : s + TRAIN_CHUNK_ROWS], float("-inf")), dim=-1)
-            q = logq.exp()
-            dz = torch.zeros_like(z)
-            if g_logp is not None:
-                gl = g_logp[s : s + TRAIN_CHUNK_ROWS].float()
-                dz -= q * gl[:, None]
-                dz.scatter_add_(-1, targets[s : s + TRAIN_CHUNK_ROWS, None], gl[:, None])
-            if g_ent is not None:
-                ge = g_ent[s : s + TRAIN_CHUNK_ROWS].float()
-                plogq = torch.where(q > 0, q * logq, 0.0)
-                ent = -plogq.sum(-1, keepdim=True)
-                dz -= (plogq + q * ent) * ge[:, None]
-            dz /= temp
-            if gh is not None:
-                gh[s : s + TRAIN_CHUNK_ROWS] = dz @ wf
-            if gw is not None:
-                gw += dz.T @ h
+        gh, gw = head_backward_torch(
+            hidden,
+            w,
+            targets,
+            ctx.temperature,
+            g_logp,
+            g_ent,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            thresholds=thr,
+            chunk_rows=TRAIN_CHUNK_ROWS,
+        )
         return (
             gh.to(hidden.dtype) if gh is not None else None,
             gw.to(w.dtype) if gw is not None else None,

@@ -220,7 +220,7 @@ class TokenLogprobsFn(torch.autograd.Function):
                 h2, w2, targets, *lse_ent, g_logp, g_ent, ctx.temperature, want_h, want_w
             )
         else:
-            gh, gw = _head_backward_torch(hidden, w, targets, ctx.temperature, g_logp, g_ent, want_h, want_w)
+            gh, gw = head_backward_torch(hidden, w, targets, ctx.temperature, g_logp, g_ent, want_h, want_w)
         return (
             gh.to(hidden.dtype) if gh is not None else None,
             gw.to(w.dtype) if gw is not None else None,
@@ -230,7 +230,7 @@ class TokenLogprobsFn(torch.autograd.Function):
         )
 
 
-def _head_backward_torch(
+def head_backward_torch(
     hidden: torch.Tensor,
     w: torch.Tensor,
     targets: torch.Tensor,
@@ -239,29 +239,37 @@ def _head_backward_torch(
     g_ent: torch.Tensor | None,
     want_h: bool,
     want_w: bool,
+    *,
+    thresholds: torch.Tensor | None = None,
+    chunk_rows: int = ROW_CHUNK_BACKWARD,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The torch-backend head backward: fp32 logits recomputed for ``ROW_CHUNK_BACKWARD`` rows at a time; fp32
-    ``(d_hidden, d_w)``, ``None`` where not wanted."""
+    """The torch head backward of per-token ``(log q[target], entropy(q))`` with ``q = softmax(hidden @ w.T / t)``:
+    fp32 logits recomputed ``chunk_rows`` rows at a time; fp32 ``(d_hidden, d_w)``, ``None`` where not wanted.
+    ``thresholds`` (``[rows, 1]`` fp32): ``q`` is the softmax of the logits at or above each row's threshold (the
+    truncated distribution of top-k / top-p sampling); ``None``: the full softmax."""
     wf = w.float()
     gh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
     gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
-    for s in range(0, hidden.shape[0], ROW_CHUNK_BACKWARD):
-        h = hidden[s : s + ROW_CHUNK_BACKWARD].float()
+    for s in range(0, hidden.shape[0], chunk_rows):
+        h = hidden[s : s + chunk_rows].float()
         z = (h @ wf.T) / t
-        logp_all = torch.log_softmax(z, dim=-1)
-        p = logp_all.exp()
+        if thresholds is not None:
+            z = z.masked_fill(z < thresholds[s : s + chunk_rows], float("-inf"))
+        logq = torch.log_softmax(z, dim=-1)
+        q = logq.exp()
         dz = torch.zeros_like(z)
         if g_logp is not None:
-            gl = g_logp[s : s + ROW_CHUNK_BACKWARD].float()
-            dz -= p * gl[:, None]
-            dz.scatter_add_(-1, targets[s : s + ROW_CHUNK_BACKWARD, None], gl[:, None])
+            gl = g_logp[s : s + chunk_rows].float()
+            dz -= q * gl[:, None]
+            dz.scatter_add_(-1, targets[s : s + chunk_rows, None], gl[:, None])
         if g_ent is not None:
-            ge = g_ent[s : s + ROW_CHUNK_BACKWARD].float()
-            ent = -(p * logp_all).sum(-1, keepdim=True)
-            dz -= p * (logp_all + ent) * ge[:, None]
+            ge = g_ent[s : s + chunk_rows].float()
+            kept = q > 0  # masked logits: q = 0 and log q = -inf, which contribute nothing
+            ent = -torch.where(kept, q * logq, 0.0).sum(-1, keepdim=True)
+            dz -= torch.where(kept, q * (logq + ent), 0.0) * ge[:, None]
         dz /= t
         if gh is not None:
-            gh[s : s + ROW_CHUNK_BACKWARD] = dz @ wf
+            gh[s : s + chunk_rows] = dz @ wf
         if gw is not None:
             gw += dz.T @ h
     return gh, gw
