@@ -46,7 +46,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> t
 
     Differentiable through :class:`MatmulFn`. When autograd is off or neither input requires grad, the kernel is
     called without the ``autograd.Function`` (the same kernel, so the same bits, and the same result: no graph)."""
-    be = ("triton" if x.is_cuda else "torch") if backend is None else resolve_backend(x, backend)
+    be = resolve_backend(x, backend)
     if x.dim() != 2:
         raise ValueError(f"matmul: x must be [M, K], got shape {tuple(x.shape)}; use linear for leading dimensions")
     if be == "torch":  # the Triton matmul checks its operands itself (one check per call)
@@ -62,7 +62,7 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None):
     """``nn.Linear`` semantics on any leading shape: ``matmul(x.reshape(-1, K), w).reshape(..., N) + bias``."""
-    be = ("triton" if x.is_cuda else "torch") if backend is None else resolve_backend(x, backend)
+    be = resolve_backend(x, backend)
     if be == "triton":  # takes any leading shape and checks its operands itself (no views, one check per call)
         y = _matmul(x, w, be)
     else:

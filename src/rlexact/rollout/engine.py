@@ -383,7 +383,7 @@ class Generator:
                         seq.append(tok, lp)
                         if tok in stop:
                             sched.finish(seq, "stop")
-                        elif len(seq.tokens) - seq.num_prompt_tokens >= seq.max_new_tokens:
+                        elif seq.num_generated >= seq.max_new_tokens:
                             sched.finish(seq, "length")
                     generated += len(results)
                     if runner.last_step_graph:

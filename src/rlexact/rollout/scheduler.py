@@ -135,29 +135,26 @@ class Scheduler:
         preempted = False
         is_decode = True
         prefill = 0
-        block_size = self.bm.block_size
         running = self.running  # preemption removes from this very list
-        chunked = self.chunked_prefill
         add_seq, add_n = seqs.append, num_new.append
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed
             pending = len(seq.tokens) - computed
-            n = pending if pending <= budget else (budget if chunked else 0)
+            n = self._chunk(pending, budget)
             if n == 0:
                 i += 1
                 continue
             target = computed + n
-            if target > len(seq.block_table) * block_size:
-                while not self.bm.ensure(seq, target):
-                    victim = running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-                if seq.status is not Status.RUNNING:
-                    break  # seq preempted itself: everything after it is gone too
+            while not self.bm.ensure(seq, target):  # returns at once when seq already has the slots
+                victim = running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # seq preempted itself: everything after it is gone too
             add_seq(seq)
             add_n(n)
             if pending != 1:

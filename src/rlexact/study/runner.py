@@ -390,11 +390,12 @@ def run_arms(
             todo.append((arm, steps))
     seed_rank = {seed: i for i, seed in enumerate(scale.seeds)}
     todo.sort(key=lambda t: (seed_rank.get(t[0].seed, len(seed_rank)), -t[1] * (1 + len(t[0].shadow))))
-    gpus = torch.cuda.device_count() if resolve_device(scale.device) == "cuda" else 1
+    cuda = resolve_device(scale.device) == "cuda"
+    gpus = torch.cuda.device_count() if cuda else 1
     run_tasks = [(arm, scale, str(out), steps, i % gpus) for i, (arm, steps) in enumerate(todo)]
     log(
         f"study: {len(need)} runs needed, {len(results)} cached, {len(todo)} to train ({scale.workers} workers, "
-        f"{run_threads(scale)} threads each" + (f", {gpus} GPU(s))" if resolve_device(scale.device) == "cuda" else ")")
+        f"{run_threads(scale)} threads each" + (f", {gpus} GPU(s))" if cuda else ")")
     )
     failures: list[tuple[Arm, str]] = []
 
