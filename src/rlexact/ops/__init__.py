@@ -16,6 +16,7 @@ from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
 
 __all__ = [
     "Backend",
+    "add_rms_norm",
     "attention_paged",
     "attention_varlen",
     "grouped_matmul",
@@ -77,6 +78,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | Non
         raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
     y = RMSNormFn.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, float(eps), resolve_backend(x, backend))
     return y.reshape(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and the RMSNorm after it: ``(rms_norm(s, w, eps), s)``, ``s = x + residual``.
+
+    Bitwise contract: both outputs equal ``s = x + residual`` (torch's elementwise add) and ``rms_norm(s, w, eps)``
+    computed separately; any leading shape, ``x`` and ``residual`` of one shape. With autograd off or no input
+    requiring grad, and one input dtype, it is one fused launch (:func:`rlexact.ops.triton_norm.add_rms_norm`);
+    otherwise it runs the two ops (differentiable through :func:`rms_norm`).
+    """
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    if w.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
+    be = resolve_backend(x, backend)
+    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or w.requires_grad)
+    if grad or residual.dtype != x.dtype:
+        s = x + residual
+        return rms_norm(s, w, eps, backend=be), s
+    h = x.shape[-1]
+    normed, s = _impl(be, "add_rms_norm")(x.reshape(-1, h), residual.reshape(-1, h), w, float(eps))
+    return normed.reshape(x.shape), s.reshape(x.shape)
 
 
 def qk_norm_rope(
@@ -232,10 +257,18 @@ def attention_paged(
 
 @torch.no_grad()
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
 ) -> None:
-    """Write ``k, v [T, Hkv, D]`` into slots ``slot_mapping [T]`` (``block * block_size + offset``) of the caches."""
-    kc = k_cache.view(-1, *k_cache.shape[2:])
-    vc = v_cache.view(-1, *v_cache.shape[2:])
-    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+    """Write ``k, v [T, Hkv, D]`` into slots ``slot_mapping [T]`` (``block * block_size + offset``) of the caches
+    ``[num_blocks, block_size, Hkv, D]``, converted to the cache dtype with ``Tensor.to``.
+
+    Both backends store the bits of ``cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(cache.dtype))``. The
+    Triton kernel writes K and V in one launch from strided inputs without a host synchronization (CUDA-graph
+    capturable) and does not check the slots; the torch twin raises on an out-of-range slot."""
+    _impl(resolve_backend(k, backend), "write_kv")(k, v, k_cache, v_cache, slot_mapping)

@@ -23,6 +23,8 @@ ROW_CHUNK_BACKWARD = 256
 _TRITON_MODULES = {
     "matmul": ".triton_matmul",
     "rms_norm": ".triton_norm",
+    "add_rms_norm": ".triton_norm",
+    "write_kv": ".triton_kv",
     "silu_mul": ".triton_norm",
     "qk_norm_rope": ".triton_rope",
     "token_logprobs": ".triton_logprob",

@@ -68,6 +68,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return out[:m]
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s, w, eps), s)`` with ``s = x + residual`` (torch's add: exactly rounded, so batch-invariant)."""
+    s = x + residual
+    return rms_norm(s, w, eps), s
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``k, v [T, Hkv, D]`` into slots ``slot_mapping [T]`` of the caches ``[num_blocks, block_size, Hkv, D]``,
+    converted to the cache dtype (``index_copy_``; out-of-range slots raise)."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,

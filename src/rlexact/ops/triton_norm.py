@@ -6,6 +6,10 @@ block size at 256 tokens" trap of other stacks cannot happen). Semantics are tra
 :func:`rlexact.ops.cpu.rms_norm`'s): ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` with the product in
 ``promote(w.dtype, x.dtype)``.
 
+``add_rms_norm``: the same kernel with a residual input: the row ``s = x + r`` is added in fp32, rounded once to the
+input dtype and stored, and the norm runs on the rounded ``s`` with the arithmetic above (so it equals ``rms_norm(s)``
+bitwise); the decoder layer's residual add and the norm that follows become one launch.
+
 ``silu_mul``: elementwise, ``(silu(gate32) * up32).to(gate.dtype)`` with ``silu(g) = g / (1 + exp(-g))``; an element's
 result depends on that element only.
 """
@@ -25,17 +29,36 @@ SILU_BLOCK = 1024
 
 
 @triton.jit
+def _norm_input(x_row, r_row, s_row, idx, mask, HAS_RES: tl.constexpr, STORE: tl.constexpr, X_DTYPE: tl.constexpr,
+                RNE_X: tl.constexpr):  # fmt: skip
+    """fp32 elements ``idx`` of the row to normalize: ``x``, or with ``HAS_RES`` the sum ``x + r`` added in fp32 and
+    rounded once to ``X_DTYPE`` (torch's elementwise add), stored to the sum row when ``STORE``."""
+    x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = cast_out(x + tl.load(r_row + idx, mask=mask, other=0.0).to(tl.float32), X_DTYPE, RNE_X)
+        if STORE:
+            tl.store(s_row + idx, s, mask=mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
+    r_ptr,
     w_ptr,
     o_ptr,
+    s_ptr,
     H,
     H_f,
     stride_x,
+    stride_r,
     stride_o,
+    stride_s,
     eps,
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,
+    HAS_RES: tl.constexpr,
     X_DTYPE: tl.constexpr,
     O_DTYPE: tl.constexpr,
     RNE_X: tl.constexpr,
@@ -43,11 +66,13 @@ def _rms_norm_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    s_row = s_ptr + row * stride_s
     o_row = o_ptr + row * stride_o
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < H
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _norm_input(x_row, r_row, s_row, cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
         var = tl.math.div_rn(tl.sum(x * x, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
         y = cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
@@ -57,13 +82,13 @@ def _rms_norm_kernel(
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for off in range(0, H, BLOCK):
             mask = off + cols < H
-            x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
             acc += x * x
         var = tl.math.div_rn(tl.sum(acc, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
         for off in range(0, H, BLOCK):
             mask = off + cols < H
-            x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, False, X_DTYPE, RNE_X)
             y = cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
             w = tl.load(w_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(o_row + off + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
@@ -98,36 +123,69 @@ def _norm_launch_params(H: int) -> tuple[int, bool, int]:
     return block, block >= H, warps
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [M, H]``, ``w [H]`` -> ``[M, H]`` in ``promote(w.dtype, x.dtype)``; one row per program."""
-    if x.dim() != 2 or w.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+def _launch_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one launcher of :func:`_rms_norm_kernel`: ``(normed, summed)``, ``summed`` ``None`` without a residual."""
     M, H = x.shape
     x = x.contiguous()
     w = w.contiguous()
     out_dtype = torch.promote_types(w.dtype, x.dtype)
     out = torch.empty((M, H), dtype=out_dtype, device=x.device)
+    summed = None
+    if residual is not None:
+        residual = residual.contiguous()
+        summed = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0 or H == 0:
-        return out
+        return out, summed
     block, single, warps = _norm_launch_params(H)
+    r, s = (x, out) if residual is None else (residual, summed)  # unused pointers when there is no residual
     _rms_norm_kernel[(M,)](
         x,
+        r,
         w,
         out,
+        s,
         H,
         float(H),
         x.stride(0),
+        r.stride(0),
         out.stride(0),
+        s.stride(0),
         float(eps),
         BLOCK=block,
         SINGLE=single,
+        HAS_RES=residual is not None,
         X_DTYPE=_TL_DTYPE[x.dtype],
         O_DTYPE=_TL_DTYPE[out_dtype],
         RNE_X=_rne_fix(x.dtype),
         RNE_O=_rne_fix(out_dtype),
         num_warps=warps,
     )
-    return out
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [M, H]``, ``w [H]`` -> ``[M, H]`` in ``promote(w.dtype, x.dtype)``; one row per program."""
+    if x.dim() != 2 or w.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+    return _launch_norm(x, None, w, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x, residual [M, H]`` (one dtype), ``w [H]`` -> ``(rms_norm(s, w, eps), s)`` with ``s = x + residual``.
+
+    One launch. ``s`` is added in fp32 and rounded once to ``x.dtype`` (torch's elementwise add); the norm of a row
+    is computed from the rounded ``s`` by the very code of :func:`rms_norm`, so both outputs equal the separate ops
+    bitwise."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or w.shape != (x.shape[1],):
+        shapes = f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, w {tuple(w.shape)}"
+        raise ValueError(f"add_rms_norm: bad shapes or dtypes {shapes}")
+    normed, summed = _launch_norm(x, residual, w, eps)
+    assert summed is not None
+    return normed, summed
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
