@@ -14,7 +14,7 @@ from models import prompts_for, tiny_model
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
 from rlexact.rollout.runner import GraphState, ModelRunner
-from rlexact.rollout.sequence import Sequence
+from rlexact.rollout.sequence import Sequence, Status
 
 
 class EagerGraphRunner(ModelRunner):
@@ -40,7 +40,7 @@ class StalePositions(EagerGraphRunner):
         in_place = self._staged is not None and seqs == self._staged
         super()._stage_inputs(gs, seqs)
         if in_place:
-            gs.host[1, : len(seqs)] -= 1
+            gs.ints[1, : len(seqs)] -= 1
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,57 @@ def test_fewer_new_tokens_reuse_the_kept_graphs(qwen, monkeypatch) -> None:
         gen.generate(PROMPTS, longer)
         assert gen._graph_state is not first  # negative control: a wider table is a new graph state
     assert _same(outs, fresh)
+
+
+class KeepsFinishedRows(EagerGraphRunner):
+    """Negative control: reading back a step that was launched before an earlier step's stop token was seen keeps
+    the row of the stopped sequence."""
+
+    def collect(self, launched):  # noqa: ANN001, ANN201
+        kept = [s for s in launched.batch.seqs if s.status is Status.RUNNING]
+        out = super().collect(launched)
+        seqs = launched.batch.seqs
+        if len(kept) < len(seqs):
+            both = launched.host_out[:, : len(seqs)]
+            return list(zip(seqs, both[0].long().tolist(), both[1].tolist()))
+        return out
+
+
+OVERLAP_CASES = {
+    "tight": dict(TIGHT, max_num_seqs=8),  # preemption, shuffled pages, prompt forks
+    "roomy": {"block_size": 4, "max_num_seqs": 12},  # long overlapped runs across stop tokens
+    "admit": {"block_size": 4, "max_num_seqs": 5},  # fewer slots than samples: admissions between runs
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+def test_overlapped_decode_equals_sequential(qwen, monkeypatch, case) -> None:
+    """Decode steps launched before the previous one is read back (``overlap_decode``) generate bitwise what
+    step-by-step decoding does, with stop tokens, token limits, preemption, prompt sharing and admissions, and the
+    trainer's log-probs; the overlapped path ran."""
+    kw = OVERLAP_CASES[case]
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", EagerGraphRunner)
+        seq_gen = Generator(qwen, overlap_decode=False, **kw)
+        ref = seq_gen.generate(PROMPTS, PARAMS)
+        ovl_gen = Generator(qwen, **kw)
+        outs = ovl_gen.generate(PROMPTS, PARAMS)
+    assert seq_gen.stats["overlapped_steps"] == 0 and ovl_gen.stats["overlapped_steps"] > 0
+    assert (ovl_gen.stats["preemptions"] > 0) == (case == "tight")
+    assert any(o.finish_reason == "stop" for o in outs) and any(o.finish_reason == "length" for o in outs)
+    assert _same(outs, ref)
+    trainer = rlexact.sequence_logprobs(qwen, [o.sequence for o in outs])
+    for o, r in zip(outs, trainer):
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
+
+
+def test_negative_control_overlap_keeps_stopped_rows(qwen, monkeypatch) -> None:
+    """A read-back that keeps the rows of sequences that stopped while the next step was in flight changes the
+    completions: the overlapped path launched steps across stop tokens, and the equality above can fail."""
+    kw = OVERLAP_CASES["roomy"]
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", EagerGraphRunner)
+        good = Generator(qwen, **kw).generate(PROMPTS, PARAMS)
+        m.setattr(engine_mod, "ModelRunner", KeepsFinishedRows)
+        bad = Generator(qwen, **kw).generate(PROMPTS, PARAMS)
+    assert not _same(bad, good)

@@ -47,6 +47,12 @@ class GeneratorConfig:
     warns once, records the reason in ``Generator.stats['cuda_graphs_disabled']`` and runs eagerly."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch-size buckets of the decode graphs; default ``1, 2, 4, 8, 16, 32, 48, ...`` up to ``max_num_seqs``."""
+    overlap_decode: bool = True
+    """With CUDA graphs: launch the next decode step before reading back the current one, its input tokens taken
+    from the device, so the host's scheduling and bookkeeping run while the GPU decodes. Used while a step's
+    sequences all continue (no length limit reached, nothing to admit); a sequence that stops at step ``t`` is
+    dropped from step ``t + 1``'s results (keyed sampling: nothing else changes). Off: every step is launched after
+    the previous one was read back (the results are identical)."""
     keep_kv_cache: bool = False
     """Keep the KV cache (and captured graphs) between ``generate`` calls; by default both are freed so the trainer
     gets the memory back."""

@@ -362,44 +362,49 @@ class Generator:
                     from tqdm.auto import tqdm
 
                     bar = tqdm(total=progress_total, unit="tok", desc=f"generate[{cfg.kernels}]", dynamic_ncols=True)
-                steps = generated = prefill_tokens = 0
+                steps = generated = prefill_tokens = chained = 0
                 host = runner.decode_host_s
                 clock = time.perf_counter
-                while not sched.done:
+                overlap = cfg.overlap_decode and sampling is not None
+                launched = None  # the decode step in flight (overlap): launched, not read back yet
+                while launched is not None or not sched.done:
                     t_sched = clock()
-                    batch = sched.schedule()
-                    t_step = clock()
-                    steps += 1
-                    prefill_tokens += batch.num_prefill_tokens
-                    if sampling is None:
-                        runner.score_step(batch, temperature, *truncation)
-                        for s in batch.seqs:
-                            if s.num_computed == len(s):
-                                sched.finish(s, "length")
-                        continue
-                    results = runner.step(batch)
-                    t_post = clock()
-                    for seq, tok, lp in results:
-                        seq.append(tok, lp)
-                        if tok in stop:
-                            sched.finish(seq, "stop")
-                        elif seq.num_generated >= seq.max_new_tokens:
-                            sched.finish(seq, "length")
-                    generated += len(results)
-                    if runner.last_step_graph:
-                        host["schedule"] += t_step - t_sched
-                        host["postprocess"] += clock() - t_post
-                    if bar is not None:
-                        bar.update(len(results))
-                        el = time.perf_counter() - t0
-                        bar.set_postfix(
-                            tok_s=f"{generated / max(el, 1e-9):,.0f}", running=len(sched.running), refresh=False
-                        )
+                    if launched is None:
+                        batch = sched.schedule()
+                        steps += 1
+                        prefill_tokens += batch.num_prefill_tokens
+                        if sampling is None:
+                            runner.score_step(batch, temperature, *truncation)
+                            for s in batch.seqs:
+                                if s.num_computed == len(s):
+                                    sched.finish(s, "length")
+                            continue
+                        host_sched = clock() - t_sched
+                        launched = runner.launch(batch) if overlap else None
+                        if launched is None:
+                            results = runner.step(batch)
+                            if runner.last_step_graph:
+                                host["schedule"] += host_sched
+                            generated += self._finish_step(sched, results, stop, host, runner.last_step_graph, bar)
+                            continue
+                        host["schedule"] += host_sched
+                        t_sched = clock()
+                    # a step is in flight: queue the next one before reading this one back when it is known already
+                    nxt_batch = sched.chain(launched.batch)
+                    nxt = runner.launch(nxt_batch) if nxt_batch is not None else None
+                    if nxt is not None:
+                        steps += 1
+                        chained += 1
+                        host["schedule"] += clock() - t_sched
+                    results = runner.collect(launched)
+                    generated += self._finish_step(sched, results, stop, host, True, bar)
+                    launched = nxt
                 elapsed = time.perf_counter() - t0
                 stats.update(
                     steps=steps,
                     generated_tokens=generated,
                     prefill_tokens=prefill_tokens,
+                    overlapped_steps=chained,
                     prompt_tokens=sum(s.num_prompt_tokens for s in seqs),
                     shared_prompt_tokens=sched.shared_tokens,
                     prompt_forks=sched.num_forks,
@@ -419,6 +424,31 @@ class Generator:
             cache = runner = None
             if torch.cuda.is_available() and not cfg.keep_kv_cache:
                 torch.cuda.empty_cache()
+
+    @staticmethod
+    def _finish_step(
+        sched: Scheduler,
+        results: list[tuple[Sequence, int, float]],
+        stop: set[int],
+        host: dict[str, float],
+        graph_step: bool,
+        bar: Any,
+    ) -> int:
+        """Append a step's sampled tokens, finish sequences at a stop token or their token limit; returns the
+        number of tokens."""
+        t0 = time.perf_counter()
+        for seq, tok, lp in results:
+            seq.append(tok, lp)
+            if tok in stop:
+                sched.finish(seq, "stop")
+            elif seq.num_generated >= seq.max_new_tokens:
+                sched.finish(seq, "length")
+        if graph_step:
+            host["postprocess"] += time.perf_counter() - t0
+        if bar is not None:
+            bar.update(len(results))
+            bar.set_postfix(running=len(sched.running), refresh=False)
+        return len(results)
 
     def release(self) -> None:
         """Free a kept KV cache and captured graphs."""

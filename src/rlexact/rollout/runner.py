@@ -31,7 +31,7 @@ from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.sampler import sample
 from rlexact.rollout.scheduler import ScheduledBatch
-from rlexact.rollout.sequence import Sequence
+from rlexact.rollout.sequence import Sequence, Status
 
 
 def model_kv_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -114,9 +114,19 @@ class GraphState:
     table: torch.Tensor  # [max_bs + 1, width] int32: the block manager's table; the last row is all scratch block
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
     out: torch.Tensor  # [2, max_bs] float64: sampled tokens and their log-probs (both exact in float64)
-    host_out: torch.Tensor  # [2, max_bs] float64, host: where out is read back
+    host_out: tuple[torch.Tensor, torch.Tensor]  # two [2, max_bs] float64 host buffers out is read back into, in turn
     pool: object = None
     graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode step replayed from a CUDA graph whose sampled tokens are not read back yet (:meth:`ModelRunner.collect`
+    waits for ``done`` and reads ``host_out``)."""
+
+    batch: ScheduledBatch
+    host_out: torch.Tensor  # pinned [2, max_bs] float64 the step's outputs are copied into
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU, where the copy is synchronous)
 
 
 class ModelRunner:
@@ -252,14 +262,11 @@ class ModelRunner:
 
         Wall time (the step ends with a device-to-host read, so it includes the device work) is added to
         ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
+        launched = self.launch(batch)
+        if launched is not None:
+            return self.collect(launched)
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
-        if batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]:
-            out = self._graph_decode(batch, t0)
-            if out is not None:
-                self.last_step_graph = True
-                self.stats["graph_s"] += time.perf_counter() - t0
-                return out
         self.last_step_graph = False
         self._staged = None
         out = self._eager_step(batch)
@@ -337,7 +344,7 @@ class ModelRunner:
             table=table,
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
-            host_out=torch.zeros((2, max_bs), dtype=torch.float64, pin_memory=self._pin),
+            host_out=tuple(torch.zeros((2, max_bs), dtype=torch.float64, pin_memory=self._pin) for _ in range(2)),
             pool=torch.cuda.graph_pool_handle() if dev.type == "cuda" else None,
         )
         self.graph_state = gs
@@ -445,15 +452,17 @@ class ModelRunner:
         """Write the decode inputs of ``seqs`` to ``gs.host``: rows ``[:b]`` tokens, positions, request ids and
         table rows; padding rows token 0 at position 0 of the scratch row (the scratch block).
 
-        When the last graph step decoded the same sequences in the same order, each of them has since appended the
-        token that step read back into ``gs.host_out`` and advanced ``num_computed`` by one, so the rows are updated
-        in place; anything else (an eager step, a finished, preempted or admitted sequence) rebuilds them."""
+        When the last graph step decoded the same sequences in the same order, its sampled tokens (still in
+        ``gs.out``) are the next input ids and every position advances by one: the rows are updated on the device,
+        without reading anything back (so this step may be launched before the last one is read back, see
+        :meth:`launch`). Anything else (an eager step, a finished, preempted or admitted sequence) rebuilds the rows
+        on the host from the sequences and uploads them."""
         b = len(seqs)
-        host = gs.host
         if self._staged is not None and seqs == self._staged:
-            host[0, :b].copy_(gs.host_out[0, :b])
-            host[1, :b] += 1
+            gs.ints[0, :b].copy_(gs.out[0, :b])
+            gs.ints[1, :b] += 1
             return
+        host = gs.host
         host[:, :b] = torch.tensor(
             [
                 [s.tokens[-1] for s in seqs],
@@ -465,19 +474,21 @@ class ModelRunner:
         )
         host[:, b:].zero_()
         host[3, b:] = gs.table.shape[0] - 1
+        gs.ints.copy_(host, non_blocking=True)
         self._staged = list(seqs)
 
-    def _read_back(self, gs: GraphState, b: int) -> torch.Tensor:
-        """``gs.out`` copied whole into ``gs.host_out`` (both contiguous, pinned on CUDA: one DMA); waits for the
-        device. Returns the first ``b`` columns."""
-        if self.device.type == "cuda":
-            gs.host_out.copy_(gs.out, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        else:
-            gs.host_out.copy_(gs.out)
-        return gs.host_out[:, :b]
+    def launch(self, batch: ScheduledBatch) -> DecodeLaunch | None:
+        """Replay the decode graph of ``batch`` without waiting for it: advances ``num_computed`` and queues the
+        read-back of the sampled tokens; :meth:`collect` returns them. None (nothing launched) when ``batch`` is not
+        a graph decode (a prefill, graphs off, more sequences than the largest bucket, a failed capture): run it
+        with :meth:`step`.
 
-    def _graph_decode(self, batch: ScheduledBatch, t0: float) -> list[tuple[Sequence, int, float]] | None:
+        Several launches may be in flight in order: a launch for the same sequences in the same order as the last
+        one takes its input ids from the previous step's sampled tokens on the device (:meth:`_stage_inputs`)."""
+        if not (batch.is_decode and self.use_graphs and len(batch.seqs) <= self.buckets[-1]):
+            return None
+        t0 = time.perf_counter()
+        self._copy_blocks(batch.copies)
         seqs = batch.seqs
         b = len(seqs)
         gs = self._ensure_graph_state()
@@ -486,25 +497,46 @@ class ModelRunner:
         # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
         self._sync_table(gs)
         self._stage_inputs(gs, seqs)
-        gs.ints.copy_(gs.host, non_blocking=True)
         bucket, graph = self._pick_graph(gs, b, kv_len)
         if graph is None:
             self._staged = None
             return None
         t1 = time.perf_counter()
         graph.replay()
-        t2 = time.perf_counter()
-        both = self._read_back(gs, b)
-        t3 = time.perf_counter()
+        host_out = gs.host_out[self.stats["graph_steps"] % 2]
+        host_out.copy_(gs.out, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         for s in seqs:
             s.num_computed += 1
         self.stats["graph_steps"] += 1
-        out = list(zip(seqs, both[0].long().tolist(), both[1].tolist()))
+        self.last_step_graph = True
+        t2 = time.perf_counter()
         host = self.decode_host_s
         host["prepare"] += t1 - t0
         host["launch"] += t2 - t1
+        self.stats["graph_s"] += t2 - t0
+        return DecodeLaunch(batch, host_out, done)
+
+    def collect(self, launched: DecodeLaunch) -> list[tuple[Sequence, int, float]]:
+        """Wait for a launched step and return ``(seq, token, logprob)`` of its sequences that are still running
+        (one that finished at an earlier step in flight is dropped: its row of this step is discarded)."""
+        t2 = time.perf_counter()
+        if launched.done is not None:
+            launched.done.synchronize()
+        t3 = time.perf_counter()
+        seqs = launched.batch.seqs
+        both = launched.host_out[:, : len(seqs)]
+        toks, lps = both[0].long().tolist(), both[1].tolist()
+        running = Status.RUNNING
+        out = [(s, t, lp) for s, t, lp in zip(seqs, toks, lps) if s.status is running]
+        t4 = time.perf_counter()
+        host = self.decode_host_s
         host["wait"] += t3 - t2
-        host["collect"] += time.perf_counter() - t3
+        host["collect"] += t4 - t3
+        self.stats["graph_s"] += t4 - t2
         return out
 
     # ---------------------------------------------------------------------------------------------------------------

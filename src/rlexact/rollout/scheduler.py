@@ -207,6 +207,27 @@ class Scheduler:
             )
         return ScheduledBatch(seqs, num_new, is_decode, copies, prefill)
 
+    def chain(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``batch`` while ``batch`` is still in flight (its sampled tokens not read back yet,
+        ``num_computed`` already advanced): the same sequences in the same order, each feeding the token ``batch``
+        samples. Returns None unless that is the step :meth:`schedule` would choose once ``batch`` is read back and
+        every sequence continues: ``batch`` is a decode of all running sequences, none reaches its token limit with
+        ``batch``, no waiting sequence could take a free slot, and every sequence gets the slot for its next position
+        without a preemption. (A sequence that stops at a stop token with ``batch`` is still in the returned step;
+        the engine drops its result.)"""
+        seqs = batch.seqs
+        if not batch.is_decode or seqs != self.running or len(seqs) > self.max_num_batched_tokens:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        for seq in seqs:
+            if seq.status is not Status.RUNNING or seq.num_generated + 1 >= seq.max_new_tokens:
+                return None
+        for seq in seqs:
+            if not self.bm.ensure(seq, seq.num_computed + 1):
+                return None
+        return ScheduledBatch(seqs, batch.num_new, True)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and release its blocks."""
         seq.finish_reason = reason
