@@ -452,16 +452,30 @@ class ModelRunner:
         """Write the decode inputs of ``seqs`` to ``gs.host``: rows ``[:b]`` tokens, positions, request ids and
         table rows; padding rows token 0 at position 0 of the scratch row (the scratch block).
 
-        When the last graph step decoded the same sequences in the same order, its sampled tokens (still in
-        ``gs.out``) are the next input ids and every position advances by one: the rows are updated on the device,
-        without reading anything back (so this step may be launched before the last one is read back, see
-        :meth:`launch`). Anything else (an eager step, a finished, preempted or admitted sequence) rebuilds the rows
-        on the host from the sequences and uploads them."""
+        When every sequence was in the last graph step (the same ones in the same order, or some of them after
+        others finished), its sampled tokens (still in ``gs.out``) are the next input ids and every position advances
+        by one: the rows are updated (or gathered) on the device, without reading anything back, so this step may be
+        launched before the last one is read back (:meth:`launch`). Anything else (after an eager step, an admitted
+        or re-admitted sequence) rebuilds the rows on the host from the sequences and uploads them."""
         b = len(seqs)
-        if self._staged is not None and seqs == self._staged:
+        staged = self._staged
+        if staged is not None and seqs == staged:
             gs.ints[0, :b].copy_(gs.out[0, :b])
             gs.ints[1, :b] += 1
             return
+        if staged is not None:
+            where = {id(s): i for i, s in enumerate(staged)}
+            idx = [where.get(id(s), -1) for s in seqs]
+            if min(idx) >= 0:  # a subset of the last step's sequences (some finished): gather their rows
+                idx_t = self._to_device(torch.tensor(idx, dtype=torch.long))
+                rows = gs.ints.index_select(1, idx_t)
+                rows[0].copy_(gs.out[0].index_select(0, idx_t))
+                rows[1] += 1
+                gs.ints[:, :b].copy_(rows)
+                gs.ints[:3, b:].zero_()
+                gs.ints[3, b:] = gs.table.shape[0] - 1
+                self._staged = list(seqs)
+                return
         host = gs.host
         host[:, :b] = torch.tensor(
             [

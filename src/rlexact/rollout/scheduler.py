@@ -209,24 +209,26 @@ class Scheduler:
 
     def chain(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after ``batch`` while ``batch`` is still in flight (its sampled tokens not read back yet,
-        ``num_computed`` already advanced): the same sequences in the same order, each feeding the token ``batch``
-        samples. Returns None unless that is the step :meth:`schedule` would choose once ``batch`` is read back and
-        every sequence continues: ``batch`` is a decode of all running sequences, none reaches its token limit with
-        ``batch``, no waiting sequence could take a free slot, and every sequence gets the slot for its next position
-        without a preemption. (A sequence that stops at a stop token with ``batch`` is still in the returned step;
-        the engine drops its result.)"""
-        seqs = batch.seqs
-        if not batch.is_decode or seqs != self.running or len(seqs) > self.max_num_batched_tokens:
+        ``num_computed`` already advanced): its sequences that are still running and do not reach their token limit
+        with ``batch``, in the same order, each feeding the token ``batch`` samples. Returns None unless that is the
+        step :meth:`schedule` would choose once ``batch`` is read back: ``batch`` is a decode of every running
+        sequence, no waiting sequence could take a slot, the step fits the token budget and every sequence gets the
+        slot of its next position without a preemption. (A sequence that stops at a stop token with ``batch`` is
+        still in the returned step; the engine drops its result.)"""
+        if not batch.is_decode:
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        running = Status.RUNNING
+        seqs = [s for s in batch.seqs if s.status is running and s.num_generated + 1 < s.max_new_tokens]
+        if not seqs or len(seqs) > self.max_num_batched_tokens:
             return None
-        for seq in seqs:
-            if seq.status is not Status.RUNNING or seq.num_generated + 1 >= seq.max_new_tokens:
-                return None
+        if self.waiting and len(seqs) < self.max_num_seqs:
+            return None
+        if [s for s in self.running if s.num_generated + 1 < s.max_new_tokens] != seqs:
+            return None
         for seq in seqs:
             if not self.bm.ensure(seq, seq.num_computed + 1):
                 return None
-        return ScheduledBatch(seqs, batch.num_new, True)
+        return ScheduledBatch(seqs, [1] * len(seqs), True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and release its blocks."""
