@@ -196,6 +196,87 @@ def _is_gated_mlp(m: nn.Module) -> bool:
     return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
+def _is_decoder_layer(m: nn.Module) -> bool:
+    return (
+        type(m).__name__.endswith("DecoderLayer")
+        and all(_is_rmsnorm(getattr(m, n, None)) for n in ("input_layernorm", "post_attention_layernorm"))
+        and all(isinstance(getattr(m, n, None), nn.Module) for n in ("self_attn", "mlp"))
+    )
+
+
+def _no_autograd(*tensors: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place version counter of ``t`` (``None`` for inference tensors, which have none)."""
+    return None if t.is_inference() else t._version
+
+
+def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handoff: list) -> Callable:
+    """Exact forward of a Qwen3 / Qwen2 / Llama (MoE) decoder layer, transformers' ``DecoderLayer.forward`` with the
+    residual adds fused into the norms that follow them (:func:`rlexact.ops.add_rms_norm`): one launch instead of an
+    add and a norm. Outputs are bitwise those of the unfused layer; every kwarg goes to ``self_attn``.
+
+    Without autograd (no grad mode, or no input requiring grad): the post-attention add and
+    ``post_attention_layernorm`` are one call, and the MLP-output add is fused with ``next_norm`` (the next layer's
+    ``input_layernorm``; ``None`` for the last layer). The layer still returns the residual stream; the normed rows
+    go to the next layer through ``handoff`` (one slot shared by the layers of a stack), which uses them only when it
+    receives that very tensor and its norm weight is the one used, unmodified; else it runs its norm itself. A
+    sharded (DTensor) next weight is not read. With autograd the layer runs the separate ops (the trainer's
+    backward is unchanged)."""
+    in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+    post_eps = _norm_eps(post_norm)
+    next_eps = _norm_eps(next_norm)
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        handed, handoff[0] = handoff[0], None
+        residual = hidden_states
+        key = (residual, in_norm.weight)
+        if handed is not None and all(a is b and _version(a) == v for a, b, v in zip(key, handed[0], handed[1])):
+            hidden_states = handed[2]
+        else:
+            hidden_states = in_norm(hidden_states)
+        hidden_states, _ = layer.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )  # fmt: skip
+        if _no_autograd(hidden_states, residual, post_norm.weight):
+            hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps)
+        else:
+            residual = residual + hidden_states
+            hidden_states = post_norm(residual)
+        hidden_states = layer.mlp(hidden_states)
+        w = None if next_norm is None else next_norm.weight
+        if w is None or type(w) not in (torch.Tensor, nn.Parameter) or not _no_autograd(hidden_states, residual, w):
+            return residual + hidden_states
+        normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps)
+        handoff[0] = ((out, w), (_version(out), _version(w)), normed)
+        return out
+
+    return forward
+
+
+def _patch_decoder_layers(state: ExactState, model: nn.Module) -> None:
+    """Patch every stack (``nn.ModuleList``) of decoder layers with :func:`_decoder_layer_forward`, each layer fused
+    with the next one's ``input_layernorm``."""
+    for stack in model.modules():
+        if not isinstance(stack, nn.ModuleList) or not len(stack) or not all(map(_is_decoder_layer, stack)):
+            continue
+        handoff: list = [None]
+        for i, layer in enumerate(stack):
+            nxt = stack[i + 1].input_layernorm if i + 1 < len(stack) else None
+            _patch(state, layer, _decoder_layer_forward(layer, nxt, handoff))
+
+
 def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Make ``model`` compute with the exact kernels (in place), or restore it with ``enabled=False``.
 
@@ -237,6 +318,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
             _patch(state, m, moe_fwd)
         if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
             m.__dict__[_STATE_ATTR] = state
+    _patch_decoder_layers(state, model)
     model.__dict__[_STATE_ATTR] = state
     _set_attn_impl(model, ATTN_IMPL)
     return model
