@@ -31,6 +31,7 @@ import rlexact
 from models import tiny_model, tiny_moe
 from rlexact import ops
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logprobs
+from rlexact.ops import autograd
 
 HERE = Path(__file__).resolve().parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -322,6 +323,8 @@ def _interpreter_main() -> None:
         model = rlexact.exactify(tiny_model("qwen3", layers=3, hidden=32, heads=2, kv_heads=1, dtype=dtype, seed=7))
         with forced_backend("triton"):
             check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (6, 3)], logits=False)
+        used = set(autograd._TRITON_IMPLS)  # the Triton functions the forward resolved
+        assert {"add_rms_norm", "rms_norm", "matmul", "attention_varlen", "silu_mul"} <= used, used
         print(f"model {dtype} ok", flush=True)
     print("fused decode ops ok")
 
