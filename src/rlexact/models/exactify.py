@@ -44,12 +44,15 @@ class ExactState:
         original_forwards: the replaced modules and their original ``forward`` (restored by ``enabled=False``).
         original_attn_impl: ``config._attn_implementation`` before exactify.
         rope_tables: fp32 ``(cos, sin)`` tables over ``[0, max_position_embeddings)`` per device.
+        fused: concatenated projection weights per attention layer / gated MLP, used in exact mode without autograd
+            (set for the duration of a generator call by :func:`rlexact.models.fusion.use_fused_projections`).
     """
 
     kernels: Kernels = "exact"
     original_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
     original_attn_impl: str | None = None
     rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    fused: dict[nn.Module, object] = field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
@@ -157,9 +160,13 @@ def _attention_forward(m: nn.Module) -> Callable:
         meta = kwargs.pop("rlexact_meta", None)
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, m.head_dim)
-        q = m.q_proj(hidden_states).view(shape)
-        k = m.k_proj(hidden_states).view(shape)
-        v = m.v_proj(hidden_states).view(shape)
+        fused = _fused_linear(m, hidden_states)
+        if fused is not None:
+            q, k, v = (t.view(shape) for t in fused)
+        else:
+            q = m.q_proj(hidden_states).view(shape)
+            k = m.k_proj(hidden_states).view(shape)
+            v = m.v_proj(hidden_states).view(shape)
         cos, sin = position_embeddings
         qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
         q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
@@ -175,6 +182,39 @@ def _attention_forward(m: nn.Module) -> Callable:
         return m.o_proj(out.reshape(*input_shape, -1)), None
 
     return forward
+
+
+def _fused_linear(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of ``m``'s projections from its fused weight (column views of one exact matmul), or ``None`` when
+    ``m`` has none in effect (not set, native mode, or autograd needed): then the caller runs them separately."""
+    state: ExactState | None = m.__dict__.get(_STATE_ATTR)
+    if state is None or not state.fused or not state.exact:
+        return None
+    fused = state.fused.get(m)
+    if fused is None or not _no_autograd(x):
+        return None
+    return ops.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+
+
+def _mlp_forward(m: nn.Module) -> Callable:
+    """Exact gated MLP: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul when in effect."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        fused = _fused_linear(m, x)
+        gate, up = fused if fused is not None else (m.gate_proj(x), m.up_proj(x))
+        return m.down_proj(ops.silu_mul(gate, up))
+
+    return forward
+
+
+def fused_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Linear]]]:
+    """``(module, linears)`` whose outputs one fused matmul may compute: each attention layer's q/k/v and each gated
+    MLP's gate/up projections, in the order their outputs are split."""
+    for m in model.modules():
+        if _is_attention(m):
+            yield m, [m.q_proj, m.k_proj, m.v_proj]
+        elif _is_gated_mlp(m):
+            yield m, [m.gate_proj, m.up_proj]
 
 
 def _is_attention(m: nn.Module) -> bool:
@@ -309,7 +349,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
             eps = _norm_eps(m)
             _patch(state, m, lambda x, m=m, eps=eps: ops.rms_norm(x, m.weight, eps))
         elif _is_gated_mlp(m):
-            _patch(state, m, lambda x, m=m: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))
+            _patch(state, m, _mlp_forward(m))
+            m.__dict__[_STATE_ATTR] = state
         elif type(m).__name__.endswith("RotaryEmbedding"):
             _patch(state, m, _rope_from_table(state, m.forward, max_pos))
         elif _is_attention(m):
@@ -648,9 +689,10 @@ def rlexact_attention(
         raise ValueError(f"packed forward expects batch dimension 1, got {query.shape[0]}")
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1)  # [T, Hkv, D]; a row-strided view under fused projections (write_kv takes it)
     exact = state is None or state.exact
     if rlexact_meta.paged is None:
+        v = v.contiguous()
         if exact:
             out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale)
         else:

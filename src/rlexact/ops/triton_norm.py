@@ -189,12 +189,12 @@ def add_rms_norm(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gate, up [M, I]`` -> ``(silu(gate32) * up32).to(gate.dtype)`` ``[M, I]``."""
+    """``gate, up [M, I]`` (rows contiguous, any row stride) -> ``(silu(gate32) * up32).to(gate.dtype)`` ``[M, I]``."""
     if gate.dim() != 2 or gate.shape != up.shape:
         raise ValueError(f"silu_mul: bad shapes gate {tuple(gate.shape)}, up {tuple(up.shape)}")
     M, n = gate.shape
-    gate = gate.contiguous()
-    up = up.contiguous()
+    gate = gate if gate.stride(1) == 1 else gate.contiguous()
+    up = up if up.stride(1) == 1 else up.contiguous()
     out = torch.empty((M, n), dtype=gate.dtype, device=gate.device)
     if M == 0 or n == 0:
         return out

@@ -31,6 +31,7 @@ def _norm_rope_rows(
     c_ptr,
     s_ptr,
     t,
+    stride_x,
     H,
     HALF,
     eps,
@@ -41,14 +42,15 @@ def _norm_rope_rows(
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    """Rows ``x[t, 0:H, :]`` (contiguous ``[T, H, 2 * HALF]``) -> ``o`` (same layout)."""
+    """Rows ``x[t, 0:H, :]`` (``[T, H, 2 * HALF]``, heads contiguous, row stride ``stride_x``) -> ``o`` (contiguous)."""
     h = tl.arange(0, BH)[:, None]
     c = tl.arange(0, BHALF)[None, :]
     c_ok = c < HALF
     m = (h < H) & c_ok
-    base = t * H * (2 * HALF) + h * (2 * HALF) + c
-    x1 = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + HALF, mask=m, other=0.0).to(tl.float32)
+    head = h * (2 * HALF) + c
+    base = t * H * (2 * HALF) + head
+    x1 = tl.load(x_ptr + t * stride_x + head, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + t * stride_x + head + HALF, mask=m, other=0.0).to(tl.float32)
     if NORM:
         var = tl.math.div_rn(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), D_f)
         r = tl.math.rsqrt(var + eps)[:, None]
@@ -75,6 +77,8 @@ def _qk_norm_rope_kernel(
     kw_ptr,
     c_ptr,
     s_ptr,
+    stride_q,
+    stride_k,
     HQ,
     HKV,
     HALF,
@@ -89,9 +93,18 @@ def _qk_norm_rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
-        _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, HQ, HALF, eps, D_f, BHQ, BHALF, NORM, DTYPE, RNE)
+        _norm_rope_rows(
+            q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, stride_q, HQ, HALF, eps, D_f, BHQ, BHALF, NORM, DTYPE, RNE
+        )
     else:
-        _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, HKV, HALF, eps, D_f, BHK, BHALF, NORM, DTYPE, RNE)
+        _norm_rope_rows(
+            k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, stride_k, HKV, HALF, eps, D_f, BHK, BHALF, NORM, DTYPE, RNE
+        )
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` as is when each row's ``H x D`` block is contiguous (any row stride), else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def qk_norm_rope(
@@ -104,10 +117,12 @@ def qk_norm_rope(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), ``cos, sin [T, D]`` (any float dtype, upcast to fp32 in the
-    kernel), optional weights ``[D]`` (both or neither) -> rotated ``(q, k)`` in the input dtype, contiguous."""
+    kernel), optional weights ``[D]`` (both or neither) -> rotated ``(q, k)`` in the input dtype, contiguous. ``q`` and
+    ``k`` may be row-strided views (e.g. column blocks of a fused q/k/v projection) whose heads are contiguous."""
     T, hq, d = q.shape
-    q, k = q.contiguous(), k.contiguous()
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    q, k = _heads_contiguous(q), _heads_contiguous(k)
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if T == 0:
         return qo, ko
     norm = q_weight is not None
@@ -122,6 +137,8 @@ def qk_norm_rope(
         kw,
         cos.contiguous(),
         sin.contiguous(),
+        q.stride(0),
+        k.stride(0),
         hq,
         k.shape[1],
         d // 2,

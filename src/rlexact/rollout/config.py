@@ -47,6 +47,10 @@ class GeneratorConfig:
     warns once, records the reason in ``Generator.stats['cuda_graphs_disabled']`` and runs eagerly."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Batch-size buckets of the decode graphs; default ``1, 2, 4, 8, 16, 32, 48, ...`` up to ``max_num_seqs``."""
+    fuse_projections: bool = True
+    """Exact kernels on CUDA: run each layer's q/k/v and gate/up projections as one matmul on concatenated copies of
+    their weights (:mod:`rlexact.models.fusion`; bitwise the separate projections, so rollout == trainer still holds).
+    Costs one copy of those weights while a call runs (kept with ``keep_kv_cache``)."""
     overlap_decode: bool = True
     """With CUDA graphs: launch the next decode step before reading back the current one, its input tokens taken
     from the device, so the host's scheduling and bookkeeping run while the GPU decodes. Used while a step's

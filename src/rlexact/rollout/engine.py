@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence as Seq
@@ -12,6 +13,7 @@ from torch import nn
 
 from rlexact.distributed import gathered_params
 from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
+from rlexact.models.fusion import FusedProjections, use_fused_projections
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.keyed_hash import request_key
@@ -68,6 +70,7 @@ class Generator:
         self.stats: dict[str, object] = {}
         self._cache: KVCache | None = None
         self._graph_state: GraphState | None = None
+        self._fused: FusedProjections | None = None
         self._table_width = 0
         """Block-table width of the kept cache's last call: a later call on the same cache keeps at least this width,
         so its decode graphs (keyed by the width) are reused by a call with fewer new tokens."""
@@ -325,10 +328,13 @@ class Generator:
         cache = runner = None
         bar = None
         try:
-            with gathered_params(model), use_kernels(model, cfg.kernels):
+            with contextlib.ExitStack() as stack, gathered_params(model), use_kernels(model, cfg.kernels):
                 lm_head_weight(model)  # fail early on models without a bias-free lm head
                 embed = model.get_input_embeddings().weight
                 device, dtype = embed.device, embed.dtype
+                fused = self._fused_projections(device)
+                stack.enter_context(use_fused_projections(model, fused))
+                stats["fused_projections"] = fused is not None
                 num_blocks = self._cache_plan(seqs, device, dtype)
                 cache = self._get_cache(num_blocks, device, dtype)
                 width = max(self._cache_blocks(s) for s in seqs)
@@ -416,6 +422,7 @@ class Generator:
                 if cfg.keep_kv_cache:
                     self._cache = cache
                     self._graph_state = runner.graph_state
+                    self._fused = fused
         finally:
             if bar is not None:
                 bar.close()
@@ -450,7 +457,20 @@ class Generator:
             bar.set_postfix(running=len(sched.running), refresh=False)
         return len(results)
 
+    def _fused_projections(self, device: torch.device) -> FusedProjections | None:
+        """The concatenated projection weights for this call (exact kernels on CUDA with ``fuse_projections``): the
+        kept ones refreshed in place (their addresses are in the kept graphs' signature), else new ones."""
+        if not (self.config.fuse_projections and self.config.kernels == "exact" and device.type == "cuda"):
+            return None
+        kept = self._fused
+        if kept is not None and kept.matches():
+            kept.refresh()
+            return kept
+        self._fused = None
+        return FusedProjections(self.model)
+
     def release(self) -> None:
-        """Free a kept KV cache and captured graphs."""
+        """Free a kept KV cache, captured graphs and fused projection weights."""
         self._cache = None
         self._graph_state = None
+        self._fused = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logits, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs
 from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
@@ -314,6 +314,8 @@ class ModelRunner:
     def signature(self) -> tuple:
         """Everything a captured graph bakes in; graphs are reused only while it is unchanged."""
         params = tuple(p.data_ptr() for p in self.model.parameters())
+        state = get_state(self.model)
+        fused = tuple(f.weight.data_ptr() for f in state.fused.values()) if state is not None else ()
         return (
             self.cache.data.data_ptr(),
             self.bm.width,
@@ -321,6 +323,7 @@ class ModelRunner:
             self._sampling_in_graph(),
             self.native,
             hash(params),
+            hash(fused),
         )
 
     def _sampling_in_graph(self) -> tuple | None:

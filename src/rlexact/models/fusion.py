@@ -1,0 +1,99 @@
+"""Concatenated projection weights for inference: one matmul for q/k/v and one for gate/up instead of five.
+
+The exact matmul computes an output element from its row of ``x`` and its column of ``w^T`` only, with the same
+arithmetic whatever ``N`` is (``rlexact.ops.triton_matmul``: the tile variants differ in BM/BN/BK but not in the
+per-element chain, verified bitwise on the GPU), so ``x @ cat([Wq, Wk, Wv]).T`` split by columns is bitwise
+``x @ Wq.T``, ``x @ Wk.T``, ``x @ Wv.T``. Fusing therefore changes no bit of the generator's output (rollout ==
+trainer still holds; the trainer keeps the separate projections and their autograd) and saves launches and
+small-``N`` tiles in decode steps. The concatenated weights are copies: :class:`FusedProjections` is built and
+refreshed by the generator while the parameters cannot change (inside one ``generate`` call), and
+:func:`use_fused_projections` makes the exactified model use them for the duration of that call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlexact.models.exactify import fused_groups, get_state
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """``weight [sum(sizes), K]`` (and ``bias``) of several linears with the same input, concatenated in order."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+
+class FusedProjections:
+    """The concatenated q/k/v and gate/up weights of an exactified model (exact kernels only).
+
+    ``table`` maps each attention layer and gated MLP to its :class:`FusedLinear`; modules whose projections differ
+    in dtype, device, input size or bias presence are left out (they run unfused). :meth:`refresh` copies the
+    current parameters into the same buffers, so their addresses (baked into captured CUDA graphs) do not change.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.table: dict[nn.Module, FusedLinear] = {}
+        self._parts: list[tuple[list[nn.Linear], FusedLinear]] = []
+        for module, linears in fused_groups(model):
+            w0 = linears[0].weight
+            if any(
+                lin.weight.dtype != w0.dtype or lin.weight.device != w0.device or lin.weight.shape[1] != w0.shape[1]
+                for lin in linears
+            ):
+                continue
+            biases = [lin.bias for lin in linears]
+            if any(b is None for b in biases) and any(b is not None for b in biases):
+                continue
+            sizes = tuple(int(lin.weight.shape[0]) for lin in linears)
+            weight = torch.empty((sum(sizes), w0.shape[1]), dtype=w0.dtype, device=w0.device)
+            bias = None if biases[0] is None else torch.empty(sum(sizes), dtype=biases[0].dtype, device=w0.device)
+            fused = FusedLinear(weight, bias, sizes)
+            self.table[module] = fused
+            self._parts.append((linears, fused))
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the current projection weights in."""
+        for linears, fused in self._parts:
+            torch.cat([lin.weight for lin in linears], out=fused.weight)
+            if fused.bias is not None:
+                torch.cat([lin.bias for lin in linears], out=fused.bias)
+
+    def matches(self) -> bool:
+        """Whether the projections still have the shapes, dtypes and devices the buffers were made for."""
+        return all(
+            tuple(int(lin.weight.shape[0]) for lin in linears) == fused.sizes
+            and all(
+                lin.weight.dtype == fused.weight.dtype and lin.weight.device == fused.weight.device for lin in linears
+            )
+            for linears, fused in self._parts
+        )
+
+    def pointers(self) -> tuple[int, ...]:
+        """Addresses of the buffers (part of a captured graph's signature)."""
+        return tuple(f.weight.data_ptr() for f in self.table.values())
+
+
+@contextlib.contextmanager
+def use_fused_projections(model: nn.Module, fused: FusedProjections | None) -> Iterator[None]:
+    """Run the exactified ``model``'s attention layers and gated MLPs on ``fused``'s concatenated weights inside the
+    block (exact mode, no autograd); ``None`` changes nothing. Restores the previous table on exit."""
+    state = get_state(model)
+    if state is None:
+        raise ValueError("use_fused_projections needs an exactified model: call rlexact.exactify(model) first")
+    previous = state.fused
+    if fused is not None:
+        state.fused = fused.table
+    try:
+        yield
+    finally:
+        state.fused = previous
