@@ -22,6 +22,12 @@ partition (``BLOCK_N``, ``SPLIT``) stays the library's. For each candidate, as C
 prefill shapes: copy it into ``rlexact.ops.triton_attention.PREFILL_LAUNCH_16BIT``. ``choice.single_config`` is the
 best candidate whose decode times stay within 2 % of the library's, for the case that no candidate passes the
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
+
+``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``: ``BLOCK_M`` 16 / 32 / 64 x 1 / 2 / 4 warps x
+2 / 3 / 4 stages) on paged decode at batch 256 x 384, 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two
+split-parallel), each checked bitwise against the library's decode launch and, installed as
+``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total among those) goes
+into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``. Output: ``attention_decode_configs_h200.json``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ PAGE = 16
 PREFILL_SHAPES = ((64, 512), (8, 4096), (1, 8192))
 DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+DECODE_SWEEP_SHAPES = ((256, 384), (64, 2048), (32, 8192), (4, 8192))
+DECODE_CANDIDATES = [
+    {"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (16, 32, 64) for w in (1, 2, 4) for st in (2, 3, 4)
+]
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -88,10 +98,15 @@ def sdpa_ms(b: int, s: int) -> float:
 
 
 def decode_eq_prefill(
-    launch: dict, lens: tuple[int, ...] = (1100, 300, 37, 9), chunk: int = 256, n_decode: int = 8
+    launch: dict,
+    decode_launch: dict | None = None,
+    lens: tuple[int, ...] = (1100, 300, 37, 9),
+    chunk: int = 256,
+    n_decode: int = 8,
 ) -> bool:
     """Training forward == chunked paged prefill (prefill launch) + decode steps (decode launch), bitwise, with
-    ``launch`` installed as the library's prefill launch."""
+    ``launch`` installed as the library's prefill launch and ``decode_launch`` (default: the library's) as its
+    decode launch."""
     lens = list(lens)
     g = torch.Generator(device=DEV).manual_seed(1)
     t = sum(lens)
@@ -104,8 +119,9 @@ def decode_eq_prefill(
     kc = torch.full((n_blocks, PAGE, HKV, D), float("nan"), device=DEV, dtype=DT)
     vc = torch.full_like(kc, float("nan"))
     starts = cu.tolist()
-    saved = ta.PREFILL_LAUNCH_16BIT
+    saved = ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT
     ta.PREFILL_LAUNCH_16BIT = dict(launch)
+    ta.DECODE_LAUNCH_16BIT = dict(decode_launch or saved[1])
     try:
         full = ta.attention_varlen(q, k, v, cu, SCALE)
         out = torch.full_like(q, float("nan"))
@@ -126,14 +142,71 @@ def decode_eq_prefill(
             seqk = torch.tensor(done, device=DEV, dtype=torch.int32)
             out[rows] = ta.attention_paged(q[rows], kc, vc, tables, _cu(step), seqk, SCALE)
     finally:
-        ta.PREFILL_LAUNCH_16BIT = saved
+        ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT = saved
     return bool(torch.equal(out, full))
+
+
+def decode_sweep(out: str) -> int:
+    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`."""
+    t0 = time.time()
+    torch.manual_seed(0)
+    library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
+    prefill_launch = dict(ta.PREFILL_LAUNCH_16BIT)
+    cases = {f"decode_b{b}_ctx{c}": decode_case(b, c) for b, c in DECODE_SWEEP_SHAPES}
+    kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * HKV * D * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}
+    refs = {name: run(case, library) for name, case in cases.items()}
+    result: dict = header("attention_decode_configs", "triton") | {
+        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE},
+        "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
+        "library_prefill_launch": prefill_launch,
+        "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
+        "rows": [],
+    }
+    for launch in DECODE_CANDIDATES:
+        row: dict = {"launch": launch}
+        cfg = library | launch
+        try:
+            bitwise = True
+            for name, case in cases.items():
+                bitwise &= bool(torch.equal(run(case, cfg), refs[name]))
+                us = bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
+                row[name] = {"us": us, "kv_tb_s": kv_bytes[name] / us / 1e6}
+            row["bitwise"] = bitwise
+            row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch)
+            row["total_us"] = sum(row[n]["us"] for n in cases)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        summary = {n: round(row[n]["us"], 1) for n in cases if n in row}
+        print(
+            "[attention_configs --decode]", launch, summary, {k: row.get(k) for k in ("bitwise", "decode_eq_prefill")}
+        )
+        result["rows"].append(row)
+    exact = [r for r in result["rows"] if "error" not in r and r["bitwise"] and r["decode_eq_prefill"]]
+    choice: dict = {"rule": "min total decode time over the shapes among bitwise-equal candidates"}
+    if exact:
+        best = min(exact, key=lambda r: r["total_us"])
+        lib = next((r for r in exact if r["launch"] == ta.DECODE_LAUNCH_16BIT), None)
+        choice["decode_launch"] = best["launch"]
+        choice["total_us"] = best["total_us"]
+        choice["library_total_us"] = lib["total_us"] if lib is not None else None
+    result["choice"] = choice
+    result["elapsed_s"] = time.time() - t0
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print("[attention_configs --decode] choice", json.dumps(choice), f"({result['elapsed_s']:.0f} s)")
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_configs_h200.json"))
+    ap.add_argument(
+        "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
+    )
+    ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
     args = ap.parse_args()
+    results = ROOT / "benchmarks" / "results"
+    if args.decode:
+        return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"))
+    args.out = args.out or str(results / "attention_configs_h200.json")
     t0 = time.time()
     torch.manual_seed(0)
     library = ta._fwd_config(D, DT)

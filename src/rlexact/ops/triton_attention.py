@@ -16,8 +16,9 @@ bits do not depend on which of its tiles were masked. The number of splits of a 
 function of its own position, never of the batch. The key-side partition (``BLOCK_N``, ``SPLIT``) depends only on
 ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of sequences, or paged vs packed.
 The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
-(one query per sequence) and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
-``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an entry may differ.
+(one query per sequence, :data:`DECODE_LAUNCH_16BIT`) and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits
+must not depend on it, which ``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an
+entry may differ.
 ``attention_varlen`` and ``attention_paged`` launch the same ``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes
 how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized paged
 launches give each split its own program (grid axis 2) and fold the stored fp32 partials in ``_attn_merge_kernel``;
@@ -96,9 +97,15 @@ that is not a pure decode step (training forward, backward's forward rerun, pref
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
+DECODE_LAUNCH_16BIT = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+"""Query-side launch of bf16/fp16 pure decode launches (one query per sequence) at the head dims of
+:data:`PREFILL_LAUNCH_HEAD_DIMS`. Set it from ``benchmarks/attention_configs.py --decode`` (its result's
+``choice.decode_launch``): only a candidate whose outputs are bitwise equal to this entry's, and whose decode steps
+equal the training forward, is allowed."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
-"""Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` applies: the ones the sweep checked bitwise
-on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side entries."""
+"""Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
+ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
+entries."""
 
 
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
@@ -123,12 +130,13 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
 
 def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str, int]:
     """The forward config of one launch: :func:`_fwd_config`, with the query-side entries of
-    :data:`PREFILL_LAUNCH_16BIT` unless every sequence of the launch has exactly one query (``decode``). The key-side
-    entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for both."""
+    :data:`DECODE_LAUNCH_16BIT` when every sequence of the launch has exactly one query (``decode``), else of
+    :data:`PREFILL_LAUNCH_16BIT`. The key-side entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for
+    both."""
     cfg = _fwd_config(head_dim, dtype)
-    if decode or dtype == torch.float32 or _block_d(head_dim) not in PREFILL_LAUNCH_HEAD_DIMS:
+    if dtype == torch.float32 or _block_d(head_dim) not in PREFILL_LAUNCH_HEAD_DIMS:
         return cfg
-    return cfg | PREFILL_LAUNCH_16BIT
+    return cfg | (DECODE_LAUNCH_16BIT if decode else PREFILL_LAUNCH_16BIT)
 
 
 def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int, int]]:
