@@ -725,8 +725,8 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
         constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLIT=split, GROUP_M=cfg.group_m, **_dot_flags(dtype))
         counters = _counters((M, N, K, dtype, idx, split, cfg), tiles, device)
         return _Launch(
-            cfg, _mm_split_kernel, (tiles, splits), constexprs | out_flags, options, ints, idx,
-            counters=counters, ws_numel=splits * M * N,
+            cfg, _mm_split_kernel, (tiles, splits), constexprs | out_flags, options, ints, idx, None, counters,
+            splits * M * N,
         )  # fmt: skip
     raise ValueError(f"matmul: unknown kernel {cfg.kernel!r} in {cfg}; expected 'tma', 'ptr' or 'split'")
 
