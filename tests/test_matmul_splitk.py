@@ -224,55 +224,6 @@ def test_split_k_env_switch() -> None:
     assert proc.returncode != 0 and "RLEXACT_MATMUL_SPLIT_K='100'" in proc.stderr
 
 
-def test_direct_runner_split_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cached direct launcher of a split-parallel plan (against ``benchmarks/matmul_launch.py``'s stand-in of
-    Triton 3.6's launcher) passes the 2-D grid, the three operand pointers, then a fresh workspace and the plan's
-    counter slice, then the integers and constexprs in the kernel's order; the JIT dispatch gets the same tensors."""
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import matmul_launch as ml
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    from rlexact.ops import triton_matmul as tmm
-
-    monkeypatch.setattr(tmm, "_cuda_queries", lambda: (ml._stub_device, ml._stub_stream, ml._stub_capturing))
-    monkeypatch.setattr(tmm, "_direct_layout", lambda launcher: True)
-    monkeypatch.setattr(tmm, "_RUNNER_BROKEN", [False])
-    monkeypatch.setattr(tmm, "_INTERPRET", False)
-    m, n, k = 5, 300, 2 * tmm.SPLIT_K[torch.bfloat16] + 64
-    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    plan = tmm._plan(m, n, k, torch.bfloat16, x.device, tmm.MatmulConfig("split", 64, 32, 128, 4, 4))
-    assert plan.grid == (10, 3) and plan.n_extra == 2 and plan.ws_numel == 3 * m * n
-    compiled = ml._StubCompiled()
-    compiled.run.global_scratch_size = 0  # no tensor descriptors in the pointer kernels
-    calls = []
-    compiled.run.launch = lambda *a: calls.append(a)
-    tmm._keep_runner(plan, compiled, x, w, out, *plan.extra(x.device))
-    assert plan.runner.__qualname__.startswith("_direct_runner")
-    tmm._launch(plan, x, w, out)
-    a = calls[0]
-    names = list(plan.kernel.arg_names)
-    assert names[3:5] == ["ws_ptr", "cnt_ptr"]
-    assert a[:3] == (10, 3, 1) and a[7] is None, "no descriptor scratch"
-    assert a[13:16] == (x.data_ptr(), w.data_ptr(), out.data_ptr()) and a[17] == plan.counters.data_ptr()
-    assert a[16] % 16 == 0 and a[18:] == (*plan.ints, *(plan.constexprs[nm] for nm in names[11:]))
-    dispatched = []
-
-    class Kernel:
-        arg_names = plan.kernel.arg_names
-
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            return lambda *args, **kw: dispatched.append((grid, args))
-
-    plan.kernel, plan.runner = Kernel(), None
-    tmm._launch(plan, x, w, out)
-    ((grid, args),) = dispatched
-    assert grid == (10, 3) and args[4] is plan.counters and args[3].numel() == plan.ws_numel
-    assert args[3].dtype == torch.float32 and args[5:] == plan.ints
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------------------------------
