@@ -1,17 +1,12 @@
-"""Sweep of bitwise-equivalent row-tile variants of the exact matmul on one GPU.
+"""Sweep of bitwise-equivalent row-tile variants of the exact matmul for small M (decode) on one GPU.
 
     python benchmarks/matmul_variants.py [--out benchmarks/results/matmul_variants_h200.json]
-    python benchmarks/matmul_variants.py --ms 1 4 16 64 --shapes q_o down --out ...   # decode only, two shapes
-    RLEXACT_MATMUL_SPLIT_K=0 python benchmarks/matmul_variants.py --current-only --ms 1 4 16 64 4096 16384 --out ...
 
 For each Qwen3-1.7B projection shape (as the model calls them, plus fused q|k|v and gate|up) and each M (default
-1, 4, 16, 64, 128, 256; ``--ms``), every candidate configuration is (1) checked bitwise against the static large-M
+1, 16, 64, 128, 256; ``--ms``), every candidate configuration is (1) checked bitwise against the static large-M
 configuration on the same rows (a variant that changes any bit is marked ``bitwise: false`` and may not be used) and
-(2) timed as a CUDA-graph replay next to ``torch.mm``. Candidates for few rows are the pointer kernel and the
-split-parallel kernel (``"split"``); for more rows the persistent TMA kernel within the register limit of its two
-accumulators. ``--current-only`` times just the configuration the library picks (compare runs with different
-``RLEXACT_MATMUL_SPLIT_K``; the result records the split in use). The JSON records every candidate, the fastest
-bitwise-equal one per (shape, M), and the configuration the library picks today.
+(2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records every candidate, the fastest bitwise-equal
+one per (shape, M), and the configuration the library picks today.
 """
 
 from __future__ import annotations
@@ -25,16 +20,9 @@ from pathlib import Path
 import torch
 
 from common import ROOT, bench_graph, header
-from rlexact.ops.triton_matmul import (
-    MAX_ACC_PER_THREAD,
-    SPLIT_K,
-    MatmulConfig,
-    config_for,
-    matmul_with_config,
-    static_config,
-)
+from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config
 
-MS = [1, 4, 16, 64, 128, 256]
+MS = [1, 16, 64, 128, 256]
 SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls them, and fused q|k|v, gate|up
     "q_o": (2048, 2048),
     "k_v": (1024, 2048),
@@ -52,25 +40,18 @@ def candidates(m: int) -> list[MatmulConfig]:
             if bk * stages * (64 + bn) * 2 > 200_000:  # shared memory of the pipeline (x and w tiles, bf16)
                 continue
             out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=warps, num_stages=stages))
-        for bn, bk, stages, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4, 6), (4, 8)):
-            if bk * stages * (64 + bn) * 2 > 200_000 or (warps == 8 and bn < 64):
-                continue
-            out.append(MatmulConfig("split", 64, bn, bk, num_warps=warps, num_stages=stages))
         return out
-    acc_elems = MAX_ACC_PER_THREAD * 32  # per warp: two fp32 accumulators must fit (total and the split's part)
     for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
-        if bk * stages * (bm + bn) * 2 + bm * bn * 2 > 220_000 or bm * bn > acc_elems * warps:
-            continue  # pipeline + epilogue shared memory; accumulator registers
+        if bk * stages * (bm + bn) * 2 + bm * bn * 2 > 220_000 or bm * bn > 4096 * warps:
+            continue  # pipeline + epilogue shared memory; fp32 accumulator registers (<= 128 per thread)
         out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages, device_desc=True))
-        if bn >= 128 and bk * (stages + 1) * (bm + bn) * 2 + bm * bn <= 220_000:  # a halved epilogue: one more stage
-            out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages + 1, subtile=True))
     return out
 
 
-def sweep_shape(n: int, k: int, ms: list[int], current_only: bool) -> list[dict]:
+def sweep_shape(n: int, k: int, ms: list[int]) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-    x_all = torch.randn(max(4096, 1000 + max(ms)), k, device=dev, dtype=torch.bfloat16)
+    x_all = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
     ref_all = matmul_with_config(x_all, w, static_config(n, k, torch.bfloat16, dev))
     rows = []
     for m in ms:
@@ -79,7 +60,7 @@ def sweep_shape(n: int, k: int, ms: list[int], current_only: bool) -> list[dict]
         t_mm = bench_graph(lambda x=x: torch.mm(x, w.T))
         current = config_for(m, n, k, torch.bfloat16, dev)
         entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
-        for cfg in ([] if current_only else candidates(m)) + [current]:
+        for cfg in candidates(m) + [current]:
             c = {"config": repr(cfg)}
             try:
                 c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
@@ -107,20 +88,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_variants_h200.json"))
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="row counts M to sweep")
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="projection shapes")
-    ap.add_argument("--current-only", action="store_true", help="time only the configuration the library picks")
     args = ap.parse_args()
     result: dict = header("matmul_variants", "triton") | {
         "timing": "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)",
-        "split_k": SPLIT_K[torch.bfloat16],
-        "current_only": args.current_only,
         "shapes": {},
         "errors": {},
     }
-    for name in args.shapes:
-        n, k = SHAPES[name]
+    for name, (n, k) in SHAPES.items():
         try:
-            result["shapes"][name] = sweep_shape(n, k, args.ms, args.current_only)
+            result["shapes"][name] = sweep_shape(n, k, args.ms)
         except Exception:  # noqa: BLE001
             result["errors"][name] = traceback.format_exc()
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
