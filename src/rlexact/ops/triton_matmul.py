@@ -1,105 +1,65 @@
 """Batch-invariant Triton matmul: ``out[M, N] = x[M, K] @ w[N, K].T`` with fp32 accumulation.
 
-The arithmetic of one output element (the contract)
----------------------------------------------------
-K is cut into splits of ``S = SPLIT_K[dtype]`` elements anchored at ``k = 0`` (:data:`SPLIT_K`): split ``s`` covers
-``k`` in ``[s * S, min((s + 1) * S, K))`` and there are ``cdiv(K, S)`` splits, a function of K and the dtype only
-(``S = 0`` means one split of all of K, the contract before splits existed). ``S`` is a multiple of every K tile
-``BK``, so a split is a whole number of K tiles (the last split of a K that is not a multiple of ``S`` ends in the
-zero-filled K tail). For every output element:
-
-* each split is an fp32 chain started from zero, ``part = 0; for each K tile of the split, ascending:
-  part = dot(x_tile, w_tile^T, part)`` -- the accumulator is carried through ``tl.dot``'s accumulator operand (never
-  ``part += dot(...)``), fp32 operands use ``input_precision="ieee"`` (no TF32);
-* the partials are merged in ascending split order, ``total = p0; total = total + p1; total = total + p2; ...``:
-  the first partial is taken as is (``0 + p0`` would turn ``-0.0`` into ``+0.0``), each merge is one fp32 add;
-* ``total`` is rounded once to the output dtype (round to nearest even).
-
-``K <= S`` is one split: the plain chain. Out-of-range rows/columns/K-tail are zero-filled (TMA out-of-bounds fill
-or masked loads), so padding rows never influence real rows: matrix instructions compute each output element from
-its own row of ``x`` and column of ``w^T`` only.
-
-Three kernels implement exactly that arithmetic:
-
-* ``_mm_tma_kernel`` (persistent, tensor descriptors; Hopper prefill and training): per output tile, split 0's chain
-  is computed into ``total``; every further split starts a fresh ``part`` chain and ends with
-  ``total = total + part`` in registers. The add's operand is the result of a loop, never a dot with a zero
-  accumulator, so Triton's combine pass (which folds ``dot(a, b, 0) + c`` into ``dot(a, b, c)``) cannot turn the
-  merge into a longer chain.
-* ``_mm_ptr_kernel`` (pointer loads; the interpreter, fp32, GPUs or shapes without TMA): the same loop over splits in
-  registers.
-* ``_mm_split_kernel`` (split-parallel; the decode variant, few rows on Hopper): the grid is (output tiles, splits);
-  each program computes one split's ``part`` of one output tile with the same chain and stores it to an fp32
-  workspace ``[splits, M, N]``. After a CTA barrier (so every thread's partial is written) it increments the tile's
-  int32 arrival counter with an acquire-release ``atomic_add``; the program that sees ``splits - 1`` arrived last:
-  it loads the partials (bypassing L1) in ascending split order, merges them as above, casts, stores the tile and
-  resets the counter to zero.
-
-Why decode equals training bitwise: the splits are anchored at ``k = 0`` with a size that depends on the dtype only,
-every path starts every split from zero, chains the split's K tiles in ascending order and merges the partials in
-ascending split order. Which program computes a split (the tile's own program in sequence, or a program of its own in
-the split-parallel grid) and where the partial waits (registers or the workspace, exactly representable in fp32) do
-not change any operation. What remains is that the chain inside a split must not depend on BM, BN, BK or the kernel:
-
-* **fp32** lowers ``tl.dot(..., input_precision="ieee")`` to scalar FMA chains, ``acc = fma(a[m, k], b[k, n], acc)``
-  for k ascending -- the per-element operation sequence does not involve BM, BN or BK at all.
-* **bf16/fp16 on Hopper** lowers to ``wgmma`` instructions issued per warpgroup (a fixed number of rows), chained on
-  the accumulator k16-step by k16-step in ascending K. Tiles of one or two warpgroups issue the same k16 chain for
-  every row; only the instruction's N width differs, and the tensor core computes each output element with the same
-  datapath whatever N is. This is a *hardware* property, so it is verified rather than assumed:
-  ``tests/test_triton_kernels.py::test_gpu_matmul_row_tile_variants_bitwise`` compares every variant of
-  :func:`row_tile_variants` bitwise, ``tests/test_matmul_splitk.py`` compares the split-parallel decode rows with the
-  same rows of a training-sized call, and ``benchmarks/matmul_variants.py`` checks every candidate configuration
-  bitwise. Should a Triton/driver/GPU combination ever break this, set ``RLEXACT_MATMUL_SINGLE_TILE=1`` (or
-  :data:`USE_ROW_TILE_VARIANTS` = False) and every M uses the one static config.
-
-Counters and workspace of the split-parallel kernel. The counters live in one persistent, zero-initialized int32
-arena per device (:func:`_counters`), allocated outside any CUDA-graph capture when a plan is created (the first
-eager call of a shape; a shape first seen during a capture raises an error asking for one eager call first). Each
-plan owns a fixed slice, one counter per output tile, and the last arriving program of a tile puts its counter back
-to zero, so neither the next launch nor a CUDA-graph replay needs a memset. Two launches of the same plan in flight at
-the same time (on different streams) would race on its counters; the generator runs decode on one stream. The fp32
-workspace is a fresh ``torch.empty`` per call (from the graph's private pool during capture).
-
-Registers: the TMA kernel holds two fp32 ``BM x BN`` accumulators (``total`` and ``part``), so its configurations
-keep ``BM * BN / (32 * num_warps)`` at most :data:`MAX_ACC_PER_THREAD` fp32 values per accumulator and thread.
-
-Switch: ``RLEXACT_MATMUL_SPLIT_K`` (read at import) sets :data:`SPLIT_K` for every dtype; ``0`` means no split (one
-chain over all of K, the old contract), otherwise a positive multiple of :data:`SPLIT_K_MULTIPLE`. Both sides of the
-exactness contract (generator and trainer) must run with the same value.
+Why the result for a row depends only on that row
+-------------------------------------------------
+Every output element is ``acc = 0; for k-tile in 0, 1, ..., cdiv(K, BK) - 1: acc = dot(x_tile, w_tile^T, acc)``:
+one program owns a whole ``BM x BN`` output tile (no split-K, no atomics), the K tiles are visited in ascending order,
+the accumulator is fp32 and is carried through ``tl.dot``'s accumulator operand (never ``acc += dot(...)``), and
+fp32 operands use ``input_precision="ieee"`` (no TF32). Out-of-range rows/columns/K-tail are zero-filled (TMA
+out-of-bounds fill or masked loads), so padding rows never influence real rows: matrix instructions compute each
+output element from its own row of ``x`` and column of ``w^T`` only.
 
 The tile configuration is a function of ``(N, K, dtype, device)`` only (:func:`static_config`), never of M. On Hopper
 an M-bucketed list of variants (:func:`row_tile_variants`, itself a function of N, K, dtype, device) trades tile
-shapes and kernels for speed; that is legal only because the variants differ in BM / BN / BK / kernel but not in the
-per-element arithmetic above. Anything else (Triton interpreter, pre-Hopper GPUs, K or N not 16-byte aligned for TMA,
-Triton without tensor descriptors/warp specialization) uses the pointer kernel with a single static config for all M.
+shapes for speed -- narrow pointer-kernel tiles for decode, wide TMA tiles for prefill/training. That is legal only
+because the variants differ in BM / BN / BK / kernel but not in the per-element arithmetic:
 
-Row-tile variants (bf16/fp16 on Hopper; candidates and CUDA-graph timings in ``benchmarks/matmul_variants.py`` and its
-results, where every candidate is checked bitwise first):
+* **fp32** lowers ``tl.dot(..., input_precision="ieee")`` to scalar FMA chains, ``acc = fma(a[m, k], b[k, n], acc)``
+  for k ascending -- the per-element operation sequence does not involve BM, BN or BK at all.
+* **bf16/fp16 on Hopper** lowers to ``wgmma.m64nNk16`` instructions issued per warpgroup (64 rows), chained on the
+  accumulator k16-step by k16-step in ascending K. A BM=64 tile and a BM=128 tile (two warpgroups) issue the same
+  k16 chain for every row; only the instruction's N width differs (n64 vs n256), and the tensor core computes each
+  output element with the same datapath whatever N is. This is a *hardware* property, so it is verified rather
+  than assumed: ``tests/test_triton_kernels.py::test_gpu_matmul_row_tile_variants_bitwise`` compares every variant
+  of :func:`row_tile_variants` bitwise, and the invariance tests compare rows at M = 1..64 (decode variant) with the
+  same rows inside M = 4096 / 16384 (large variant). Should a Triton/driver/GPU combination ever break this, set
+  ``RLEXACT_MATMUL_SINGLE_TILE=1`` (or :data:`USE_ROW_TILE_VARIANTS` = False) and every M uses the one static config.
+* Anything else (Triton interpreter, pre-Hopper GPUs, K or N not 16-byte aligned for TMA, Triton without tensor
+  descriptors/warp specialization) uses the portable pointer kernel with a single static config for all M.
 
-* decode (the fewest rows): with more than one split, the split-parallel kernel with one warpgroup of rows, BN
-  chosen from N and the number of splits so that (column tiles x splits) is about the SM count or more, and a K tile
-  that keeps enough weight bytes in flight per program (:func:`_decode_config`); with one split, the pointer kernel
-  with BN chosen so that the column tiles alone cover the SMs.
-* small and mid M: persistent TMA with one- or two-warpgroup row tiles (narrower columns where N is small).
-* large M: persistent TMA with two-warpgroup row tiles (the register limit above rules out wider accumulators).
+So the variant for a given M is picked from a list whose members are bitwise-equivalent per row; the list itself is
+a function of (N, K, dtype, device). With variants disabled the M-independence is by construction. (On the H200 the
+pointer kernel, the TMA kernel with host or device descriptors, BM 64/128, BN 16..256, BK 64/128/256 and warp
+specialization on/off all produced identical bits for bf16.)
+
+Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA-graph timings, see
+``benchmarks/results/matmul_variants_h200.json``, ``benchmarks/results/matmul_variants_m256_h200.json`` and the
+``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
+
+* M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles exist
+  (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for BN = 32
+  and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
+* 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
+  per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
+  128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages.
+* 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
+* M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves.
 * ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
   default (``MatmulConfig.warp_specialize``; a failed WS compile falls back to the same kernel without it).
 
 Host overhead (the trainer calls the matmul eagerly): every TMA variant builds its tensor descriptors on the device
 (``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch. Each ``(M, N, K, dtype, device)`` gets
-a cached :class:`_Launch` (configuration, grid, arguments, counter slice) and, after its first launch, a cached
-launcher (:func:`_keep_runner`). On Triton 3.6 that is :func:`_direct_runner`: it calls the compiled kernel's C
-launcher itself with the stream, function, metadata and arguments bound once, pointers passed as integers (the
-split-parallel kernel's workspace and counters as two extra pointers after the output) and the descriptor scratch
-handed over directly (the last stream's buffer, or the CUDA-graph pool during capture, :func:`_scratch`), so a call
-costs one shape check, one dictionary lookup, one ``torch.empty`` (two for the split-parallel kernel) and the C
-launch. Launch hooks, when installed, still see every launch (the launch then goes through Triton's runner). On other
-Triton versions the cached launcher is Triton's ``CompiledKernel[grid]`` runner, whose descriptor scratch comes from
-Triton's per-thread allocator (:func:`_ensure_allocator` installs :func:`_torch_alloc` in a thread that has none;
-nothing else is global). Where no launcher can be reused (unaligned pointers of the pointer kernels, the interpreter,
-another current device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the
-same specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
+a cached :class:`_Launch` (configuration, grid, arguments) and, after its first launch, a cached launcher
+(:func:`_keep_runner`). On Triton 3.6 that is :func:`_direct_runner`: it calls the compiled kernel's C launcher
+itself with the stream, function, metadata and arguments bound once, pointers passed as integers and the descriptor
+scratch handed over directly (the last stream's buffer, or the CUDA-graph pool during capture, :func:`_scratch`),
+so a call costs one shape check, one dictionary lookup, one ``torch.empty`` and the C launch. Launch hooks, when
+installed, still see every launch (the launch then goes through Triton's runner). On other Triton versions the
+cached launcher is Triton's ``CompiledKernel[grid]`` runner, whose descriptor scratch comes from Triton's per-thread
+allocator (:func:`_ensure_allocator` installs :func:`_torch_alloc` in a thread that has none; nothing else is
+global). Where no launcher can be reused (unaligned pointers of the pointer kernel, the interpreter, another current
+device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the same
+specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
 incompatible Triton warns and switches to it).
 Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
@@ -138,43 +98,6 @@ USE_ROW_TILE_VARIANTS = os.environ.get("RLEXACT_MATMUL_SINGLE_TILE", "0") != "1"
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 """torch -> Triton dtype of the kernels' inputs/outputs (shared by the matmul, norm and rope launchers)."""
 
-SPLIT_K_MULTIPLE = 256
-"""Every split size is a multiple of this, the largest K tile (``BK``) any configuration may use."""
-
-
-def _split_k_from_env(default: int) -> int:
-    """``RLEXACT_MATMUL_SPLIT_K`` as an int (``default`` when unset): ``0`` (no split) or a positive multiple of
-    :data:`SPLIT_K_MULTIPLE`."""
-    raw = os.environ.get("RLEXACT_MATMUL_SPLIT_K")
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0 or value % SPLIT_K_MULTIPLE:
-        raise ValueError(
-            f"RLEXACT_MATMUL_SPLIT_K={raw!r}: set it to 0 (no K split) or a positive multiple of {SPLIT_K_MULTIPLE}"
-        )
-    return value
-
-
-_SPLIT_K_DEFAULT = 1024
-"""Elements of K per split for every dtype unless ``RLEXACT_MATMUL_SPLIT_K`` says otherwise."""
-
-SPLIT_K: dict[torch.dtype, int] = dict.fromkeys(_TL_DTYPE, _split_k_from_env(_SPLIT_K_DEFAULT))
-"""``dtype -> elements of K per split`` (0: one split of all of K). Read when a launch plan is made, so both sides of
-the exactness contract must use one value for the whole process (set it through ``RLEXACT_MATMUL_SPLIT_K``)."""
-
-MAX_ACC_PER_THREAD = 64
-"""Most fp32 values per thread of one ``BM x BN`` accumulator in a TMA configuration (it holds two of them)."""
-
-
-def num_splits(K: int, dtype: torch.dtype) -> int:
-    """Number of K splits of a row of length ``K`` in ``dtype``: ``cdiv(K, SPLIT_K[dtype])``, 1 without splits."""
-    split = SPLIT_K[dtype]
-    return max(1, triton.cdiv(K, split)) if split else 1
-
 
 def _rne_fix(out_dtype: torch.dtype) -> bool:
     """The ``RNE_FIX`` flag of :func:`cast_out` for an output dtype: only the interpreter's fp32 -> bf16 truncates."""
@@ -189,9 +112,7 @@ def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One kernel launch configuration. ``kernel`` is ``"tma"`` (persistent, tensor descriptors), ``"ptr"`` (pointer
-    loads, one program per output tile) or ``"split"`` (pointer loads, one program per output tile and K split, the
-    split-parallel decode kernel)."""
+    """One kernel launch configuration. ``kernel`` is ``"tma"`` (persistent, tensor descriptors) or ``"ptr"``."""
 
     kernel: str
     BM: int
@@ -239,13 +160,12 @@ def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
 def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) -> MatmulConfig:
     if device_key[0] == "interp":
         return MatmulConfig("ptr", BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
-    split = num_splits(K, dtype) > 1  # the pointer kernel then holds a second accumulator: tiles that do not spill
     if dtype == torch.float32:  # FMA path (ieee); tiles only affect speed, not bits
-        return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=8 if split else 4, num_stages=3)
-    if tma:  # two fp32 accumulators of 128 x 128 over 8 warps: MAX_ACC_PER_THREAD each
+        return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
+    if tma:  # measured on an H200 (triton 3.6): warp specialization gave no gain here, so it is off by default
+        if N >= 256:
+            return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, subtile=True)
         return MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
-    if split:
-        return MatmulConfig("ptr", BM=128, BN=64, BK=32, num_warps=8, num_stages=3)
     return MatmulConfig("ptr", BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
 
 
@@ -255,26 +175,12 @@ def static_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> M
 
 
 def _decode_bn(N: int, num_sms: int) -> int:
-    """Widest BN in {64, 32, 16} that still gives about one column tile per SM (the one-split decode variant, where
-    N is the only source of parallelism)."""
+    """Widest BN in {64, 32, 16} that still gives about one column tile per SM (small M reads ``w`` once and, with
+    split-K banned, N is the only source of parallelism)."""
     for bn in (64, 32):
         if triton.cdiv(N, bn) >= 0.9 * num_sms:
             return bn
     return 16
-
-
-def _decode_config(N: int, K: int, dtype: torch.dtype, num_sms: int) -> MatmulConfig:
-    """The decode variant (a function of N, K, dtype and the SM count). Few rows are bound by reading ``w`` once, so
-    the grid needs about one program per SM or more, each with many weight bytes in flight. With several splits the
-    split-parallel kernel multiplies the programs by the number of splits: the widest BN in {64, 32, 16} whose
-    (column tiles x splits) still reaches about the SM count, with a K tile of 128 (wider tiles spill registers in the
-    pointer kernel). With one split, the pointer kernel with :func:`_decode_bn`."""
-    splits = num_splits(K, dtype)
-    if splits > 1:
-        bn = next((b for b in (64, 32) if triton.cdiv(N, b) * splits >= 0.9 * num_sms), 16)
-        return MatmulConfig("split", 64, bn, 128, num_warps=4, num_stages=4)
-    bn = _decode_bn(N, num_sms)
-    return MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
 
 
 @functools.cache
@@ -283,14 +189,20 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     if not (tma and USE_ROW_TILE_VARIANTS):
         return ((None, base),)
     sms = _cuda_props(device_key[1])[1]
-    decode = _decode_config(N, K, dtype, sms)
-    # All members are bitwise-identical per row (module docstring); the TMA tiles respect MAX_ACC_PER_THREAD.
+    bn = _decode_bn(N, sms)
+    # All four are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
+    # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
+    # benchmarks/results/matmul_variants_h200.json: BK 64 for BN 16 / 64 (6 stages for 64), BK 128 for BN 32.
+    decode = MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
     if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:
         small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5)
-    wide = triton.cdiv(N, 128) * 2 >= 0.6 * sms  # wide N: 128 x 128 tiles (the base) fill the GPU from M > 128
-    return ((64, decode), (128 if wide else 256, small), (None, base))
+    mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
+    if triton.cdiv(N, 128) * 2 >= 0.6 * sms:  # wide N: 128 x 128 tiles still fill the GPU at 128 < M <= 256
+        wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4)
+        return ((64, decode), (128, small), (256, wide), (2048, mid), (None, base))
+    return ((64, decode), (256, small), (2048, mid), (None, base))
 
 
 def row_tile_variants(N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -340,32 +252,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _tma_chain(
-    x_desc,
-    w_desc,
-    offs_m,
-    offs_n,
-    kt_lo,
-    kt_hi,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One split's partial of a ``BM x BN`` tile: ``acc = 0``, then ``acc = dot(x_tile, w_tile^T, acc)`` for the K
-    tiles ``kt_lo, ..., kt_hi - 1`` in ascending order (the accumulator chained through ``tl.dot``)."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(kt_lo, kt_hi):
-        a = x_desc.load([offs_m, ki * BK])
-        b = w_desc.load([offs_n, ki * BK])
-        if UPCAST:  # interpreter only: its low-precision tl.dot is unreliable
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b.T, acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _mm_tma_kernel(
     x_desc,
@@ -377,7 +263,6 @@ def _mm_tma_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     WS: tl.constexpr,
@@ -389,7 +274,6 @@ def _mm_tma_kernel(
 ):
     """Persistent matmul over tensor descriptors: ``x_desc [M, K]`` block ``[BM, BK]``, ``w_desc [N, K]`` block
     ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE).
-    ``SPLIT``: elements of K per split (0: one split); the splits are merged in registers in ascending order.
 
     ``DEV_DESC``: the three arguments are plain (contiguous) tensors and the descriptors are built on the device
     (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`_ensure_allocator`)."""
@@ -408,69 +292,25 @@ def _mm_tma_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM
         offs_n = pid_n * BN
-        if SPLIT > 0:
-            SPLIT_TILES: tl.constexpr = SPLIT // BK
-            total = _tma_chain(x_desc, w_desc, offs_m, offs_n, 0, tl.minimum(k_tiles, SPLIT_TILES), BM, BN, BK, UPCAST)
-            for kt_lo in range(SPLIT_TILES, k_tiles, SPLIT_TILES):  # further splits, ascending
-                part = _tma_chain(
-                    x_desc, w_desc, offs_m, offs_n, kt_lo, tl.minimum(kt_lo + SPLIT_TILES, k_tiles), BM, BN, BK, UPCAST
-                )
-                total = total + part
-        else:
-            total = _tma_chain(x_desc, w_desc, offs_m, offs_n, 0, k_tiles, BM, BN, BK, UPCAST)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
+            a = x_desc.load([offs_m, ki * BK])
+            b = w_desc.load([offs_n, ki * BK])
+            if UPCAST:  # interpreter only: its low-precision tl.dot is unreliable
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
         tile_id_c += NUM_PROGS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_cm = pid_m * BM
         offs_cn = pid_n * BN
         if SUBTILE:
-            acc3 = tl.permute(tl.reshape(total, (BM, 2, BN // 2)), (0, 2, 1))
+            acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
             acc0, acc1 = tl.split(acc3)
             o_desc.store([offs_cm, offs_cn], cast_out(acc0, OUT_DTYPE, RNE_FIX))
             o_desc.store([offs_cm, offs_cn + BN // 2], cast_out(acc1, OUT_DTYPE, RNE_FIX))
         else:
-            o_desc.store([offs_cm, offs_cn], cast_out(total, OUT_DTYPE, RNE_FIX))
-
-
-@triton.jit
-def _ptr_chain(
-    x_ptr,
-    w_ptr,
-    rm,
-    rn,
-    m_ok,
-    n_ok,
-    K,
-    k_lo,
-    k_hi,
-    stride_xm,
-    stride_wn,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """One split's partial of the tile of rows ``rm`` x columns ``rn``: ``acc = 0``, then
-    ``acc = dot(x_tile, w_tile^T, acc)`` for the K tiles starting at ``k_lo`` (a multiple of ``BK``) up to ``k_hi``,
-    in ascending order; rows, columns and K past the ends load as zero."""
-    rk = tl.arange(0, BK)
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]  # [BK, BN] = tile of w^T
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
-        k_ok = rk < K - k
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BK
-        w_ptrs += BK
-    return acc
+            o_desc.store([offs_cm, offs_cn], cast_out(acc, OUT_DTYPE, RNE_FIX))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -487,88 +327,37 @@ def _mm_ptr_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     RNE_FIX: tl.constexpr,
 ):
-    """Portable pointer matmul (one output tile per program, all K splits in sequence, merged in registers in
-    ascending order); the same per-element arithmetic as the other kernels. ``SPLIT``: elements of K per split (0:
-    one split)."""
+    """Portable pointer matmul (one output tile per program); same per-element recurrence as the TMA kernel."""
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
     m_ok = rm < M
     n_ok = rn < N
-    if SPLIT > 0:
-        total = _ptr_chain(
-            x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, 0, tl.minimum(K, SPLIT), stride_xm, stride_wn, BM, BN, BK, UPCAST, IEEE
-        )
-        for k_lo in range(SPLIT, K, SPLIT):  # further splits, ascending
-            k_hi = tl.minimum(k_lo + SPLIT, K)
-            part = _ptr_chain(
-                x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, k_lo, k_hi, stride_xm, stride_wn, BM, BN, BK, UPCAST, IEEE
-            )
-            total = total + part
-    else:
-        total = _ptr_chain(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, 0, K, stride_xm, stride_wn, BM, BN, BK, UPCAST, IEEE)
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BK, BN] = tile of w^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BK)):
+        k_ok = rk < K - ki * BK
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(o_ptrs, cast_out(total, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _mm_split_kernel(
-    x_ptr,
-    w_ptr,
-    o_ptr,
-    ws_ptr,
-    cnt_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    RNE_FIX: tl.constexpr,
-):
-    """Split-parallel pointer matmul: program ``(tile, split)`` computes split ``split`` (``SPLIT`` elements of K,
-    anchored at zero) of output tile ``tile`` and stores the fp32 partial to ``ws_ptr [splits, M, N]``; the last
-    program of a tile to arrive (``cnt_ptr[tile]``, an int32 arrival counter that is zero on entry) merges the
-    partials in ascending split order, stores the tile and sets the counter back to zero."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    m_ok = rm < M
-    n_ok = rn < N
-    k_lo = split * SPLIT
-    part = _ptr_chain(
-        x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, k_lo, tl.minimum(k_lo + SPLIT, K), stride_xm, stride_wn, BM, BN, BK,
-        UPCAST, IEEE,
-    )  # fmt: skip
-    mask = m_ok[:, None] & n_ok[None, :]
-    plane = M.to(tl.int64) * N  # elements of one split's partial
-    ws = ws_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    tl.store(ws + split * plane, part, mask=mask)
-    tl.debug_barrier()  # every thread's partial is written before the counter releases it
-    n_split = tl.cdiv(K, SPLIT)
-    if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == n_split - 1:  # last to arrive: merge
-        total = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, n_split):
-            total = total + tl.load(ws + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
-        o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-        tl.store(o_ptrs, cast_out(total, o_ptr.dtype.element_ty, RNE_FIX), mask=mask)
-        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")  # ready for the next launch or graph replay
+    tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -617,49 +406,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-COUNTER_ARENA = 1 << 16
-"""int32 arrival counters per arena (a new arena is allocated when a plan's slice no longer fits)."""
-_COUNTER_ALIGN = 32
-"""Counter slices start at multiples of this many int32 (16-byte aligned pointers, one kernel specialization)."""
-_ARENAS: dict = {}
-"""``device key -> [int32 arena, counters handed out]``: the persistent, zero-initialized counter memory."""
-_COUNTERS: dict = {}
-"""``(M, N, K, dtype, device index, split, config) -> int32 slice``: each split-parallel plan's own counters (kept
-for the life of the process, so a cleared launch cache or a captured CUDA graph never sees a slice reused)."""
-
-
-def _counters(key: tuple, n: int, device: torch.device) -> torch.Tensor:
-    """The ``n`` arrival counters of the split-parallel plan ``key`` (one per output tile): a fixed slice of the
-    device's arena, zero on first use and put back to zero by every launch (the last program of a tile resets its
-    counter). Allocated outside CUDA-graph capture only, so the memory is never a graph pool's."""
-    got = _COUNTERS.get(key)
-    if got is not None:
-        return got
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"matmul: the split-parallel plan {key} has no arrival counters yet and they cannot be allocated during "
-            "CUDA-graph capture; run this matmul shape once eagerly before capturing"
-        )
-    dkey = _device_key(device)
-    need = triton.cdiv(n, _COUNTER_ALIGN) * _COUNTER_ALIGN
-    arena = _ARENAS.get(dkey)
-    if arena is None or arena[1] + need > arena[0].numel():
-        arena = _ARENAS[dkey] = [torch.zeros(max(COUNTER_ARENA, need), dtype=torch.int32, device=device), 0]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the zero fill is done before any stream uses the counters
-    got = _COUNTERS[key] = arena[0][arena[1] : arena[1] + n]
-    arena[1] += need
-    return got
-
-
 @dataclass
 class _Launch:
     """Everything about one matmul launch that depends only on ``(M, N, K, dtype, device)``.
 
     ``ints`` are the integer kernel arguments (fixed by the key); ``runner``, set after the first launch through
     Triton's JIT dispatch with 16-byte-aligned operands (:func:`_keep_runner`), launches the compiled kernel again:
-    ``runner(x, w, out, x_ptr, w_ptr, out_ptr, *extra) -> bool`` (False: not launched, use the JIT dispatch), where
-    ``extra`` are the split-parallel kernel's workspace and counters (none for the other kernels)."""
+    ``runner(x, w, out, x_ptr, w_ptr, out_ptr) -> bool`` (False: not launched, use the JIT dispatch)."""
 
     cfg: MatmulConfig
     kernel: object
@@ -669,21 +422,6 @@ class _Launch:
     ints: tuple
     device: int
     runner: object = None
-    counters: torch.Tensor | None = None
-    """Split-parallel kernel only: this plan's arrival counters (:func:`_counters`)."""
-    ws_numel: int = 0
-    """Split-parallel kernel only: fp32 elements of the per-call partial workspace ``[splits, M, N]``."""
-
-    @property
-    def n_extra(self) -> int:
-        """Pointer arguments after ``out``: the workspace and the counters of the split-parallel kernel, else none."""
-        return 0 if self.counters is None else 2
-
-    def extra(self, device: torch.device) -> tuple:
-        """The tensors of those pointer arguments for one launch (a fresh workspace, the plan's counters)."""
-        if self.counters is None:
-            return ()
-        return (torch.empty(self.ws_numel, dtype=torch.float32, device=device), self.counters)
 
 
 _LAUNCHES: dict = {}
@@ -694,41 +432,20 @@ MAX_LAUNCHES = 4096
 
 
 def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> _Launch:
-    split = SPLIT_K[dtype]
-    if split % cfg.BK:
-        raise ValueError(
-            f"matmul: the K split ({split} elements for {dtype}) is not a multiple of BK = {cfg.BK} of {cfg}; use a "
-            f"BK that divides it, or set RLEXACT_MATMUL_SPLIT_K to 0 or a multiple of {SPLIT_K_MULTIPLE}"
-        )
     out_flags = {"RNE_FIX": _rne_fix(dtype)}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     idx = device.index if device.type == "cuda" and device.index is not None else -1
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
-    one = split == 0 or K <= split  # one split: the loop kernels compile without the merge (the same arithmetic)
     if cfg.kernel == "tma":
-        num_progs = max(1, min(_num_sms(device), tiles))
+        num_progs = max(1, min(_num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
         constexprs = dict(
-            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLIT=0 if one else split, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
             OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, **out_flags,
         )  # fmt: skip
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
-    ints = (M, N, K, K, K, N)
-    if cfg.kernel == "ptr":
-        constexprs = dict(
-            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLIT=0 if one else split, GROUP_M=cfg.group_m, **_dot_flags(dtype)
-        )
-        return _Launch(cfg, _mm_ptr_kernel, (tiles,), constexprs | out_flags, options, ints, idx)
-    if cfg.kernel == "split":
-        split = split or triton.cdiv(K, cfg.BK) * cfg.BK  # no K split: one split of all of K
-        splits = triton.cdiv(K, split)
-        constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLIT=split, GROUP_M=cfg.group_m, **_dot_flags(dtype))
-        counters = _counters((M, N, K, dtype, idx, split, cfg), tiles, device)
-        return _Launch(
-            cfg, _mm_split_kernel, (tiles, splits), constexprs | out_flags, options, ints, idx, None, counters,
-            splits * M * N,
-        )  # fmt: skip
-    raise ValueError(f"matmul: unknown kernel {cfg.kernel!r} in {cfg}; expected 'tma', 'ptr' or 'split'")
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, **_dot_flags(dtype), **out_flags)
+    return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 
 
 _RUNNER_BROKEN: list[bool] = [os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") == "1"]
@@ -747,13 +464,12 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     if (px | pw) % 16 and cfg.kernel == "tma":
         x, w = _aligned(x), _aligned(w)
         px, pw = x.data_ptr(), w.data_ptr()
-    extra = plan.extra(out.device) if plan.counters is not None else ()
     runner = plan.runner
     if runner is not None:
         po = out.data_ptr()
         if (px | pw | po) % 16 == 0:
             try:
-                if runner(x, w, out, px, pw, po, *extra):
+                if runner(x, w, out, px, pw, po):
                     return
             except _RUNNER_ERRORS as e:
                 _RUNNER_BROKEN[0] = True
@@ -769,7 +485,7 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
         ) + (M, N, K)
     else:
         _ensure_allocator()
-        args = (x, w, out, *extra, *plan.ints)
+        args = (x, w, out, *plan.ints)
     try:
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     except Exception:
@@ -779,14 +495,14 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
         _WS_BROKEN.add(cfg)
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
-    _keep_runner(plan, compiled, x, w, out, *extra)
+    _keep_runner(plan, compiled, x, w, out)
 
 
 def _keep_runner(plan: _Launch, compiled, *tensors: torch.Tensor) -> None:  # noqa: ANN001
     """Keep a launcher of ``compiled`` for later launches when this launch's specialization is the one every later
-    launch of the plan will have (16-byte-aligned pointers -- a fresh workspace and the counter slice always are;
-    the integers are fixed by the plan's key, M is not specialized): :func:`_direct_runner` where this Triton's
-    launcher API is the known one, else :func:`_triton_runner`."""
+    launch of the plan will have (16-byte-aligned pointers; the integers are fixed by the plan's key, M is not
+    specialized): :func:`_direct_runner` where this Triton's launcher API is the known one, else
+    :func:`_triton_runner`."""
     if _INTERPRET or _RUNNER_BROKEN[0] or not hasattr(compiled, "__getitem__") or plan.runner is not None:
         return
     if any(t.data_ptr() % 16 for t in tensors):
@@ -794,7 +510,7 @@ def _keep_runner(plan: _Launch, compiled, *tensors: torch.Tensor) -> None:  # no
     if not plan.cfg.device_desc and plan.cfg.kernel == "tma":
         return  # host descriptors are rebuilt per call
     names = list(plan.kernel.arg_names)
-    n_rt = 3 + plan.n_extra + len(plan.ints)
+    n_rt = 3 + len(plan.ints)
     if set(names[n_rt:]) != set(plan.constexprs):
         return
     tail = (*plan.ints, *(plan.constexprs[n] for n in names[n_rt:]))
@@ -809,11 +525,11 @@ def _triton_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     run = compiled[grid]
     get_device = _cuda_queries()[0]
 
-    def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *rest: object) -> bool:
+    def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ptrs: int) -> bool:
         if get_device() != device:
             return False
         _ensure_allocator()
-        run(x, w, out, *rest[3:], *tail)  # rest: the three pointers, then the extra tensors
+        run(x, w, out, *tail)
         return True
 
     return runner
@@ -870,15 +586,13 @@ def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     hooked = _triton_runner(device, compiled, grid, tail)
     last = (None, None)  # (stream, scratch buffer) of the previous eager launch
 
-    def runner(
-        x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, px: int, pw: int, po: int, *extra: torch.Tensor
-    ) -> bool:
+    def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, px: int, pw: int, po: int) -> bool:
         nonlocal last
         enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
         if (enter is not None and (type(enter) is not chain or enter.calls)) or (
             leave is not None and (type(leave) is not chain or leave.calls)
         ):
-            return hooked(x, w, out, px, pw, po, *extra)
+            return hooked(x, w, out)
         if get_device() != device:
             return False
         stream = raw_stream(device)
@@ -891,13 +605,7 @@ def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
             else:
                 scratch = _scratch(nbytes, device, stream)
                 last = (stream, scratch)
-        if extra:  # split-parallel kernel: workspace and counters follow the output
-            c_launch(
-                gx, gy, gz, stream, function, coop, pdl, scratch, None, meta, None, None, None, px, pw, po,
-                *[t.data_ptr() for t in extra], *tail,
-            )  # fmt: skip
-        else:
-            c_launch(gx, gy, gz, stream, function, coop, pdl, scratch, None, meta, None, None, None, px, pw, po, *tail)
+        c_launch(gx, gy, gz, stream, function, coop, pdl, scratch, None, meta, None, None, None, px, pw, po, *tail)
         return True
 
     return runner
