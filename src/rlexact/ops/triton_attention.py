@@ -97,11 +97,14 @@ that is not a pure decode step (training forward, backward's forward rerun, pref
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
-DECODE_LAUNCH_16BIT = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 1, "num_stages": 2}
 """Query-side launch of bf16/fp16 pure decode launches (one query per sequence) at the head dims of
-:data:`PREFILL_LAUNCH_HEAD_DIMS`. Set it from ``benchmarks/attention_configs.py --decode`` (its result's
-``choice.decode_launch``): only a candidate whose outputs are bitwise equal to this entry's, and whose decode steps
-equal the training forward, is allowed."""
+:data:`PREFILL_LAUNCH_HEAD_DIMS`. Set from ``benchmarks/attention_configs.py --decode`` (its result's
+``choice.decode_launch``, ``benchmarks/results/attention_decode_configs_h200.json``): only a candidate whose outputs
+are bitwise equal to the previous entry's (``BLOCK_M`` 64, 4 warps, 3 stages) and whose decode steps equal the
+training forward is allowed. On the H200 the bits depend on the rows per warp, not on ``BLOCK_M``: 16 rows per warp
+with 2 or 4 warps differed, one warp (any ``BLOCK_M``) and 64 rows per warp agreed. A 16-row tile wastes fewer rows
+on a decode query's ``HP`` heads."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
