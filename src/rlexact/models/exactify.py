@@ -263,8 +263,9 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
     ``input_layernorm``; ``None`` for the last layer). The layer still returns the residual stream; the normed rows
     go to the next layer through ``handoff`` (one slot shared by the layers of a stack), which uses them only when it
     receives that very tensor and its norm weight is the one used, unmodified; else it runs its norm itself. A
-    sharded (DTensor) next weight is not read. With autograd the layer runs the separate ops (the trainer's
-    backward is unchanged)."""
+    sharded (DTensor) next weight is not read. With autograd (grad mode on and a parameter of the layer or its input
+    requiring grad) the layer runs its class forward (transformers' layer over the exact modules, with its activation
+    checkpointing when enabled): the trainer's backward is unchanged."""
     in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     post_eps = _norm_eps(post_norm)
     next_eps = _norm_eps(next_norm)
@@ -279,6 +280,15 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
         **kwargs: object,
     ) -> torch.Tensor:
         handed, handoff[0] = handoff[0], None
+        if torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
+        ):
+            # the trainer: the stock layer over the exact modules (its class forward also applies transformers'
+            # activation checkpointing, which an instance forward would bypass)
+            return type(layer).forward(
+                layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+            )  # fmt: skip
         residual = hidden_states
         key = (residual, in_norm.weight)
         if handed is not None and all(a is b and _version(a) == v for a, b, v in zip(key, handed[0], handed[1])):
@@ -289,11 +299,7 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
-        if _no_autograd(hidden_states, residual, post_norm.weight):
-            hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps)
-        else:
-            residual = residual + hidden_states
-            hidden_states = post_norm(residual)
+        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps)
         hidden_states = layer.mlp(hidden_states)
         w = None if next_norm is None else next_norm.weight
         if w is None or type(w) not in (torch.Tensor, nn.Parameter) or not _no_autograd(hidden_states, residual, w):

@@ -397,11 +397,11 @@ class Generator:
                         t_sched = clock()
                     # a step is in flight: queue the next one before reading this one back when it is known already
                     nxt_batch = sched.chain(launched.batch)
+                    host["schedule"] += clock() - t_sched
                     nxt = runner.launch(nxt_batch) if nxt_batch is not None else None
                     if nxt is not None:
                         steps += 1
                         chained += 1
-                        host["schedule"] += clock() - t_sched
                     results = runner.collect(launched)
                     generated += self._finish_step(sched, results, stop, host, True, bar)
                     launched = nxt
