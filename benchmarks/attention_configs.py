@@ -49,6 +49,7 @@ DT = torch.bfloat16
 DEV = "cuda"
 SCALE = 1 / math.sqrt(D)
 PAGE = 16
+SHAPE = {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE}
 PREFILL_SHAPES = ((64, 512), (8, 4096), (1, 8192))
 DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
@@ -84,6 +85,15 @@ def run(case: tuple, cfg: dict | None) -> torch.Tensor:
     out = torch.empty_like(q)
     ta._forward(q, k, v, cu, lens, tables, SCALE, out, cfg=cfg)
     return out
+
+
+def bitwise_times(cases: dict, refs: dict, cfg: dict) -> tuple[bool, dict[str, float]]:
+    """Whether every case's output under ``cfg`` equals its reference bitwise, and each case's CUDA-graph time (us)."""
+    same, times = True, {}
+    for name, case in cases.items():
+        same &= bool(torch.equal(run(case, cfg), refs[name]))
+        times[name] = bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
+    return same, times
 
 
 def sdpa_ms(b: int, s: int) -> float:
@@ -156,7 +166,7 @@ def decode_sweep(out: str) -> int:
     kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * HKV * D * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}
     refs = {name: run(case, library) for name, case in cases.items()}
     result: dict = header("attention_decode_configs", "triton") | {
-        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE},
+        "shape": SHAPE,
         "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
         "library_prefill_launch": prefill_launch,
         "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
@@ -166,12 +176,9 @@ def decode_sweep(out: str) -> int:
         row: dict = {"launch": launch}
         cfg = library | launch
         try:
-            bitwise = True
-            for name, case in cases.items():
-                bitwise &= bool(torch.equal(run(case, cfg), refs[name]))
-                us = bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
+            row["bitwise"], times = bitwise_times(cases, refs, cfg)
+            for name, us in times.items():
                 row[name] = {"us": us, "kv_tb_s": kv_bytes[name] / us / 1e6}
-            row["bitwise"] = bitwise
             row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch)
             row["total_us"] = sum(row[n]["us"] for n in cases)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal
@@ -217,7 +224,7 @@ def main() -> int:
     sdpa = {f"prefill_{b}x{s}": sdpa_ms(b, s) * 1e3 for b, s in PREFILL_SHAPES}
     refs = {name: run(case, library) for name, case in (prefill | decode).items()}
     result: dict = header("attention_configs", "triton") | {
-        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE},
+        "shape": SHAPE,
         "library_config": library,
         "library_prefill_launch": ta.PREFILL_LAUNCH_16BIT,
         "timing": "median of triton.testing.do_bench_cudagraph (GPU time), microseconds",
@@ -229,15 +236,12 @@ def main() -> int:
         row: dict = {"launch": launch}
         cfg = library | launch
         try:
-            bitwise = True
-            for name, case in prefill.items():
-                bitwise &= bool(torch.equal(run(case, cfg), refs[name]))
-                us = bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3
+            same_prefill, times = bitwise_times(prefill, refs, cfg)
+            for name, us in times.items():
                 row[name] = {"us": us, "tflops": flop[name] / us / 1e6, "sdpa_over_ours": sdpa[name] / us}
-            for name, case in decode.items():
-                bitwise &= bool(torch.equal(run(case, cfg), refs[name]))
-                row[name] = {"us": bench_graph(lambda case=case, cfg=cfg: run(case, cfg)) * 1e3}
-            row["bitwise"] = bitwise
+            same_decode, times = bitwise_times(decode, refs, cfg)
+            row.update({name: {"us": us} for name, us in times.items()})
+            row["bitwise"] = same_prefill and same_decode
             row["decode_eq_prefill"] = decode_eq_prefill(launch)
             row["mean_ours_over_sdpa"] = sum(row[n]["us"] / sdpa[n] for n in prefill) / len(prefill)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal

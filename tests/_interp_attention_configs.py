@@ -61,8 +61,15 @@ def main() -> int:
             assert torch.equal(_paged_full(q, k, v, cu, cfg), ref), f"candidate {launch}: paged prefill bits differ"
         # each distinct query-side tiling installed as the prefill launch: training == chunked prefill == decode
         saved, saved_dims = ta.PREFILL_LAUNCH_16BIT, ta.PREFILL_LAUNCH_HEAD_DIMS
-        ta.PREFILL_LAUNCH_HEAD_DIMS = (ta._block_d(D),)  # the prefill launch applies at this test's head dim
+        saved_decode = ta.DECODE_LAUNCH_16BIT
+        ta.PREFILL_LAUNCH_HEAD_DIMS = (ta._block_d(D),)  # the launch entries apply at this test's head dim
         try:
+            # each decode tiling of the --decode sweep installed as the decode launch: decode == training forward
+            for block_m in sorted({c["BLOCK_M"] for c in attention_configs.DECODE_CANDIDATES}):
+                ta.DECODE_LAUNCH_16BIT = saved_decode | {"BLOCK_M": block_m}
+                out = run_schedule(q, k, v, LENS, decode_schedule(LENS, [max(1, n // 3) for n in LENS]), 16)
+                assert torch.equal(out, ref), f"decode BLOCK_M {block_m}: decode != training forward"
+            ta.DECODE_LAUNCH_16BIT = saved_decode
             for block_m in sorted({c["BLOCK_M"] for c in attention_configs.CANDIDATES}):
                 ta.PREFILL_LAUNCH_16BIT = saved | {"BLOCK_M": block_m}
                 full = ta.attention_varlen(q, k, v, cu, D**-0.5)
@@ -76,6 +83,7 @@ def main() -> int:
                     assert torch.equal(out, full), f"BLOCK_M {block_m}: {name} != training forward"
         finally:
             ta.PREFILL_LAUNCH_16BIT, ta.PREFILL_LAUNCH_HEAD_DIMS = saved, saved_dims
+            ta.DECODE_LAUNCH_16BIT = saved_decode
         # negative control: another key tile (BLOCK_N) stays correct but changes bits
         other = _varlen(q, k, v, cu, library | {"BLOCK_N": library["BLOCK_N"] // 2})
         exact = reference.attention_varlen(q.double(), k.double(), v.double(), cu, D**-0.5)
