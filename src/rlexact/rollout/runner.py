@@ -11,9 +11,11 @@ loops). Pure decode steps replay CUDA graphs captured lazily per batch-size buck
 key-length bucket) on static buffers; padding rows write their K/V to a scratch block and are discarded. A graph
 captures the block-table gather, slot and key-length arithmetic, forward, lm head and sampler: a decode step uploads
 one ``[4, B]`` int64 tensor (tokens, positions, request ids, table rows) plus the block-table entries written since
-the previous step, replays, and reads back one ``[2, B]`` tensor into pinned memory (the only host synchronization).
-While consecutive graph steps decode the same sequences in the same order, the upload is updated in place (the
-sampled tokens read back become the next input ids, positions advance by one) instead of being rebuilt from them.
+the previous step, replays, and queues the read-back of one ``[2, B]`` tensor into pinned memory
+(:meth:`ModelRunner.launch`); :meth:`ModelRunner.collect` waits for it (the only host synchronization). While
+consecutive graph steps decode the same sequences (or a subset, after some finished), the rows are not rebuilt on the
+host: the previous step's sampled tokens become the next input ids and the positions advance on the device, so a
+step can be launched before the previous one is read back.
 """
 
 from __future__ import annotations
@@ -452,7 +454,7 @@ class ModelRunner:
         return graph
 
     def _stage_inputs(self, gs: GraphState, seqs: list[Sequence]) -> None:
-        """Write the decode inputs of ``seqs`` to ``gs.host``: rows ``[:b]`` tokens, positions, request ids and
+        """Put the decode inputs of ``seqs`` into ``gs.ints``: rows ``[:b]`` tokens, positions, request ids and
         table rows; padding rows token 0 at position 0 of the scratch row (the scratch block).
 
         When every sequence was in the last graph step (the same ones in the same order, or some of them after
