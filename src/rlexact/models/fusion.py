@@ -78,10 +78,6 @@ class FusedProjections:
             for linears, fused in self._parts
         )
 
-    def pointers(self) -> tuple[int, ...]:
-        """Addresses of the buffers (part of a captured graph's signature)."""
-        return tuple(f.weight.data_ptr() for f in self.table.values())
-
 
 @contextlib.contextmanager
 def use_fused_projections(model: nn.Module, fused: FusedProjections | None) -> Iterator[None]:
