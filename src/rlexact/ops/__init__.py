@@ -151,14 +151,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     d = gate.shape[-1]
-    y = SiluMulFn.apply(_rows(gate.reshape(-1, d)), _rows(up.reshape(-1, d)), resolve_backend(gate, backend))
+    # row-strided views (column blocks of a fused projection) pass as they are: both backends take any row stride
+    y = SiluMulFn.apply(gate.reshape(-1, d), up.reshape(-1, d), resolve_backend(gate, backend))
     return y.reshape(gate.shape)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, d]`` as is when its rows are contiguous (any row stride, e.g. a column block of a fused projection),
-    else a contiguous copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check_head(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> None:

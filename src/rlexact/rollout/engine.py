@@ -386,12 +386,14 @@ class Generator:
                                     sched.finish(s, "length")
                             continue
                         host_sched = clock() - t_sched
-                        launched = runner.launch(batch) if overlap else None
-                        if launched is None:
-                            results = runner.step(batch)
-                            if runner.last_step_graph:
+                        launched = runner.launch(batch)
+                        if launched is None or not overlap:
+                            graph = launched is not None
+                            results = runner.collect(launched) if graph else runner.run_eager(batch)
+                            if graph:
                                 host["schedule"] += host_sched
-                            generated += self._finish_step(sched, results, stop, host, runner.last_step_graph, bar)
+                            generated += self._finish_step(sched, results, stop, host, graph, bar)
+                            launched = None
                             continue
                         host["schedule"] += host_sched
                         t_sched = clock()

@@ -171,9 +171,9 @@ class ModelRunner:
         self._reuse_count: dict[tuple[int, int | None], int] = {}
         self._table_synced = False
         self._staged: list[Sequence] | None = None
-        """The sequences whose inputs ``graph_state.host`` holds after the last graph step (``None``: rebuild)."""
-        self.last_step_graph = False
-        """Whether the last :meth:`step` ran as a CUDA-graph decode."""
+        """The sequences whose inputs ``graph_state.ints`` holds after the last graph step (``None``: rebuild)."""
+        self._out_buffer = 0
+        """Which of ``graph_state.host_out`` the last launch read back into (launches alternate)."""
         self.decode_host_s: dict[str, float] = self.stats.setdefault(
             "decode_host_s", dict.fromkeys(("schedule", "prepare", "launch", "wait", "collect", "postprocess"), 0.0)
         )
@@ -259,17 +259,12 @@ class ModelRunner:
         self.stats["eager_steps"] += 1
         return forward_hidden(self.model, d["ids"], d["pos"], meta)
 
-    def step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
-        """Run one generation step; advance ``num_computed``; return ``(seq, token, logprob)`` for sampled rows.
-
-        Wall time (the step ends with a device-to-host read, so it includes the device work) is added to
-        ``stats["graph_s"]`` or ``stats["eager_s"]``; capture time to ``stats["capture_s"]``."""
-        launched = self.launch(batch)
-        if launched is not None:
-            return self.collect(launched)
+    def run_eager(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
+        """Run a step that :meth:`launch` did not take (prefill chunks, mixed steps, graphs off) eagerly; advance
+        ``num_computed``; return ``(seq, token, logprob)`` for sampled rows. Its wall time (it ends with a
+        device-to-host read) is added to ``stats["eager_s"]``."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
-        self.last_step_graph = False
         self._staged = None
         out = self._eager_step(batch)
         self.stats["eager_s"] += time.perf_counter() - t0
@@ -500,7 +495,8 @@ class ModelRunner:
         """Replay the decode graph of ``batch`` without waiting for it: advances ``num_computed`` and queues the
         read-back of the sampled tokens; :meth:`collect` returns them. None (nothing launched) when ``batch`` is not
         a graph decode (a prefill, graphs off, more sequences than the largest bucket, a failed capture): run it
-        with :meth:`step`.
+        with :meth:`run_eager`. Graph steps add their host time to ``stats["graph_s"]`` (here and in :meth:`collect`);
+        captures to ``stats["capture_s"]``.
 
         Several launches may be in flight in order: a launch for the same sequences in the same order as the last
         one takes its input ids from the previous step's sampled tokens on the device (:meth:`_stage_inputs`)."""
@@ -522,7 +518,8 @@ class ModelRunner:
             return None
         t1 = time.perf_counter()
         graph.replay()
-        host_out = gs.host_out[self.stats["graph_steps"] % 2]
+        self._out_buffer ^= 1
+        host_out = gs.host_out[self._out_buffer]
         host_out.copy_(gs.out, non_blocking=True)
         done = None
         if self.device.type == "cuda":
@@ -531,7 +528,6 @@ class ModelRunner:
         for s in seqs:
             s.num_computed += 1
         self.stats["graph_steps"] += 1
-        self.last_step_graph = True
         t2 = time.perf_counter()
         host = self.decode_host_s
         host["prepare"] += t1 - t0

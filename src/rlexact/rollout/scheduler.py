@@ -218,12 +218,12 @@ class Scheduler:
         if not batch.is_decode:
             return None
         running = Status.RUNNING
-        seqs = [s for s in batch.seqs if s.status is running and s.num_generated + 1 < s.max_new_tokens]
+        if [s for s in batch.seqs if s.status is running] != self.running:
+            return None
+        seqs = [s for s in self.running if s.num_generated + 1 < s.max_new_tokens]
         if not seqs or len(seqs) > self.max_num_batched_tokens:
             return None
         if self.waiting and len(seqs) < self.max_num_seqs:
-            return None
-        if [s for s in self.running if s.num_generated + 1 < s.max_new_tokens] != seqs:
             return None
         for seq in seqs:
             if not self.bm.ensure(seq, seq.num_computed + 1):
