@@ -3,10 +3,10 @@
     python benchmarks/matmul_variants.py [--out benchmarks/results/matmul_variants_h200.json]
 
 For each Qwen3-1.7B projection shape (as the model calls them, plus fused q|k|v and gate|up) and each M (default
-1, 16, 64, 128, 256; ``--ms``), every candidate configuration is (1) checked bitwise against the static large-M
-configuration on the same rows (a variant that changes any bit is marked ``bitwise: false`` and may not be used) and
-(2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records every candidate, the fastest bitwise-equal
-one per (shape, M), and the configuration the library picks today.
+1, 16, 64, 128, 256; ``--ms``; 16-row tiles are candidates up to M = 16), every candidate configuration is (1) checked
+bitwise against the static large-M configuration on the same rows (a variant that changes any bit is marked
+``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay next to ``torch.mm``. The JSON records
+every candidate, the fastest bitwise-equal one per (shape, M), and the configuration the library picks today.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls
 
 def candidates(m: int) -> list[MatmulConfig]:
     out = []
+    if m <= 16:  # 16-row tiles: one warp (one m16 MMA row block) or four side by side along N
+        for bn, bk, stages, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 4)):
+            if bk * stages * (16 + bn) * 2 <= 200_000:
+                out.append(MatmulConfig("ptr", 16, bn, bk, num_warps=warps, num_stages=stages))
     if m <= 64:
         for bn, bk, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 6), (4,)):
             if bk * stages * (64 + bn) * 2 > 200_000:  # shared memory of the pipeline (x and w tiles, bf16)

@@ -36,9 +36,12 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 ``benchmarks/results/matmul_variants_h200.json``, ``benchmarks/results/matmul_variants_m256_h200.json`` and the
 ``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
-* M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles exist
-  (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for BN = 32
-  and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
+* M <= 16 ("narrow"): pointer kernel, BM = 16, BN = 32 where N still gives ~#SMs column tiles, else 16, BK = 128,
+  4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16- and 32-row candidate there was
+  bitwise equal to the large-M tiles, on tensor-core instructions of one warp as of four).
+* 16 < M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles
+  exist (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for
+  BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
 * 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
   per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
   128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages.
@@ -190,10 +193,13 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
         return ((None, base),)
     sms = _cuda_props(device_key[1])[1]
     bn = _decode_bn(N, sms)
-    # All four are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
+    # All variants are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
     # benchmarks/results/matmul_variants_h200.json: BK 64 for BN 16 / 64 (6 stages for 64), BK 128 for BN 32.
     decode = MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
+    # M <= 16: 16-row tiles (no shared memory or loads spent on 48 empty rows), BN 32 where that still gives about
+    # one column tile per SM, else 16 (benchmarks/results/matmul_decode16_h200.json)
+    narrow = MatmulConfig("ptr", 16, 32 if triton.cdiv(N, 32) >= 0.9 * sms else 16, 128, num_warps=4, num_stages=4)
     if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:
@@ -201,8 +207,8 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
     if triton.cdiv(N, 128) * 2 >= 0.6 * sms:  # wide N: 128 x 128 tiles still fill the GPU at 128 < M <= 256
         wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4)
-        return ((64, decode), (128, small), (256, wide), (2048, mid), (None, base))
-    return ((64, decode), (256, small), (2048, mid), (None, base))
+        return ((16, narrow), (64, decode), (128, small), (256, wide), (2048, mid), (None, base))
+    return ((16, narrow), (64, decode), (256, small), (2048, mid), (None, base))
 
 
 def row_tile_variants(N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
