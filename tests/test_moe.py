@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 import rlexact
+from hopper_compile import compile_for_hopper
 from models import MOE_VOCAB as VOCAB
 from models import addition_items, prompts_for, tiny_moe, tiny_moe_rl_config
 from rlexact import ops
@@ -442,19 +443,6 @@ def test_grouped_row_classes_and_table() -> None:
         tm.GroupedConfig(64, 128, 64, 4, 4, w_load="tma")
 
 
-def _compile_for_hopper(fn, args: dict, const: dict, **options: int):  # noqa: ANN001, ANN202 - a compiled kernel
-    """Compile a Triton kernel for sm_90 on the host (no GPU needed): ``args`` maps runtime argument names to Triton
-    types, all taken as 16-divisible (what the launcher sees for aligned tensors and model-sized integers)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**args, **dict.fromkeys(const, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(args))}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_compile_for_hopper() -> None:
     """The MoE kernels compile for an H100/H200 (sm_90) on a CPU-only machine; the GEMMs use wgmma with pipelined
@@ -474,22 +462,22 @@ def test_kernels_compile_for_hopper() -> None:
             const = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, BLOCK_E=128, GROUP_M=cfg.group_m, EVEN_K=cfg.even_k,
                          W_DESC=tm._W_LOADS[cfg.w_load], GATHER=gather, GATHER_DIV=8, SCATTER=not gather,
                          ROWWISE=False)  # fmt: skip
-            k = _compile_for_hopper(tm._grouped_mm_kernel, gemm, {**const, **flags}, num_warps=cfg.num_warps,
+            k = compile_for_hopper(tm._grouped_mm_kernel, gemm, {**const, **flags}, num_warps=cfg.num_warps,
                                     num_stages=cfg.num_stages)  # fmt: skip
             assert "warp_group_dot" in k.asm["ttgir"], cfg
             assert "async_copy_global_to_local" in k.asm["ttgir"] or "async_tma_copy" in k.asm["ttgir"], cfg
     wgrad = dict(g_ptr=p, a_ptr=p, o_ptr=p, gather_ptr="*i64", counts_ptr="*i64", E=i, N=i, K=i, stride_gm=i,
                  stride_am=i, tiles_k=i)  # fmt: skip
     const = dict(BR=64, BN=128, BK=128, BLOCK_E=128, GATHER=True, GATHER_DIV=8)
-    k = _compile_for_hopper(tm._grouped_wgrad_kernel, wgrad, {**const, **flags}, num_warps=8, num_stages=3)
+    k = compile_for_hopper(tm._grouped_wgrad_kernel, wgrad, {**const, **flags}, num_warps=8, num_stages=3)
     assert "warp_group_dot" in k.asm["ttgir"] and "async_copy_global_to_local" in k.asm["ttgir"]
     import triton.language as tl
 
     router = dict(z_ptr=p, w_ptr=p, id_ptr="*i64", E=i, stride_z=i)
     const = dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, NORM=True, OUT_DTYPE=tl.bfloat16, RNE_FIX=False)
-    _compile_for_hopper(tm._router_kernel, router, const, num_warps=4)
+    compile_for_hopper(tm._router_kernel, router, const, num_warps=4)
     const = dict(TOP_K=8, BLOCK_H=1024, OUT_DTYPE=tl.bfloat16, RNE_FIX=False)
-    _compile_for_hopper(tm._combine_kernel, dict(y_ptr=p, w_ptr=p, o_ptr=p, H=i), const, num_warps=4)
+    compile_for_hopper(tm._combine_kernel, dict(y_ptr=p, w_ptr=p, o_ptr=p, H=i), const, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def device_name() -> str:
 
 def result_header(name: str, *libraries: str) -> dict:
     """The provenance block every committed result starts with: ``benchmark`` name, ``command`` line, git
-    ``commit``, UTC ``date``, ``device``, CPU count and library ``versions``."""
+    ``commit``, UTC ``date``, ``device``, CPU count, library ``versions`` and the ``RLEXACT_*`` environment
+    variables that change how kernels are chosen or launched."""
     return {
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -66,4 +67,5 @@ def result_header(name: str, *libraries: str) -> dict:
         "device": device_name(),
         "cpu_count": os.cpu_count(),
         "versions": library_versions(*libraries),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLEXACT_") and k != COMMIT_ENV},
     }

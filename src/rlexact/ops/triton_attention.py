@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
+from .triton_pdl import pdl_entry, pdl_options
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
 
@@ -383,7 +384,9 @@ def _attn_fwd_kernel(
     SCAN: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_PAR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     P: tl.constexpr = BLOCK_M // HP  # query positions per tile
     TPS: tl.constexpr = SPLIT // BLOCK_N  # key tiles per split
     # later (costlier) tiles first
@@ -490,10 +493,12 @@ def _attn_merge_kernel(
     HP: tl.constexpr,
     SPLIT: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Second pass of the split-parallel (paged) forward: for each query tile spanning more than one split, fold the
     fp32 partials in ascending split order with :func:`_merge_split` and write the output. Same tile layout as
     ``_attn_fwd_kernel`` (tiles with one split were written there)."""
+    pdl_entry(PDL)
     P: tl.constexpr = BLOCK_M // HP
     hgroup = tl.program_id(1)
     b, tile = _locate_tile(cu_q, num_seqs, tl.program_id(0), P, SCAN)
@@ -800,6 +805,7 @@ def _forward(
     else:
         pacc = pml = out
     grid = (tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
+    pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -842,11 +848,12 @@ def _forward(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
+        **pdl,
     )
     if par:
         _attn_merge_kernel[grid[:2]](
             out, pacc, pml, cu_q, seqlens_k, num_seqs, hq, n_split, out.stride(0), out.stride(1), HEAD_DIM=d,
-            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, num_warps=4,
+            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, num_warps=4, **pdl,
         )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
+from .triton_pdl import pdl_entry, pdl_options
 
 MAX_KV_TILE = 4096
 """Elements of a ``[heads, head_dim]`` tile one program copies (heads are split across programs beyond it)."""
@@ -56,7 +57,9 @@ def _write_kv_kernel(
     CAST: tl.constexpr,
     C_DTYPE: tl.constexpr,
     RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     hs = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
     ds = tl.arange(0, BLOCK_D)[None, :]
@@ -113,4 +116,5 @@ def write_kv(
         C_DTYPE=_TL_DTYPE[k_cache.dtype],
         RNE=cast and _rne_fix(k_cache.dtype),
         num_warps=4 if block_h * block_d >= 1024 else 1,
+        **pdl_options(k.device),
     )

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .triton_matmul import _HAS_WS, TensorDescriptor, _aligned, _cuda_props, _device_key, _dot_flags, _tile_coords
+from .triton_pdl import pdl_entry, pdl_options
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ def _head_kernel(
     TMA: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     pid_m, sid = _tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
@@ -180,7 +183,9 @@ def _head_merge_kernel(
     n_split,
     BLOCK: tl.constexpr,
     HAS_TGT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -250,6 +255,7 @@ def _run_head(
     has_tgt = targets is not None
     tgt = targets.contiguous() if has_tgt else zt  # dummy pointer when absent
     grid = (triton.cdiv(T, cfg.BM) * n_split,)
+    pdl = pdl_options(dev)
     _head_kernel[grid](
         hidden,
         w,
@@ -279,9 +285,10 @@ def _run_head(
         **_dot_flags(hidden.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
     _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
-        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, HAS_TGT=has_tgt, num_warps=4
+        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, HAS_TGT=has_tgt, num_warps=4, **pdl
     )
     return z, logp, ent, lse
 

@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
+from .triton_pdl import pdl_entry, pdl_options
 
 try:  # triton >= 3.3: host-side tensor descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -277,12 +278,14 @@ def _mm_tma_kernel(
     UPCAST: tl.constexpr,
     RNE_FIX: tl.constexpr,
     DEV_DESC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Persistent matmul over tensor descriptors: ``x_desc [M, K]`` block ``[BM, BK]``, ``w_desc [N, K]`` block
     ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE).
 
     ``DEV_DESC``: the three arguments are plain (contiguous) tensors and the descriptors are built on the device
     (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`_ensure_allocator`)."""
+    pdl_entry(PDL)  # before the descriptors are written: the previous launch may still read the same scratch
     if DEV_DESC:
         OB: tl.constexpr = BN // 2 if SUBTILE else BN
         x_desc = tl.make_tensor_descriptor(x_desc, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
@@ -337,8 +340,10 @@ def _mm_ptr_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     RNE_FIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Portable pointer matmul (one output tile per program); same per-element recurrence as the TMA kernel."""
+    pdl_entry(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -438,8 +443,9 @@ MAX_LAUNCHES = 4096
 
 
 def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> _Launch:
-    out_flags = {"RNE_FIX": _rne_fix(dtype)}
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    pdl = dict(pdl_options(device))
+    out_flags = {"RNE_FIX": _rne_fix(dtype), "PDL": pdl.pop("PDL")}
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
     idx = device.index if device.type == "cuda" and device.index is not None else -1
     if cfg.kernel == "tma":
         num_progs = max(1, min(_num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))

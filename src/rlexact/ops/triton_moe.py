@@ -62,6 +62,7 @@ from .triton_matmul import (
     cast_out,
 )
 from .triton_norm import SILU_BLOCK, _silu_mul_kernel
+from .triton_pdl import pdl_options
 
 _INTERPRET = interpreter_enabled()
 
@@ -501,7 +502,7 @@ def silu_mul_halves(h: torch.Tensor, inter: int) -> torch.Tensor:
         return out
     _silu_mul_kernel[(s, triton.cdiv(inter, SILU_BLOCK))](
         h, h[:, inter:], out, inter, h.stride(0), h.stride(0), out.stride(0),
-        BLOCK=SILU_BLOCK, O_DTYPE=_TL_DTYPE[h.dtype], RNE_O=_rne_fix(h.dtype), num_warps=4,
+        BLOCK=SILU_BLOCK, O_DTYPE=_TL_DTYPE[h.dtype], RNE_O=_rne_fix(h.dtype), num_warps=4, **pdl_options(h.device),
     )  # fmt: skip
     return out
 

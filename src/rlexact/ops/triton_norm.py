@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
+from .triton_pdl import pdl_entry, pdl_options
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
@@ -63,7 +64,9 @@ def _rms_norm_kernel(
     O_DTYPE: tl.constexpr,
     RNE_X: tl.constexpr,
     RNE_O: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -106,7 +109,9 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     O_DTYPE: tl.constexpr,
     RNE_O: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < ncols
@@ -161,6 +166,7 @@ def _launch_norm(
         RNE_X=_rne_fix(x.dtype),
         RNE_O=_rne_fix(out_dtype),
         num_warps=warps,
+        **pdl_options(x.device),
     )
     return out, summed
 
@@ -211,5 +217,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         O_DTYPE=_TL_DTYPE[gate.dtype],
         RNE_O=_rne_fix(gate.dtype),
         num_warps=4,
+        **pdl_options(gate.device),
     )
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
+from .triton_pdl import pdl_entry, pdl_options
 
 
 @triton.jit
@@ -90,7 +91,9 @@ def _qk_norm_rope_kernel(
     NORM: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _norm_rope_rows(
@@ -151,5 +154,6 @@ def qk_norm_rope(
         DTYPE=_TL_DTYPE[q.dtype],
         RNE=_rne_fix(q.dtype),
         num_warps=4,
+        **pdl_options(q.device),
     )
     return qo, ko

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlexact.ops.triton_pdl import pdl_entry, pdl_options
 from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
 _BLOCK_V = 2048
@@ -43,7 +44,9 @@ def _gumbel_argmax_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     SALT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     row = tl.program_id(0)
     one = tl.arange(0, 1)
     k1 = tl.full([1], C1, tl.uint32)
@@ -112,5 +115,6 @@ def gumbel_argmax_triton(
         C2=C2,
         SALT=ROW_SALT,
         num_warps=8,
+        **pdl_options(z.device),
     )
     return out

@@ -1,0 +1,17 @@
+"""Compile a Triton kernel for an H100/H200 (sm_90) on a CPU-only host, for tests that inspect the generated code."""
+
+from __future__ import annotations
+
+
+def compile_for_hopper(fn, args: dict, const: dict, **options: object):  # noqa: ANN001, ANN201 - a compiled kernel
+    """``args`` maps runtime argument names to Triton types, all taken as 16-divisible (what the launcher sees for
+    aligned tensors and model-sized integers); ``const`` the constexprs; ``options`` compile options
+    (``num_warps``, ``num_stages``, ``launch_pdl``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**args, **dict.fromkeys(const, "constexpr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(args))}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -1,0 +1,112 @@
+"""Programmatic dependent launch (``rlexact.ops.triton_pdl``): when it is on, that every PDL kernel waits for its
+predecessor before its first memory access (generated code, CPU), and that it changes no bit (GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from rlexact.ops.triton_pdl import pdl_options, pdl_supported
+
+HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton") is not None and (
+    importlib.util.find_spec("triton.backends.nvidia") is not None
+)
+
+
+def test_pdl_off_for_cpu_tensors() -> None:
+    assert dict(pdl_options(torch.device("cpu"))) == {"PDL": False}
+    assert not pdl_supported(torch.device("cpu"))
+    with pytest.raises(TypeError):
+        pdl_options(torch.device("cpu"))["PDL"] = True  # shared, read-only
+
+
+def _first_global_access(ptx: str) -> int:
+    hits = [m.start() for m in re.finditer(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)]
+    return min(hits) if hits else len(ptx)
+
+
+def _check_order(kernel, args: dict, const: dict, **options: object) -> None:  # noqa: ANN001
+    from hopper_compile import compile_for_hopper
+
+    on = compile_for_hopper(kernel, args, {**const, "PDL": True}, launch_pdl=True, **options)
+    ptx = on.asm["ptx"]
+    assert on.metadata.launch_pdl, "compiled without the PDL launch attribute"
+    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= release < wait < _first_global_access(ptx), f"{kernel.fn.__name__}: wait is not before memory"
+    off = compile_for_hopper(kernel, args, {**const, "PDL": False}, **options)
+    assert "griddepcontrol" not in off.asm["ptx"] and not off.metadata.launch_pdl  # negative control
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+def test_pdl_kernels_wait_before_memory() -> None:
+    """Compiled for sm_90 on the host: each decode-path kernel with ``PDL`` releases the next launch and waits for the
+    previous kernel before its first global load or store (the device-descriptor matmul before it writes its
+    descriptor scratch, which the previous launch may still read); without ``PDL`` there is no grid dependency
+    control at all."""
+    import triton.language as tl
+
+    from rlexact.ops import triton_kv, triton_matmul, triton_norm
+
+    p, i = "*bf16", "i32"
+    mm = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_PROGS=132, WS=False, SUBTILE=False, OUT_DTYPE=tl.bfloat16,
+              UPCAST=False, RNE_FIX=False, DEV_DESC=True)  # fmt: skip
+    _check_order(triton_matmul._mm_tma_kernel, dict(x_desc=p, w_desc=p, o_desc=p, M=i, N=i, K=i), mm, num_warps=8)
+    ptr = dict(x_ptr=p, w_ptr=p, o_ptr=p, M=i, N=i, K=i, stride_xm=i, stride_wn=i, stride_om=i)
+    const = dict(BM=16, BN=16, BK=128, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False)
+    _check_order(triton_matmul._mm_ptr_kernel, ptr, const, num_warps=4, num_stages=4)
+    norm = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i, stride_o=i,
+                stride_s=i, eps="fp32")  # fmt: skip
+    const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16, RNE_X=False,
+                 RNE_O=False)  # fmt: skip
+    _check_order(triton_norm._rms_norm_kernel, norm, const, num_warps=4)
+    kv = dict(k_ptr=p, v_ptr=p, kc_ptr=p, vc_ptr=p, slot_ptr="*i64", block_size=i, HKV=i, D=i,
+              **dict.fromkeys(["s_kt", "s_kh", "s_kd", "s_vt", "s_vh", "s_vd"], i),
+              **dict.fromkeys(["c_kb", "c_ko", "c_kh", "c_kd", "c_vb", "c_vo", "c_vh", "c_vd"], i))  # fmt: skip
+    const = dict(BLOCK_H=8, BLOCK_D=128, CAST=False, C_DTYPE=tl.bfloat16, RNE=False)
+    _check_order(triton_kv._write_kv_kernel, kv, const, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same generation (CUDA graphs, overlapped decode, split-KV decode past one split) and the same training
+    log-probs and eager matmul chain with PDL on and off: bitwise equal, and equal to the trainer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not pdl_supported(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("PDL needs compute capability 9.0+ and a Triton with grid dependency control")
+    from models import prompts_for
+    from rlexact.ops import triton_matmul
+    from rlexact.rollout import Generator, SamplingParams
+    from test_rollout_gpu import assert_exact, make_model, same
+
+    model = make_model("qwen3", kv_heads=2, head_dim=128)
+    prompts = prompts_for(24, 1003, lo=5, hi=1100, seed=5)
+    params = SamplingParams(max_new_tokens=32, seed=3, n=2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(2048, 2048, device="cuda", generator=g).bfloat16()
+    x = torch.randn(1024, 2048, device="cuda", generator=g).bfloat16()
+
+    def run() -> tuple:
+        triton_matmul._LAUNCHES.clear()  # launch plans keep the PDL choice of when they were made
+        y = x
+        for _ in range(8):
+            y = triton_matmul.matmul(y, w) * 0.02
+        outs = Generator(model, max_num_seqs=48, block_size=16).generate(prompts, params)
+        return outs, y
+
+    outs_on, y_on = run()
+    monkeypatch.setenv("RLEXACT_PDL", "0")
+    assert not pdl_supported(torch.device("cuda", torch.cuda.current_device()))
+    outs_off, y_off = run()
+    assert torch.equal(y_on, y_off)
+    assert same(outs_on, outs_off)
+    monkeypatch.delenv("RLEXACT_PDL")
+    assert_exact(model, outs_on)
