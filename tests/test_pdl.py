@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (``rlexact.ops.triton_pdl``): when it is on, that every PDL kernel waits for its
-predecessor before its first memory access (generated code, CPU), and that it changes no bit (GPU)."""
+"""Programmatic dependent launch (``rlexact.ops.triton_pdl``): when it is on, every PDL kernel waits for its
+predecessor before its first memory access and only then releases its successor (generated code, CPU), and it
+changes no bit (GPU)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,17 @@ def _check_order(kernel, args: dict, const: dict, **options: object) -> None:  #
     ptx = on.asm["ptx"]
     assert on.metadata.launch_pdl, "compiled without the PDL launch attribute"
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    assert 0 <= release < wait < _first_global_access(ptx), f"{kernel.fn.__name__}: wait is not before memory"
+    assert 0 <= wait < release and wait < _first_global_access(ptx), f"{kernel.fn.__name__}: wait is not first"
     off = compile_for_hopper(kernel, args, {**const, "PDL": False}, **options)
     assert "griddepcontrol" not in off.asm["ptx"] and not off.metadata.launch_pdl  # negative control
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
 def test_pdl_kernels_wait_before_memory() -> None:
-    """Compiled for sm_90 on the host: each decode-path kernel with ``PDL`` releases the next launch and waits for the
-    previous kernel before its first global load or store (the device-descriptor matmul before it writes its
-    descriptor scratch, which the previous launch may still read); without ``PDL`` there is no grid dependency
-    control at all."""
+    """Compiled for sm_90 on the host: each decode-path kernel with ``PDL`` waits for the previous kernel before its
+    first global load or store (the device-descriptor matmul before it writes its descriptor scratch, which the
+    previous launch may still read) and releases the next launch after that wait; without ``PDL`` there is no grid
+    dependency control at all."""
     import triton.language as tl
 
     from rlexact.ops import triton_kv, triton_matmul, triton_norm
@@ -82,12 +83,15 @@ def test_gpu_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("needs CUDA")
     if not pdl_supported(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("PDL needs compute capability 9.0+ and a Triton with grid dependency control")
-    from models import prompts_for
+    import rlexact
+    from models import prompts_for, tiny_model
     from rlexact.ops import triton_matmul
     from rlexact.rollout import Generator, SamplingParams
-    from test_rollout_gpu import assert_exact, make_model, same
+    from test_rollout_gpu import assert_exact, same
 
-    model = make_model("qwen3", kv_heads=2, head_dim=128)
+    model = tiny_model("qwen3", vocab=1003, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128, intermediate=704,
+                       max_pos=2048, tie_embeddings=True, random_norms=False, weight_scale=3.0)  # fmt: skip
+    model = rlexact.exactify(model.to(device="cuda", dtype=torch.bfloat16))
     prompts = prompts_for(24, 1003, lo=5, hi=1100, seed=5)
     params = SamplingParams(max_new_tokens=32, seed=3, n=2)
     g = torch.Generator(device="cuda").manual_seed(0)

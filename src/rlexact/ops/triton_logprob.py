@@ -11,9 +11,11 @@ of ``VS`` columns, ``VS`` a multiple of the vocab chunk ``BV``):
 
 Partials ``(m, s, t)`` per (split, row) go to a small ``[3, n_split, T]`` buffer and :func:`_head_merge_kernel`
 combines the splits of each row in ascending split order: ``lse = m + log(s)``, ``entropy = lse - t / s``,
-``logp = z[target] - lse``. The split size, the tiles and the kernel variant depend only on ``(H, V, dtype, device)``
-(the split count is chosen from V and the device's SM count so that decode-sized calls still fill the GPU), never on
-the number of rows, so every row's bits are independent of the batch. Memory: ``[T, V]`` fp32 logits are never
+``logp = z[target] - lse``. The split size, the vocabulary chunk and the K step depend only on ``(H, V, dtype,
+device)`` (the split count is chosen from V and the device's SM count so that decode-sized calls still fill the GPU),
+never on the number of rows, so every row's bits are independent of the batch. Calls of at most
+:data:`DECODE_ROWS` rows may use other row tiles (:func:`decode_head_config`), only where a sweep showed every row
+bitwise equal. Memory: ``[T, V]`` fp32 logits are never
 materialized; the only extra storage is ``12 * n_split`` bytes per row.
 
 ``lm_head_logits`` runs the *same* kernel with ``STORE_Z`` set: it additionally stores the ``z`` tiles it computes and
@@ -26,6 +28,7 @@ chunks in L2 (speed only; the order does not affect any value).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -68,8 +71,31 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
 
 
 def head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> HeadConfig:
-    """The launch configuration: a function of ``(H, V, dtype, device)`` only."""
+    """The launch configuration of calls with more than :data:`DECODE_ROWS` rows: a function of ``(H, V, dtype,
+    device)`` only."""
     return _head_config(H, V, dtype, _device_key(device))
+
+
+DECODE_ROWS = 64
+"""Calls with at most this many rows (decode steps) use :func:`decode_head_config`."""
+
+
+@functools.cache
+def _decode_head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadConfig:
+    base = _head_config(H, V, dtype, device_key)
+    if device_key[0] != "cuda" or dtype == torch.float32 or _cuda_props(device_key[1])[0] < 9:
+        return base
+    return dataclasses.replace(base, BM=64, num_warps=4, num_stages=6, tma=False)
+
+
+def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> HeadConfig:
+    """The launch configuration of calls with at most :data:`DECODE_ROWS` rows. On Hopper (16-bit) it differs from
+    :func:`head_config` only in the rows per program, warps, stages and load path, never in ``BV``, ``BK`` or ``VS``:
+    64-row tiles over 4 warps keep 16 rows per warp, as the 128-row tiles over 8 warps do, and gave the same bits for
+    the log-prob, entropy and log-sum-exp of every row (``benchmarks/head_variants.py``,
+    ``benchmarks/results/head_variants_h200.json``; fewer rows per warp did not). Elsewhere it is
+    :func:`head_config`."""
+    return _decode_head_config(H, V, dtype, _device_key(device))
 
 
 @triton.jit(do_not_specialize=["T", "n_split"])
@@ -225,7 +251,8 @@ def _run_head(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(z or None, logp, entropy, lse)`` (logp is garbage when ``targets`` is None).
 
-    ``cfg`` overrides :func:`head_config` (tests and benchmarks only: exactness needs the static config).
+    ``cfg`` overrides :func:`head_config` / :func:`decode_head_config` (tests and benchmarks only: exactness needs
+    the library's configurations).
     """
     if hidden.dim() != 2 or w.dim() != 2 or hidden.shape[1] != w.shape[1]:
         raise ValueError(f"lm head: bad shapes hidden {tuple(hidden.shape)}, w {tuple(w.shape)}")
@@ -242,7 +269,7 @@ def _run_head(
     if T == 0:
         return z, logp, ent, lse
     if cfg is None:
-        cfg = head_config(H, V, hidden.dtype, dev)
+        cfg = (decode_head_config if T <= DECODE_ROWS else head_config)(H, V, hidden.dtype, dev)
     n_split = triton.cdiv(V, cfg.VS)
     part = torch.empty((3, n_split, T), **f32)
     zt = torch.empty(T, **f32)

@@ -2,9 +2,10 @@
 
 With PDL a kernel may be launched while the kernel before it on the stream is still running, so the launch latency
 and the new kernel's start-up overlap the tail of the previous one. Every kernel that takes part calls
-:func:`pdl_entry` before it touches global memory: it lets the next kernel launch
-(``griddepcontrol.launch_dependents``) and waits until the previous kernel has finished and its writes are visible
-(``griddepcontrol.wait``). Since each kernel waits for the full completion of its predecessor before any load or store,
+:func:`pdl_entry` before it touches global memory: it waits until the previous kernel has finished and its writes
+are visible (``griddepcontrol.wait``), then lets the next kernel launch (``griddepcontrol.launch_dependents``), so at
+most one launch waits ahead of the running kernel (releasing first let chains of waiting kernels crowd the GPU and
+was slower). Since each kernel waits for the full completion of its predecessor before any load or store,
 reads after writes and writes after reads (scratch buffers, in-place caches) are ordered as with plain launches, and
 no value changes: PDL only moves launch work, never arithmetic.
 
@@ -71,8 +72,8 @@ def pdl_supported(device: torch.device) -> bool:
 
 @triton.jit
 def pdl_entry(PDL: tl.constexpr):
-    """First statement of a kernel launched with :func:`pdl_options`: release the next kernel's launch, then wait for
-    the previous kernel's completion and memory. A no-op when ``PDL`` is false."""
+    """First statement of a kernel launched with :func:`pdl_options`: wait for the previous kernel's completion and
+    memory, then release the next kernel's launch. A no-op when ``PDL`` is false."""
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
