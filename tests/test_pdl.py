@@ -17,7 +17,8 @@ HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton") is not None and (
 )
 
 
-def test_pdl_off_for_cpu_tensors() -> None:
+def test_pdl_off_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLEXACT_PDL", "1")
     assert dict(pdl_options(torch.device("cpu"))) == {"PDL": False}
     assert not pdl_supported(torch.device("cpu"))
     with pytest.raises(TypeError):
@@ -81,6 +82,7 @@ def test_gpu_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     log-probs and eager matmul chain with PDL on and off: bitwise equal, and equal to the trainer."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setenv("RLEXACT_PDL", "1")
     if not pdl_supported(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("PDL needs compute capability 9.0+ and a Triton with grid dependency control")
     import rlexact
@@ -112,5 +114,4 @@ def test_gpu_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     outs_off, y_off = run()
     assert torch.equal(y_on, y_off)
     assert same(outs_on, outs_off)
-    monkeypatch.delenv("RLEXACT_PDL")
     assert_exact(model, outs_on)

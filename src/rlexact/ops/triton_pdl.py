@@ -9,7 +9,11 @@ was slower). Since each kernel waits for the full completion of its predecessor 
 reads after writes and writes after reads (scratch buffers, in-place caches) are ordered as with plain launches, and
 no value changes: PDL only moves launch work, never arithmetic.
 
-PDL is on for CUDA tensors of compute capability 9.0 or newer when Triton supports it; ``RLEXACT_PDL=0`` turns it off.
+PDL is opt-in: ``RLEXACT_PDL=1`` turns it on for CUDA tensors of compute capability 9.0 or newer when Triton supports
+it. It is off by default because it did not pay on the H200: CUDA-graph decode steps with PDL were no faster at
+batch 64 and about 3% slower at batch 4 with 8k-token contexts (``benchmarks/results/rollout_pdl_*_h200.json``), and
+the eager matmul launches of the trainer were no faster either; the kernel boundary it hides inside a CUDA graph is
+about half a microsecond.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ except ImportError:  # pragma: no cover - old triton
 __all__ = ["pdl_entry", "pdl_options", "pdl_supported"]
 
 PDL_ENV = "RLEXACT_PDL"
-"""Environment variable: ``0`` launches every kernel without PDL."""
+"""Environment variable: ``1`` launches the kernels with a ``PDL`` constexpr with PDL (read when a launch is made; the
+matmul keeps the choice in its cached launch plans)."""
 
 
 def _triton_has_pdl() -> bool:
@@ -57,12 +62,12 @@ _OFF: Mapping[str, bool] = MappingProxyType({"PDL": False})
 
 def pdl_options(device: torch.device) -> Mapping[str, bool]:
     """Keyword arguments of a launch, on ``device``, of a kernel with a ``PDL`` constexpr: ``{"PDL": True,
-    "launch_pdl": True}`` on a CUDA device of compute capability 9.0 or newer with a Triton that has grid dependency
-    control (not the interpreter) unless ``RLEXACT_PDL=0``; else ``{"PDL": False}``. Read-only."""
+    "launch_pdl": True}`` with ``RLEXACT_PDL=1`` on a CUDA device of compute capability 9.0 or newer with a Triton
+    that has grid dependency control (not the interpreter); else ``{"PDL": False}``. Read-only."""
     if device.type != "cuda":
         return _OFF
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _options(index, os.environ.get(PDL_ENV, "1") != "0")
+    return _options(index, os.environ.get(PDL_ENV, "0") == "1")
 
 
 def pdl_supported(device: torch.device) -> bool:
