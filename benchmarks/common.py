@@ -16,14 +16,37 @@ from rlexact.envinfo import result_header as header  # noqa: E402, F401 - re-exp
 
 
 def bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of ``triton.testing.do_bench`` (eager launches, host overhead included)."""
+    """Median milliseconds of ``triton.testing.do_bench``: one eager call at a time, each after the L2 cache was
+    overwritten (its inputs come from HBM), timed by events around that call alone."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def bench_graph(fn: Callable[[], object], rep: int = 50) -> float:
-    """Median milliseconds of CUDA-graph replays (GPU time without Python/launch overhead)."""
+    """Median milliseconds of CUDA-graph replays (GPU time without Python/launch overhead): back-to-back calls, no
+    cache flush between them."""
     import triton.testing
 
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
+def bench_stream(fn: Callable[[], object], calls: int = 200, rounds: int = 10) -> float:
+    """Median milliseconds per call of ``calls`` back-to-back eager calls timed by two events (the median over
+    ``rounds``): what :func:`bench_graph` measures for a CUDA graph, with every launch made by the host, so any host
+    or launch cost the GPU cannot hide shows. No cache flush, as in :func:`bench_graph`."""
+    import torch
+
+    for _ in range(calls // 4 + 1):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return float(sorted(times)[len(times) // 2])

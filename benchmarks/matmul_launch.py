@@ -5,11 +5,15 @@
 
 GPU mode (bf16 Qwen3-1.7B projections qkv / o / gate_up / down):
 
-* ``eager_vs_graph``: per projection at M = 1,024 and 4,096, :func:`rlexact.ops.linear` eager (``do_bench``, no
-  grad, and ``eager_grad_us`` with ``x.requires_grad`` as in the trainer) vs CUDA-graph replay, ``torch.mm`` eager,
-  ``graph_over_eager`` (1.0 = no visible host overhead), ``target_met`` (eager within 10% of graph:
-  ``eager_us <= 1.1 * graph_us``; ``target_met_grad`` the same for the grad path) and the host microseconds per
-  call (300 calls without synchronization, GPU queue not full).
+* ``eager_vs_graph``: per projection at M = 1,024 and 4,096, :func:`rlexact.ops.linear` called eagerly back to back
+  (``eager_us``, no grad, and ``eager_grad_us`` with ``x.requires_grad`` as in the trainer; ``common.bench_stream``)
+  vs the same calls replayed from a CUDA graph (``graph_us``, ``common.bench_graph``), ``torch.mm`` called the same
+  eager way, ``graph_over_eager`` (1.0 = no visible host or launch overhead), ``target_met`` (eager within 10% of
+  graph: ``eager_us <= 1.1 * graph_us``; ``target_met_grad`` the same for the grad path) and the host microseconds
+  per call (300 calls without synchronization, GPU queue not full). Both timings run calls back to back with no
+  cache flush, so they differ only in who launches. ``eager_flushed_us`` / ``torch_mm_flushed_us`` are one call at a
+  time after the L2 cache was overwritten (``triton.testing.do_bench``, how earlier versions of this script timed
+  the eager side): they show what cold inputs cost, which is not launch overhead.
 * ``host_us``: host microseconds per call of each layer of the call stack for the o-projection at M = 1,024.
 * ``cprofile``: the functions with the most own time over 300 calls of ``ops.linear`` (no grad, and grad).
 
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, header
+from common import ROOT, bench, bench_graph, bench_stream, header
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144)}
 TARGET = 1.10
@@ -110,21 +114,28 @@ def gpu(args: argparse.Namespace) -> dict:
 
     res = header("matmul_launch", "triton")
     res["target"] = f"eager_us <= {TARGET} * graph_us"
+    res["timing"] = (
+        "eager_us: median per call of 200 back-to-back eager calls between two CUDA events; graph_us: the same calls "
+        "replayed from a CUDA graph (do_bench_cudagraph); neither flushes the cache. *_flushed_us: do_bench, one call "
+        "per timing after overwriting the L2 cache"
+    )
     rows = []
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (1024, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xg = x.clone().requires_grad_()
-            eager = bench(lambda x=x, w=w: ops.linear(x, w)) * 1e3
-            eager_grad = bench(lambda x=xg, w=w: ops.linear(x, w)) * 1e3
+            eager = bench_stream(lambda x=x, w=w: ops.linear(x, w)) * 1e3
+            eager_grad = bench_stream(lambda x=xg, w=w: ops.linear(x, w)) * 1e3
             graph = bench_graph(lambda x=x, w=w: ops.linear(x, w)) * 1e3
             rows.append(
                 dict(
                     name=name, M=m, N=n, K=k, eager_us=eager, eager_grad_us=eager_grad, graph_us=graph,
                     graph_over_eager=graph / eager, graph_over_eager_grad=graph / eager_grad,
                     target_met=eager <= TARGET * graph, target_met_grad=eager_grad <= TARGET * graph,
-                    torch_mm_us=bench(lambda x=x, w=w: torch.mm(x, w.T)) * 1e3,
+                    torch_mm_us=bench_stream(lambda x=x, w=w: torch.mm(x, w.T)) * 1e3,
+                    eager_flushed_us=bench(lambda x=x, w=w: ops.linear(x, w)) * 1e3,
+                    torch_mm_flushed_us=bench(lambda x=x, w=w: torch.mm(x, w.T)) * 1e3,
                     host_us=host_us(lambda x=x, w=w: ops.linear(x, w)),
                     host_us_grad=host_us(lambda x=xg, w=w: ops.linear(x, w)),
                     config=repr(tmm.config_for(m, n, k, torch.bfloat16, x.device)),
