@@ -37,8 +37,8 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 ``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
 * M <= 16 ("narrow"): pointer kernel, BM = 16, BN = 32 where N still gives ~#SMs column tiles, else 16, BK = 128,
-  4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16- and 32-row candidate there was
-  bitwise equal to the large-M tiles, on tensor-core instructions of one warp as of four).
+  4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16-row candidate there, over one warp
+  or four, was bitwise equal to the large-M tiles).
 * 16 < M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles
   exist (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for
   BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
