@@ -4,16 +4,16 @@ With PDL a kernel may be launched while the kernel before it on the stream is st
 and the new kernel's start-up overlap the tail of the previous one. Every kernel that takes part calls
 :func:`pdl_entry` before it touches global memory: it waits until the previous kernel has finished and its writes
 are visible (``griddepcontrol.wait``), then lets the next kernel launch (``griddepcontrol.launch_dependents``), so at
-most one launch waits ahead of the running kernel (releasing first let chains of waiting kernels crowd the GPU and
-was slower). Since each kernel waits for the full completion of its predecessor before any load or store,
-reads after writes and writes after reads (scratch buffers, in-place caches) are ordered as with plain launches, and
-no value changes: PDL only moves launch work, never arithmetic.
+most one launch waits ahead of the running kernel (releasing before waiting let chains of waiting kernels crowd the
+GPU: decode got slower, ``benchmarks/results/rollout_*pdl_release_first_*_h200.json``). Since each kernel waits for
+the full completion of its predecessor before any load or store, reads after writes and writes after reads (scratch
+buffers, in-place caches) are ordered as with plain launches, and no value changes: PDL only moves launch work,
+never arithmetic.
 
 PDL is opt-in: ``RLEXACT_PDL=1`` turns it on for CUDA tensors of compute capability 9.0 or newer when Triton supports
 it. It is off by default because it did not pay on the H200: CUDA-graph decode steps with PDL were no faster at
-batch 64 and about 3% slower at batch 4 with 8k-token contexts (``benchmarks/results/rollout_pdl_*_h200.json``), and
-the eager matmul launches of the trainer were no faster either; the kernel boundary it hides inside a CUDA graph is
-about half a microsecond.
+batch 64 and slower at batch 4 with 8k-token contexts (``benchmarks/results/rollout_pdl_{on,off}_h200.json``,
+``rollout_long_pdl_{on,off}_h200.json``).
 """
 
 from __future__ import annotations
