@@ -108,7 +108,8 @@ def host_per_step(long: tuple[dict[str, float], int], short: tuple[dict[str, flo
 
 
 def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dict[str, list[float]], float]:
-    """``({kernel: [gpu_ms, calls]}, wall_s)`` of one profiled exact ``generate`` with ``new_tokens`` new tokens."""
+    """``({kernel: [gpu_ms, calls]}, wall_s)`` of one profiled exact ``generate`` with ``new_tokens`` new tokens;
+    ``wall_s`` leaves out the call's CUDA-graph captures (``stats["capture_s"]``), which vary from call to call."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=2, ignore_eos=True)
@@ -117,7 +118,7 @@ def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dic
         t0 = time.perf_counter()
         gen.generate(prompts, params)
         sync(device)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - float(gen.stats.get("capture_s") or 0.0)
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
