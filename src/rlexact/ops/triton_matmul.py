@@ -198,9 +198,9 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
     # benchmarks/results/matmul_variants_h200.json: BK 64 for BN 16 / 64 (6 stages for 64), BK 128 for BN 32.
     decode = MatmulConfig("ptr", 64, bn, 128 if bn == 32 else 64, num_warps=4, num_stages=6 if bn == 64 else 4)
-    # M <= 16: 16-row tiles (no shared memory or loads spent on 48 empty rows), BN 32 where that still gives about
-    # one column tile per SM, else 16 (benchmarks/results/matmul_decode16_h200.json)
-    narrow = MatmulConfig("ptr", 16, 32 if triton.cdiv(N, 32) >= 0.9 * sms else 16, 128, num_warps=4, num_stages=4)
+    # M <= 16: 16-row tiles (no shared memory or loads spent on 48 empty rows), the decode rule's BN capped at 32
+    # (benchmarks/results/matmul_decode16_h200.json)
+    narrow = MatmulConfig("ptr", 16, min(bn, 32), 128, num_warps=4, num_stages=4)
     if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:

@@ -51,13 +51,14 @@ def _triton_has_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+_OFF: Mapping[str, bool] = MappingProxyType({"PDL": False})
+_ON: Mapping[str, bool] = MappingProxyType({"PDL": True, "launch_pdl": True})
+
+
 @functools.cache
 def _options(index: int, enabled: bool) -> Mapping[str, bool]:
     on = enabled and not interpreter_enabled() and _triton_has_pdl() and torch.cuda.get_device_capability(index)[0] >= 9
-    return MappingProxyType({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
-
-
-_OFF: Mapping[str, bool] = MappingProxyType({"PDL": False})
+    return _ON if on else _OFF
 
 
 def pdl_options(device: torch.device) -> Mapping[str, bool]:
