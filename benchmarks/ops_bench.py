@@ -10,8 +10,9 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
 * ``matmul_invariance``: the exact matmul's row computed at M = 1 vs the same row inside M = 4096 (``torch.equal``),
   and the same check for ``torch.mm`` (the negative control).
 * ``attention``: :func:`rlexact.ops.attention_varlen` (64 x 512 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA
-  causal on the padded batch; :func:`rlexact.ops.attention_paged` decode (batch 64 / 256, 512-token contexts) vs SDPA
-  decode on contiguous caches.
+  causal on the padded batch; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`: short contexts at
+  batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and without the
+  ``max_seqlen_q = 1`` bound the generator passes.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -40,6 +41,8 @@ QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "down": (2048, 6144),
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
+DECODE_CASES = [(64, 512), (256, 256), (256, 512), (4, 8192), (32, 8192)]
+"""``(batch, context)`` of the attention decode cases."""
 
 
 def bench_matmul(quick: bool) -> dict:
@@ -130,10 +133,11 @@ def bench_attention(quick: bool) -> dict:
         }
     except Exception as e:  # noqa: BLE001
         res["prefill"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
-    # decode over a paged cache: one new query per sequence, 512-token contexts
-    for b in (64, 256):
+    # decode over a paged cache: one new query per sequence
+    for b, ctx in DECODE_CASES:
+        name = f"decode_b{b}" if ctx == 512 else f"decode_b{b}_ctx{ctx}"
         try:
-            ctx, bs = 512, 16
+            bs = 16
             nblk = ctx // bs
             kc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
             vc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -146,21 +150,26 @@ def bench_attention(quick: bool) -> dict:
             vcont = vc[tables.long()].reshape(b, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
             qd = q.view(b, hq, 1, d)
             args = (q, kc, vc, tables, cu_q, lens, scale)
-            t_exact = bench(lambda args=args: ops.attention_paged(*args))
+            # the generator's decode launch passes max_seqlen_q = 1 (one program per sequence); without the bound
+            # programs look their sequence up in cu_seqlens first
+            t_exact = bench(lambda args=args: ops.attention_paged(*args, max_seqlen_q=1))
+            t_lookup = bench(lambda args=args: ops.attention_paged(*args))
             sargs = (qd, kcont, vcont)
             t_sdpa = bench(lambda sargs=sargs: F.scaled_dot_product_attention(*sargs, scale=scale))
             kv_bytes = 2 * b * ctx * hkv * d * 2
-            res[f"decode_b{b}"] = {
+            res[name] = {
                 "batch": b,
                 "context": ctx,
                 "exact_ms": t_exact,
+                "exact_without_max_seqlen_q_ms": t_lookup,
                 "sdpa_ms": t_sdpa,
                 "exact_kv_gbps": kv_bytes / t_exact / 1e6,
                 "ratio": t_sdpa / t_exact,
                 "note": "SDPA reads contiguous, GQA-expanded caches (no paging)",
             }
+            del kc, vc, kcont, vcont
         except Exception as e:  # noqa: BLE001
-            res[f"decode_b{b}"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     return res
 
 

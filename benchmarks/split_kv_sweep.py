@@ -85,7 +85,7 @@ def main() -> int:
     for split in SPLITS:
         row: dict = {"split": split}
         full = run(split, lambda: ta.attention_varlen(q, k, v, cu, scale))
-        dec = run(split, lambda: ta.attention_paged(q[-1:], kc, vc, table, last, cu[1:], scale))
+        dec = run(split, lambda: ta.attention_paged(q[-1:], kc, vc, table, last, cu[1:], scale, max_seqlen_q=1))
         row["decode_equals_training"] = bool(torch.equal(dec, full[-1:]))
         print(f"[split_kv_sweep] split {split} exact {row['decode_equals_training']}", flush=True)
         for b, ctx in DECODE:
@@ -93,7 +93,7 @@ def main() -> int:
             qd, kcd, vcd, tbl, cud, lens = args_
 
             def step(qd=qd, kcd=kcd, vcd=vcd, tbl=tbl, cud=cud, lens=lens):
-                return ta.attention_paged(qd, kcd, vcd, tbl, cud, lens, scale)
+                return ta.attention_paged(qd, kcd, vcd, tbl, cud, lens, scale, max_seqlen_q=1)
 
             print(f"[split_kv_sweep] split {split} decode b={b} ctx={ctx}", flush=True)
             row[f"decode_b{b}_ctx{ctx}_us"] = run(split, lambda step=step: graph_us(step))

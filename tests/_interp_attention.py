@@ -65,10 +65,12 @@ class PagedCache:
         self.v.view(-1, *self.v.shape[2:])[slots] = v
 
 
-def run_schedule(q, k, v, lens, schedule, block_size, paged_fn=ta.attention_paged, seed=0):
+def run_schedule(q, k, v, lens, schedule, block_size, paged_fn=ta.attention_paged, seed=0, bound=False):
     """Feed sequences through the paged kernel in steps; ``schedule[s][b]`` = queries of sequence ``b`` at step ``s``.
 
-    K/V of the step's tokens are written to the cache before the launch. Returns outputs in packed (varlen) order.
+    K/V of the step's tokens are written to the cache before the launch. ``bound``: pass each step's largest query
+    count as ``max_seqlen_q`` (decode steps then launch one program per sequence). Returns outputs in packed
+    (varlen) order.
     """
     device = q.device
     starts = _cu(lens, "cpu").tolist()
@@ -95,6 +97,7 @@ def run_schedule(q, k, v, lens, schedule, block_size, paged_fn=ta.attention_page
             _cu(nqs, device),
             torch.tensor(seqk, dtype=torch.int32, device=device),
             scale,
+            **({"max_seqlen_q": max(nqs)} if bound else {}),
         )
         off = 0
         for b, n in enumerate(nqs):
@@ -150,10 +153,12 @@ def check_exactness(lens, hq, hkv, d, dtype=torch.float32, device="cpu", chunks=
     assert not full.isnan().any()
     prompts = [max(1, n // 3) for n in lens]
     for bs in block_sizes:
-        runs = {"paged-full": [list(lens)], "decode": decode_schedule(lens, prompts)}
-        runs.update({f"chunk{c}": chunk_schedule(lens, c) for c in chunks})
-        for name, sched in runs.items():
-            out = run_schedule(q, k, v, lens, sched, bs)
+        runs = {"paged-full": ([list(lens)], False), "decode": (decode_schedule(lens, prompts), False)}
+        # decode steps with max_seqlen_q = 1: one program per sequence (the CUDA-graph decode launch)
+        runs["decode (max_seqlen_q given)"] = (decode_schedule(lens, prompts), True)
+        runs.update({f"chunk{c}": (chunk_schedule(lens, c), False) for c in chunks})
+        for name, (sched, bound) in runs.items():
+            out = run_schedule(q, k, v, lens, sched, bs, bound=bound)
             if not torch.equal(out, full):
                 bad = (out != full).any(-1).any(-1).nonzero().flatten().tolist()
                 raise AssertionError(f"{name} (block {bs}) != varlen at tokens {bad[:10]} (lens {lens}, hq {hq})")
@@ -274,10 +279,12 @@ def check_public_api(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device)
     full = ops.attention_varlen(q, k, v, cu, d**-0.5, backend="triton")
 
-    def paged(*args):
-        return ops.attention_paged(*args, backend="triton")
+    def paged(*args, **kwargs):
+        return ops.attention_paged(*args, backend="triton", **kwargs)
 
     out = run_schedule(q, k, v, lens, chunk_schedule(lens, 5), 4, paged_fn=paged)
+    assert torch.equal(out, full)
+    out = run_schedule(q, k, v, lens, decode_schedule(lens, [1] * len(lens)), 4, paged_fn=paged, bound=True)
     assert torch.equal(out, full)
 
 

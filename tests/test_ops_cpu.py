@@ -235,9 +235,15 @@ def test_attention_varlen_paged_decode_equal(dtype: torch.dtype, hq: int, hkv: i
                     torch.tensor([0, stop - start], dtype=torch.int32),
                     torch.tensor([stop], dtype=torch.int32),
                     scale,
+                    max_seqlen_q=stop - start,
                 )
             )
         assert torch.equal(torch.cat(outs), full[s:e]), f"chunk size {chunk} differs from the training forward"
+    one = (q[s : s + 2], kc, vc, table[None], torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2]), scale)
+    with pytest.raises(ValueError, match="max_seqlen_q is 1"):
+        ops.attention_paged(*one, max_seqlen_q=1)
+    with pytest.raises(ValueError, match="max_seqlen_q must be >= 1"):
+        ops.attention_paged(*one, max_seqlen_q=0)
 
 
 def test_attention_negative_control() -> None:

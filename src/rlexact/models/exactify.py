@@ -708,7 +708,10 @@ def rlexact_attention(
         kc, vc = paged.caches[module.layer_idx]
         ops.write_kv(k, v, kc, vc, paged.slot_mapping)
         if exact:
-            out = ops.attention_paged(q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale)
+            out = ops.attention_paged(
+                q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale,
+                max_seqlen_q=paged.max_seqlen_q,
+            )  # fmt: skip
         else:
             out = _native_paged(q, rlexact_meta, kc, vc, scale)
     return out[None], None

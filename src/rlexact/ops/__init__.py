@@ -240,6 +240,7 @@ def attention_paged(
     seqlens_k: torch.Tensor,
     scale: float,
     *,
+    max_seqlen_q: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks or decode) over a paged KV cache. Inference only.
@@ -247,10 +248,14 @@ def attention_paged(
     ``q [Tq, Hq, D]``; ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``; ``block_tables [B, max_blocks]`` int32;
     ``cu_seqlens_q [B+1]`` int32; ``seqlens_k [B]`` int32 (keys per sequence, new ones included). The queries of
     sequence ``b`` are its last ``nq_b`` positions. Each row equals :func:`attention_varlen` on the full sequence.
+    ``max_seqlen_q``: optional host-side bound of every ``nq_b`` (``1`` for a decode step); it must hold (the CPU
+    backend checks it; the GPU kernel cannot without a host sync) and lets the GPU launch one program per sequence.
     """
     _check_attn(q, k_cache, v_cache)
+    if max_seqlen_q is not None and max_seqlen_q < 1:
+        raise ValueError(f"attention_paged: max_seqlen_q must be >= 1, got {max_seqlen_q}")
     return _impl(resolve_backend(q, backend), "attention_paged")(
-        q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale)
+        q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q
     )
 
 

@@ -304,13 +304,21 @@ def attention_paged(
     cu_seqlens_q: torch.Tensor,
     seqlens_k: torch.Tensor,
     scale: float,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache (prefill chunks and decode).
 
     Sequence ``b`` has ``nq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, the last ``nq_b`` of its
     ``seqlens_k[b]`` keys, already written to the cache. Row results equal :func:`attention_varlen` bitwise.
+    ``max_seqlen_q`` (a launch hint on the GPU) is checked against the actual query counts.
     """
     cu = cu_seqlens_q.tolist()
+    longest = max((e - s for s, e in zip(cu[:-1], cu[1:])), default=0)
+    if max_seqlen_q is not None and longest > max_seqlen_q:
+        raise ValueError(
+            f"attention_paged: a sequence has {longest} queries but max_seqlen_q is {max_seqlen_q}; pass the true "
+            "maximum (or None)"
+        )
     lens = seqlens_k.tolist()
     keys = [gather_paged(k_cache, block_tables[b], lens[b]) for b in range(len(lens))]
     values = [gather_paged(v_cache, block_tables[b], lens[b]) for b in range(len(lens))]

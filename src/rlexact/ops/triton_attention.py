@@ -182,6 +182,17 @@ def _locate_tile(cu_ptr, num_seqs, slot, TILE: tl.constexpr, SCAN: tl.constexpr)
 
 
 @triton.jit
+def _program_tile(cu_q, num_seqs, P: tl.constexpr, SCAN: tl.constexpr, DIRECT: tl.constexpr):
+    """``(sequence b, tile index within b)`` of this program's grid-axis-0 index. ``DIRECT``: every sequence's
+    queries fit one tile and axis 0 has one program per sequence, so ``b`` is the index itself (no lookup of
+    ``cu_q``: one dependent load less before the first key tile). Otherwise the slots of all sequences' tiles,
+    later (costlier) tiles first."""
+    if DIRECT:
+        return tl.program_id(0), 0
+    return _locate_tile(cu_q, num_seqs, tl.num_programs(0) - 1 - tl.program_id(0), P, SCAN)
+
+
+@triton.jit
 def _merge_split(m, s, acc, m2, s2, acc2):
     """Fold the fp32 partial ``(m2, s2, acc2)`` (max, sum, accumulator) of the next KV split into the running
     ``(m, s, acc)``. Explicit fused multiply-adds fix the rounding (no compiler contraction choice), so every kernel
@@ -384,17 +395,15 @@ def _attn_fwd_kernel(
     SCAN: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_PAR: tl.constexpr,
+    DIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
     P: tl.constexpr = BLOCK_M // HP  # query positions per tile
     TPS: tl.constexpr = SPLIT // BLOCK_N  # key tiles per split
-    # later (costlier) tiles first
-    slot = tl.num_programs(0) - 1 - tl.program_id(0)
     hgroup = tl.program_id(1)  # which pack of HP query heads
     kvh = (hgroup * HP) // GROUP
-
-    b, tile = _locate_tile(cu_q, num_seqs, slot, P, SCAN)
+    b, tile = _program_tile(cu_q, num_seqs, P, SCAN, DIRECT)
     q_begin = tl.load(cu_q + b)
     nq = tl.load(cu_q + b + 1) - q_begin
     if tile * P >= nq:
@@ -493,6 +502,7 @@ def _attn_merge_kernel(
     HP: tl.constexpr,
     SPLIT: tl.constexpr,
     SCAN: tl.constexpr,
+    DIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Second pass of the split-parallel (paged) forward: for each query tile spanning more than one split, fold the
@@ -501,7 +511,7 @@ def _attn_merge_kernel(
     pdl_entry(PDL)
     P: tl.constexpr = BLOCK_M // HP
     hgroup = tl.program_id(1)
-    b, tile = _locate_tile(cu_q, num_seqs, tl.program_id(0), P, SCAN)
+    b, tile = _program_tile(cu_q, num_seqs, P, SCAN, DIRECT)
     q_begin = tl.load(cu_q + b)
     nq = tl.load(cu_q + b + 1) - q_begin
     if tile * P >= nq:
@@ -762,12 +772,14 @@ def _forward(
     out: torch.Tensor,
     lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
     cfg: dict[str, int] | None = None,
+    max_seqlen_q: int | None = None,
 ) -> None:
     """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
-    overrides entries of :func:`_launch_config` (benchmarks and tests only).
+    overrides entries of :func:`_launch_config` (benchmarks and tests only). ``max_seqlen_q``: an upper bound of
+    every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -804,7 +816,8 @@ def _forward(
         pml = torch.empty((tq, hq, n_split, 2), dtype=torch.float32, device=q.device)
     else:
         pacc = pml = out
-    grid = (tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
+    direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
+    grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
     pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](
         q,
@@ -845,6 +858,7 @@ def _forward(
         SCAN=_SCAN,
         SPLIT=split,
         SPLIT_PAR=par,
+        DIRECT=direct,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
@@ -853,7 +867,7 @@ def _forward(
     if par:
         _attn_merge_kernel[grid[:2]](
             out, pacc, pml, cu_q, seqlens_k, num_seqs, hq, n_split, out.stride(0), out.stride(1), HEAD_DIM=d,
-            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, num_warps=4, **pdl,
+            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, DIRECT=direct, num_warps=4, **pdl,
         )  # fmt: skip
 
 
@@ -885,12 +899,16 @@ def attention_paged(
     cu_seqlens_q: torch.Tensor,
     seqlens_k: torch.Tensor,
     scale: float,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks and decode, mixed in one launch) over a paged KV cache.
 
     ``q [Tq, Hq, D]``; ``k_cache, v_cache [NB, BS, Hkv, D]``; ``block_tables [B, max_blocks]`` int32;
     ``cu_seqlens_q [B+1]`` int32; ``seqlens_k [B]`` int32. Sequence ``b``'s queries are its last ``nq_b`` positions;
     key ``p`` lives at slot ``block_tables[b, p // BS] * BS + p % BS``. Slots past ``seqlens_k[b]`` are never read.
+    ``max_seqlen_q``, if given, must bound every ``nq_b`` (the device cannot check it without a host sync: a
+    sequence with more queries than a small bound would get only its first tile); it only changes the launch grid,
+    never a row's bits.
     """
     _check_inputs(q, k_cache, v_cache)
     if k_cache.dim() != 4:
@@ -906,6 +924,7 @@ def attention_paged(
         block_tables.to(device=dev, dtype=torch.int32),
         float(scale),
         out,
+        max_seqlen_q=max_seqlen_q,
     )
     return out
 
