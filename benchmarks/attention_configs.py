@@ -23,7 +23,7 @@ prefill shapes: copy it into ``rlexact.ops.triton_attention.PREFILL_LAUNCH_16BIT
 best candidate whose decode times stay within 2 % of the library's, for the case that no candidate passes the
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
 
-``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``: ``BLOCK_M`` 16 / 32 / 64 x 1 / 2 / 4 warps x
+``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``: ``BLOCK_M`` 16 / 32 / 64 x 1 / 2 / 4 / 8 warps x
 2 / 3 / 4 stages) on paged decode at batch 256 x 384, 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two
 split-parallel), each checked bitwise against the library's decode launch and, installed as
 ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total among those) goes
@@ -55,7 +55,7 @@ DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 DECODE_SWEEP_SHAPES = ((256, 384), (64, 2048), (32, 8192), (4, 8192))
 DECODE_CANDIDATES = [
-    {"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (16, 32, 64) for w in (1, 2, 4) for st in (2, 3, 4)
+    {"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (16, 32, 64) for w in (1, 2, 4, 8) for st in (2, 3, 4)
 ]
 
 

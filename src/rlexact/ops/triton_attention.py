@@ -286,18 +286,27 @@ def _attn_key_tile(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
     alpha = tl.math.exp2(m_s - m_use)
     p = tl.math.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
-    l_s = tl.fma(l_s, alpha, tl.sum(p, 1))
-    acc_s = acc_s * alpha[:, None]
+    # the row sum is a dot with a ones tile (every column of it is the row sum; max picks one exactly): a reduction
+    # order fixed by the MMA's K chain, whatever the warps' layout (a tl.sum tree depends on which warps hold a row)
+    ones = tl.full([BLOCK_N, 16], 1.0, dtype=tl.float32)
     if FP32_DOT:
-        acc_s = tl.dot(p, v, acc_s, input_precision="ieee")
+        pv = p
+        rows = tl.dot(p, ones, input_precision="ieee")
     else:
         if UPCAST:
             if V.dtype.element_ty == tl.bfloat16:
                 pv = _bf16_round_f32(p)
             else:
                 pv = p.to(V.dtype.element_ty).to(tl.float32)
+            rows = tl.dot(pv, ones)
         else:
             pv = p.to(V.dtype.element_ty)
+            rows = tl.dot(pv, ones.to(V.dtype.element_ty))
+    l_s = tl.fma(l_s, alpha, tl.max(rows, 1))
+    acc_s = acc_s * alpha[:, None]
+    if FP32_DOT:
+        acc_s = tl.dot(pv, v, acc_s, input_precision="ieee")
+    else:
         acc_s = tl.dot(pv, v, acc_s)
     return m_new, l_s, acc_s
 
