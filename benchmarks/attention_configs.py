@@ -24,10 +24,11 @@ best candidate whose decode times stay within 2 % of the library's, for the case
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
 
 ``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``: ``BLOCK_M`` 16 / 32 / 64 x 1 / 2 / 4 / 8 warps x
-2 / 3 / 4 stages, 64-row tiles only over 4 or 8 warps) on paged decode at batch 256 x 384, 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two
-split-parallel), each checked bitwise against the library's decode launch and, installed as
-``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total among those) goes
-into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``. Output: ``attention_decode_configs_h200.json``.
+2 / 3 / 4 stages, 64-row tiles only over 4 or 8 warps) on paged decode at batch 256 x 384, 64 x 2,048, 32 x 8,192
+and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's decode launch and,
+installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total
+among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
+Output: ``attention_decode_configs_h200.json``.
 """
 
 from __future__ import annotations
