@@ -12,7 +12,9 @@ split wholly past a query (an empty partial), so a query tile may visit tiles an
 Key tiles wholly at or before a query tile's first position are visible to all its rows and skip the bounds and
 score masks; the mask only turns hidden scores into ``-inf`` ahead of the same operations, whose roundings are all
 explicit (``exp2(fma(s, scale, -m))``, ``fma(l, alpha, rowsum(p))``; no compiler contraction choice), so a row's
-bits do not depend on which of its tiles were masked. The number of splits of a query is ``p // SPLIT + 1``: a
+bits do not depend on which of its tiles were masked. ``rowsum(p)`` is a ``tl.dot`` of the probabilities (as fed to
+the P @ V dot) with a ones tile, so its order is the MMA's K chain: a ``tl.sum`` tree would depend on how a launch's
+warps split the key tile, and with the dot no query-side launch parameter enters a row's bits. The number of splits of a query is ``p // SPLIT + 1``: a
 function of its own position, never of the batch. The key-side partition (``BLOCK_N``, ``SPLIT``) depends only on
 ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of sequences, or paged vs packed.
 The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
@@ -98,14 +100,13 @@ that is not a pure decode step (training forward, backward's forward rerun, pref
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
-DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 1, "num_stages": 2}
+DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2}
 """Query-side launch of bf16/fp16 pure decode launches (one query per sequence) at the head dims of
 :data:`PREFILL_LAUNCH_HEAD_DIMS`. Set from ``benchmarks/attention_configs.py --decode`` (its result's
 ``choice.decode_launch``, ``benchmarks/results/attention_decode_configs_h200.json``): only a candidate whose outputs
-are bitwise equal to the previous entry's (``BLOCK_M`` 64, 4 warps, 3 stages) and whose decode steps equal the
-training forward is allowed. On the H200 the bits depend on the rows per warp, not on ``BLOCK_M``: 16 rows per warp
-with 2 or 4 warps differed, one warp (any ``BLOCK_M``) and 64 rows per warp agreed. A 16-row tile wastes fewer rows
-on a decode query's ``HP`` heads."""
+are bitwise equal to the previous entry's and whose decode steps equal the training forward is allowed. Since the
+row sum became a dot every candidate there agreed (before, candidates whose warps split the key tile did not). A
+16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
