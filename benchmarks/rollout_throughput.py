@@ -13,9 +13,11 @@ ratios exact/native and exact/hf_generate, generator stats, and an exactness spo
         --name rollout_long_h200                            # long contexts: decode step time per batch
     python benchmarks/rollout_throughput.py --grpo          # 64 prompts x n=8, 512-token prompts, sharing on/off
 
-Every exact run also times a second ``generate`` with half the new tokens (same prompts, same warm engine); the
-difference divided by the difference in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time
-of one decode step with prefill and warm-up removed.
+Every exact run also times ``generate`` with half the new tokens (same prompts, same warm engine); the difference of
+the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_walls_s``) divided by the difference
+in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time of one decode step with prefill and
+warm-up removed. Medians, because a call's prefill varies by tens of milliseconds, which a single pair of calls
+spreads over the steps.
 
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -191,11 +194,16 @@ def run_rlexact(
     half = args.new_tokens // 2
     host_short = None
     if decode_step and half >= 1 and kernels == "exact":
+        longs = [elapsed] + [timed(args.new_tokens, 0)[0] for _ in range(args.step_reps - 1)]
         timed(half, 0)  # its own warm-up: a narrower block table can specialize (compile) kernels anew
-        short, _ = timed(half, 0)
+        shorts = [timed(half, 0)[0] for _ in range(args.step_reps)]
         host_short = host_snapshot(gen)
-        res["decode_step_ms"] = (elapsed - short) / (args.new_tokens - half) * 1e3
-        res["decode_step_note"] = f"(wall({args.new_tokens} new) - wall({half} new)) / {args.new_tokens - half}"
+        res["decode_step_ms"] = (statistics.median(longs) - statistics.median(shorts)) / (args.new_tokens - half) * 1e3
+        res["decode_step_note"] = (
+            f"(median wall({args.new_tokens} new) - median wall({half} new)) / {args.new_tokens - half}, "
+            f"{args.step_reps} calls each"
+        )
+        res["decode_step_walls_s"] = {"long": longs, "short": shorts}
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)
@@ -278,6 +286,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
     ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
+    ap.add_argument(
+        "--step-reps", type=int, default=3, help="timed calls of each length for decode_step_ms (median, default 3)"
+    )
     ap.add_argument("--profile", type=int, default=0, help="profile an exact generate of N new tokens per batch")
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
@@ -286,6 +297,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
     ap.add_argument("--name", default=None, help="output benchmarks/results/NAME.json (when --out is not given)")
     args = ap.parse_args()
+    if args.step_reps < 1:
+        ap.error(f"--step-reps must be at least 1, got {args.step_reps}")
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))
