@@ -14,9 +14,10 @@ score masks; the mask only turns hidden scores into ``-inf`` ahead of the same o
 explicit (``exp2(fma(s, scale, -m))``, ``fma(l, alpha, rowsum(p))``; no compiler contraction choice), so a row's
 bits do not depend on which of its tiles were masked. ``rowsum(p)`` is a ``tl.dot`` of the probabilities (as fed to
 the P @ V dot) with a ones tile, so its order is the MMA's K chain: a ``tl.sum`` tree would depend on how a launch's
-warps split the key tile, and with the dot no query-side launch parameter enters a row's bits. The number of splits of a query is ``p // SPLIT + 1``: a
-function of its own position, never of the batch. The key-side partition (``BLOCK_N``, ``SPLIT``) depends only on
-``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence lengths, the number of sequences, or paged vs packed.
+warps split the key tile, and with the dot no query-side launch parameter enters a row's bits. The number of
+splits of a query is ``p // SPLIT + 1``: a function of its own position, never of the batch. The key-side
+partition (``BLOCK_N``, ``SPLIT``) depends only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence
+lengths, the number of sequences, or paged vs packed.
 The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
 (one query per sequence, :data:`DECODE_LAUNCH_16BIT`) and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits
 must not depend on it, which ``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an
