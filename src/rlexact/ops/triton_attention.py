@@ -88,9 +88,11 @@ def _block_d(head_dim: int) -> int:
 SPLIT_KEYS_16BIT = 1024
 """Keys per KV split (``SPLIT``) for bf16/fp16 at every head_dim (a multiple of every 16-bit ``BLOCK_N``). Chosen
 from ``benchmarks/split_kv_sweep.py`` at head_dim 128 (16 query / 8 KV heads): among 512 ... 8192 and no split,
-1,024 and 2,048 keys tie on the summed long-context decode time; 1,024 is faster for the few-sequence long tail
-(batch 1-4 at 8k keys), 2,048 for batch 32 at 8k and batch 4 at 32k keys. Short contexts (one split) and the
-prefill/training forward do not depend on it measurably."""
+1,024 and 2,048 keys tied on the summed long-context decode time; 1,024 is faster for the few-sequence long tail
+(batch 1-4 at 8k keys), 2,048 for batch 32 at 8k and batch 4 at 32k keys. A later run with one-warp decode programs
+(``benchmarks/results/split_kv_sweep_h200.json``) has 512 and 1,024 tied on the sum, 512 ahead at batch 1-4 x 8k
+and behind at batch 32 x 8k and 4 x 32k. Short contexts (one split) and the prefill/training forward do not depend
+on it measurably."""
 SPLIT_KEYS_FP32 = 2048
 """Keys per KV split (``SPLIT``) for fp32 at every head_dim (a multiple of every fp32 ``BLOCK_N``; not swept)."""
 
