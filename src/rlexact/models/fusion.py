@@ -41,42 +41,40 @@ class FusedProjections:
 
     def __init__(self, model: nn.Module) -> None:
         self.table: dict[nn.Module, FusedLinear] = {}
-        self._parts: list[tuple[list[nn.Linear], FusedLinear]] = []
+        self._parts: list[tuple[list[nn.Linear], FusedLinear, tuple]] = []
         for module, linears in fused_groups(model):
-            w0 = linears[0].weight
-            if any(
-                lin.weight.dtype != w0.dtype or lin.weight.device != w0.device or lin.weight.shape[1] != w0.shape[1]
-                for lin in linears
-            ):
-                continue
-            biases = [lin.bias for lin in linears]
-            if any(b is None for b in biases) and any(b is not None for b in biases):
-                continue
-            sizes = tuple(int(lin.weight.shape[0]) for lin in linears)
-            weight = torch.empty((sum(sizes), w0.shape[1]), dtype=w0.dtype, device=w0.device)
-            bias = None if biases[0] is None else torch.empty(sum(sizes), dtype=biases[0].dtype, device=w0.device)
+            layout = _layout(linears)
+            if len({(dtype, device, k, bias) for _, k, dtype, device, bias in layout}) != 1:
+                continue  # mixed dtype, device, input size or bias presence: runs unfused
+            _, k, dtype, device, has_bias = layout[0]
+            sizes = tuple(n for n, *_ in layout)
+            weight = torch.empty((sum(sizes), k), dtype=dtype, device=device)
+            bias_dtype = linears[0].bias.dtype if has_bias else None
+            bias = torch.empty(sum(sizes), dtype=bias_dtype, device=device) if has_bias else None
             fused = FusedLinear(weight, bias, sizes)
             self.table[module] = fused
-            self._parts.append((linears, fused))
+            self._parts.append((linears, fused, layout))
         self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the current projection weights in."""
-        for linears, fused in self._parts:
+        for linears, fused, _ in self._parts:
             torch.cat([lin.weight for lin in linears], out=fused.weight)
             if fused.bias is not None:
                 torch.cat([lin.bias for lin in linears], out=fused.bias)
 
     def matches(self) -> bool:
-        """Whether the projections still have the shapes, dtypes and devices the buffers were made for."""
-        return all(
-            tuple(int(lin.weight.shape[0]) for lin in linears) == fused.sizes
-            and all(
-                lin.weight.dtype == fused.weight.dtype and lin.weight.device == fused.weight.device for lin in linears
-            )
-            for linears, fused in self._parts
-        )
+        """Whether the projections still have the shapes, dtypes, devices and biases the buffers were made for."""
+        return all(_layout(linears) == layout for linears, _, layout in self._parts)
+
+
+def _layout(linears: list[nn.Linear]) -> tuple:
+    """``(out_features, in_features, dtype, device, has_bias)`` of each linear: what the fused buffers depend on."""
+    return tuple(
+        (int(lin.weight.shape[0]), int(lin.weight.shape[1]), lin.weight.dtype, lin.weight.device, lin.bias is not None)
+        for lin in linears
+    )
 
 
 @contextlib.contextmanager
