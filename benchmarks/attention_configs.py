@@ -23,11 +23,10 @@ prefill shapes: copy it into ``rlexact.ops.triton_attention.PREFILL_LAUNCH_16BIT
 best candidate whose decode times stay within 2 % of the library's, for the case that no candidate passes the
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
 
-``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``: ``BLOCK_M`` 16 / 32 / 64 x 1 / 2 / 4 / 8 warps x
-2 / 3 / 4 stages, 64-row tiles only over 4 or 8 warps) on paged decode at batch 256 x 384, 64 x 2,048, 32 x 8,192
-and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's decode launch and,
-installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total
-among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
+``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``) on paged decode at batch 256 x 384,
+64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's
+decode launch and, installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch``
+(the fastest total among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
 Output: ``attention_decode_configs_h200.json``.
 """
 
@@ -57,11 +56,13 @@ CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 1
 DECODE_SWEEP_SHAPES = ((256, 384), (64, 2048), (32, 8192), (4, 8192))
 DECODE_CANDIDATES = [
     {"BLOCK_M": bm, "num_warps": w, "num_stages": st}
-    for bm in (16, 32, 64)
-    for w in (1, 2, 4, 8)
-    for st in (2, 3, 4)
-    if bm < 64 or w >= 4  # 64-row tiles over one or two warps ran 2-6x slower (attention_decode_configs at 92b4a74)
+    for bm, warps, stages in (((16, (1, 2, 4), (2, 4, 5, 6)), (32, (2, 4), (2, 5)), (64, (4,), (2, 5))))
+    for w in warps
+    for st in stages
 ]
+"""Decode launches swept. Narrowed from the c2c7cb9 sweep (8 warps, and 64-row tiles over fewer than four warps, lost
+everywhere); five and six stages added: a paged key tile waits on its block-table load, so the K/V copies only run a
+tile ahead of their use (leaving load latency exposed) from five stages on (Triton's pipeliner, TTGIR)."""
 
 
 def _cu(lens: list[int]) -> torch.Tensor:

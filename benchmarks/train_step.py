@@ -18,8 +18,10 @@ Sections (each independent: a failure is recorded in the JSON and the run contin
   ``old_logprob_mode="exact"``) vs native rollout + ``old_logprob_mode="recompute"``. Stage times are measured from
   outside by wrapping ``RLModule.generate`` (rollout), ``RLModule.score_batch`` (scoring) and
   ``rlexact.trainer.update.PPOUpdate.run`` (update) with synchronized timers; the reported step is the second one
-  (the first compiles kernels and captures CUDA graphs). The data loader holds exactly two rollout batches and the
-  ``Trainer`` runs one epoch (``max_steps`` would count optimizer steps: two per rollout step here).
+  (the first compiles kernels and captures CUDA graphs). The data loader holds exactly one rollout batch per step and
+  the ``Trainer`` runs one epoch (``max_steps`` would count optimizer steps: two per rollout step here). With
+  ``--profile`` a third step runs its update under the CUDA profiler (``update_profile``: wall time, summed kernel
+  time, GPU busy fraction, top kernels); the reported times stay the second step's.
 
 ``--small`` runs tiny shapes (a 2-layer model, a few short sequences) on the CPU or GPU to check that the script works.
 """
@@ -218,18 +220,53 @@ def profile_top(fn: Callable[[], object], n: int = 25) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         _sync()
+    return _top_rows(prof, n)[0]
+
+
+def _top_rows(prof, n: int) -> tuple[list[dict], float]:  # noqa: ANN001
+    """The ``n`` CUDA kernels of a finished profile with the most total GPU time, and the total over all (ms)."""
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in rows) or 1.0
     rows.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [
+    top = [
         {"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3, "share": e.device_time_total / total}
         for e in rows[:n]
     ]
+    return top, total / 1e3
+
+
+def profiled_call(fn: Callable, call_index: int, sink: dict) -> Callable:
+    """``fn`` with its ``call_index``-th call (0-based) run under the CUDA profiler: ``sink`` gets that call's wall
+    time, summed kernel time, their ratio (GPU busy fraction) and top kernels. Other calls run unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = [0]
+
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        index, calls[0] = calls[0], calls[0] + 1
+        if index != call_index:
+            return fn(*args, **kwargs)
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync()
+            wall = time.perf_counter() - t0
+        top, kernel_ms = _top_rows(prof, 30)
+        busy = kernel_ms / 1e3 / wall
+        sink.update(wall_s=wall, gpu_kernel_s=kernel_ms / 1e3, gpu_busy_fraction=busy, top_kernels=top)
+        return out
+
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # grpo_step
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+REPORTED_STEP = 1
+"""The GRPO step whose times are reported (0-based): the first compiles kernels and captures CUDA graphs."""
 
 
 class IdTokenizer:
@@ -266,7 +303,7 @@ class StageTimer:
         return timed
 
 
-def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
+def _grpo_run(small: bool, exact: bool, steps: int, profile: bool) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -306,7 +343,11 @@ def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
             step_times.append(time.perf_counter() - self.t0)
 
     orig_run = update_stage.PPOUpdate.run
-    update_stage.PPOUpdate.run = timer.wrap("update", orig_run)
+    update_profile: dict = {}
+    # the step after the reported one runs its update under the profiler
+    profile = profile and torch.cuda.is_available()
+    run = profiled_call(orig_run, REPORTED_STEP + 1, update_profile) if profile else orig_run
+    update_stage.PPOUpdate.run = timer.wrap("update", run)
     try:
         trainer = L.Trainer(
             max_epochs=1, accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, logger=False,
@@ -317,10 +358,10 @@ def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
             trainer.fit(module, DataLoader(items, batch_size=prompts, collate_fn=list))
     finally:
         update_stage.PPOUpdate.run = orig_run
-    last = {name: ts[-1] for name, ts in timer.times.items()}
+    reported = {name: ts[REPORTED_STEP] for name, ts in timer.times.items()}
     res = {
-        "step_s": step_times[-1],
-        "stages_s": last,
+        "step_s": step_times[REPORTED_STEP],
+        "stages_s": reported,
         "all_steps_s": step_times,
         "all_stages_s": timer.times,
         "sequences": prompts * n,
@@ -329,17 +370,20 @@ def _grpo_run(small: bool, exact: bool, steps: int) -> dict:
         "mini_batch_size": mini,
         "micro_batch_size": micro,
     }
+    if update_profile:
+        res["update_profile"] = {"step": REPORTED_STEP + 1, **update_profile}
     del module, trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
 
 
-def bench_grpo_step(small: bool) -> dict:
+def bench_grpo_step(small: bool, profile: bool) -> dict:
     out: dict = {"note": "stage times wrap RLModule.generate / score_batch and PPOUpdate.run from outside the module"}
     for name, exact in (("exact", True), ("native_recompute", False)):
         try:
-            out[name] = _grpo_run(small, exact, steps=2)
+            steps = REPORTED_STEP + (2 if profile else 1)
+            out[name] = _grpo_run(small, exact, steps=steps, profile=profile)
         except Exception as e:  # noqa: BLE001
             out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     if "step_s" in out["exact"] and "step_s" in out["native_recompute"]:
@@ -352,7 +396,12 @@ def main() -> None:
     ap.add_argument("--section", nargs="*", default=["fwd_bwd", "grpo_step"], choices=["fwd_bwd", "grpo_step"])
     ap.add_argument("--case", nargs="*", default=["16x1024", "4x8192_ckpt"], choices=["16x1024", "4x8192_ckpt"])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--profile", action="store_true", help="fwd_bwd: also record the top GPU kernels of one exact step")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="fwd_bwd: also record the top GPU kernels of one exact step; grpo_step: run one more step and profile its"
+        " update (wall time, GPU busy fraction, top kernels)",
+    )
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; writes /tmp/train_small.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -365,7 +414,7 @@ def main() -> None:
             if section == "fwd_bwd":
                 res[section] = bench_fwd_bwd(args.small, args.reps, args.case, args.profile)
             else:
-                res[section] = bench_grpo_step(args.small)
+                res[section] = bench_grpo_step(args.small, args.profile)
         except Exception as e:  # noqa: BLE001
             res[section] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
         res[section]["seconds"] = time.perf_counter() - t0

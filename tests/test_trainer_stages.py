@@ -12,7 +12,7 @@ import torch
 from models import tiny_model, tiny_rl_config
 from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.logprobs import pack, packed_logprobs
-from rlexact.models import exactify
+from rlexact.models import exactify, use_kernels
 from rlexact.module import RLModule
 from rlexact.reduction import MetricReducer, all_reduce
 from rlexact.rollout import eos_token_ids
@@ -51,6 +51,32 @@ def test_activation_checkpointing_same_logprobs_and_gradients(arch: str) -> None
     emb = ckpt.get_input_embeddings()
     with torch.no_grad():
         assert not emb(torch.tensor([1, 2])).requires_grad
+
+
+@pytest.mark.parametrize("kernels", ["exact", "native"])
+def test_masked_logprobs_equal_the_full_call_on_the_mask(kernels: str) -> None:
+    model = exactify(tiny_model("qwen3")).train()
+    packed = pack([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]], "cpu")
+    mask = torch.zeros(15, dtype=torch.bool)
+    mask[[4, 5, 6, 9, 13, 14]] = True  # a response-like suffix of each sequence
+    with use_kernels(model, kernels):
+        full, ent_full = packed_logprobs(model, packed, 0.9, with_entropy=True)
+        part, ent_part = packed_logprobs(model, packed, 0.9, with_entropy=True, mask=mask)
+    assert torch.equal(part[mask], full[mask]) and torch.equal(ent_part[mask], ent_full[mask])
+    assert bool((full[~mask] != 0).any()), "the full call must give non-zero log-probs outside the mask"
+    assert torch.equal(part[~mask], torch.zeros_like(part[~mask]))
+    # the gradient of masked entries is the same through either call (the head's weight gradient sums fewer rows,
+    # so within fp32 tolerance)
+    grads = []
+    for lp, ent in ((full, ent_full), (part, ent_part)):
+        model.zero_grad(set_to_none=True)
+        (lp[mask].sum() + 0.1 * ent[mask].sum()).backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        packed_logprobs(model, packed, 0.9, mask=mask.long())
 
 
 def test_rl_module_option_turns_on_checkpointing_for_the_policy_only() -> None:

@@ -64,9 +64,13 @@ def packed_logprobs(
     with_entropy: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[T]`` fp32 aligned with ``packed.input_ids``: entry ``t`` is ``log p(x_t | x_<t)``;
     the first token of each sequence gets 0. Differentiable when grad is enabled.
+
+    ``mask``: bool ``[T]``; when given, only the entries where it is True are computed (the head runs on those rows
+    only) and the others are 0. Each computed entry is bitwise the one the full call gives (the head is row-invariant).
 
     ``top_k > 0`` or ``top_p < 1``: log-probs (and entropies) under the truncated, renormalized distribution that
     the generator samples from — what it reports with ``SamplingParams(logprobs="sampled")``, bitwise in exact mode.
@@ -74,6 +78,14 @@ def packed_logprobs(
     _check_vocab(model, packed.input_ids)
     hidden = forward_hidden(model, packed.input_ids, packed.position_ids, AttnMetadata(packed.cu_seqlens))
     rows, targets = shifted_targets(packed)
+    if mask is not None:
+        if mask.shape != packed.input_ids.shape or mask.dtype != torch.bool:
+            raise ValueError(
+                f"packed_logprobs: mask must be bool {tuple(packed.input_ids.shape)}, got {mask.dtype} "
+                f"{tuple(mask.shape)}"
+            )
+        keep = mask.to(rows.device)[rows + 1]
+        rows, targets = rows[keep], targets[keep]
     logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature, top_k=top_k, top_p=top_p)
     logp = torch.zeros(packed.input_ids.numel(), dtype=torch.float32, device=hidden.device)
     logp = logp.index_put((rows + 1,), logp_rows)

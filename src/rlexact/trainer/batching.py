@@ -76,11 +76,14 @@ def batch_logprobs(
     with_entropy: bool,
     truncation: tuple[int, float] = (0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Trainer log-probs ``[T]`` (and entropies when asked) of ``batch`` under ``model``: one packed forward.
-    ``truncation``: ``(top_k, top_p)`` of the distribution the log-probs describe (``(0, 1.0)``: the full one)."""
+    """Trainer log-probs ``[T]`` (and entropies when asked) of ``batch``'s response tokens under ``model``: one packed
+    forward, the head on the response rows only; prompt entries are 0. ``truncation``: ``(top_k, top_p)`` of the
+    distribution the log-probs describe (``(0, 1.0)``: the full one)."""
     packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
     top_k, top_p = truncation
-    return packed_logprobs(model, packed, temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p)
+    return packed_logprobs(
+        model, packed, temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p, mask=batch.response_mask
+    )
 
 
 @torch.no_grad()
