@@ -19,9 +19,9 @@ splits of a query is ``p // SPLIT + 1``: a function of its own position, never o
 partition (``BLOCK_N``, ``SPLIT``) depends only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence
 lengths, the number of sequences, or paged vs packed.
 The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
-(one query per sequence, :data:`DECODE_LAUNCH_16BIT`) and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits
-must not depend on it, which ``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an
-entry may differ.
+(one query per sequence, :data:`DECODE_LAUNCH_16BIT`, with :data:`DECODE_DEEP_STAGES` when the grid is small) and
+all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
+``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an entry may differ.
 ``attention_varlen`` and ``attention_paged`` launch the same ``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes
 how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized paged
 launches give each split its own program (grid axis 2) and fold the stored fp32 partials in ``_attn_merge_kernel``;
@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
+from .triton_matmul import _num_sms
 from .triton_pdl import pdl_entry, pdl_options
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
@@ -110,6 +111,15 @@ DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2}
 are bitwise equal to the previous entry's and whose decode steps equal the training forward is allowed. Since the
 row sum became a dot every candidate there agreed (before, candidates whose warps split the key tile did not). A
 16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
+DECODE_DEEP_STAGES = 5
+"""Pipeline stages of a decode launch with few programs (at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` per SM). A
+paged key tile's K/V copies wait on its block-table load, so Triton's pipeliner keeps them a tile ahead of their use
+only from five stages on; with fewer, each tile's load latency is exposed, which many resident programs per SM hide
+and a few do not. From ``benchmarks/results/attention_decode_configs_h200.json``: five stages are faster at batch 4 x
+8k keys (288 programs) and slower at 1,024 programs and more (five stages of K/V tiles leave room for one program
+per SM)."""
+DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
+"""Largest number of decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
@@ -497,6 +507,17 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _load_partial(PML, PACC, prow, sp, n_splits, row_ok, offs_d, BLOCK_D: tl.constexpr):
+    """Split ``sp``'s stored fp32 partial ``(max, sum, acc)`` of rows ``prow``; the empty partial if ``sp`` is past
+    the last split."""
+    ok = row_ok & ((prow * 0 + sp) < n_splits)  # as a [BLOCK_M] tensor (a scalar bool mask breaks the interpreter)
+    m = tl.load(PML + (prow + sp) * 2, mask=ok, other=float("-inf"))
+    s = tl.load(PML + (prow + sp) * 2 + 1, mask=ok, other=0.0)
+    acc = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    return m, s, acc
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _attn_merge_kernel(
     Out,
@@ -542,11 +563,18 @@ def _attn_merge_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for sp in range(0, n_splits):
-        m_s = tl.load(PML + (prow + sp) * 2, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(PML + (prow + sp) * 2 + 1, mask=row_ok, other=0.0)
-        acc_s = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
+    # four partials are loaded together, then folded in ascending order: one load latency per four splits instead of
+    # one per split (the loop is not software-pipelined). Slots past the last split load the empty partial, whose
+    # merge is an exact no-op, so the bits are those of folding exactly n_splits partials.
+    for sp in range(0, n_splits, 4):
+        m0, l0, a0 = _load_partial(PML, PACC, prow, sp, n_splits, row_ok, offs_d, BLOCK_D)
+        m1, l1, a1 = _load_partial(PML, PACC, prow, sp + 1, n_splits, row_ok, offs_d, BLOCK_D)
+        m2, l2, a2 = _load_partial(PML, PACC, prow, sp + 2, n_splits, row_ok, offs_d, BLOCK_D)
+        m3, l3, a3 = _load_partial(PML, PACC, prow, sp + 3, n_splits, row_ok, offs_d, BLOCK_D)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m0, l0, a0)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m1, l1, a1)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m2, l2, a2)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m3, l3, a3)
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -800,7 +828,9 @@ def _forward(
     num_seqs = cu_q.shape[0] - 1
     if tq == 0 or num_seqs <= 0:
         return
-    cfg = _launch_config(d, q.dtype, decode=tq == num_seqs) | (cfg or {})
+    decode = tq == num_seqs
+    override = cfg or {}
+    cfg = _launch_config(d, q.dtype, decode) | override
     split = cfg["SPLIT"]
     if split % cfg["BLOCK_N"]:
         raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
@@ -831,6 +861,9 @@ def _forward(
         pacc = pml = out
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
+    if decode and "num_stages" not in override and _launch_config(d, q.dtype, True) != _fwd_config(d, q.dtype):
+        if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * _num_sms(q.device):
+            cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](
         q,
