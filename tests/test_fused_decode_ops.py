@@ -2,7 +2,8 @@
 exactified model that use it.
 
 * ``write_kv`` (torch twin and Triton kernel) stores exactly what two ``index_copy_`` calls store, from strided inputs
-  and with a dtype cast; a wrong slot mapping gives another cache (negative control).
+  and with a dtype cast; a wrong slot mapping gives another cache (negative control). ``qk_norm_rope_write_kv``
+  (the decode step's attention prologue) equals ``qk_norm_rope`` followed by ``write_kv`` of its keys.
 * ``add_rms_norm`` returns ``(rms_norm(x + r), x + r)`` bitwise, ``x + r`` being torch's elementwise add (fp32 add,
   one rounding); normalizing the unrounded fp32 sum differs (negative control).
 * An exactified model's fused decoder layers give bitwise the hidden states, log-probs and logits of the unfused exact
@@ -76,6 +77,44 @@ def check_write_kv(device: str, backend: str, hkv: int = 3, d: int = 10, block: 
                 kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
                 ops.write_kv(k, v, kc2, vc2, wrong, backend=backend)
                 assert not torch.equal(kc2.nan_to_num(7.0), want_k.nan_to_num(7.0))
+
+
+def check_rope_write_kv(
+    device: str, backend: str, hq: int = 4, hkv: int = 2, d: int = 16, block: int = 4, nblocks: int = 5
+) -> None:
+    """``qk_norm_rope_write_kv`` == ``qk_norm_rope`` then ``write_kv`` of its keys, bitwise: q/k/v as column blocks
+    of a fused projection, with and without norm weights, caches of the input dtype (one launch) and of another
+    (second launch), caches pre-filled with NaN; negative control: a wrong slot mapping gives another cache."""
+    g = torch.Generator().manual_seed(11)
+    for t in (1, 6):
+        slots = torch.randperm(nblocks * block, generator=g)[:t].to(device)
+        buf = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+        cos, sin = torch.randn(t, d, generator=g).to(device), torch.randn(t, d, generator=g).to(device)
+        for src_dt, dst_dt in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                               (torch.bfloat16, torch.float32)]:  # fmt: skip
+            b = buf.to(src_dt).to(device)
+            q, k, v = (x.view(t, -1, d) for x in b.split([hq * d, hkv * d, hkv * d], dim=-1))
+            for weights in (None, (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5)):
+                qw, kw = (None, None) if weights is None else (w.to(src_dt).to(device) for w in weights)
+                want_q, want_k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, backend=backend)
+                kc = torch.full((nblocks, block, hkv, d), float("nan"), dtype=dst_dt, device=device)
+                vc = torch.full_like(kc, float("nan"))
+                want_kc, want_vc = _index_copy_kv(want_k, v, kc, vc, slots)
+                got_q, got_k = ops.qk_norm_rope_write_kv(
+                    q, k, v, cos, sin, qw, kw, 1e-6, kc, vc, slots, backend=backend
+                )  # fmt: skip
+                what = (t, src_dt, dst_dt, weights is not None)
+                assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), what
+                assert torch.equal(kc.nan_to_num(7.0), want_kc.nan_to_num(7.0)), (*what, "K cache")
+                assert torch.equal(vc.nan_to_num(7.0), want_vc.nan_to_num(7.0)), (*what, "V cache")
+                assert torch.equal(kc.isnan(), want_kc.isnan()) and torch.equal(vc.isnan(), want_vc.isnan())
+                if t > 1:  # negative control: two tokens' slots swapped
+                    wrong = slots.clone()
+                    wrong[[0, 1]] = slots[[1, 0]]
+                    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+                    ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, 1e-6, kc2, vc2, wrong, backend=backend)
+                    assert not torch.equal(kc2.nan_to_num(7.0), want_kc.nan_to_num(7.0))
+                    assert not torch.equal(vc2.nan_to_num(7.0), want_vc.nan_to_num(7.0))
 
 
 def add_norm_fp32_sum(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float):
@@ -160,6 +199,10 @@ def check_model_fused_equal(model: torch.nn.Module, seqs: list[torch.Tensor], lo
 
 def test_write_kv_torch() -> None:
     check_write_kv("cpu", "torch")
+
+
+def test_rope_write_kv_torch() -> None:
+    check_rope_write_kv("cpu", "torch")
 
 
 def test_add_rms_norm_torch() -> None:
@@ -316,6 +359,8 @@ def _interpreter_main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     check_write_kv("cpu", "triton")
     print("write_kv ok", flush=True)
+    check_rope_write_kv("cpu", "triton")
+    print("qk_norm_rope_write_kv ok", flush=True)
     check_add_rms_norm("cpu", "triton")
     print("add_rms_norm ok", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -324,7 +369,8 @@ def _interpreter_main() -> None:
         with forced_backend("triton"):
             check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (6, 3)], logits=False)
         used = set(autograd._TRITON_IMPLS)  # the Triton functions the forward resolved
-        assert {"add_rms_norm", "rms_norm", "matmul", "attention_varlen", "silu_mul"} <= used, used
+        want = {"add_rms_norm", "rms_norm", "matmul", "attention_varlen", "silu_mul", "qk_norm_rope_write_kv"}
+        assert want <= used, used
         print(f"model {dtype} ok", flush=True)
     print("fused decode ops ok")
 
@@ -339,6 +385,8 @@ def _interpreter_main() -> None:
 def test_gpu_write_kv() -> None:
     check_write_kv("cuda", "triton")
     check_write_kv("cuda", "triton", hkv=8, d=128, block=16, nblocks=20)  # Qwen3-1.7B K/V rows
+    check_rope_write_kv("cuda", "triton")
+    check_rope_write_kv("cuda", "triton", hq=16, hkv=8, d=128, block=16, nblocks=20)
 
 
 @gpu

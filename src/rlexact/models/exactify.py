@@ -169,7 +169,12 @@ def _attention_forward(m: nn.Module) -> Callable:
             v = m.v_proj(hidden_states).view(shape)
         cos, sin = position_embeddings
         qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
-        q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
+        paged = None if meta is None else meta.paged
+        if paged is None:
+            q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
+        else:  # generator steps: the rotation kernel also stores this layer's new K/V rows in the paged cache
+            kc, vc = paged.caches[m.layer_idx]
+            q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
             check_attention_settings(m, dropout, getattr(m, "sliding_window", None))
@@ -178,6 +183,7 @@ def _attention_forward(m: nn.Module) -> Callable:
             out, _ = rlexact_attention(
                 m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, dropout=dropout,
                 scaling=m.scaling, rlexact_meta=meta, sliding_window=getattr(m, "sliding_window", None),
+                kv_written=paged is not None,
             )  # fmt: skip
         return m.o_proj(out.reshape(*input_shape, -1)), None
 
@@ -675,9 +681,11 @@ def rlexact_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     rlexact_meta: AttnMetadata | None = None,
+    kv_written: bool = False,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    """transformers attention function: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
+    ``kv_written``: a paged step's new K/V rows are already in the cache (:func:`rlexact.ops.qk_norm_rope_write_kv`)."""
     state: ExactState | None = module.__dict__.get(_STATE_ATTR)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if rlexact_meta is None:
@@ -706,7 +714,8 @@ def rlexact_attention(
     else:
         paged = rlexact_meta.paged
         kc, vc = paged.caches[module.layer_idx]
-        ops.write_kv(k, v, kc, vc, paged.slot_mapping)
+        if not kv_written:
+            ops.write_kv(k, v, kc, vc, paged.slot_mapping)
         if exact:
             out = ops.attention_paged(
                 q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale,

@@ -27,6 +27,7 @@ __all__ = [
     "moe_experts",
     "moe_router",
     "qk_norm_rope",
+    "qk_norm_rope_write_kv",
     "resolve_backend",
     "rms_norm",
     "sigmoid_gate",
@@ -122,6 +123,20 @@ def qk_norm_rope(
     neither. Returns rotated ``(q, k)`` in the input dtype and shape. Row-local: a head's result depends only on
     that head, its position's ``cos``/``sin`` and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
     """
+    q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
+    qo, ko = QKNormRopeFn.apply(q3, k3, c, s, q_weight, k_weight, float(eps), resolve_backend(q, backend))
+    return qo.reshape(q.shape), ko.reshape(k.shape)
+
+
+def _rope_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked ``(q [T, Hq, D], k [T, Hkv, D], cos [T, D], sin [T, D])`` of :func:`qk_norm_rope`'s arguments."""
     lead, d = q.shape[:-2], q.shape[-1]
     if k.shape[:-2] != lead or k.shape[-1] != d or k.dtype != q.dtype:
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not match")
@@ -139,10 +154,40 @@ def qk_norm_rope(
         raise ValueError(f"qk_norm_rope: cos/sin must be floating point, got {cos.dtype}, {sin.dtype}")
     c = cos.expand(*lead, d).reshape(t, d)  # a view for transformers' [B, S, D] tables: no copy, no cast
     s = sin.expand(*lead, d).reshape(t, d)
-    qo, ko = QKNormRopeFn.apply(
-        q.reshape(t, *q.shape[-2:]), k.reshape(t, *k.shape[-2:]), c, s, q_weight, k_weight, float(eps),
-        resolve_backend(q, backend),
-    )  # fmt: skip
+    return q.reshape(t, *q.shape[-2:]), k.reshape(t, *k.shape[-2:]), c, s
+
+
+@torch.no_grad()
+def qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope` (no autograd) that also stores the rotated keys and ``v`` (``[..., Hkv, D]``, the leading
+    shape of ``k``) in the paged caches: bitwise ``qk_norm_rope`` followed by :func:`write_kv` of its keys. The Triton
+    backend does both in one launch (the attention prologue of a decode step)."""
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"qk_norm_rope_write_kv: v {tuple(v.shape)} {v.dtype} does not match k {tuple(k.shape)}")
+    be = resolve_backend(q, backend)
+    if be == "torch":
+        qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=be)
+        k3, v3 = ko.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+        write_kv(k3, v3, k_cache, v_cache, slot_mapping, backend=be)
+        return qo, ko
+    q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
+    qo, ko = _impl(be, "qk_norm_rope_write_kv")(
+        q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping
+    )
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 

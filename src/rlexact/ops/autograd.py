@@ -27,6 +27,7 @@ _TRITON_MODULES = {
     "write_kv": ".triton_kv",
     "silu_mul": ".triton_norm",
     "qk_norm_rope": ".triton_rope",
+    "qk_norm_rope_write_kv": ".triton_rope",
     "token_logprobs": ".triton_logprob",
     "lm_head_logits": ".triton_logprob",
     "attention_varlen": ".triton_attention",

@@ -507,17 +507,6 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _load_partial(PML, PACC, prow, sp, n_splits, row_ok, offs_d, BLOCK_D: tl.constexpr):
-    """Split ``sp``'s stored fp32 partial ``(max, sum, acc)`` of rows ``prow``; the empty partial if ``sp`` is past
-    the last split."""
-    ok = row_ok & ((prow * 0 + sp) < n_splits)  # as a [BLOCK_M] tensor (a scalar bool mask breaks the interpreter)
-    m = tl.load(PML + (prow + sp) * 2, mask=ok, other=float("-inf"))
-    s = tl.load(PML + (prow + sp) * 2 + 1, mask=ok, other=0.0)
-    acc = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    return m, s, acc
-
-
 @triton.jit(do_not_specialize=["num_seqs"])
 def _attn_merge_kernel(
     Out,
@@ -563,18 +552,11 @@ def _attn_merge_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # four partials are loaded together, then folded in ascending order: one load latency per four splits instead of
-    # one per split (the loop is not software-pipelined). Slots past the last split load the empty partial, whose
-    # merge is an exact no-op, so the bits are those of folding exactly n_splits partials.
-    for sp in range(0, n_splits, 4):
-        m0, l0, a0 = _load_partial(PML, PACC, prow, sp, n_splits, row_ok, offs_d, BLOCK_D)
-        m1, l1, a1 = _load_partial(PML, PACC, prow, sp + 1, n_splits, row_ok, offs_d, BLOCK_D)
-        m2, l2, a2 = _load_partial(PML, PACC, prow, sp + 2, n_splits, row_ok, offs_d, BLOCK_D)
-        m3, l3, a3 = _load_partial(PML, PACC, prow, sp + 3, n_splits, row_ok, offs_d, BLOCK_D)
-        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m0, l0, a0)
-        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m1, l1, a1)
-        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m2, l2, a2)
-        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m3, l3, a3)
+    for sp in range(0, n_splits):
+        m_s = tl.load(PML + (prow + sp) * 2, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(PML + (prow + sp) * 2 + 1, mask=row_ok, other=0.0)
+        acc_s = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])

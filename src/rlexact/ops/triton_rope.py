@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kv import write_kv
 from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 from .triton_pdl import pdl_entry, pdl_options
 
@@ -37,13 +38,17 @@ def _norm_rope_rows(
     HALF,
     eps,
     D_f,
+    o2_ptr,
+    o2_h,
     BH: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
+    WRITE2: tl.constexpr,
 ):
-    """Rows ``x[t, 0:H, :]`` (``[T, H, 2 * HALF]``, heads contiguous, row stride ``stride_x``) -> ``o`` (contiguous)."""
+    """Rows ``x[t, 0:H, :]`` (``[T, H, 2 * HALF]``, heads contiguous, row stride ``stride_x``) -> ``o`` (contiguous),
+    and with ``WRITE2`` the same values to ``o2_ptr + head * o2_h + column`` (a KV-cache slot)."""
     h = tl.arange(0, BH)[:, None]
     c = tl.arange(0, BHALF)[None, :]
     c_ok = c < HALF
@@ -64,8 +69,13 @@ def _norm_rope_rows(
     c2 = tl.load(c_ptr + cs + HALF, mask=c_ok, other=0.0).to(tl.float32)
     s1 = tl.load(s_ptr + cs, mask=c_ok, other=0.0).to(tl.float32)
     s2 = tl.load(s_ptr + cs + HALF, mask=c_ok, other=0.0).to(tl.float32)
-    tl.store(o_ptr + base, cast_out(x1 * c1 - x2 * s1, DTYPE, RNE), mask=m)
-    tl.store(o_ptr + base + HALF, cast_out(x2 * c2 + x1 * s2, DTYPE, RNE), mask=m)
+    y1 = cast_out(x1 * c1 - x2 * s1, DTYPE, RNE)
+    y2 = cast_out(x2 * c2 + x1 * s2, DTYPE, RNE)
+    tl.store(o_ptr + base, y1, mask=m)
+    tl.store(o_ptr + base + HALF, y2, mask=m)
+    if WRITE2:
+        tl.store(o2_ptr + h * o2_h + c, y1, mask=m)
+        tl.store(o2_ptr + h * o2_h + c + HALF, y2, mask=m)
 
 
 @triton.jit
@@ -85,24 +95,51 @@ def _qk_norm_rope_kernel(
     HALF,
     eps,
     D_f,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    block_size,
+    s_vt,
+    s_vh,
+    c_kb,
+    c_ko,
+    c_kh,
+    c_vb,
+    c_vo,
+    c_vh,
     BHQ: tl.constexpr,
     BHK: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _norm_rope_rows(
-            q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, stride_q, HQ, HALF, eps, D_f, BHQ, BHALF, NORM, DTYPE, RNE
-        )
+            q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, stride_q, HQ, HALF, eps, D_f, qo_ptr, 0, BHQ, BHALF, NORM, DTYPE,
+            RNE, False,
+        )  # fmt: skip
     else:
+        kc_row = kc_ptr
+        if WRITE_KV:  # token t's slot: its rotated key and its value row go into the caches too
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            blk = slot // block_size
+            off = slot % block_size
+            kc_row = kc_ptr + blk * c_kb + off * c_ko
+            h = tl.arange(0, BHK)[:, None]
+            d = tl.arange(0, 2 * BHALF)[None, :]
+            vm = (h < HKV) & (d < 2 * HALF)
+            v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=vm)
+            tl.store(vc_ptr + blk * c_vb + off * c_vo + h * c_vh + d, v, mask=vm)
         _norm_rope_rows(
-            k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, stride_k, HKV, HALF, eps, D_f, BHK, BHALF, NORM, DTYPE, RNE
-        )
+            k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, stride_k, HKV, HALF, eps, D_f, kc_row, c_kh, BHK, BHALF, NORM,
+            DTYPE, RNE, WRITE_KV,
+        )  # fmt: skip
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +159,44 @@ def qk_norm_rope(
     """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), ``cos, sin [T, D]`` (any float dtype, upcast to fp32 in the
     kernel), optional weights ``[D]`` (both or neither) -> rotated ``(q, k)`` in the input dtype, contiguous. ``q`` and
     ``k`` may be row-strided views (e.g. column blocks of a fused q/k/v projection) whose heads are contiguous."""
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps, None)
+
+
+def qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope`, and the rotated keys and ``v [T, Hkv, D]`` (any strides) written to slots
+    ``slot_mapping [T]`` of ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` in the same launch, bitwise what
+    :func:`rlexact.ops.triton_kv.write_kv` stores. Caches of another dtype, or whose head rows are not contiguous, go
+    through ``write_kv`` after the rotation (a second launch, the same bits)."""
+    same = k_cache.dtype == q.dtype and v_cache.dtype == v.dtype == q.dtype
+    if not (same and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and v.stride(-1) == 1):
+        qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+        write_kv(ko, v, k_cache, v_cache, slot_mapping)
+        return qo, ko
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps, (v, k_cache, v_cache, slot_mapping))
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     T, hq, d = q.shape
     q, k = _heads_contiguous(q), _heads_contiguous(k)
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -147,13 +222,28 @@ def qk_norm_rope(
         d // 2,
         float(eps),
         float(d),
+        *_kv_args(kv, k),
         BHQ=triton.next_power_of_2(hq),
         BHK=triton.next_power_of_2(k.shape[1]),
         BHALF=triton.next_power_of_2(d // 2),
         NORM=norm,
         DTYPE=_TL_DTYPE[q.dtype],
         RNE=_rne_fix(q.dtype),
+        WRITE_KV=kv is not None,
         num_warps=4,
         **pdl_options(q.device),
     )
     return qo, ko
+
+
+def _kv_args(kv: tuple[torch.Tensor, ...] | None, k: torch.Tensor) -> tuple:
+    """The kernel's cache arguments (``v, k_cache, v_cache, slot_mapping``, block size and strides); placeholders
+    when no cache is written."""
+    if kv is None:
+        return (k, k, k, k, 1, *(0,) * 8)
+    v, kc, vc, slots = kv
+    if v.shape != k.shape or kc.dim() != 4 or vc.shape != kc.shape or kc.shape[2:] != k.shape[1:]:
+        raise ValueError(f"qk_norm_rope_write_kv: v {tuple(v.shape)}, caches {tuple(kc.shape)} do not fit k {k.shape}")
+    if slots.shape != (k.shape[0],):
+        raise ValueError(f"qk_norm_rope_write_kv: slot_mapping {tuple(slots.shape)} must be [{k.shape[0]}]")
+    return (v, kc, vc, slots, kc.shape[1], *v.stride()[:2], *kc.stride()[:3], *vc.stride()[:3])
