@@ -63,7 +63,8 @@ class Check(RLCallback):
         trainer_lp = pl_module.score_batch(batch)
         ok = True
         for i, (s, e) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
-            ok &= torch.equal(gen[i].to(trainer_lp.device), trainer_lp[s + 1 : e])
+            resp = batch.response_mask[s + 1 : e]  # the trainer scores response tokens (prompt entries are 0)
+            ok &= bool(resp.any()) and torch.equal(gen[i].to(trainer_lp.device)[resp], trainer_lp[s + 1 : e][resp])
         self.post_update_equal.append(bool(ok))
 
 

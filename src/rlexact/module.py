@@ -409,8 +409,9 @@ class RLModule(L.LightningModule):
 
     @torch.no_grad()
     def score_batch(self, batch: RolloutBatch, model: nn.Module | None = None) -> torch.Tensor:
-        """No-grad trainer log-probs ``[T]`` of ``batch`` under ``model`` (default: the policy), in chunks of
-        ``micro_batch_size`` (else ``mini_batch_size``) sequences; every parameter gathered once under FSDP."""
+        """No-grad trainer log-probs ``[T]`` of ``batch``'s response tokens under ``model`` (default: the policy;
+        prompt entries 0), in chunks of ``micro_batch_size`` (else ``mini_batch_size``) sequences; every parameter
+        gathered once under FSDP."""
         size = self.algo.micro_batch_size or self.algo.mini_batch_size
         return batching.score_chunks(
             batch,

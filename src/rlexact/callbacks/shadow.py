@@ -413,12 +413,14 @@ class ShadowCorrection(RLCallback):
 
 
 def module_logprobs(pl_module: Any, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
-    """``[T]`` fp32 log-probs of ``batch`` under ``model`` as the module's trainer computes them: one packed forward
-    at the rollout temperature (:func:`~rlexact.callbacks.probes.rollout_temperature`) and the module's truncation
-    (:func:`logprob_truncation`). Differentiable when grad is enabled."""
+    """``[T]`` fp32 log-probs of ``batch``'s response tokens under ``model`` as the module's trainer computes them
+    (prompt entries 0): one packed forward at the rollout temperature
+    (:func:`~rlexact.callbacks.probes.rollout_temperature`) and the module's truncation (:func:`logprob_truncation`).
+    Differentiable when grad is enabled."""
     packed = Packed(batch.input_ids, batch.position_ids, batch.cu_seqlens)
     top_k, top_p = logprob_truncation(pl_module)
-    return packed_logprobs(model, packed, rollout_temperature(pl_module), top_k=top_k, top_p=top_p)[0]
+    temperature = rollout_temperature(pl_module)
+    return packed_logprobs(model, packed, temperature, top_k=top_k, top_p=top_p, mask=batch.response_mask)[0]
 
 
 def _sequence_index(batch: RolloutBatch) -> dict[tuple[int, ...], list[int]]:

@@ -94,8 +94,9 @@ def score_chunks(
     temperature: float,
     truncation: tuple[int, float] = (0, 1.0),
 ) -> torch.Tensor:
-    """Detached log-probs ``[T]`` of ``batch`` under ``model``, one packed forward per chunk of sequence indices
-    (consecutive, covering the batch); every parameter gathered once under FSDP."""
+    """Detached log-probs ``[T]`` of ``batch``'s response tokens under ``model`` (prompt entries 0), one packed
+    forward per chunk of sequence indices (consecutive, covering the batch); every parameter gathered once under
+    FSDP."""
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
     cu = batch.cu_seqlens.long()
     with gathered_params(model):
