@@ -19,8 +19,8 @@ splits of a query is ``p // SPLIT + 1``: a function of its own position, never o
 partition (``BLOCK_N``, ``SPLIT``) depends only on ``(head_dim, dtype)`` (:func:`_fwd_config`) — never on sequence
 lengths, the number of sequences, or paged vs packed.
 The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_launch_config`): pure decode launches
-(one query per sequence, :data:`DECODE_LAUNCH_16BIT`, with :data:`DECODE_DEEP_STAGES` when the grid is small) and
-all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
+(one query per sequence, :data:`DECODE_LAUNCH_16BIT`, with :data:`DECODE_DEEP_STAGES` for small split-parallel grids)
+and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
 ``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an entry may differ.
 ``attention_varlen`` and ``attention_paged`` launch the same ``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes
 how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized paged
@@ -112,14 +112,17 @@ are bitwise equal to the previous entry's and whose decode steps equal the train
 row sum became a dot every candidate there agreed (before, candidates whose warps split the key tile did not). A
 16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
 DECODE_DEEP_STAGES = 5
-"""Pipeline stages of a decode launch with few programs (at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` per SM). A
-paged key tile's K/V copies wait on its block-table load, so Triton's pipeliner keeps them a tile ahead of their use
-only from five stages on; with fewer, each tile's load latency is exposed, which many resident programs per SM hide
-and a few do not. From ``benchmarks/results/attention_decode_configs_h200.json``: five stages are faster at batch 4 x
-8k keys (288 programs) and slower at 1,024 programs and more (five stages of K/V tiles leave room for one program
-per SM)."""
+"""Pipeline stages of a split-parallel decode launch (contexts past one KV split, each program a chain of up to
+``SPLIT / BLOCK_N`` key tiles) with few programs (at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` per SM). A paged
+key tile's K/V copies wait on its block-table load, so Triton's pipeliner keeps them a tile ahead of their use only
+from five stages on; with fewer, each tile's load latency is exposed, which many resident programs per SM hide and a
+few do not. From ``benchmarks/results/attention_decode_configs_h200.json``: five stages are faster at batch 4 x 8k
+keys (288 programs) and slower at 1,024 programs and more (five stages of K/V tiles leave room for one program per
+SM). Launches of one split keep the swept launch: in the 0089106 rollout run five stages also covered batch 64 at a
+384-key table (512 programs of a few tiles each), whose attention per step went from 0.48 to 0.69 ms
+(``benchmarks/results/rollout_h200.json``)."""
 DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
-"""Largest number of decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
+"""Largest number of split-parallel decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
@@ -843,7 +846,7 @@ def _forward(
         pacc = pml = out
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
-    if decode and "num_stages" not in override and _launch_config(d, q.dtype, True) != _fwd_config(d, q.dtype):
+    if par and decode and "num_stages" not in override and _launch_config(d, q.dtype, True) != _fwd_config(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * _num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)
