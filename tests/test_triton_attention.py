@@ -51,6 +51,49 @@ def test_interpreter_sweep_candidates() -> None:
     assert "configs: ok" in proc.stdout
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **meta)`` records ``(grid, meta)``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **meta: self.calls.append((grid, meta))
+
+
+@pytest.mark.skipif(triton_missing, reason="needs triton")
+def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five stages only for split-parallel decode launches with at most four programs per SM (the interpreter
+    counts four SMs); single-split decode launches, big grids and prefill keep their swept launches; an explicit
+    ``num_stages`` wins."""
+    from rlexact.ops import triton_attention as ta
+
+    fwd = _LaunchRecorder()
+    monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
+    monkeypatch.setattr(ta, "_attn_merge_kernel", _LaunchRecorder())
+    hq, hkv, d, page = 2, 1, 128, 16
+    split = ta._fwd_config(d, torch.bfloat16)["SPLIT"]
+
+    def stages(num_seqs: int, keys: int, queries: int = 1, cfg: dict | None = None) -> int:
+        blocks = keys // page
+        kc = torch.zeros(num_seqs * blocks, page, hkv, d, dtype=torch.bfloat16)
+        tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
+        q = torch.zeros(num_seqs * queries, hq, d, dtype=torch.bfloat16)
+        cu = torch.arange(0, num_seqs * queries + 1, queries, dtype=torch.int32)
+        lens = torch.full((num_seqs,), keys, dtype=torch.int32)
+        ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), cfg=cfg, max_seqlen_q=queries)
+        return fwd.calls[-1][1]["num_stages"]
+
+    swept = ta.DECODE_LAUNCH_16BIT["num_stages"]
+    assert ta.DECODE_DEEP_STAGES != swept, "the rule must change something for the checks below to mean anything"
+    assert stages(1, 2 * split) == ta.DECODE_DEEP_STAGES  # 2 split programs on 4 SMs
+    assert stages(8, 2 * split) == ta.DECODE_DEEP_STAGES  # 16 programs: four per SM
+    assert stages(9, 2 * split) == swept  # 18 programs
+    assert stages(1, split) == swept  # one split: no split-parallel pass
+    assert stages(1, 2 * split, queries=8) == ta.PREFILL_LAUNCH_16BIT["num_stages"]  # a prefill chunk
+    assert stages(1, 2 * split, cfg={"num_stages": 3}) == 3
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------------
