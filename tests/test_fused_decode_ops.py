@@ -205,6 +205,16 @@ def test_rope_write_kv_torch() -> None:
     check_rope_write_kv("cpu", "torch")
 
 
+def test_rope_write_kv_refuses_autograd() -> None:
+    q, k = torch.randn(3, 2, 8, requires_grad=True), torch.randn(3, 1, 8)
+    cos, sin = torch.randn(3, 8), torch.randn(3, 8)
+    kc = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match="no backward"):
+        ops.qk_norm_rope_write_kv(q, k, k.clone(), cos, sin, None, None, 1e-6, kc, kc.clone(), torch.arange(3))
+    with torch.no_grad():  # the same call without autograd runs
+        ops.qk_norm_rope_write_kv(q, k, k.clone(), cos, sin, None, None, 1e-6, kc, kc.clone(), torch.arange(3))
+
+
 def test_add_rms_norm_torch() -> None:
     check_add_rms_norm("cpu", "torch")
 

@@ -170,6 +170,8 @@ def _attention_forward(m: nn.Module) -> Callable:
         cos, sin = position_embeddings
         qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
         paged = None if meta is None else meta.paged
+        if paged is not None and not _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None)):
+            paged = None  # paged steps under autograd: rotate here, attention writes the cache
         if paged is None:
             q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
         else:  # generator steps: the rotation kernel also stores this layer's new K/V rows in the paged cache

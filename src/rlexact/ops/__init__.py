@@ -157,7 +157,6 @@ def _rope_rows(
     return q.reshape(t, *q.shape[-2:]), k.reshape(t, *k.shape[-2:]), c, s
 
 
-@torch.no_grad()
 def qk_norm_rope_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,11 +172,35 @@ def qk_norm_rope_write_kv(
     *,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`qk_norm_rope` (no autograd) that also stores the rotated keys and ``v`` (``[..., Hkv, D]``, the leading
-    shape of ``k``) in the paged caches: bitwise ``qk_norm_rope`` followed by :func:`write_kv` of its keys. The Triton
-    backend does both in one launch (the attention prologue of a decode step)."""
+    """:func:`qk_norm_rope` that also stores the rotated keys and ``v`` (``[..., Hkv, D]``, the leading shape of ``k``)
+    in the paged caches: bitwise ``qk_norm_rope`` followed by :func:`write_kv` of its keys. The Triton backend does
+    both in one launch (the attention prologue of a decode step). Inference only: it raises when autograd would need
+    its outputs' gradients."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"qk_norm_rope_write_kv: v {tuple(v.shape)} {v.dtype} does not match k {tuple(k.shape)}")
+    inputs = (q, k, v) + tuple(w for w in (q_weight, k_weight) if w is not None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError(
+            "qk_norm_rope_write_kv has no backward; under autograd call qk_norm_rope, then write_kv of its keys"
+        )
+    with torch.no_grad():
+        return _rope_write_kv(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, backend)
+
+
+def _rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     be = resolve_backend(q, backend)
     if be == "torch":
         qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=be)
