@@ -315,3 +315,27 @@ def test_aggregate_validation() -> None:
         aggregate_loss(LOSS, MASK[:-1], CU, "token-mean")
     with pytest.raises(ValueError, match="does not match"):
         aggregate_loss(LOSS, MASK, ids(0, 3, 6), "token-mean")
+
+
+def test_update_stats_match_a_direct_computation() -> None:
+    """The device-side accumulation of :class:`UpdateStats` gives the ratio and clip statistics of the masked tokens
+    of all micro-batches, computed directly; a micro-batch with no token in the mask changes nothing."""
+    from rlexact.trainer.update import UpdateStats
+
+    g = torch.Generator().manual_seed(4)
+    stats, seen = UpdateStats(), []
+    for n, frac in ((50, 0.6), (30, 0.0), (70, 0.3)):
+        ratio = torch.rand(n, generator=g) * 2
+        clipped = torch.rand(n, generator=g) < 0.3
+        adv = torch.randn(n, generator=g)
+        keep = torch.rand(n, generator=g) < frac
+        stats.token_stats(ratio, clipped, adv, keep)
+        seen.append((ratio[keep], clipped[keep], adv[keep]))
+    r, c, a = (torch.cat(x) for x in zip(*seen))
+    m = stats.finish(None)
+    assert m["ratio/mean"] == pytest.approx(float(r.double().mean()), rel=1e-12)
+    assert m["ratio/min"] == float(r.min()) and m["ratio/max"] == float(r.max())
+    assert m["clipfrac"] == pytest.approx(float(c.double().mean()), rel=1e-12)
+    assert m["clipfrac/pos"] == pytest.approx(float(c[a > 0].double().mean()), rel=1e-12)
+    assert m["clipfrac/neg"] == pytest.approx(float(c[a < 0].double().mean()), rel=1e-12)
+    assert UpdateStats().finish(None)["ratio/mean"] != UpdateStats().finish(None)["ratio/mean"]  # NaN without tokens

@@ -45,13 +45,15 @@ def pack(sequences: Sequence[Sequence[int] | torch.Tensor], device: torch.device
     return Packed(torch.cat(tensors).to(device), pos.to(device), cu.to(device))
 
 
-def shifted_targets(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_targets(packed: Packed, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, targets)``: rows ``[T-B]`` index the hidden state predicting ``targets [T-B]`` (each sequence's
-    tokens 1..L-1), in sequence order."""
+    tokens 1..L-1), in sequence order; with a bool ``mask [T]``, only the targets where it is True."""
     ids = packed.input_ids
     last = packed.cu_seqlens[1:].long() - 1
     keep = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
     keep[last] = False
+    if mask is not None:
+        keep[:-1] &= mask[1:].to(keep.device)
     rows = torch.nonzero(keep).squeeze(-1)
     return rows, ids[rows + 1]
 
@@ -76,16 +78,12 @@ def packed_logprobs(
     the generator samples from — what it reports with ``SamplingParams(logprobs="sampled")``, bitwise in exact mode.
     """
     _check_vocab(model, packed.input_ids)
+    if mask is not None and (mask.shape != packed.input_ids.shape or mask.dtype != torch.bool):
+        raise ValueError(
+            f"packed_logprobs: mask must be bool {tuple(packed.input_ids.shape)}, got {mask.dtype} {tuple(mask.shape)}"
+        )
+    rows, targets = shifted_targets(packed, mask)  # host synchronizations before the forward is queued
     hidden = forward_hidden(model, packed.input_ids, packed.position_ids, AttnMetadata(packed.cu_seqlens))
-    rows, targets = shifted_targets(packed)
-    if mask is not None:
-        if mask.shape != packed.input_ids.shape or mask.dtype != torch.bool:
-            raise ValueError(
-                f"packed_logprobs: mask must be bool {tuple(packed.input_ids.shape)}, got {mask.dtype} "
-                f"{tuple(mask.shape)}"
-            )
-        keep = mask.to(rows.device)[rows + 1]
-        rows, targets = rows[keep], targets[keep]
     logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature, top_k=top_k, top_p=top_p)
     logp = torch.zeros(packed.input_ids.numel(), dtype=torch.float32, device=hidden.device)
     logp = logp.index_put((rows + 1,), logp_rows)
@@ -97,8 +95,11 @@ def packed_logprobs(
 
 def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
     vocab = model.get_input_embeddings().num_embeddings
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+    if not ids.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host synchronization
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}); got min {lo}, max {hi}")
 
 
 def sequence_logprobs(

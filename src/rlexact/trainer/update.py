@@ -85,42 +85,44 @@ class UpdateStats:
 
     Loss values are recorded per mini-step with the weight ``share`` = this rank's loss normalizer (tokens for
     ``token-mean``, sequences with a token in the loss otherwise) over the global one, so that their sum over ranks
-    is the normalizer-weighted mean over ranks, not the plain mean of per-rank values.
+    is the normalizer-weighted mean over ranks, not the plain mean of per-rank values. Values and token statistics
+    accumulate as device tensors (no host synchronization per micro-batch); :meth:`finish` reads them once.
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.share = 1.0
         self.steps = 0
         self.skipped = 0
         self.grad_norms: list[float] = []
-        self.ratio_sum = 0.0
-        self.ratio_min = math.inf
-        self.ratio_max = -math.inf
-        self.tokens = 0
-        self.pos = [0, 0]  # clipped, total among A > 0 tokens
-        self.neg = [0, 0]
-        self.clipped = 0
+        # float64 [7]: ratio sum, tokens, clipped, clipped and total with A > 0, clipped and total with A < 0
+        self._counts: torch.Tensor | None = None
+        self._ratio_lo: torch.Tensor | None = None
+        self._ratio_hi: torch.Tensor | None = None
 
-    def add(self, key: str, value: float) -> None:
-        """Add ``value`` (a local value of the current mini-step) times the mini-step's ``share`` to ``key``."""
+    def add(self, key: str, value: float | torch.Tensor) -> None:
+        """Add ``value`` (a local value of the current mini-step; a float or a 0-dim tensor) times the mini-step's
+        ``share`` to ``key``."""
         self.sums[key] = self.sums.get(key, 0.0) + value * self.share
 
     def token_stats(self, ratio: torch.Tensor, clipped: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
-        if not bool(mask.any()):
+        """Ratio sum / min / max and clip counts over the tokens in ``mask`` (all ``[T]``)."""
+        if not ratio.numel():
             return
-        r = ratio[mask].float()
-        c = clipped[mask]
-        a = adv[mask]
-        self.ratio_sum += float(r.double().sum())
-        self.ratio_min = min(self.ratio_min, float(r.min()))
-        self.ratio_max = max(self.ratio_max, float(r.max()))
-        self.tokens += int(r.numel())
-        self.clipped += int(c.sum())
-        self.pos[0] += int((c & (a > 0)).sum())
-        self.pos[1] += int((a > 0).sum())
-        self.neg[0] += int((c & (a < 0)).sum())
-        self.neg[1] += int((a < 0).sum())
+        r = ratio.float()
+        c = clipped & mask
+        pos, neg = mask & (adv > 0), mask & (adv < 0)
+        parts = (torch.where(mask, r.double(), 0.0).sum(), mask.sum(), c.sum(), (c & pos).sum(), pos.sum(),
+                 (c & neg).sum(), neg.sum())  # fmt: skip
+        counts = torch.stack([x.double() for x in parts])
+        lo = torch.where(mask, r, math.inf).min()
+        hi = torch.where(mask, r, -math.inf).max()
+        if self._counts is None:
+            self._counts, self._ratio_lo, self._ratio_hi = counts, lo, hi
+        else:
+            self._counts = self._counts + counts
+            self._ratio_lo = torch.minimum(self._ratio_lo, lo)
+            self._ratio_hi = torch.maximum(self._ratio_hi, hi)
 
     def finish(self, lr: float | None) -> dict[str, float]:
         """The update metrics over every rank (one reduction); ``lr`` is logged when given."""
@@ -128,14 +130,17 @@ class UpdateStats:
         nan = math.nan
         red = MetricReducer()
         for key, value in self.sums.items():
-            red.add_sum(f"loss/{key}" if key in ("pg_loss", "kl") else key, value)
-        tokens = self.tokens
-        red.add_mean("ratio/mean", self.ratio_sum / tokens if tokens else 0.0, tokens, empty=nan)
-        red.add_mean("clipfrac", self.clipped / tokens if tokens else 0.0, tokens, empty=nan)
-        red.add_mean("clipfrac/pos", self.pos[0] / self.pos[1] if self.pos[1] else 0.0, self.pos[1], empty=nan)
-        red.add_mean("clipfrac/neg", self.neg[0] / self.neg[1] if self.neg[1] else 0.0, self.neg[1], empty=nan)
-        red.add_min("ratio/min", self.ratio_min if tokens else None, empty=nan)
-        red.add_max("ratio/max", self.ratio_max if tokens else None, empty=nan)
+            red.add_sum(f"loss/{key}" if key in ("pg_loss", "kl") else key, float(value))
+        ratio_sum, tokens, clipped, pos_c, pos_n, neg_c, neg_n = (
+            self._counts.tolist() if self._counts is not None else [0.0] * 7
+        )
+        tokens, pos_n, neg_n = int(tokens), int(pos_n), int(neg_n)
+        red.add_mean("ratio/mean", ratio_sum / tokens if tokens else 0.0, tokens, empty=nan)
+        red.add_mean("clipfrac", clipped / tokens if tokens else 0.0, tokens, empty=nan)
+        red.add_mean("clipfrac/pos", pos_c / pos_n if pos_n else 0.0, pos_n, empty=nan)
+        red.add_mean("clipfrac/neg", neg_c / neg_n if neg_n else 0.0, neg_n, empty=nan)
+        red.add_min("ratio/min", float(self._ratio_lo) if tokens else None, empty=nan)
+        red.add_max("ratio/max", float(self._ratio_hi) if tokens else None, empty=nan)
         out = red.reduce()
         for key in self.sums:
             out[f"loss/{key}" if key in ("pg_loss", "kl") else key] /= steps
@@ -254,7 +259,7 @@ class PPOUpdate:
                     lp, en = self._logprobs(micro)
                 loss = self.micro_loss(micro, lp, en, local_tokens, local_seqs)
                 host.manual_backward(loss)
-                loss_sum += float(loss.detach())
+                loss_sum = loss_sum + loss.detach().double()
         finally:
             set_gradient_sync(host.model, True)
         stats.add("loss", loss_sum)
@@ -278,11 +283,12 @@ class PPOUpdate:
         mask = micro.loss_mask
         mode = algo.loss_agg_mode
         norm = host.rollout_cfg.max_new_tokens
-        # share of this micro-batch in the mini-batch normalizer (1 without micro-batching)
+        # share of this micro-batch in the mini-batch normalizer (1 without micro-batching), a device scalar (fp64 for
+        # the statistics, rounded once to fp32 for the loss)
         if mode == "token-mean":
-            scale = float(mask.sum()) / max(mini_tokens, 1)
+            scale = mask.sum().double() / max(mini_tokens, 1)
         else:
-            scale = float(seq_valid(micro).sum()) / max(mini_seqs, 1)
+            scale = seq_valid(micro).sum().double() / max(mini_seqs, 1)
 
         def agg(values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
             return alg.aggregate_loss(values, mask, micro.cu_seqlens, mode, token_weights=weights, norm_length=norm)
@@ -293,11 +299,11 @@ class PPOUpdate:
         if algo.kl_coef > 0:
             kl = agg(alg.kl_penalty(logp, micro.ref_logprobs, algo.kl_estimator))
             loss = loss + algo.kl_coef * kl
-            stats.add("kl", float(kl.detach()) * scale)
+            stats.add("kl", kl.detach().double() * scale)
         ent_agg = agg(ent)
         if algo.entropy_coef != 0:
             loss = loss - algo.entropy_coef * ent_agg
-        stats.add("pg_loss", float(pg.detach()) * scale)
-        stats.add("entropy", float(ent_agg.detach()) * scale)
+        stats.add("pg_loss", pg.detach().double() * scale)
+        stats.add("entropy", ent_agg.detach().double() * scale)
         stats.token_stats(info["ratio"], info["clipped"], micro.advantages, mask)
-        return loss * scale
+        return loss * scale.to(loss.dtype)
