@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_matmul import _num_sms
+from .triton_matmul import num_sms
 from .triton_pdl import pdl_entry, pdl_options
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
@@ -847,7 +847,7 @@ def _forward(
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
     if par and decode and "num_stages" not in override and _launch_config(d, q.dtype, True) != _fwd_config(d, q.dtype):
-        if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * _num_sms(q.device):
+        if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](

@@ -40,10 +40,10 @@ from .triton_matmul import (
     _device_key,
     _dot_flags,
     _ensure_allocator,
-    _num_sms,
     _rne_fix,
     _tile_coords,
     cast_out,
+    num_sms,
 )
 
 HEAD_CHUNK = 8192
@@ -84,7 +84,7 @@ def _column_sum(part: torch.Tensor) -> torch.Tensor:
 
 def _row_blocks(rows: int, device: torch.device) -> tuple[int, int]:
     """``(programs, rows_per_program)`` for the row-blocked kernels: a function of the row count and device only."""
-    per = triton.cdiv(rows, min(rows, 4 * _num_sms(device)))
+    per = triton.cdiv(rows, min(rows, 4 * num_sms(device)))
     return triton.cdiv(rows, per), per
 
 

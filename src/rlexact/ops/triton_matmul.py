@@ -146,7 +146,8 @@ def _cuda_props(idx: int) -> tuple[int, int]:
     return (p.major, p.multi_processor_count)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the Triton interpreter)."""
     key = _device_key(device)
     return 4 if key[0] == "interp" else _cuda_props(key[1])[1]
 
@@ -448,7 +449,7 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
     idx = device.index if device.type == "cuda" and device.index is not None else -1
     if cfg.kernel == "tma":
-        num_progs = max(1, min(_num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
+        num_progs = max(1, min(num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
         constexprs = dict(
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
