@@ -113,14 +113,13 @@ row sum became a dot every candidate there agreed (before, candidates whose warp
 16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
 DECODE_DEEP_STAGES = 5
 """Pipeline stages of a split-parallel decode launch (contexts past one KV split, each program a chain of up to
-``SPLIT / BLOCK_N`` key tiles) with few programs (at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` per SM). A paged
-key tile's K/V copies wait on its block-table load, so Triton's pipeliner keeps them a tile ahead of their use only
+``SPLIT / BLOCK_N`` key tiles) with at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` programs per SM. A paged key
+tile's K/V copies wait on its block-table load, so Triton's pipeliner keeps them in flight across iterations only
 from five stages on; with fewer, each tile's load latency is exposed, which many resident programs per SM hide and a
-few do not. From ``benchmarks/results/attention_decode_configs_h200.json``: five stages are faster at batch 4 x 8k
-keys (288 programs) and slower at 1,024 programs and more (five stages of K/V tiles leave room for one program per
-SM). Launches of one split keep the swept launch: in the 0089106 rollout run five stages also covered batch 64 at a
-384-key table (512 programs of a few tiles each), whose attention per step went from 0.48 to 0.69 ms
-(``benchmarks/results/rollout_h200.json``)."""
+few do not, while five stages of K/V tiles leave shared memory for one program per SM. Measured in
+``benchmarks/results/attention_decode_configs_h200.json`` (faster for a few long sequences, slower for many
+programs); single-split decode launches keep :data:`DECODE_LAUNCH_16BIT` (``benchmarks/results/rollout_h200.json``
+at 0089106 ran them with five stages, and batch 64 got slower)."""
 DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
 """Largest number of split-parallel decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
