@@ -2,7 +2,9 @@
 
 One launch per layer replaces the ~12 small kernels of the stock path (two norms, and ``q * cos + rotate_half(q) *
 sin`` for q and k). Grid ``(T, 2)``: program ``(t, 0)`` rotates the ``Hq`` query heads of token ``t``, ``(t, 1)`` its
-``Hkv`` key heads, so a row's result depends on that row, its position's ``cos``/``sin`` and the weights only.
+``Hkv`` key heads, so a row's result depends on that row, its position's ``cos``/``sin`` and the weights only. In a
+generator step (:func:`qk_norm_rope_write_kv`) program ``(t, 1)`` also stores the rotated key heads it returns and
+token ``t``'s value heads in the paged caches at ``slot_mapping[t]``: the K/V write of the step, without its own launch.
 
 Semantics (:func:`rlexact.ops.cpu.qk_norm_rope` is the CPU twin, :func:`rlexact.ops.reference.norm_rope` the float64
 reference), per head row ``x [D]`` with halves ``x1, x2``:
