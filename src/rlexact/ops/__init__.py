@@ -184,33 +184,16 @@ def qk_norm_rope_write_kv(
             "qk_norm_rope_write_kv has no backward; under autograd call qk_norm_rope, then write_kv of its keys"
         )
     with torch.no_grad():
-        return _rope_write_kv(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, backend)
-
-
-def _rope_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    be = resolve_backend(q, backend)
-    if be == "torch":
-        qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=be)
-        k3, v3 = ko.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
-        write_kv(k3, v3, k_cache, v_cache, slot_mapping, backend=be)
-        return qo, ko
-    q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
-    qo, ko = _impl(be, "qk_norm_rope_write_kv")(
-        q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping
-    )
+        be = resolve_backend(q, backend)
+        if be == "torch":
+            qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=be)
+            k3, v3 = ko.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+            write_kv(k3, v3, k_cache, v_cache, slot_mapping, backend=be)
+            return qo, ko
+        q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
+        qo, ko = _impl(be, "qk_norm_rope_write_kv")(
+            q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping
+        )
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
