@@ -154,9 +154,15 @@ def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str,
     :data:`PREFILL_LAUNCH_16BIT`. The key-side entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for
     both."""
     cfg = _fwd_config(head_dim, dtype)
-    if dtype == torch.float32 or _block_d(head_dim) not in PREFILL_LAUNCH_HEAD_DIMS:
+    if not _swept_launch(head_dim, dtype):
         return cfg
     return cfg | (DECODE_LAUNCH_16BIT if decode else PREFILL_LAUNCH_16BIT)
+
+
+def _swept_launch(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the swept query-side launches (:data:`PREFILL_LAUNCH_16BIT`, :data:`DECODE_LAUNCH_16BIT`,
+    :data:`DECODE_DEEP_STAGES`) apply at ``(head_dim, dtype)``."""
+    return dtype != torch.float32 and _block_d(head_dim) in PREFILL_LAUNCH_HEAD_DIMS
 
 
 def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int, int]]:
@@ -845,7 +851,7 @@ def _forward(
         pacc = pml = out
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
-    if par and decode and "num_stages" not in override and _launch_config(d, q.dtype, True) != _fwd_config(d, q.dtype):
+    if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)

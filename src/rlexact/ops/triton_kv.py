@@ -73,6 +73,24 @@ def _write_kv_kernel(
     _copy_row(v_ptr + t * s_vt, v_dst, s_vh, s_vd, c_vh, c_vd, hs, ds, mask, CAST, C_DTYPE, RNE)
 
 
+def check_kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, op: str
+) -> None:
+    """Raise ``ValueError`` (naming ``op``) unless ``k, v [T, Hkv, D]`` and ``slot_mapping [T]`` fit the caches
+    ``[num_blocks, block_size, Hkv, D]`` of one supported dtype."""
+    t, hkv, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"{op}: k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} do not match")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(f"{op}: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit k {k.shape}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{op}: cache dtypes {k_cache.dtype} and {v_cache.dtype} differ")
+    if k.dtype not in _TL_DTYPE or k_cache.dtype not in _TL_DTYPE:
+        raise ValueError(f"{op}: dtypes {k.dtype} -> {k_cache.dtype}; supported: {sorted(map(str, _TL_DTYPE))}")
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"{op}: slot_mapping {tuple(slot_mapping.shape)} must be [{t}]")
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -81,17 +99,8 @@ def write_kv(
 
     Equals ``cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(cache.dtype))`` for K and V bitwise. Slots
     must be distinct and inside the caches: they are not checked (a check would synchronize with the host)."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping, "write_kv")
     t, hkv, d = k.shape
-    if v.shape != k.shape or v.dtype != k.dtype:
-        raise ValueError(f"write_kv: k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} do not match")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (hkv, d):
-        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit k {k.shape}")
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"write_kv: cache dtypes {k_cache.dtype} and {v_cache.dtype} differ")
-    if k.dtype not in _TL_DTYPE or k_cache.dtype not in _TL_DTYPE:
-        raise ValueError(f"write_kv: dtypes {k.dtype} -> {k_cache.dtype}; supported: {sorted(map(str, _TL_DTYPE))}")
-    if slot_mapping.shape != (t,):
-        raise ValueError(f"write_kv: slot_mapping {tuple(slot_mapping.shape)} must be [{t}]")
     if t == 0 or hkv == 0 or d == 0:
         return
     block_d = triton.next_power_of_2(d)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kv import write_kv
+from .triton_kv import check_kv_write, write_kv
 from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 from .triton_pdl import pdl_entry, pdl_options
 
@@ -244,8 +244,5 @@ def _kv_args(kv: tuple[torch.Tensor, ...] | None, k: torch.Tensor) -> tuple:
     if kv is None:
         return (k, k, k, k, 1, *(0,) * 8)
     v, kc, vc, slots = kv
-    if v.shape != k.shape or kc.dim() != 4 or vc.shape != kc.shape or kc.shape[2:] != k.shape[1:]:
-        raise ValueError(f"qk_norm_rope_write_kv: v {tuple(v.shape)}, caches {tuple(kc.shape)} do not fit k {k.shape}")
-    if slots.shape != (k.shape[0],):
-        raise ValueError(f"qk_norm_rope_write_kv: slot_mapping {tuple(slots.shape)} must be [{k.shape[0]}]")
+    check_kv_write(k, v, kc, vc, slots, "qk_norm_rope_write_kv")
     return (v, kc, vc, slots, kc.shape[1], *v.stride()[:2], *kc.stride()[:3], *vc.stride()[:3])

@@ -95,10 +95,9 @@ class UpdateStats:
         self.steps = 0
         self.skipped = 0
         self.grad_norms: list[float] = []
-        # float64 [7]: ratio sum, tokens, clipped, clipped and total with A > 0, clipped and total with A < 0
-        self._counts: torch.Tensor | None = None
-        self._ratio_lo: torch.Tensor | None = None
-        self._ratio_hi: torch.Tensor | None = None
+        # per micro-batch, float64 [9]: ratio sum, tokens, clipped, clipped and total with A > 0, clipped and total
+        # with A < 0, ratio min, ratio max
+        self._token_rows: list[torch.Tensor] = []
 
     def add(self, key: str, value: float | torch.Tensor) -> None:
         """Add ``value`` (a local value of the current mini-step; a float or a 0-dim tensor) times the mini-step's
@@ -113,16 +112,9 @@ class UpdateStats:
         c = clipped & mask
         pos, neg = mask & (adv > 0), mask & (adv < 0)
         parts = (torch.where(mask, r.double(), 0.0).sum(), mask.sum(), c.sum(), (c & pos).sum(), pos.sum(),
-                 (c & neg).sum(), neg.sum())  # fmt: skip
-        counts = torch.stack([x.double() for x in parts])
-        lo = torch.where(mask, r, math.inf).min()
-        hi = torch.where(mask, r, -math.inf).max()
-        if self._counts is None:
-            self._counts, self._ratio_lo, self._ratio_hi = counts, lo, hi
-        else:
-            self._counts = self._counts + counts
-            self._ratio_lo = torch.minimum(self._ratio_lo, lo)
-            self._ratio_hi = torch.maximum(self._ratio_hi, hi)
+                 (c & neg).sum(), neg.sum(), torch.where(mask, r, math.inf).min(),
+                 torch.where(mask, r, -math.inf).max())  # fmt: skip
+        self._token_rows.append(torch.stack([x.double() for x in parts]))
 
     def finish(self, lr: float | None) -> dict[str, float]:
         """The update metrics over every rank (one reduction); ``lr`` is logged when given."""
@@ -131,16 +123,16 @@ class UpdateStats:
         red = MetricReducer()
         for key, value in self.sums.items():
             red.add_sum(f"loss/{key}" if key in ("pg_loss", "kl") else key, float(value))
-        ratio_sum, tokens, clipped, pos_c, pos_n, neg_c, neg_n = (
-            self._counts.tolist() if self._counts is not None else [0.0] * 7
-        )
+        rows = torch.stack(self._token_rows) if self._token_rows else torch.zeros(1, 9, dtype=torch.float64)
+        ratio_sum, tokens, clipped, pos_c, pos_n, neg_c, neg_n = rows[:, :7].sum(0).tolist()
+        ratio_lo, ratio_hi = float(rows[:, 7].min()), float(rows[:, 8].max())
         tokens, pos_n, neg_n = int(tokens), int(pos_n), int(neg_n)
         red.add_mean("ratio/mean", ratio_sum / tokens if tokens else 0.0, tokens, empty=nan)
         red.add_mean("clipfrac", clipped / tokens if tokens else 0.0, tokens, empty=nan)
         red.add_mean("clipfrac/pos", pos_c / pos_n if pos_n else 0.0, pos_n, empty=nan)
         red.add_mean("clipfrac/neg", neg_c / neg_n if neg_n else 0.0, neg_n, empty=nan)
-        red.add_min("ratio/min", float(self._ratio_lo) if tokens else None, empty=nan)
-        red.add_max("ratio/max", float(self._ratio_hi) if tokens else None, empty=nan)
+        red.add_min("ratio/min", ratio_lo if tokens else None, empty=nan)
+        red.add_max("ratio/max", ratio_hi if tokens else None, empty=nan)
         out = red.reduce()
         for key in self.sums:
             out[f"loss/{key}" if key in ("pg_loss", "kl") else key] /= steps
