@@ -17,7 +17,9 @@ Every exact run also times ``generate`` with half the new tokens (same prompts, 
 the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_walls_s``) divided by the difference
 in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time of one decode step with prefill and
 warm-up removed. Medians, because a call's prefill varies by tens of milliseconds, which a single pair of calls
-spreads over the steps.
+spreads over the steps. On a GPU listed in ``roofline.PEAKS`` the result also holds ``roofline``, the bound of a decode
+step at the run's mean context (every weight and the whole K/V cache read once from HBM, or the step's FLOPs at peak,
+whichever is longer; :func:`roofline.decode_step_bound`) and ``decode_step_over_bound``.
 
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
@@ -25,6 +27,7 @@ and stores their difference per decode step (GPU time per kernel and category, l
 decode step by part (the generator's ``stats["decode_host_s"]``: schedule, prepare, launch, wait, collect,
 postprocess, and ``host_total`` = all but ``wait``, the read-back that waits for the device), from the same two
 profiled calls; ``host_ms_per_decode_step_unprofiled`` is the same split from the two timed calls without the profiler.
+``profile.prefill_call`` holds the kernel time per category of the shorter profiled call, which is mostly prefill.
 
 ``--grpo`` runs the GRPO-shaped load instead (``--grpo-prompts`` prompts of ``--prompt-len`` tokens (default 512),
 ``n = --grpo-n`` samples each, ``--new-tokens`` new tokens): exact generation with the prompt blocks shared by the
@@ -46,6 +49,7 @@ import torch
 import rlexact
 from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
+from roofline import DecoderShape, decode_step_bound, device_peaks
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -150,6 +154,9 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
     gpu_ms = sum(v[0] for v in per_step.values())
     wall_ms = (wall_long - wall_short) / steps * 1e3
+    prefill_cats: dict[str, float] = {}
+    for name, (ms, _) in short.items():
+        prefill_cats[kernel_category(name)] = prefill_cats.get(kernel_category(name), 0.0) + ms
     return {
         "decode_steps": steps,
         "wall_ms_per_decode_step": wall_ms,
@@ -161,6 +168,13 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
             {"name": n[:160], "ms": ms, "calls": c, "category": kernel_category(n)} for n, (ms, c) in top
         ],
         "host_ms_per_decode_step": host_per_step(host_long, host_short),
+        "prefill_call": {
+            "new_tokens": 4,
+            "wall_ms": wall_short * 1e3,
+            "gpu_kernel_ms": sum(v[0] for v in short.values()),
+            "category_ms": {k: v for k, v in sorted(prefill_cats.items(), key=lambda kv: -kv[1])},
+            "note": "the profiled call with 4 new tokens: the prefill of every prompt and three decode steps",
+        },
         "note": "profiler-on timings; kernel durations from CUPTI (CUDA-graph replays included)",
     }
 
@@ -204,6 +218,13 @@ def run_rlexact(
             f"{args.step_reps} calls each"
         )
         res["decode_step_walls_s"] = {"long": longs, "short": shorts}
+        peaks = device_peaks()
+        if peaks is not None:
+            elem = next(model.parameters()).element_size()
+            mean_ctx = args.prompt_len + args.new_tokens / 2
+            bound = decode_step_bound(DecoderShape.of(model.config), len(prompts) * n, mean_ctx, elem, peaks)
+            res["roofline"] = bound
+            res["decode_step_over_bound"] = res["decode_step_ms"] / bound["decode_step_bound_ms"]
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)

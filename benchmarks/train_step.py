@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from common import ROOT, header
+from roofline import DecoderShape, device_peaks, update_flops
 
 QWEN3_1_7B = dict(
     vocab_size=151936,
@@ -388,7 +389,36 @@ def bench_grpo_step(small: bool, profile: bool) -> dict:
             out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     if "step_s" in out["exact"] and "step_s" in out["native_recompute"]:
         out["native_recompute_over_exact_time"] = out["native_recompute"]["step_s"] / out["exact"]["step_s"]
+        peaks = device_peaks()
+        if peaks is not None:
+            out["update_bound"] = update_bound(out, SMALL if small else QWEN3_1_7B, peaks)
     return out
+
+
+def update_bound(out: dict, cfg: dict, peaks: dict) -> dict:
+    """The update's compute bound (:func:`roofline.update_flops` at the peak bf16 throughput) and what it implies for
+    ``native_recompute_over_exact_time``: both arms run the same trainer, so with the measured rollout and scoring
+    times and an update at the bound, the ratio can be at most ``ratio_at_update_bound``; ``update_s_for_ratio``
+    is the update time (the same in both arms) at which the ratio would reach ``target_ratio``."""
+    ex, nat = out["exact"], out["native_recompute"]
+    seqs, seq_len = ex["sequences"], ex["prompt_tokens"] + ex["new_tokens"]
+    flops = update_flops(DecoderShape.of(cfg), [seq_len] * seqs, head_rows=seqs * ex["new_tokens"])
+    bound_s = flops / peaks["bf16_dense_flops_per_s"]
+    rollout_e = ex["stages_s"]["rollout"]
+    rest_n = nat["stages_s"]["rollout"] + nat["stages_s"].get("scoring", 0.0)
+    target = 2.5
+    return {
+        "model_flops": flops,
+        "compute_bound_s": bound_s,
+        "exact_update_s": ex["stages_s"]["update"],
+        "exact_update_mfu": flops / ex["stages_s"]["update"] / peaks["bf16_dense_flops_per_s"],
+        "ratio_at_update_bound": (rest_n + bound_s) / (rollout_e + bound_s),
+        "target_ratio": target,
+        "update_s_for_ratio": (rest_n - target * rollout_e) / (target - 1.0),
+        "note": "model FLOPs of the update (forward + backward, head on the response rows, no recomputation); the"
+        " exact rollout and the native rollout + scoring as measured in this run",
+        "peaks": peaks,
+    }
 
 
 def main() -> None:

@@ -44,7 +44,8 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
   BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
 * 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
   per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
-  128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages.
+  128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages; for very wide N (``cdiv(N, 256) * 2 >= 0.6 * #SMs``, the
+  fused gate/up projection) 128 x 256 x 64, 8 warps, 3 stages.
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
 * M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves.
 * ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
@@ -207,6 +208,9 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     else:
         small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5)
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
+    if triton.cdiv(N, 256) * 2 >= 0.6 * sms:  # very wide N (fused gate/up): 128 x 256 tiles fill the GPU at M = 256
+        wide = MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3)
+        return ((16, narrow), (64, decode), (128, small), (256, wide), (2048, mid), (None, base))
     if triton.cdiv(N, 128) * 2 >= 0.6 * sms:  # wide N: 128 x 128 tiles still fill the GPU at 128 < M <= 256
         wide = MatmulConfig("tma", 128, 128, 64, num_warps=4, num_stages=4)
         return ((16, narrow), (64, decode), (128, small), (256, wide), (2048, mid), (None, base))
