@@ -256,9 +256,40 @@ def profiled_call(fn: Callable, call_index: int, sink: dict) -> Callable:
         top, kernel_ms = _top_rows(prof, 30)
         busy = kernel_ms / 1e3 / wall
         sink.update(wall_s=wall, gpu_kernel_s=kernel_ms / 1e3, gpu_busy_fraction=busy, top_kernels=top)
+        sink["idle_gaps"] = idle_gaps(prof)
         return out
 
     return run
+
+
+def idle_gaps(prof, min_ms: float = 0.2, n: int = 15) -> dict:  # noqa: ANN001
+    """Where the GPU sat idle between the first and the last kernel of a finished profile: the total idle time, the
+    idle time in gaps of at least ``min_ms``, and the ``n`` longest gaps with the kernels on either side (which tell
+    the phase: forward, backward, optimizer) and their offset from the first kernel."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return {}
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, (end - spans[0][0]) / 1e3, last[:60], name[:60]))
+        if stop > end:
+            end, last = stop, name
+    big = [g for g in gaps if g[0] >= min_ms]
+    return {
+        "window_ms": (end - spans[0][0]) / 1e3,
+        "idle_ms": sum(g[0] for g in gaps),
+        f"idle_ms_in_gaps_over_{min_ms}ms": sum(g[0] for g in big),
+        "gaps_over_min": len(big),
+        "longest": [
+            {"ms": ms, "at_ms": at, "after": before, "before": after}
+            for ms, at, before, after in sorted(gaps, reverse=True)[:n]
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
