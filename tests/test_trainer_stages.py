@@ -129,3 +129,19 @@ def test_reducer_is_the_identity_without_a_process_group() -> None:
     assert all_reduce(t, "max") is t
     with pytest.raises(ValueError, match="op must be one of"):
         all_reduce(t, "mean")
+
+
+@pytest.mark.parametrize("indices", [[4, 0, 2], [1], [5, 5, 3], list(range(6)), []])
+def test_batch_select_gathers_the_chosen_sequences_in_order(indices: list[int]) -> None:
+    from _callbacks_worker import make_batch
+
+    batch = make_batch(seed=3)
+    sub = batch.select(indices)
+    cu = batch.cu_seqlens.tolist()
+    expect = [list(range(cu[i], cu[i + 1])) for i in indices]
+    token_idx = torch.tensor([t for seq in expect for t in seq], dtype=torch.long)
+    assert sub.cu_seqlens.tolist() == [0, *torch.tensor([len(s) for s in expect], dtype=torch.long).cumsum(0).tolist()]
+    assert torch.equal(sub.input_ids, batch.input_ids[token_idx])
+    assert torch.equal(sub.position_ids, batch.position_ids[token_idx])
+    assert torch.equal(sub.rollout_logprobs, batch.rollout_logprobs[token_idx])
+    assert torch.equal(sub.rewards, batch.rewards[torch.tensor(indices, dtype=torch.long)])

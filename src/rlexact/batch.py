@@ -86,9 +86,13 @@ class RolloutBatch:
         idx = torch.as_tensor(seq_indices, dtype=torch.long, device=self.cu_seqlens.device)
         starts, ends = self.cu_seqlens[:-1].long()[idx], self.cu_seqlens[1:].long()[idx]
         lengths = ends - starts
-        token_idx = torch.cat([torch.arange(s, e, device=idx.device) for s, e in zip(starts.tolist(), ends.tolist())])
+        new_cu = torch.cumsum(lengths, 0)
+        total = int(new_cu[-1]) if idx.numel() else 0  # one host synchronization: the new stream's length
+        # token j of selected sequence i sits at starts[i] + j; as a flat index: (starts - new starts) + arange
+        token_idx = torch.repeat_interleave(starts - (new_cu - lengths), lengths, output_size=total)
+        token_idx += torch.arange(total, device=idx.device)
         cu = torch.zeros(idx.numel() + 1, dtype=torch.int32, device=idx.device)
-        cu[1:] = torch.cumsum(lengths, 0)
+        cu[1:] = new_cu
         updates: dict[str, object] = {"cu_seqlens": cu, "metrics": {}}
         for f in fields(self):
             v = getattr(self, f.name)

@@ -94,10 +94,11 @@ def segment_ids(cu_seqlens: Tensor, num_tokens: int | None = None) -> Tensor:
     if cu_seqlens.numel() == 0:
         raise ValueError("cu_seqlens must have at least one element (B + 1 with B >= 0)")
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    checks = torch.stack([cu_seqlens[0].long(), cu_seqlens[-1].long(), (lengths < 0).any().long()])
+    first, last, decreasing = checks.tolist()  # one host synchronization
     if first != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {first}")
-    if bool((lengths < 0).any()):
+    if decreasing:
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
     if num_tokens is not None and last != num_tokens:
         raise ValueError(f"cu_seqlens[-1] = {last} does not match the {num_tokens} tokens of the stream")
