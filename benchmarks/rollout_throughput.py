@@ -17,9 +17,11 @@ Every exact run also times ``generate`` with half the new tokens (same prompts, 
 the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_walls_s``) divided by the difference
 in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time of one decode step with prefill and
 warm-up removed. Medians, because a call's prefill varies by tens of milliseconds, which a single pair of calls
-spreads over the steps. On a GPU listed in ``roofline.PEAKS`` the result also holds ``roofline``, the bound of a decode
-step at the run's mean context (every weight and the whole K/V cache read once from HBM, or the step's FLOPs at peak,
-whichever is longer; :func:`roofline.decode_step_bound`) and ``decode_step_over_bound``.
+spreads over the steps. ``kept_engine`` times the same call on a generator that keeps its KV cache and CUDA graphs
+between calls (``keep_kv_cache=True``), which leaves out the per-call setup. On a GPU listed in ``roofline.PEAKS``
+the result also holds ``roofline``, the bound of a decode step at the run's mean context (every weight and the whole
+K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer; :func:`roofline.decode_step_bound`)
+and ``decode_step_over_bound``.
 
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
@@ -179,17 +181,50 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     }
 
 
+def make_generator(model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False) -> Generator:
+    return Generator(
+        model,
+        kernels=kernels,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, 2 * batch),
+        cuda_graphs=not args.no_graphs,
+        share_prompt_blocks=share,
+        keep_kv_cache=keep,
+    )
+
+
+def kept_engine(model, kernels: str, prompts, args, device, reference: list) -> dict:
+    """The same ``generate`` call on a generator that keeps its KV cache, CUDA graphs and fused weights between calls
+    (``keep_kv_cache=True``): the steady state without the per-call setup (cache allocation, graph capture).
+    ``same_as_default``: its last call's completions (tokens and log-probs) equal ``reference`` exactly."""
+    gen = make_generator(model, kernels, len(prompts), args, keep=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    walls = []
+    for _ in range(1 + args.step_reps):  # the first call allocates and captures
+        sync(device)
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, params)
+        sync(device)
+        walls.append(time.perf_counter() - t0)
+    tokens = sum(len(o.token_ids) for o in outs)
+    seconds = statistics.median(walls[1:])
+    gen.release()
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "walls_s": walls,
+        "capture_s_last_call": gen.stats.get("capture_s"),
+        "same_as_default": len(outs) == len(reference)
+        and all(a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, reference)),
+        "note": "keep_kv_cache=True; median of the calls after the first",
+    }
+
+
 def run_rlexact(
     model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True
 ) -> tuple[dict, list]:
-    gen = Generator(
-        model,
-        kernels=kernels,
-        max_num_seqs=len(prompts) * n,
-        max_num_batched_tokens=max(8192, 2 * len(prompts) * n),
-        cuda_graphs=not args.no_graphs,
-        share_prompt_blocks=share,
-    )
+    gen = make_generator(model, kernels, len(prompts) * n, args, share=share)
 
     def timed(new_tokens: int, seed: int) -> tuple[float, list]:
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True, n=n)
@@ -225,6 +260,11 @@ def run_rlexact(
             bound = decode_step_bound(DecoderShape.of(model.config), len(prompts) * n, mean_ctx, elem, peaks)
             res["roofline"] = bound
             res["decode_step_over_bound"] = res["decode_step_ms"] / bound["decode_step_bound_ms"]
+    if decode_step and kernels == "exact":
+        try:
+            res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs)
+        except Exception:  # noqa: BLE001
+            res["kept_engine_error"] = traceback.format_exc()
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)

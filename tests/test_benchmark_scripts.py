@@ -1,0 +1,45 @@
+"""The GPU benchmark scripts run end to end on their tiny CPU shapes and write the result keys the README cites."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_rollout_throughput_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "rollout.json"
+    _run("rollout_throughput.py", "--tiny", "--engines", "exact", "native", "--batches", "4", "--profile", "2",
+         "--out", str(out))  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["errors"] == {}
+    row = res["results"]["4"]
+    exact = row["exact"]
+    assert exact["tokens"] == 4 * res["setup"]["new_tokens"]
+    assert {"decode_step_ms", "decode_step_walls_s", "profile"} <= exact.keys()
+    assert "prefill_call" in exact["profile"]
+    assert exact["kept_engine"]["same_as_default"] is True
+    assert row["exactness_spot_check"]["all_bitwise_equal"] is True
+    assert "ratio_exact_over_native" in row
+
+
+def test_train_step_small(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    _run("train_step.py", "--small", "--reps", "1", "--out", str(out))
+    res = json.loads(out.read_text())
+    for case in res["fwd_bwd"]["cases"].values():
+        assert "exact_over_stock_speed" in case, case
+    grpo = res["grpo_step"]
+    assert "native_recompute_over_exact_time" in grpo, grpo
+    assert set(grpo["exact"]["stages_s"]) == {"rollout", "update"}
+    assert set(grpo["native_recompute"]["stages_s"]) == {"rollout", "scoring", "update"}
