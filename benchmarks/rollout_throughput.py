@@ -193,19 +193,25 @@ def make_generator(model, kernels: str, batch: int, args, *, share: bool = True,
     )
 
 
-def kept_engine(model, kernels: str, prompts, args, device, reference: list) -> dict:
+def timed_generate(gen: Generator, prompts, params: SamplingParams, device) -> tuple[float, list]:
+    """``(wall seconds, completions)`` of one synchronized ``generate`` call."""
+    sync(device)
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, params)
+    sync(device)
+    return time.perf_counter() - t0, outs
+
+
+def kept_engine(model, kernels: str, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
     """The same ``generate`` call on a generator that keeps its KV cache, CUDA graphs and fused weights between calls
     (``keep_kv_cache=True``): the steady state without the per-call setup (cache allocation, graph capture).
     ``same_as_default``: its last call's completions (tokens and log-probs) equal ``reference`` exactly."""
-    gen = make_generator(model, kernels, len(prompts), args, keep=True)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    gen = make_generator(model, kernels, len(prompts) * n, args, share=share, keep=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
     walls = []
     for _ in range(1 + args.step_reps):  # the first call allocates and captures
-        sync(device)
-        t0 = time.perf_counter()
-        outs = gen.generate(prompts, params)
-        sync(device)
-        walls.append(time.perf_counter() - t0)
+        wall, outs = timed_generate(gen, prompts, params, device)
+        walls.append(wall)
     tokens = sum(len(o.token_ids) for o in outs)
     seconds = statistics.median(walls[1:])
     gen.release()
@@ -228,11 +234,7 @@ def run_rlexact(
 
     def timed(new_tokens: int, seed: int) -> tuple[float, list]:
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True, n=n)
-        sync(device)
-        t0 = time.perf_counter()
-        outs = gen.generate(prompts, params)
-        sync(device)
-        return time.perf_counter() - t0, outs
+        return timed_generate(gen, prompts, params, device)
 
     timed(args.new_tokens, 0)  # warm-up: the timed call itself (Triton JIT, KV cache of the same size, graphs)
     elapsed, outs = timed(args.new_tokens, 0)
@@ -262,7 +264,7 @@ def run_rlexact(
             res["decode_step_over_bound"] = res["decode_step_ms"] / bound["decode_step_bound_ms"]
     if decode_step and kernels == "exact":
         try:
-            res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs)
+            res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001
             res["kept_engine_error"] = traceback.format_exc()
     if args.profile and kernels == "exact":
