@@ -338,7 +338,7 @@ def section_split() -> None:
         check_backward(lens, 4, 2, 16)
     with small_splits(2, parallel=False):
         check_exactness(lens, 4, 2, 16, chunks=(7,), block_sizes=(4,))
-    with small_splits(1):  # up to six splits: the merge kernel's loads of four partials and a partial group
+    with small_splits(1):  # up to six splits: the last split program's fold of four partials and a partial group
         check_exactness([3, 90], 2, 1, 16, chunks=(33,), block_sizes=(16,))
     check_split_negative_control(lens, 4, 2, 16)
 

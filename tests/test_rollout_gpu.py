@@ -125,6 +125,34 @@ def test_gpu_triton_sampler_batch_invariant():
         assert one.item() == full[i].item()
     ref = S._gumbel_argmax_torch(z, None, 3, rid, pos)
     assert (ref == full).float().mean().item() > 0.9  # same hash; float log may differ on rare near-ties
+    from rlexact.rollout._sampler_triton import gumbel_argmax_triton
+
+    lse = torch.logsumexp(z, -1)
+    for splits in (1, 7, 75):  # vocabulary slices never change the draw
+        tok, lp = gumbel_argmax_triton(z, None, 3, rid, pos, lse, splits=splits)
+        assert torch.equal(tok, full), splits
+        assert torch.equal(lp, z.gather(-1, full[:, None]).squeeze(-1) - lse)
+    assert not torch.equal(S.gumbel_argmax(z, None, 4, rid, pos), full)  # negative control: the seed counts
+
+
+def test_gpu_later_captures_skip_the_warm_up(qwen):
+    """A generator's later calls capture known decode graphs without the eager warm-up step; the completions stay
+    bitwise those of the first call and of the trainer."""
+    prompts = prompts_for(12, 1003, hi=60, seed=5)
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    gen = Generator(qwen)
+    first = gen.generate(prompts, params)
+    assert gen.stats["graph_captures"] >= 1
+    assert gen.stats["graph_captures_warmed"] == gen.stats["graph_captures"]
+    second = gen.generate(prompts, params)
+    assert gen.stats["graph_captures"] >= 1 and gen.stats["graph_captures_warmed"] == 0
+    assert same(first, second)
+    reseeded = gen.generate(prompts, SamplingParams(max_new_tokens=16, seed=4))
+    assert gen.stats["graph_captures_warmed"] == 0  # the seed is not part of the kernels
+    assert [o.token_ids for o in reseeded] != [o.token_ids for o in first]
+    assert_exact(qwen, second + reseeded)
+    gen.generate(prompts[:2], params)  # a new bucket and table width: warmed once
+    assert gen.stats["graph_captures_warmed"] >= 1
 
 
 def test_gpu_capture_failure_falls_back_cleanly(qwen, monkeypatch):

@@ -70,7 +70,6 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fwd = _LaunchRecorder()
     monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
-    monkeypatch.setattr(ta, "_attn_merge_kernel", _LaunchRecorder())
     hq, hkv, d, page = 2, 1, 128, 16
     split = ta._fwd_config(d, torch.bfloat16)["SPLIT"]
 

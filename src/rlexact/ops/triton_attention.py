@@ -23,12 +23,13 @@ The query-side launch (``BLOCK_M``, warps, stages) has two entries (:func:`_laun
 and all others (:data:`PREFILL_LAUNCH_16BIT`); a row's bits must not depend on it, which
 ``benchmarks/attention_configs.py`` and the GPU exactness tests check bitwise before an entry may differ.
 ``attention_varlen`` and ``attention_paged`` launch the same ``_attn_fwd_kernel``; the constexpr ``PAGED`` only changes
-how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized paged
-launches give each split its own program (grid axis 2) and fold the stored fp32 partials in ``_attn_merge_kernel``;
-other launches loop over the splits in one program and fold in registers. Both fold the same partials with the same
-function in the same order, so a query row is bitwise equal whether it is computed in a training batch, in a prefill
-chunk of any size, or in decode. (One online softmax across all tiles would give other bits than split-then-merge; what
-matters is that every path uses the same splits.)
+how a key position becomes an address, and ``SPLIT_PAR`` only changes which program computes a split: decode-sized
+paged launches give each split its own program (grid axis 2), which stores its fp32 partial and takes a ticket from a
+per-tile counter; the program that draws the last ticket folds the stored partials (:func:`_fold_partials`, in the
+same launch). Other launches loop over the splits in one program and fold in registers. Both fold the same partials
+with the same function in the same order, so a query row is bitwise equal whether it is computed in a training batch,
+in a prefill chunk of any size, or in decode. (One online softmax across all tiles would give other bits than
+split-then-merge; what matters is that every path uses the same splits.)
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -41,7 +42,8 @@ Work decomposition. Programs are laid out over query tiles of all sequences flat
 ``ceil(nq_b / P)`` slots; surplus slots exit at once). The grid ``(T // P + B, Hq / HP, splits)`` depends only on
 tensor shapes (``splits`` is 1, or for split-parallel launches ``ceil(block-table width * page size / SPLIT)``;
 programs past a tile's last split exit at once), so the launch needs no host synchronization and is CUDA-graph
-capturable; so is the split-parallel workspace (fp32 partials, sized from the same shapes).
+capturable; so is the split-parallel workspace (fp32 partials and zeroed ticket counters, sized from the same
+shapes).
 
 Backward (:func:`attention_varlen_backward`) is FA2-style and deterministic (no atomics): the forward kernel is rerun
 to get the log-sum-exp of the split-merged forward (the same splits, so the same ``lse`` as the forward), one kernel
@@ -410,6 +412,7 @@ def _attn_fwd_kernel(
     stride_lh,
     PACC,
     PML,
+    CNT,
     n_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -463,7 +466,7 @@ def _attn_fwd_kernel(
     last_pos = q_start + tl.minimum(tile * P + P, nq) - 1
     n_tiles = last_pos // BLOCK_N + 1
     n_splits = last_pos // SPLIT + 1
-    if SPLIT_PAR:  # one split per program along grid axis 2; the merge kernel folds them
+    if SPLIT_PAR:  # one split per program along grid axis 2; the last one to finish folds them
         sp_lo = tl.program_id(2)
         if sp_lo >= n_splits:
             return
@@ -495,14 +498,25 @@ def _attn_fwd_kernel(
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT_PAR:  # tiles spanning several splits store this split's partial; the merge kernel writes the output
+    if SPLIT_PAR:  # tiles spanning several splits store this split's partial; the last one to finish merges them
         multi = (rows * 0 + n_splits) > 1  # as a [BLOCK_M] tensor (a scalar bool mask breaks the interpreter)
         partial = row_ok & multi
-        prow = ((q_begin + qi).to(tl.int64) * n_heads + head) * tl.num_programs(2) + sp_lo
+        prow0 = ((q_begin + qi).to(tl.int64) * n_heads + head) * tl.num_programs(2)
+        prow = prow0 + sp_lo
         tl.store(PML + prow * 2, m_i, mask=partial)
         tl.store(PML + prow * 2 + 1, l_i, mask=partial)
         tl.store(PACC + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=partial[:, None])
         o_mask = o_mask & ~multi[:, None]
+        if n_splits > 1:
+            # every program's partial stores happen before its ticket (CTA barrier, then a release at GPU scope);
+            # the program that draws the last ticket acquires them all and folds them in ascending split order
+            tl.debug_barrier()
+            cnt = CNT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                m_i, l_i, acc = _fold_partials(PML, PACC, prow0, n_splits, row_ok, offs_d, BLOCK_M, BLOCK_D)
+                tl.store(cnt, 0)  # the counters are zero again for the next launch that uses them
+                o_mask = row_ok[:, None] & d_ok[None, :]
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if BWD_PREP:
@@ -515,59 +529,23 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _attn_merge_kernel(
-    Out,
-    PACC,
-    PML,
-    cu_q,
-    seqlens_k,
-    num_seqs,
-    n_heads,
-    n_split,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HP: tl.constexpr,
-    SPLIT: tl.constexpr,
-    SCAN: tl.constexpr,
-    DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Second pass of the split-parallel (paged) forward: for each query tile spanning more than one split, fold the
-    fp32 partials in ascending split order with :func:`_merge_split` and write the output. Same tile layout as
-    ``_attn_fwd_kernel`` (tiles with one split were written there)."""
-    pdl_entry(PDL)
-    P: tl.constexpr = BLOCK_M // HP
-    hgroup = tl.program_id(1)
-    b, tile = _program_tile(cu_q, num_seqs, P, SCAN, DIRECT)
-    q_begin = tl.load(cu_q + b)
-    nq = tl.load(cu_q + b + 1) - q_begin
-    if tile * P >= nq:
-        return
-    q_start = tl.load(seqlens_k + b) - nq
-    n_splits = (q_start + tl.minimum(tile * P + P, nq) - 1) // SPLIT + 1
-    if n_splits == 1:
-        return
-    rows = tl.arange(0, BLOCK_M)
-    qi = tile * P + rows // HP
-    head = hgroup * HP + rows % HP
-    row_ok = (rows < P * HP) & (qi < nq)
-    offs_d = tl.arange(0, BLOCK_D)
-    prow = ((q_begin + qi).to(tl.int64) * n_heads + head) * n_split
+@triton.jit
+def _fold_partials(PML, PACC, prow0, n_splits, row_ok, offs_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fold the stored fp32 split partials ``0 .. n_splits - 1`` of a query tile's rows (``prow0``: their first
+    partial's row in the workspace) in ascending split order with :func:`_merge_split`, from the empty state: the
+    same fold as the looped (non-split-parallel) launch. The loads bypass L1 (``.cg``): other SMs wrote them."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for sp in range(0, n_splits):
-        m_s = tl.load(PML + (prow + sp) * 2, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(PML + (prow + sp) * 2 + 1, mask=row_ok, other=0.0)
-        acc_s = tl.load(PACC + (prow + sp)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        prow = prow0 + sp
+        m_s = tl.load(PML + prow * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PML + prow * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(
+            PACC + prow[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+        )
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
-    out = acc / l_i[:, None]
-    o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -844,13 +822,14 @@ def _forward(
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
+    direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
+    grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
     if par:
         pacc = torch.empty((tq, hq, n_split, block_d), dtype=torch.float32, device=q.device)
         pml = torch.empty((tq, hq, n_split, 2), dtype=torch.float32, device=q.device)
+        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
     else:
-        pacc = pml = out
-    direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
-    grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
+        pacc = pml = counters = out
     if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
@@ -880,6 +859,7 @@ def _forward(
         lse.stride(1) if lse is not None else 0,
         pacc,
         pml,
+        counters,
         hq,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -900,11 +880,6 @@ def _forward(
         **_dtype_flags(q.dtype),
         **pdl,
     )
-    if par:
-        _attn_merge_kernel[grid[:2]](
-            out, pacc, pml, cu_q, seqlens_k, num_seqs, hq, n_split, out.stride(0), out.stride(1), HEAD_DIM=d,
-            BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], HP=hp, SPLIT=split, SCAN=_SCAN, DIRECT=direct, num_warps=4, **pdl,
-        )  # fmt: skip
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,17 @@
 """Fused keyed Gumbel-argmax in Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-One program per row derives the row keys (the integer function of :func:`rlexact.rollout.keyed_hash.row_keys`), then
-streams the ``V`` logits once: 32-bit hash (uint32 arithmetic, the same integer function as
-:func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise, optional threshold mask, running argmax with first-index
-tie-breaking. One launch per sampling step, no ``[B, V]`` temporaries, no host synchronization, grid ``(B,)``.
+Two launches per sampling step, no ``[B, V]`` temporaries, no host synchronization:
+
+* ``_gumbel_argmax_kernel``, grid ``(B, S)``: program ``(r, s)`` derives row ``r``'s keys (the integer function of
+  :func:`rlexact.rollout.keyed_hash.row_keys`) and streams vocabulary slice ``s`` of its logits once: 32-bit hash
+  (uint32 arithmetic, the same integer function as :func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise,
+  optional threshold mask, running maximum. It stores the slice's maximum score and the first index attaining it.
+* ``_argmax_merge_kernel``, grid ``(B,)``: the largest of the ``S`` slice maxima and, among the slices attaining it,
+  the smallest index; optionally the token's log-prob ``z[token] - lse``.
+
+The sampled token is the first index of the row's maximum score whatever ``S`` is: a maximum and the smallest index
+attaining it are exact and do not depend on how the row is cut. ``S`` (:func:`vocab_splits`) therefore follows the
+batch size, so that a few rows still occupy every SM.
 """
 
 from __future__ import annotations
@@ -12,10 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
+from rlexact.ops.triton_matmul import num_sms
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
 from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
+__all__ = ["gumbel_argmax_triton", "vocab_splits"]
+
 _BLOCK_V = 2048
+"""Vocabulary entries per loop iteration of a program (and the granularity of a slice)."""
+_PROGRAMS_PER_SM = 2
+"""Target programs per SM when choosing the number of vocabulary slices."""
 
 
 @triton.jit
@@ -28,17 +42,19 @@ def _mix32(x, c1, c2):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo_salted", "seed_hi"])  # a new seed never compiles a new kernel
 def _gumbel_argmax_kernel(
     z_ptr,
     thr_ptr,
     rid_ptr,
     pos_ptr,
-    out_ptr,
+    best_ptr,
+    idx_ptr,
     seed_lo_salted,
     seed_hi,
     V,
     stride_z,
+    SLICE_V,
     HAS_THR: tl.constexpr,
     BLOCK_V: tl.constexpr,
     C1: tl.constexpr,
@@ -48,6 +64,7 @@ def _gumbel_argmax_kernel(
 ):
     pdl_entry(PDL)
     row = tl.program_id(0)
+    sl = tl.program_id(1)
     one = tl.arange(0, 1)
     k1 = tl.full([1], C1, tl.uint32)
     k2 = tl.full([1], C2, tl.uint32)
@@ -62,14 +79,16 @@ def _gumbel_argmax_kernel(
     kb = _mix32(ka ^ tl.full([1], SALT, tl.int64).to(tl.uint32), k1, k2)
     c1 = tl.full([BLOCK_V], C1, tl.uint32)
     c2 = tl.full([BLOCK_V], C2, tl.uint32)
+    lo = sl * SLICE_V
+    hi = tl.minimum(V, lo + SLICE_V)
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
+    best_idx = tl.zeros([BLOCK_V], dtype=tl.int32) + lo
     if HAS_THR:
         thr = tl.load(thr_ptr + row)
     base = z_ptr + row.to(tl.int64) * stride_z
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < V
+        mask = offs < hi
         z = tl.load(base + offs, mask=mask, other=float("-inf"))
         h = _mix32(_mix32(ka ^ offs.to(tl.uint32), c1, c2) ^ kb, c1, c2)
         u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
@@ -82,39 +101,113 @@ def _gumbel_argmax_kernel(
         best_idx = tl.where(upd, offs, best_idx)
     m = tl.max(best_val, 0)
     idx = tl.min(tl.where(best_val == m, best_idx, V), 0)
-    idx = tl.minimum(idx, V - 1)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    out = row * tl.num_programs(1) + sl
+    tl.store(best_ptr + out, m)
+    tl.store(idx_ptr + out, idx)
+
+
+@triton.jit
+def _argmax_merge_kernel(
+    best_ptr,
+    idx_ptr,
+    tok_ptr,
+    z_ptr,
+    lse_ptr,
+    lp_ptr,
+    V,
+    stride_z,
+    S,
+    BLOCK_S: tl.constexpr,
+    LOGP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_entry(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    ok = offs < S
+    best = tl.load(best_ptr + row * S + offs, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * S + offs, mask=ok, other=V)
+    m = tl.max(best, 0)
+    tok = tl.minimum(tl.min(tl.where(best == m, idx, V), 0), V - 1)
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    if LOGP:
+        zt = tl.load(z_ptr + row.to(tl.int64) * stride_z + tok)
+        tl.store(lp_ptr + row, zt - tl.load(lse_ptr + row))
+
+
+def vocab_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary slices per row: enough for about :data:`_PROGRAMS_PER_SM` programs per SM, at most one slice per
+    :data:`_BLOCK_V` entries. The sampled tokens do not depend on it."""
+    return max(1, min(triton.cdiv(vocab, _BLOCK_V), triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), max(rows, 1))))
 
 
 def gumbel_argmax_triton(
-    z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """``argmax(z + keyed noise)`` over ``z >= threshold``: ``z [B, V]`` fp32, ``request_ids, positions`` int64
-    ``[B]`` (non-negative), ``seed`` a Python int -> int64 ``[B]``."""
+    z: torch.Tensor,
+    threshold: torch.Tensor | None,
+    seed: int,
+    request_ids: torch.Tensor,
+    positions: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``argmax(z + keyed noise)`` over ``z >= threshold`` (first index on ties): ``z [B, V]`` fp32,
+    ``request_ids, positions`` int64 ``[B]`` (non-negative), ``seed`` a Python int.
+
+    Returns ``(tokens [B] int64, z[tokens] - lse [B] fp32)``, the second None when ``lse`` is None. ``splits``
+    overrides :func:`vocab_splits` (tests); it never changes the result."""
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax_triton: z must be a row-major fp32 [B, V] tensor, got {z.dtype} {z.shape}")
     b, v = z.shape
     out = torch.empty(b, dtype=torch.int64, device=z.device)
+    logp = torch.empty(b, dtype=torch.float32, device=z.device) if lse is not None else None
     if b == 0:
-        return out
+        return out, logp
+    if splits is None:
+        splits = vocab_splits(b, v, z.device)
+    if splits < 1:
+        raise ValueError(f"gumbel_argmax_triton: splits must be >= 1, got {splits}")
+    slice_v = triton.cdiv(triton.cdiv(v, splits), _BLOCK_V) * _BLOCK_V
+    splits = triton.cdiv(v, slice_v)
+    best = torch.empty((b, splits), dtype=torch.float32, device=z.device)
+    idx = torch.empty((b, splits), dtype=torch.int32, device=z.device)
     thr = threshold.reshape(b).contiguous().float() if threshold is not None else z
     seed &= (1 << 64) - 1
-    _gumbel_argmax_kernel[(b,)](
+    pdl = pdl_options(z.device)
+    _gumbel_argmax_kernel[(b, splits)](
         z,
         thr,
         request_ids.long().contiguous(),
         positions.long().contiguous(),
-        out,
+        best,
+        idx,
         (seed & MASK32) ^ ROW_SALT,
         seed >> 32,
         v,
         z.stride(0),
+        slice_v,
         HAS_THR=threshold is not None,
         BLOCK_V=_BLOCK_V,
         C1=C1,
         C2=C2,
         SALT=ROW_SALT,
         num_warps=8,
-        **pdl_options(z.device),
+        **pdl,
     )
-    return out
+    lse_arg = lse.reshape(b).contiguous().float() if lse is not None else best
+    _argmax_merge_kernel[(b,)](
+        best,
+        idx,
+        out,
+        z,
+        lse_arg,
+        logp if logp is not None else best,
+        v,
+        z.stride(0),
+        splits,
+        BLOCK_S=max(16, triton.next_power_of_2(splits)),
+        LOGP=lse is not None,
+        num_warps=1,
+        **pdl,
+    )
+    return out, logp

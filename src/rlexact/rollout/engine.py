@@ -72,6 +72,9 @@ class Generator:
         self._graph_state: GraphState | None = None
         self._fused: FusedProjections | None = None
         self._table_width = 0
+        self._warmed: set[tuple] = set()
+        """Decode-graph kernel keys captured by this generator (``ModelRunner.warmed``): a later call's capture of
+        the same key skips the eager warm-up run."""
         """Block-table width of the kept cache's last call: a later call on the same cache keeps at least this width,
         so its decode graphs (keyed by the width) are reused by a call with fewer new tokens."""
 
@@ -360,6 +363,7 @@ class Generator:
                     native=cfg.kernels == "native",
                     graph_state=self._graph_state if cfg.keep_kv_cache else None,
                     stats=stats,
+                    warmed=self._warmed,
                 )
                 stats.update(kv_blocks=cache.num_blocks, block_size=cfg.block_size, cuda_graphs=runner.use_graphs)
                 for s in seqs:

@@ -147,6 +147,7 @@ class ModelRunner:
         native: bool,
         graph_state: GraphState | None = None,
         stats: dict | None = None,
+        warmed: set[tuple] | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -159,6 +160,7 @@ class ModelRunner:
         self.stats.setdefault("graph_steps", 0)
         self.stats.setdefault("eager_steps", 0)
         self.stats.setdefault("graph_captures", 0)
+        self.stats.setdefault("graph_captures_warmed", 0)
         self.stats.setdefault("cuda_graphs_disabled", None)
         for key in ("graph_s", "eager_s", "capture_s"):
             self.stats.setdefault(key, 0.0)
@@ -169,6 +171,9 @@ class ModelRunner:
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
         self._reuse_count: dict[tuple[int, int | None], int] = {}
+        self.warmed: set[tuple] = warmed if warmed is not None else set()
+        """:meth:`_warm_key` of every graph captured so far (by this runner, or by earlier runners of the same
+        generator): a capture with a known key needs no eager warm-up run, its kernels are compiled already."""
         self._table_synced = False
         self._staged: list[Sequence] | None = None
         """The sequences whose inputs ``graph_state.ints`` holds after the last graph step (``None``: rebuild)."""
@@ -420,33 +425,60 @@ class ModelRunner:
         finally:
             self.stats["capture_s"] += time.perf_counter() - t0
 
+    def _warm_key(self, bucket: int, kv_len: int | None) -> tuple:
+        """What decides the kernels a decode graph launches (shapes, constexprs, dtypes), without the addresses and
+        the seed of :meth:`signature`: graphs with the same key launch the same compiled kernels."""
+        sp = self._sampling_in_graph()
+        state = get_state(self.model)
+        return (
+            bucket,
+            kv_len,
+            self.bm.width,
+            self.cache.block_size,
+            self.cache.dtype,
+            str(self.device),
+            None if sp is None else sp[:4] + sp[5:],
+            self.native,
+            tuple(state.fused) if state is not None else (),
+        )
+
     def _capture_inner(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
+        """Capture the decode step of ``bucket`` rows. The first capture of a :meth:`_warm_key` runs the step eagerly
+        first (compiles kernels, fills caches outside the capture); a later one captures directly and, should that
+        fail, retries once with the warm-up before giving up on graphs."""
         run = self._graph_fn(gs, bucket, kv_len)
         dev = self.device
+        key = self._warm_key(bucket, kv_len)
         prev_stream = torch.cuda.current_stream(dev)
-        try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(prev_stream)
-            with torch.cuda.stream(side):
-                run()  # warm-up: compiles kernels, fills caches outside the capture
-            prev_stream.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=gs.pool):
-                run()
-            torch.cuda.synchronize(dev)
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
-            _recover_from_failed_capture(dev, prev_stream)
-            reason = _describe_capture_failure(exc)
-            self.stats["cuda_graphs_disabled"] = reason
-            self.use_graphs = False
-            warnings.warn(
-                f"rlexact Generator: CUDA-graph capture failed, running decode eagerly: {reason}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
-        self.stats["graph_captures"] += 1
-        return graph
+        for warm in (False, True) if key in self.warmed else (True,):
+            try:
+                if warm:
+                    side = torch.cuda.Stream(dev)
+                    side.wait_stream(prev_stream)
+                    with torch.cuda.stream(side):
+                        run()
+                    prev_stream.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=gs.pool):
+                    run()
+                torch.cuda.synchronize(dev)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                _recover_from_failed_capture(dev, prev_stream)
+                failure = exc
+                continue
+            self.warmed.add(key)
+            self.stats["graph_captures"] += 1
+            self.stats["graph_captures_warmed"] += int(warm)
+            return graph
+        reason = _describe_capture_failure(failure)
+        self.stats["cuda_graphs_disabled"] = reason
+        self.use_graphs = False
+        warnings.warn(
+            f"rlexact Generator: CUDA-graph capture failed, running decode eagerly: {reason}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
     def _stage_inputs(self, gs: GraphState, seqs: list[Sequence]) -> None:
         """Put the decode inputs of ``seqs`` into ``gs.ints``: rows ``[:b]`` tokens, positions, request ids and

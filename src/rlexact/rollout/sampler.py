@@ -15,8 +15,9 @@ truncated, renormalized distribution actually sampled with ``logprobs="sampled"`
 (:func:`rlexact.models.truncation.kept_logsumexp`, the function the trainer uses too). Greedy (temperature 0) is
 ``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1 (full softmax).
 
-On CUDA the noise + argmax runs as one fused Triton kernel (:func:`_gumbel_argmax_triton`) that never materializes
-``[B, V]`` noise; it uses the same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
+On CUDA the noise + argmax runs as fused Triton kernels (:mod:`rlexact.rollout._sampler_triton`: vocabulary slices
+in parallel, then a merge that also reads the token's log-prob) that never materialize ``[B, V]`` noise; they use the
+same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
 token can differ between the two implementations on rare near-ties; within one device and implementation the draw is
 deterministic and batch-invariant). ``RLEXACT_SAMPLER=torch`` forces the torch path.
 """
@@ -70,7 +71,7 @@ def gumbel_argmax(
     if _use_triton(z):
         from rlexact.rollout._sampler_triton import gumbel_argmax_triton
 
-        return gumbel_argmax_triton(z, threshold, seed, request_ids, positions)
+        return gumbel_argmax_triton(z, threshold, seed, request_ids, positions)[0]
     return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions)
 
 
@@ -108,6 +109,11 @@ def sample(
         tokens = z.argmax(-1)
     else:
         threshold = top_k_top_p_threshold(z, top_k, top_p)
+        if _use_triton(z) and (logprobs == "full" or threshold is None):
+            from rlexact.rollout._sampler_triton import gumbel_argmax_triton
+
+            tokens, logp = gumbel_argmax_triton(z, threshold, seed, request_ids, positions, lse)
+            return tokens, logp
         tokens = gumbel_argmax(z, threshold, seed, request_ids, positions)
     picked = z.gather(-1, tokens[:, None]).squeeze(-1)
     if logprobs == "sampled" and threshold is not None:
