@@ -135,6 +135,31 @@ def test_gpu_triton_sampler_batch_invariant():
     assert not torch.equal(S.gumbel_argmax(z, None, 4, rid, pos), full)  # negative control: the seed counts
 
 
+def test_gpu_split_counters_shared_and_left_zeroed():
+    """One ticket buffer serves consecutive split-parallel decode launches: outputs bitwise those of launches with
+    their own counters, and the buffer is zero again after every launch."""
+    from rlexact import ops
+
+    torch.manual_seed(0)
+    hq, hkv, d, page, keys = 16, 8, 128, 16, 5000
+    blocks = -(-keys // page)
+    kc = torch.randn(3 * blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(3 * blocks, device="cuda").to(torch.int32).view(3, blocks)
+    q = torch.randn(3, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(4, device="cuda", dtype=torch.int32)
+    lens = torch.tensor([keys, 1500, 17], device="cuda", dtype=torch.int32)
+    ref = ops.attention_paged(q, kc, vc, tables, cu, lens, 0.1, max_seqlen_q=1)
+    counters = torch.zeros(3 * hq, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        out = ops.attention_paged(q, kc, vc, tables, cu, lens, 0.1, max_seqlen_q=1, split_counters=counters)
+        assert torch.equal(out, ref)
+        assert int(counters.abs().sum()) == 0
+    longer = lens.clone()
+    longer[1] = 2100  # negative control: another key count past the first split changes that row
+    assert not torch.equal(ops.attention_paged(q, kc, vc, tables, cu, longer, 0.1, max_seqlen_q=1)[1], ref[1])
+
+
 def test_gpu_later_captures_skip_the_warm_up(qwen):
     """A generator's later calls capture known decode graphs without the eager warm-up step; the completions stay
     bitwise those of the first call and of the trainer."""

@@ -96,3 +96,20 @@ def test_generator_exact_with_several_splits(small_split) -> None:
     ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
     for o, r in zip(outs, ref):
         assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
+
+
+def test_attention_paged_split_counters_checked_and_unused_on_cpu() -> None:
+    """``split_counters`` must be contiguous int32; the CPU backend ignores a valid one (same bits)."""
+    q, k, v, _ = _inputs([40], 4, 2, 16, torch.float32, seed=5)
+    table = torch.arange(5, dtype=torch.int32)[None]
+    kc = torch.zeros(5, 8, 2, 16)
+    vc = torch.zeros_like(kc)
+    pos = torch.arange(40)
+    ops.write_kv(k, v, kc, vc, table[0][pos // 8].long() * 8 + pos % 8)
+    cu, seqk = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    plain = ops.attention_paged(q, kc, vc, table, cu, seqk, 0.25)
+    counters = torch.zeros(8, dtype=torch.int32)
+    assert torch.equal(ops.attention_paged(q, kc, vc, table, cu, seqk, 0.25, split_counters=counters), plain)
+    for bad in (counters.long(), torch.zeros(8, 2, dtype=torch.int32)[:, 0]):
+        with pytest.raises(ValueError, match="split_counters must be a contiguous int32"):
+            ops.attention_paged(q, kc, vc, table, cu, seqk, 0.25, split_counters=bad)

@@ -25,6 +25,8 @@ class PagedKV:
             (the native path) avoid a device-to-host sync, e.g. inside a CUDA-graph capture.
         max_seqlen_k: optional host-side upper bound of ``seqlens_k`` (at most ``block_tables.shape[1] * block_size``);
             the native decode path pads keys to it, so a captured graph can use a static bound.
+        split_counters: optional int32 zeros shared by the layers' split-parallel attention launches
+            (:func:`rlexact.ops.attention_paged`), e.g. a captured decode graph's static buffer.
     """
 
     caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -33,6 +35,7 @@ class PagedKV:
     slot_mapping: torch.Tensor
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    split_counters: torch.Tensor | None = None
 
 
 @dataclass

@@ -292,6 +292,7 @@ def attention_paged(
     scale: float,
     *,
     max_seqlen_q: int | None = None,
+    split_counters: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks or decode) over a paged KV cache. Inference only.
@@ -301,13 +302,21 @@ def attention_paged(
     sequence ``b`` are its last ``nq_b`` positions. Each row equals :func:`attention_varlen` on the full sequence.
     ``max_seqlen_q``: optional host-side bound of every ``nq_b`` (``1`` for a decode step); it must hold (the CPU
     backend checks it; the GPU kernel cannot without a host sync) and lets the GPU launch one program per sequence.
+    ``split_counters``: optional int32 zeros on the GPU from which a split-parallel launch takes its per-tile tickets
+    and which it leaves zeroed, so one buffer serves every layer of a forward; too small or None, the launch
+    allocates zeroed counters itself. It never changes a result; the CPU backend ignores it.
     """
     _check_attn(q, k_cache, v_cache)
     if max_seqlen_q is not None and max_seqlen_q < 1:
         raise ValueError(f"attention_paged: max_seqlen_q must be >= 1, got {max_seqlen_q}")
+    if split_counters is not None and (split_counters.dtype != torch.int32 or not split_counters.is_contiguous()):
+        raise ValueError(
+            f"attention_paged: split_counters must be a contiguous int32 tensor of zeros, got {split_counters.dtype}"
+        )
     return _impl(resolve_backend(q, backend), "attention_paged")(
-        q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q
-    )
+        q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q,
+        split_counters,
+    )  # fmt: skip
 
 
 @torch.no_grad()

@@ -782,6 +782,7 @@ def _forward(
     lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
     cfg: dict[str, int] | None = None,
     max_seqlen_q: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
 
@@ -789,6 +790,7 @@ def _forward(
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
     overrides entries of :func:`_launch_config` (benchmarks and tests only). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
+    ``counters``: int32 zeros for the split-parallel tickets (left zeroed); allocated here when None or too small.
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -827,7 +829,8 @@ def _forward(
     if par:
         pacc = torch.empty((tq, hq, n_split, block_d), dtype=torch.float32, device=q.device)
         pml = torch.empty((tq, hq, n_split, 2), dtype=torch.float32, device=q.device)
-        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+        if counters is None or counters.numel() < grid[0] * grid[1]:
+            counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
     else:
         pacc = pml = counters = out
     if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
@@ -911,6 +914,7 @@ def attention_paged(
     seqlens_k: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks and decode, mixed in one launch) over a paged KV cache.
 
@@ -919,7 +923,7 @@ def attention_paged(
     key ``p`` lives at slot ``block_tables[b, p // BS] * BS + p % BS``. Slots past ``seqlens_k[b]`` are never read.
     ``max_seqlen_q``, if given, must bound every ``nq_b`` (the device cannot check it without a host sync: a
     sequence with more queries than a small bound would get only its first tile); it only changes the launch grid,
-    never a row's bits.
+    never a row's bits. ``split_counters``: see :func:`_forward`'s ``counters``.
     """
     _check_inputs(q, k_cache, v_cache)
     if k_cache.dim() != 4:
@@ -936,6 +940,7 @@ def attention_paged(
         float(scale),
         out,
         max_seqlen_q=max_seqlen_q,
+        counters=split_counters,
     )
     return out
 

@@ -115,6 +115,7 @@ class GraphState:
     host: torch.Tensor  # [4, max_bs] int64, host: the staging copy of ints
     table: torch.Tensor  # [max_bs + 1, width] int32: the block manager's table; the last row is all scratch block
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
+    split_counters: torch.Tensor  # [(max_bs + 1) * query heads] int32 zeros: the attention launches' tickets
     out: torch.Tensor  # [2, max_bs] float64: sampled tokens and their log-probs (both exact in float64)
     host_out: tuple[torch.Tensor, torch.Tensor]  # two [2, max_bs] float64 host buffers out is read back into, in turn
     pool: object = None
@@ -348,6 +349,9 @@ class ModelRunner:
             host=torch.zeros((4, max_bs), dtype=torch.long, pin_memory=self._pin),
             table=table,
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            split_counters=torch.zeros(
+                (max_bs + 1) * int(self.model.config.num_attention_heads), dtype=torch.int32, device=dev
+            ),
             out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
             host_out=tuple(torch.zeros((2, max_bs), dtype=torch.float64, pin_memory=self._pin) for _ in range(2)),
             pool=torch.cuda.graph_pool_handle() if dev.type == "cuda" else None,
@@ -409,8 +413,9 @@ class ModelRunner:
             tables = gs.table.index_select(0, rows)
             slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
             paged = PagedKV(
-                self.cache.caches, tables, (pos + 1).to(torch.int32), slots, max_seqlen_q=1, max_seqlen_k=kv_len
-            )
+                self.cache.caches, tables, (pos + 1).to(torch.int32), slots, max_seqlen_q=1, max_seqlen_k=kv_len,
+                split_counters=gs.split_counters,
+            )  # fmt: skip
             hidden = forward_hidden(self.model, ids, pos, AttnMetadata(gs.cu_seqlens[: bucket + 1], paged))
             tok, lp = self._head_sample(hidden, rid, pos + 1)
             gs.out[0, :bucket].copy_(tok)
