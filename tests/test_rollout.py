@@ -81,6 +81,31 @@ def test_chunk_size_does_not_change_results(qwen):
         assert x.token_ids == y.token_ids and torch.equal(x.logprobs, y.logprobs)
 
 
+def test_exact_cache_is_uninitialized_and_never_read_unwritten(qwen, monkeypatch):
+    """The exact path takes its KV cache uninitialized (no zero fill). Filled with NaN instead, every completion is
+    still bitwise the trainer's (preemption, shuffled pages, shared prompt blocks); the native path zeroes its cache."""
+    import rlexact.rollout.engine as engine_mod
+
+    made = []
+
+    class NanCache(engine_mod.KVCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self.zeroed)
+            if not self.zeroed:
+                self.data.fill_(float("nan"))
+
+    monkeypatch.setattr(engine_mod, "KVCache", NanCache)
+    prompts = prompts_for(7, 97, lo=4, hi=14, seed=6)
+    params = SamplingParams(max_new_tokens=8, seed=2, n=2)
+    gen = Generator(qwen, num_kv_blocks=10, block_size=4, max_num_batched_tokens=24, shuffle_blocks=True)
+    outs = gen.generate(prompts, params)
+    assert gen.stats["preemptions"] > 0 and made == [False]
+    assert_exact(qwen, outs)
+    Generator(qwen, kernels="native", block_size=4).generate(prompts[:2], params)
+    assert made == [False, True]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_preemption_and_shuffled_pages(dtype):
     """A KV budget small enough to force preemption + recompute, with shuffled free blocks (Qwen3, head_dim 64)."""

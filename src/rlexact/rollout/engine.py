@@ -307,12 +307,13 @@ class Generator:
 
     def _get_cache(self, num_blocks: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         cfg = self.config
-        if self._cache is not None and self._cache.matches(num_blocks, cfg.block_size, dtype, device):
+        zeroed = cfg.kernels == "native"  # the exact kernels never read an unwritten slot into a result
+        if self._cache is not None and self._cache.matches(num_blocks, cfg.block_size, dtype, device, zeroed):
             return self._cache
         self._cache = None
         self._graph_state = None
         layers, kv_heads, head_dim = model_kv_shape(self.model)
-        return KVCache(layers, num_blocks, cfg.block_size, kv_heads, head_dim, dtype, device)
+        return KVCache(layers, num_blocks, cfg.block_size, kv_heads, head_dim, dtype, device, zeroed)
 
     def _run(
         self,

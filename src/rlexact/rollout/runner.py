@@ -48,8 +48,9 @@ def model_kv_shape(model: nn.Module) -> tuple[int, int, int]:
 class KVCache:
     """Paged K/V storage: per layer ``(k, v)`` of ``[num_blocks + 1, block_size, Hkv, D]``.
 
-    Block ``num_blocks`` is a scratch block that only padding rows of captured decode graphs write to. The cache is
-    zero-initialized so padded (masked) reads in the native path never see NaN.
+    Block ``num_blocks`` is a scratch block that only padding rows of captured decode graphs write to. With
+    ``zeroed`` the cache is zero-initialized, so the native path's padded (masked) reads never see NaN; the exact
+    kernels never let an unwritten slot enter a result (masked loads read 0), so they take it uninitialized.
     """
 
     def __init__(
@@ -61,14 +62,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        zeroed: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.data = torch.zeros(
-            (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        self.zeroed = zeroed
+        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.data = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
         self.caches = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @staticmethod
@@ -79,9 +81,12 @@ class KVCache:
     def scratch_block(self) -> int:
         return self.num_blocks
 
-    def matches(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    def matches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, zeroed: bool
+    ) -> bool:
         return (
-            self.num_blocks >= num_blocks
+            (self.zeroed or not zeroed)
+            and self.num_blocks >= num_blocks
             and self.block_size == block_size
             and self.dtype == dtype
             and self.device == device
