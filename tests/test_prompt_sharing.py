@@ -86,10 +86,20 @@ def test_shared_prompts_with_preemption_and_shuffled_pages(qwen) -> None:
 
 def test_negative_control_without_copy_on_write(qwen, monkeypatch) -> None:
     """Skipping the copy of the partial prompt block leaves forked samples reading stale slots: their log-probs
-    change, so the equalities above can fail."""
+    change, so the equalities above can fail. The exact path's cache is uninitialized memory (which may still hold
+    an earlier call's identical K/V), so both runs poison it with NaN first."""
+    import rlexact.rollout.engine as engine_mod
+
+    class NanCache(engine_mod.KVCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.data.fill_(float("nan"))
+
+    monkeypatch.setattr(engine_mod, "KVCache", NanCache)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]]  # 9 shared positions, block 4: a partial third block
     params = SamplingParams(max_new_tokens=4, seed=1, n=3)
     good = Generator(qwen, block_size=4).generate(prompts, params)
+    _assert_exact(qwen, good)
     monkeypatch.setattr(ModelRunner, "_copy_blocks", lambda self, copies: None)
     bad = Generator(qwen, block_size=4).generate(prompts, params)
     assert torch.equal(bad[0].logprobs, good[0].logprobs)  # the sample that prefilled is unaffected
