@@ -232,6 +232,24 @@ class small_splits:
         ta._fwd_config, ta._SPLIT_PAR_BYTES = self.orig, self.orig_bytes
 
 
+def check_shared_split_counters(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
+    """Split-parallel launches that share one ticket buffer (a decode graph's, across its layers and steps) give the
+    bits of launches with their own counters and of the training forward, and leave the buffer zeroed."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device, seed=7)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+
+    def shared(*args, **kwargs):
+        return ta.attention_paged(*args, split_counters=counters, **kwargs)
+
+    schedule = decode_schedule(lens, [max(1, n // 3) for n in lens])
+    own = run_schedule(q, k, v, lens, schedule, 4, bound=True)
+    for _ in range(2):  # a second pass finds the counters zero again
+        out = run_schedule(q, k, v, lens, schedule, 4, paged_fn=shared, bound=True)
+        assert torch.equal(out, own), "a shared ticket buffer changed bits"
+        assert int(counters.abs().sum()) == 0, "the launches left tickets behind"
+    assert torch.equal(own, ta.attention_varlen(q, k, v, cu, d**-0.5)), "decode != training forward"
+
+
 def check_split_negative_control(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     """Another split size (the whole sequence in one split vs splits of two key tiles) stays correct but changes bits
     of rows past the first split: training, prefill and decode must use the same splits."""
@@ -340,6 +358,7 @@ def section_split() -> None:
         check_exactness(lens, 4, 2, 16, chunks=(7,), block_sizes=(4,))
     with small_splits(1):  # up to six splits: the last split program's fold of four partials and a partial group
         check_exactness([3, 90], 2, 1, 16, chunks=(33,), block_sizes=(16,))
+        check_shared_split_counters([5, 70, 33], 4, 2, 16)
     check_split_negative_control(lens, 4, 2, 16)
 
 
