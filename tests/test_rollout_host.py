@@ -164,3 +164,30 @@ def test_negative_control_overlap_keeps_stopped_rows(qwen, monkeypatch) -> None:
         m.setattr(engine_mod, "ModelRunner", KeepsFinishedRows)
         bad = Generator(qwen, **kw).generate(PROMPTS, PARAMS)
     assert not _same(bad, good)
+
+
+def test_capture_warm_key_leaves_out_only_addresses_and_seed(qwen, monkeypatch) -> None:
+    """A decode graph's warm-up key (what decides its compiled kernels) is the same for another seed and for a later
+    call on a new cache, and differs for another temperature or batch bucket."""
+    from dataclasses import replace
+
+    keys: list[tuple] = []
+
+    class KeyRunner(EagerGraphRunner):
+        def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> SimpleNamespace:
+            keys.append(self._warm_key(bucket, kv_len))
+            return super()._capture(gs, bucket, kv_len)
+
+    def first_key(params: SamplingParams, prompts: list) -> tuple:
+        keys.clear()
+        with monkeypatch.context() as m:
+            m.setattr(engine_mod, "ModelRunner", KeyRunner)
+            Generator(qwen, max_num_seqs=16, block_size=4).generate(prompts, params)
+        return keys[0]
+
+    params = SamplingParams(max_new_tokens=6, seed=2, ignore_eos=True)
+    base = first_key(params, PROMPTS)
+    assert first_key(params, PROMPTS) == base
+    assert first_key(replace(params, seed=77), PROMPTS) == base
+    assert first_key(replace(params, temperature=0.5), PROMPTS) != base
+    assert first_key(params, PROMPTS * 3) != base  # twelve rows: another bucket
