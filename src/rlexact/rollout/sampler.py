@@ -64,15 +64,28 @@ def _use_triton(z: torch.Tensor) -> bool:
     return triton_available()
 
 
+def _draw(
+    z: torch.Tensor,
+    threshold: torch.Tensor | None,
+    seed: int,
+    request_ids: torch.Tensor,
+    positions: torch.Tensor,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(tokens, z[tokens] - lse)`` from the fused Triton sampler, or ``(tokens, None)`` where the torch path runs or
+    ``lse`` is None (the caller gathers the log-prob then)."""
+    if _use_triton(z):
+        from rlexact.rollout._sampler_triton import gumbel_argmax_triton
+
+        return gumbel_argmax_triton(z, threshold, seed, request_ids, positions, lse)
+    return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions), None
+
+
 def gumbel_argmax(
     z: torch.Tensor, threshold: torch.Tensor | None, seed: int, request_ids: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """``argmax(z + keyed Gumbel noise)`` over ``z >= threshold`` per row -> int64 ``[B]``. Host-sync free."""
-    if _use_triton(z):
-        from rlexact.rollout._sampler_triton import gumbel_argmax_triton
-
-        return gumbel_argmax_triton(z, threshold, seed, request_ids, positions)[0]
-    return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions)
+    return _draw(z, threshold, seed, request_ids, positions)[0]
 
 
 def sample(
@@ -109,12 +122,10 @@ def sample(
         tokens = z.argmax(-1)
     else:
         threshold = top_k_top_p_threshold(z, top_k, top_p)
-        if _use_triton(z) and (logprobs == "full" or threshold is None):
-            from rlexact.rollout._sampler_triton import gumbel_argmax_triton
-
-            tokens, logp = gumbel_argmax_triton(z, threshold, seed, request_ids, positions, lse)
+        full = logprobs == "full" or threshold is None  # the reported log-prob is z[t] - lse
+        tokens, logp = _draw(z, threshold, seed, request_ids, positions, lse if full else None)
+        if logp is not None:
             return tokens, logp
-        tokens = gumbel_argmax(z, threshold, seed, request_ids, positions)
     picked = z.gather(-1, tokens[:, None]).squeeze(-1)
     if logprobs == "sampled" and threshold is not None:
         return tokens, picked - kept_logsumexp(z, threshold)
