@@ -23,7 +23,7 @@ prefill shapes: copy it into ``rlexact.ops.triton_attention.PREFILL_LAUNCH_16BIT
 best candidate whose decode times stay within 2 % of the library's, for the case that no candidate passes the
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
 
-``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``) on paged decode at batch 256 x 384,
+``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``) on paged decode at batch 256 x 160 and x 384,
 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's
 decode launch and, installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch``
 (the fastest total among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
@@ -53,16 +53,14 @@ SHAPE = {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "pa
 PREFILL_SHAPES = ((64, 512), (8, 4096), (1, 8192))
 DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
-DECODE_SWEEP_SHAPES = ((256, 384), (64, 2048), (32, 8192), (4, 8192))
+DECODE_SWEEP_SHAPES = ((256, 160), (256, 384), (64, 2048), (32, 8192), (4, 8192))
 DECODE_CANDIDATES = [
-    {"BLOCK_M": bm, "num_warps": w, "num_stages": st}
-    for bm, warps, stages in (((16, (1, 2, 4), (2, 4, 5, 6)), (32, (2, 4), (2, 5)), (64, (4,), (2, 5))))
-    for w in warps
-    for st in stages
+    {"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)
 ]
 """Decode launches swept. Narrowed from the c2c7cb9 sweep (8 warps, and 64-row tiles over fewer than four warps, lost
-everywhere); five and six stages added: a paged key tile waits on its block-table load, so the K/V copies only run a
-tile ahead of their use (leaving load latency exposed) from five stages on (Triton's pipeliner, TTGIR)."""
+everywhere) and the 23cc05a one (``attention_decode_configs_h200.json`` at that commit: 32- and 64-row tiles lost
+everywhere, six stages equal to five). One stage added: the short contexts of a large batch (three key tiles per
+program) are bound by each program's fixed latency, and a single K/V buffer lets more programs share an SM."""
 
 
 def _cu(lens: list[int]) -> torch.Tensor:

@@ -9,10 +9,11 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   and as CUDA-graph replays (``graph_ratio``: GPU time without host launch overhead).
 * ``matmul_invariance``: the exact matmul's row computed at M = 1 vs the same row inside M = 4096 (``torch.equal``),
   and the same check for ``torch.mm`` (the negative control).
-* ``attention``: :func:`rlexact.ops.attention_varlen` (64 x 512 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA
-  causal on the padded batch; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`: short contexts at
-  batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and without the
-  ``max_seqlen_q = 1`` bound the generator passes.
+* ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096 and 1 x 8,192
+  tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's default choice and each of its
+  flash / cuDNN / memory-efficient backends forced; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
+  short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and
+  without the ``max_seqlen_q = 1`` bound the generator passes.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -102,6 +103,53 @@ def check_invariance() -> dict:
     return out
 
 
+PREFILL_CASES = ((64, 512), (8, 4096), (1, 8192))
+"""Packed causal prefill shapes ``(sequences, tokens each)`` of the attention section; the first is the issue's."""
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def _prefill_case(ops, b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+    """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
+    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    qp = q.view(b, s, hq, d).transpose(1, 2)
+    kp = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+    vp = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+
+    flop = 4.0 * b * hq * d * s * s / 2  # causal
+    t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
+    t_sdpa = bench(sdpa)
+    backends: dict[str, object] = {}
+    for backend in SDPA_BACKENDS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                ms = bench(sdpa)
+            backends[backend.lower()] = {"ms": ms, "tflops": flop / ms / 1e9, "exact_over_it": ms / t_exact}
+        except RuntimeError as e:  # the backend does not take these inputs on this GPU
+            backends[backend.lower()] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    timed = {n: r["ms"] for n, r in backends.items() if isinstance(r, dict) and "ms" in r}
+    return {
+        "batch": b,
+        "seqlen": s,
+        "exact_ms": t_exact,
+        "sdpa_ms": t_sdpa,
+        "exact_tflops": flop / t_exact / 1e9,
+        "sdpa_tflops": flop / t_sdpa / 1e9,
+        "ratio": t_sdpa / t_exact,
+        "sdpa_backends": backends,
+        "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,
+    }
+
+
 def bench_attention(quick: bool) -> dict:
     import torch.nn.functional as F
 
@@ -110,30 +158,14 @@ def bench_attention(quick: bool) -> dict:
     res = {}
     hq, hkv, d = 16, 8, 128
     scale = 1.0 / math.sqrt(d)
-    # prefill / training: 64 sequences x 512 tokens, packed
-    try:
-        b, s = (16 if quick else 64), 512
-        q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
-        cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
-        qp = q.view(b, s, hq, d).transpose(1, 2)
-        kp = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
-        vp = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
-        t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
-        t_sdpa = bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale))
-        flop = 4.0 * b * hq * d * s * s / 2  # causal
-        res["prefill"] = {
-            "batch": b,
-            "seqlen": s,
-            "exact_ms": t_exact,
-            "sdpa_ms": t_sdpa,
-            "exact_tflops": flop / t_exact / 1e9,
-            "sdpa_tflops": flop / t_sdpa / 1e9,
-            "ratio": t_sdpa / t_exact,
-        }
-    except Exception as e:  # noqa: BLE001
-        res["prefill"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    # prefill / training: packed causal sequences vs SDPA on the padded batch, SDPA's default choice and each
+    # backend forced (the default on Hopper may be cuDNN's kernel, not the flash one)
+    for b, s in PREFILL_CASES[:1] if quick else PREFILL_CASES:
+        name = "prefill" if (b, s) == PREFILL_CASES[0] else f"prefill_{b}x{s}"
+        try:
+            res[name] = _prefill_case(ops, 16 if quick and b == 64 else b, s, hq, hkv, d, scale)
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     # decode over a paged cache: one new query per sequence
     for b, ctx in DECODE_CASES:
         name = f"decode_b{b}" if ctx == 512 else f"decode_b{b}_ctx{ctx}"

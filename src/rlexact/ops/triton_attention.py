@@ -430,6 +430,7 @@ def _attn_fwd_kernel(
     SPLIT: tl.constexpr,
     SPLIT_PAR: tl.constexpr,
     DIRECT: tl.constexpr,
+    ONE_Q: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -437,11 +438,17 @@ def _attn_fwd_kernel(
     TPS: tl.constexpr = SPLIT // BLOCK_N  # key tiles per split
     hgroup = tl.program_id(1)  # which pack of HP query heads
     kvh = (hgroup * HP) // GROUP
-    b, tile = _program_tile(cu_q, num_seqs, P, SCAN, DIRECT)
-    q_begin = tl.load(cu_q + b)
-    nq = tl.load(cu_q + b + 1) - q_begin
-    if tile * P >= nq:
-        return
+    if ONE_Q:  # every sequence has exactly one query, so cu_q is arange: no dependent load before q
+        b = tl.program_id(0)
+        tile = 0
+        q_begin = b
+        nq = 1
+    else:
+        b, tile = _program_tile(cu_q, num_seqs, P, SCAN, DIRECT)
+        q_begin = tl.load(cu_q + b)
+        nq = tl.load(cu_q + b + 1) - q_begin
+        if tile * P >= nq:
+            return
     if PAGED:
         seqlen_k = tl.load(seqlens_k + b)
         kv_begin = 0
@@ -790,6 +797,8 @@ def _forward(
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
     overrides entries of :func:`_launch_config` (benchmarks and tests only). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
+    A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
+    does not read it (``ONE_Q``).
     ``counters``: int32 zeros for the split-parallel tickets (left zeroed); allocated here when None or too small.
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
@@ -878,6 +887,7 @@ def _forward(
         SPLIT=split,
         SPLIT_PAR=par,
         DIRECT=direct,
+        ONE_Q=decode and max_seqlen_q == 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
