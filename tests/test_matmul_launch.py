@@ -312,7 +312,7 @@ def test_direct_layout_rejects_unknown_launchers() -> None:
 
 @needs_triton
 def test_allocator_installed_once_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:func:`_ensure_allocator` installs the torch allocator once in a thread without one and never replaces an
+    """:func:`ensure_allocator` installs the torch allocator once in a thread without one and never replaces an
     allocator the user set."""
     import triton
     from triton.runtime import _allocation
@@ -325,8 +325,8 @@ def test_allocator_installed_once_per_thread(monkeypatch: pytest.MonkeyPatch) ->
     found = {}
 
     def fresh_thread() -> None:
-        tmm._ensure_allocator()
-        tmm._ensure_allocator()
+        tmm.ensure_allocator()
+        tmm.ensure_allocator()
         found["fresh"] = _allocation._allocator.get()
 
     def user_thread() -> None:
@@ -334,7 +334,7 @@ def test_allocator_installed_once_per_thread(monkeypatch: pytest.MonkeyPatch) ->
             return torch.empty(size, dtype=torch.int8)
 
         real(mine)
-        tmm._ensure_allocator()
+        tmm.ensure_allocator()
         found["user"] = _allocation._allocator.get() is mine
 
     for target in (fresh_thread, user_thread):

@@ -39,10 +39,10 @@ from .triton_matmul import (
     _cuda_props,
     _device_key,
     _dot_flags,
-    _ensure_allocator,
     _rne_fix,
     _tile_coords,
     cast_out,
+    ensure_allocator,
     num_sms,
 )
 
@@ -501,7 +501,7 @@ def head_backward(
         return (None if gh is None else gh.to(hidden.dtype)), (None if gw is None else gw.zero_())
     cfg = config or _head_bwd_config(H, hidden.dtype, hidden.device)
     if cfg["TMA"]:
-        _ensure_allocator()
+        ensure_allocator()
         hidden, w = _aligned(hidden), _aligned(w)
     cw_max = min(chunk, V)
     dz = torch.empty((T, cw_max), dtype=hidden.dtype, device=hidden.device)

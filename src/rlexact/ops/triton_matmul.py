@@ -60,7 +60,7 @@ scratch handed over directly (the last stream's buffer, or the CUDA-graph pool d
 so a call costs one shape check, one dictionary lookup, one ``torch.empty`` and the C launch. Launch hooks, when
 installed, still see every launch (the launch then goes through Triton's runner). On other Triton versions the
 cached launcher is Triton's ``CompiledKernel[grid]`` runner, whose descriptor scratch comes from Triton's per-thread
-allocator (:func:`_ensure_allocator` installs :func:`_torch_alloc` in a thread that has none; nothing else is
+allocator (:func:`ensure_allocator` installs :func:`_torch_alloc` in a thread that has none; nothing else is
 global). Where no launcher can be reused (unaligned pointers of the pointer kernel, the interpreter, another current
 device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the same
 specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
@@ -289,7 +289,7 @@ def _mm_tma_kernel(
     ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE).
 
     ``DEV_DESC``: the three arguments are plain (contiguous) tensors and the descriptors are built on the device
-    (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`_ensure_allocator`)."""
+    (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`ensure_allocator`)."""
     pdl_entry(PDL)  # before the descriptors are written: the previous launch may still read the same scratch
     if DEV_DESC:
         OB: tl.constexpr = BN // 2 if SUBTILE else BN
@@ -387,7 +387,7 @@ _SCRATCH: dict = {}
 """``(device index, stream) -> int8 buffer`` reused as device-descriptor scratch by launches on that stream."""
 
 
-def _ensure_allocator() -> None:
+def ensure_allocator() -> None:
     """Device-side tensor descriptors need scratch memory. Launches through Triton's own launcher (JIT dispatch, or
     the cached ``CompiledKernel[grid]`` runner) ask the allocator of the current thread (Triton keeps it in a context
     variable, so every new thread starts without one); install :func:`_torch_alloc` there when none is set, and
@@ -501,7 +501,7 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
             TensorDescriptor.from_tensor(out.view(M, N), o_block),
         ) + (M, N, K)
     else:
-        _ensure_allocator()
+        ensure_allocator()
         args = (x, w, out, *plan.ints)
     try:
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
@@ -545,7 +545,7 @@ def _triton_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ptrs: int) -> bool:
         if get_device() != device:
             return False
-        _ensure_allocator()
+        ensure_allocator()
         run(x, w, out, *tail)
         return True
 

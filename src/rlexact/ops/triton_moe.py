@@ -55,11 +55,11 @@ from .triton_matmul import (
     _cuda_props,
     _device_key,
     _dot_flags,
-    _ensure_allocator,
     _rne_fix,
     _tile_coords,
     _tma_ok,
     cast_out,
+    ensure_allocator,
 )
 from .triton_norm import SILU_BLOCK, _silu_mul_kernel
 from .triton_pdl import pdl_options
@@ -478,7 +478,7 @@ def grouped_matmul(
     if w_load == "tma_host":
         w_arg = TensorDescriptor.from_tensor(w.view(e * n, k), [cfg.BN, cfg.BK])
     elif w_load == "tma_device":
-        _ensure_allocator()
+        ensure_allocator()
     tiles_n = triton.cdiv(n, cfg.BN)
     _grouped_mm_kernel[(tiles_m * tiles_n,)](
         a, w_arg, out,
