@@ -240,3 +240,49 @@ def _graph_decode_check(checks, ta) -> None:
     seqk.copy_(torch.tensor([max(n - 1, 1) for n in lens], dtype=torch.int32, device="cuda"))
     graph.replay()
     assert torch.equal(out, full[earlier])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tma_key_tiles_bitwise_pointer_loads(checks) -> None:
+    """Packed launches read their unmasked key tiles through tensor descriptors: the outputs and the backward's
+    log-sum-exp / delta equal those of pointer loads bitwise, for contiguous K/V and for K/V that are column views of
+    one fused projection output; K/V whose heads are not adjacent in a token's row take the pointer loads."""
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    lens = [1, 37, 300, 1025, 64]
+    q, k, v, cu = checks.make_inputs(lens, hq, hkv, d, torch.bfloat16, "cuda")
+    if not ta._tma_kv_ok(k, v, d):
+        pytest.skip("needs tensor descriptors (a Hopper or newer GPU)")
+    t = q.shape[0]
+    fused = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    kf = fused[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    vf = fused[:, (hq + hkv) * d :].view(t, hkv, d)
+    assert ta._tma_kv_ok(kf, vf, d)
+    padded = torch.zeros(t, hkv, d + 8, device="cuda", dtype=torch.bfloat16)
+    kp = padded[..., :d]
+    kp.copy_(k)
+    assert not ta._tma_kv_ok(kp, v, d)
+
+    def forward(kk: torch.Tensor, vv: torch.Tensor, tma: bool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        ta._forward(q, kk, vv, cu, None, None, d**-0.5, out, cfg={"TMA_KV": tma})
+        return out
+
+    def lse_delta(tma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        do = torch.randn_like(q, generator=torch.Generator(device="cuda").manual_seed(3))
+        lse = torch.empty((t, hq), dtype=torch.float32, device="cuda")
+        delta = torch.empty_like(lse)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, do, (lse, delta), cfg={"TMA_KV": tma})
+        return lse, delta
+
+    ref = forward(k, v, False)
+    assert torch.equal(forward(k, v, True), ref)
+    assert torch.equal(forward(kf, vf, True), ref)
+    assert torch.equal(forward(kp, v, True), ref)  # falls back to pointer loads
+    assert torch.equal(ta.attention_varlen(q, k, v, cu, d**-0.5), ref)
+    for got, want in zip(lse_delta(True), lse_delta(False)):
+        assert torch.equal(got, want)
+    # negative control: the same launch over other keys gives other bits
+    assert not torch.equal(forward(torch.roll(k, 1, 0), v, True), ref)
