@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_matmul import ensure_allocator, num_sms, tma_capable
+from .triton_matmul import num_sms
 from .triton_pdl import pdl_entry, pdl_options
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
@@ -246,8 +246,6 @@ def _attn_key_tile(
     acc_s,
     K,
     V,
-    KD,
-    VD,
     j,
     kv_begin,
     seqlen_k,
@@ -269,24 +267,16 @@ def _attn_key_tile(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
-    TMA_KV: tl.constexpr,
 ):
     """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
 
     ``MASKED=False`` is only for tiles visible to every row of the query tile (all keys written, none past a query):
     it skips the loads' bounds masks and the score mask. Unmasked scores take exactly the same operations as visible
     scores of a masked tile (the mask only replaces hidden scores by ``-inf`` before them), and every rounding is
-    explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked. With ``TMA_KV`` (packed
-    K/V, see :func:`_forward`) an unmasked tile is copied by the tensor-memory accelerator through the descriptors
-    ``KD`` / ``VD`` instead of pointer loads: the same values, so the same bits."""
+    explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked."""
     kpos = j * BLOCK_N + offs_n
     k_ok = kpos < seqlen_k
-    if TMA_KV and not MASKED:
-        row0 = (kv_begin + j * BLOCK_N).to(tl.int32)
-        col0 = (kv_head * stride_kh).to(tl.int32)
-        k = KD.load([row0, col0])
-        v = VD.load([row0, col0])
-    elif PAGED:
+    if PAGED:
         if MASKED:
             blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=k_ok, other=0)
         else:
@@ -294,19 +284,18 @@ def _attn_key_tile(
         krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
     else:
         krow = (kv_begin + kpos).to(tl.int64)
-    if not (TMA_KV and not MASKED):
-        k_ptrs = K + krow[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        v_ptrs = V + krow[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        if MASKED:
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    k_ptrs = K + krow[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    v_ptrs = V + krow[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    if MASKED:
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -351,8 +340,6 @@ def _attn_split(
     q,
     K,
     V,
-    KD,
-    VD,
     j_lo,
     j_hi,
     n_full,
@@ -377,7 +364,6 @@ def _attn_split(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
-    TMA_KV: tl.constexpr,
 ):
     """The fp32 partial ``(max, sum, acc)`` of key tiles ``[j_lo, j_hi)`` (one split, ascending, from the empty
     state): tiles below ``n_full`` unmasked, the rest masked."""
@@ -387,15 +373,15 @@ def _attn_split(
     j_mid = tl.minimum(j_hi, tl.maximum(j_lo, n_full))
     for j in range(j_lo, j_mid):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, KD, VD, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok,
-            qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
-            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, TMA_KV=TMA_KV,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     for j in range(j_mid, j_hi):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, KD, VD, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok,
-            qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
-            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, TMA_KV=TMA_KV,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     return m_s, l_s, acc_s
 
@@ -428,7 +414,6 @@ def _attn_fwd_kernel(
     PML,
     CNT,
     n_heads,
-    kv_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -446,7 +431,6 @@ def _attn_fwd_kernel(
     SPLIT_PAR: tl.constexpr,
     DIRECT: tl.constexpr,
     ONE_Q: tl.constexpr,
-    TMA_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -501,29 +485,22 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head = kvh.to(tl.int64)
-    if TMA_KV:  # packed K/V as [kv_rows, kv heads * HEAD_DIM] row-major matrices (checked by the launcher)
-        kv_cols = (n_heads // GROUP) * HEAD_DIM
-        KD = tl.make_tensor_descriptor(K, [kv_rows, kv_cols], [stride_kt, 1], [BLOCK_N, BLOCK_D])
-        VD = tl.make_tensor_descriptor(V, [kv_rows, kv_cols], [stride_vt, 1], [BLOCK_N, BLOCK_D])
-    else:
-        KD = K
-        VD = V
     # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
     n_full = (q_start + tile * P + 1) // BLOCK_N
     # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
-        q, K, V, KD, VD, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+        q, K, V, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
         bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
-        UPCAST=UPCAST, TMA_KV=TMA_KV,
+        UPCAST=UPCAST,
     )  # fmt: skip
     for sp in range(sp_lo + 1, sp_hi):
         m_s, l_s, acc_s = _attn_split(
-            q, K, V, KD, VD, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+            q, K, V, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
             bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
-            UPCAST=UPCAST, TMA_KV=TMA_KV,
+            UPCAST=UPCAST,
         )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
@@ -800,18 +777,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("attention: the head dimension of q, k, v must be contiguous")
 
 
-def _tma_kv_ok(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
-    """Whether packed ``k, v [T, Hkv, D]`` can be read through tensor descriptors (Hopper or newer, 16-bit, a
-    power-of-two head dim, heads adjacent within a token's row, 16-byte aligned base and row stride)."""
-    if not tma_capable(k.device) or k.dtype not in (torch.bfloat16, torch.float16) or _block_d(head_dim) != head_dim:
-        return False
-    return all(
-        t.stride(2) == 1 and t.stride(1) == head_dim and (t.stride(0) * t.element_size()) % 16 == 0
-        and t.data_ptr() % 16 == 0
-        for t in (k, v)
-    )  # fmt: skip
-
-
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -877,9 +842,6 @@ def _forward(
             counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
     else:
         pacc = pml = counters = out
-    tma_kv = bool(override.get("TMA_KV", True)) and not paged and _tma_kv_ok(k, v, d)
-    if tma_kv:
-        ensure_allocator()  # the in-kernel descriptors take their scratch from Triton's allocator
     if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
@@ -911,7 +873,6 @@ def _forward(
         pml,
         counters,
         hq,
-        k.shape[0] if not paged else 0,
         HEAD_DIM=d,
         BLOCK_D=block_d,
         EVEN_D=block_d == d,
@@ -927,7 +888,6 @@ def _forward(
         SPLIT_PAR=par,
         DIRECT=direct,
         ONE_Q=decode and max_seqlen_q == 1,
-        TMA_KV=tma_kv,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),

@@ -153,15 +153,11 @@ def num_sms(device: torch.device) -> int:
     return 4 if key[0] == "interp" else _cuda_props(key[1])[1]
 
 
-def tma_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use tensor descriptors: a Hopper-or-newer CUDA device (not the interpreter)
-    and a Triton with host and device tensor descriptors."""
-    key = _device_key(device)
-    return key[0] == "cuda" and TensorDescriptor is not None and _HAS_WS and _cuda_props(key[1])[0] >= 9
-
-
 def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
-    if not tma_capable(device) or dtype not in (torch.bfloat16, torch.float16):
+    key = _device_key(device)
+    if key[0] != "cuda" or TensorDescriptor is None or not _HAS_WS:
+        return False
+    if _cuda_props(key[1])[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
         return False
     return (K * dtype.itemsize) % 16 == 0 and (N * dtype.itemsize) % 16 == 0
 
