@@ -33,8 +33,10 @@ profiled calls; ``host_ms_per_decode_step_unprofiled`` is the same split from th
 
 ``--grpo`` runs the GRPO-shaped load instead (``--grpo-prompts`` prompts of ``--prompt-len`` tokens (default 512),
 ``n = --grpo-n`` samples each, ``--new-tokens`` new tokens): exact generation with the prompt blocks shared by the
-``n`` samples and without, each with tokens/s, prompt tokens requested / prefilled / shared, and a bitwise check that
-both give the same completions. Default output ``benchmarks/results/rollout_grpo_h200.json``.
+``n`` samples and prefix caching (``shared``) and with neither (``unshared``), each with tokens/s, prompt tokens
+requested / prefilled / shared by siblings / taken from the prefix cache, and a bitwise check that both give the same
+completions. ``--shared-prefix N`` makes the first N tokens of every prompt the same (a system prompt). Default output
+``benchmarks/results/rollout_grpo_h200.json``.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ def make_generator(model, kernels: str, batch: int, args, *, share: bool = True,
         max_num_batched_tokens=max(8192, 2 * batch),
         cuda_graphs=not args.no_graphs,
         share_prompt_blocks=share,
+        prefix_caching=share,
         keep_kv_cache=keep,
     )
 
@@ -288,7 +291,9 @@ def run_grpo(model, args, device, result: dict) -> None:
     """The GRPO-shaped load with and without shared prompt blocks (same completions, bitwise)."""
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.grpo_prompts, args.prompt_len), generator=g).tolist()
-    grpo: dict = {"prompts": args.grpo_prompts, "n": args.grpo_n}
+    prefix = prompts[0][: args.shared_prefix]
+    prompts = [prefix + p[len(prefix) :] for p in prompts]
+    grpo: dict = {"prompts": args.grpo_prompts, "n": args.grpo_n, "shared_prefix_tokens": len(prefix)}
     result["results"]["grpo"] = grpo
     outs = {}
     for name, share in (("shared", True), ("unshared", False)):
@@ -298,6 +303,7 @@ def run_grpo(model, args, device, result: dict) -> None:
         r["prompt_tokens_requested"] = st["prompt_tokens"]
         r["prompt_tokens_prefilled"] = st["prefill_tokens"]
         r["prompt_tokens_shared"] = st["shared_prompt_tokens"]
+        r["prompt_tokens_prefix_cached"] = st["prefix_cached_tokens"]
         grpo[name] = r
         print(f"[rollout_throughput] grpo {name}: {r['tokens_per_s']:,.0f} tok/s, prompt tokens prefilled "
               f"{r['prompt_tokens_prefilled']:,} of {r['prompt_tokens_requested']:,}", flush=True)  # fmt: skip
@@ -364,6 +370,9 @@ def main() -> int:
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
     ap.add_argument("--grpo-prompts", type=int, default=64, help="prompts of the GRPO load (default 64)")
     ap.add_argument("--grpo-n", type=int, default=8, help="samples per prompt of the GRPO load (default 8)")
+    ap.add_argument(
+        "--shared-prefix", type=int, default=0, help="GRPO load: the first N prompt tokens are the same in every prompt"
+    )
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
     ap.add_argument("--name", default=None, help="output benchmarks/results/NAME.json (when --out is not given)")
     args = ap.parse_args()

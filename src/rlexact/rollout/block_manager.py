@@ -1,10 +1,11 @@
 """Paged KV-cache bookkeeping: which cache blocks belong to which sequence, with blocks shared between the samples of
-one prompt (reference-counted, the last partial block copied on write)."""
+one prompt (reference-counted, the last partial block copied on write) and full blocks found again by their token
+prefix (prefix caching)."""
 
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -27,6 +28,15 @@ class BlockManager:
     ``>= num_tokens``. The block holding position ``num_tokens - 1`` is shared only when it is full; otherwise the
     forking sequence gets a fresh block and the caller copies the cached slots over (copy on write).
 
+    Prefix caching (:meth:`register`, :meth:`match`): a full block whose K/V are written is recorded under its
+    *prefix node*, the identity of all tokens from position 0 to the block's end: node ids come from a trie keyed by
+    ``(parent node, the block's tokens)`` and are never reused, so equal nodes mean equal token prefixes, exactly (no
+    hashing). A later sequence with the same leading tokens takes references to those blocks instead of computing
+    them. Exact under row-invariant kernels: the K/V of a position depend only on the tokens up to it, never on the
+    batch that computed them. A recorded block whose last holder frees it is kept (evictable, least recently released
+    first) until a new allocation needs it; then its record is dropped. Records live as long as this manager (one
+    generator call, whose weights do not change).
+
     ``shuffle=True`` hands out blocks in a seeded random order (tests: results must not depend on page order).
     """
 
@@ -45,6 +55,14 @@ class BlockManager:
             self._rng.shuffle(order)
         self._free: deque[int] = deque(order)
         self._refs = [0] * num_blocks
+        self._nodes: dict[tuple[int, tuple[int, ...]], int] = {}
+        """Prefix trie: ``(parent node, block tokens) -> node``; the root is :data:`ROOT`."""
+        self._node_block: dict[int, int] = {}
+        """Prefix node -> the cache block recorded for it."""
+        self._block_node: dict[int, int] = {}
+        """Cache block -> its prefix node (recorded blocks only)."""
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        """Recorded blocks nobody holds, least recently released first."""
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         self.table = torch.zeros((max_rows, width), dtype=torch.int32)
         """``[max_rows, width]`` int32: row ``seq.row`` lists ``seq.block_table`` (stale entries past its end)."""
@@ -54,9 +72,18 @@ class BlockManager:
         self.record_updates = True
         """Whether writes are logged in :attr:`updates`; turned off by a user that keeps no device copy."""
 
+    ROOT = -1
+    """Prefix node of the empty prefix."""
+
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and recorded ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks recorded for prefix caching (held or evictable)."""
+        return len(self._block_node)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` cache slots."""
@@ -83,9 +110,17 @@ class BlockManager:
             self.updates.extend((seq.row, start + i, b) for i, b in enumerate(blocks))
 
     def _take(self, count: int) -> list[int]:
-        new = [self._free.popleft() for _ in range(count)]
-        for b in new:
+        """``count`` blocks with one reference each: free ones first, then the least recently released recorded
+        ones (their records dropped)."""
+        new = []
+        for _ in range(count):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._node_block[self._block_node.pop(b)]
             self._refs[b] = 1
+            new.append(b)
         return new
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
@@ -93,7 +128,7 @@ class BlockManager:
         if num_tokens <= len(seq.block_table) * self.block_size:
             return True
         need = self.missing(seq, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         self._check_width(num_tokens)
         self._append(seq, self._take(need))
@@ -112,7 +147,7 @@ class BlockManager:
             raise RuntimeError(f"fork: the source holds {len(src.block_table)} blocks, not {num_tokens} positions")
         full = num_tokens // self.block_size
         partial = num_tokens % self.block_size != 0
-        if partial and not self._free:
+        if partial and not self.num_free:
             return None
         shared = src.block_table[:full]
         for b in shared:
@@ -136,11 +171,65 @@ class BlockManager:
                     released.append(b)
             if self._rng is not None:
                 self._rng.shuffle(released)
-            self._free.extend(released)
+            for b in released:
+                if b in self._block_node:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
             seq.block_table = []
         if seq.row >= 0:
             self._free_rows.append(seq.row)
             seq.row = -1
+        seq.cache_node, seq.cache_blocks = self.ROOT, 0
+
+    def _node(self, parent: int, tokens: list[int], index: int, create: bool) -> int | None:
+        """The prefix node of block ``index`` of ``tokens`` below ``parent`` (created when missing and ``create``)."""
+        bs = self.block_size
+        key = (parent, tuple(tokens[index * bs : (index + 1) * bs]))
+        node = self._nodes.get(key)
+        if node is None and create:
+            node = self._nodes[key] = len(self._nodes)
+        return node
+
+    def register(self, seq: Sequence) -> None:
+        """Record ``seq``'s full blocks whose K/V are all written (positions below ``num_computed``) for prefix
+        caching. A prefix already recorded in another block keeps that block."""
+        full = min(seq.num_computed, len(seq.block_table) * self.block_size) // self.block_size
+        i = seq.cache_blocks
+        if i >= full:
+            return
+        node = seq.cache_node
+        while i < full:
+            node = self._node(node, seq.tokens, i, create=True)
+            b = seq.block_table[i]
+            if node not in self._node_block and b not in self._block_node:
+                self._node_block[node] = b
+                self._block_node[b] = node
+            i += 1
+        seq.cache_node, seq.cache_blocks = node, i
+
+    def match(self, seq: Sequence) -> int:
+        """Give ``seq`` (holding no blocks) references to the recorded blocks of its longest recorded token prefix of
+        whole blocks, leaving at least its last token to compute; returns the number of positions they hold."""
+        if seq.block_table or seq.row >= 0:
+            raise RuntimeError("match: the sequence already holds blocks")
+        node, blocks = self.ROOT, []
+        for i in range((len(seq.tokens) - 1) // self.block_size):
+            nxt = self._node(node, seq.tokens, i, create=False)
+            b = self._node_block.get(nxt) if nxt is not None else None
+            if b is None:
+                break
+            node = nxt
+            blocks.append(b)
+        if not blocks:
+            return 0
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        self._append(seq, blocks)
+        seq.cache_node, seq.cache_blocks = node, len(blocks)
+        return len(blocks) * self.block_size
 
     def take_updates(self) -> list[tuple[int, int, int]]:
         """The ``(row, column, block)`` table writes since the last call (and forget them)."""

@@ -34,6 +34,12 @@ class GeneratorConfig:
     """The ``n`` samples of a prompt share its KV-cache blocks: the prompt is prefilled once, the other samples fork
     from the first (full blocks reference-counted, the last partial block copied) and feed only the last prompt
     token. Bitwise the same tokens and log-probs as without sharing in exact mode (row-invariant kernels)."""
+    prefix_caching: bool = True
+    """Within a ``generate`` call, a sequence whose leading tokens fill whole KV blocks that another sequence of the
+    call has computed takes those blocks instead of computing them again (a shared system prompt or few-shot prefix;
+    a preempted sequence's recompute). Blocks are found by their exact token prefix and kept while free blocks last.
+    Bitwise the same tokens and log-probs as without it in exact mode (row-invariant kernels). Nothing is kept
+    across calls: the weights may change in between."""
     num_kv_blocks: int | None = None
     """KV-cache size in blocks (overrides ``kv_cache_tokens`` and ``kv_cache_memory_fraction``)."""
     kv_cache_tokens: int | None = None

@@ -354,6 +354,7 @@ class Generator:
                     cfg.max_num_batched_tokens,
                     cfg.chunked_prefill,
                     share_prompts=cfg.share_prompt_blocks and sampling is not None,
+                    prefix_cache=cfg.prefix_caching and sampling is not None,
                 )
                 runner = ModelRunner(
                     model,
@@ -420,6 +421,7 @@ class Generator:
                     overlapped_steps=chained,
                     prompt_tokens=sum(s.num_prompt_tokens for s in seqs),
                     shared_prompt_tokens=sched.shared_tokens,
+                    prefix_cached_tokens=sched.cached_tokens,
                     prompt_forks=sched.num_forks,
                     preemptions=sched.num_preemptions,
                     elapsed_s=elapsed,

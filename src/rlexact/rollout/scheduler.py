@@ -1,5 +1,5 @@
-"""Continuous batching with chunked prefill, preemption by recompute and prompt blocks shared by the samples of a
-prompt."""
+"""Continuous batching with chunked prefill, preemption by recompute, prompt blocks shared by the samples of a
+prompt and prefix caching."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ class Scheduler:
     feeds only the last prompt token (a decode-shaped step) and then samples. While a sibling is still prefilling,
     the sequence is skipped (later waiting sequences may be admitted) instead of prefilling the prompt again. Exact
     because every kernel is row-invariant: cached K/V of a position do not depend on which sequence computed them.
+
+    Prefix caching (``prefix_cache``): at each :meth:`schedule`, the running sequences' full blocks with written K/V
+    are recorded (:meth:`BlockManager.register`); a waiting sequence holding no cache that does not fork takes the
+    blocks of its longest recorded prefix of whole blocks (:meth:`BlockManager.match`, at least one token left to
+    compute) and starts after them. Same exactness argument; it also shortens the recompute after a preemption.
     """
 
     def __init__(
@@ -60,18 +65,23 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunked_prefill: bool,
         share_prompts: bool = False,
+        prefix_cache: bool = False,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.share_prompts = share_prompts
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_forks = 0
         self.shared_tokens = 0
         """Prompt positions taken from a sibling's cache instead of being prefilled again."""
+        self.cached_tokens = 0
+        """Positions taken from the prefix cache instead of being computed (prompt and, after a preemption,
+        generated tokens)."""
         self._siblings: dict[int, list[Sequence]] = {}
         """Running sequences by ``prompt_index`` (only with ``share_prompts``)."""
 
@@ -136,6 +146,9 @@ class Scheduler:
         is_decode = True
         prefill = 0
         running = self.running  # preemption removes from this very list
+        if self.prefix_cache:
+            for seq in running:
+                self.bm.register(seq)
         add_seq, add_n = seqs.append, num_new.append
         i = 0
         while i < len(running) and budget > 0:
@@ -171,21 +184,22 @@ class Scheduler:
                 w += 1  # a sibling is prefilling this prompt: fork from it later
                 continue
             src = source if isinstance(source, Sequence) else None
-            start = seq.num_prompt_tokens - 1 if src is not None else seq.num_computed
+            hit = 0
+            if src is None and self.prefix_cache and not seq.num_computed and not seq.score_only:
+                hit = self.bm.match(seq)
+            start = seq.num_prompt_tokens - 1 if src is not None else seq.num_computed + hit
             n = self._chunk(len(seq.tokens) - start, budget)
-            if n == 0:
-                break
             copy = None
-            if src is not None:
+            if n and src is not None:
                 copy = self.bm.fork(src, seq, start)
                 if copy is None:
                     break
-                seq.num_computed = start
-            if not self.bm.ensure(seq, seq.num_computed + n):
-                if src is not None:
+            if n == 0 or not self.bm.ensure(seq, start + n):
+                if src is not None or hit:
                     self.bm.free(seq)
-                    seq.num_computed = 0
                 break
+            seq.num_computed = start
+            self.cached_tokens += hit
             if copy is not None:
                 self.num_forks += 1
                 self.shared_tokens += start

@@ -33,6 +33,8 @@ class Sequence:
 
     __slots__ = (
         "block_table",
+        "cache_blocks",
+        "cache_node",
         "finish_reason",
         "generated_logprobs",
         "index",
@@ -72,6 +74,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.row = -1
         """Row of this sequence in the block manager's block-table tensor (``-1`` when it holds no blocks)."""
+        self.cache_node = -1
+        """Prefix node of the first ``cache_blocks`` blocks of ``block_table`` (:meth:`BlockManager.register`)."""
+        self.cache_blocks = 0
+        """Leading blocks of ``block_table`` recorded (or found) in the block manager's prefix cache."""
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
