@@ -222,6 +222,21 @@ def test_gpu_shared_prompts_equal_unshared(qwen):
     assert shared.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
 
+def test_gpu_prefix_cache_equals_uncached(qwen):
+    """Prompts behind a shared 200-token system prefix, n = 4: the prefix is computed about once and the completions
+    equal those of a run without prefix caching or sharing, bitwise, and the trainer's."""
+    system = prompts_for(1, 1003, lo=200, hi=200, seed=30)[0]
+    prompts = [system + p for p in prompts_for(10, 1003, lo=5, hi=120, seed=31)]
+    params = SamplingParams(max_new_tokens=16, seed=5, n=4)
+    cached = Generator(qwen, max_num_batched_tokens=256)
+    outs = cached.generate(prompts, params)
+    plain = Generator(qwen, max_num_batched_tokens=256, share_prompt_blocks=False, prefix_caching=False)
+    assert same(outs, plain.generate(prompts, params))
+    assert_exact(qwen, outs)
+    assert cached.stats["prefix_cached_tokens"] >= 8 * 192 and cached.stats["graph_steps"] > 0
+    assert cached.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
+
+
 def test_gpu_split_kv_generator(qwen, monkeypatch):
     """KV splits of 128 keys (prompts spanning several splits): split-parallel decode in CUDA graphs, chunked prefill
     with in-program split loops, and the trainer's packed forward agree bitwise."""
