@@ -106,6 +106,23 @@ def test_prefix_caching_equals_uncached_and_trainer(qwen) -> None:
     assert cached.stats["prompt_forks"] == plain.stats["prompt_forks"] == len(prompts)
 
 
+def test_prompts_admitted_together_compute_a_shared_prefix_once(qwen) -> None:
+    """Prompts with a common 8-token prefix that one step could admit together: the first computes the prefix, the
+    others wait a step and take both of its blocks; bitwise the uncached completions. Without the wait they would
+    all compute it side by side (no hit at all)."""
+    prefix = prompts_for(1, 97, lo=8, hi=8, seed=12)[0]
+    prompts = [prefix + s for s in prompts_for(5, 97, lo=2, hi=6, seed=13)]
+    params = SamplingParams(max_new_tokens=5, seed=6)
+    kw = {"block_size": 4, "max_num_batched_tokens": 256}
+    gen = Generator(qwen, **kw)
+    outs = gen.generate(prompts, params)
+    plain = Generator(qwen, prefix_caching=False, **kw)
+    _same(outs, plain.generate(prompts, params))
+    _assert_exact(qwen, outs)
+    assert gen.stats["prefix_cached_tokens"] == 4 * 8
+    assert gen.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - 4 * 8
+
+
 def test_prefix_caching_with_preemption_evictions_and_shuffled_pages(qwen) -> None:
     prefix = prompts_for(1, 97, lo=12, hi=12, seed=9)[0]
     prompts = [prefix + s for s in prompts_for(5, 97, lo=2, hi=8, seed=10)]

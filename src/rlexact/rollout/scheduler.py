@@ -55,7 +55,10 @@ class Scheduler:
     Prefix caching (``prefix_cache``): at each :meth:`schedule`, the running sequences' full blocks with written K/V
     are recorded (:meth:`BlockManager.register`); a waiting sequence holding no cache that does not fork takes the
     blocks of its longest recorded prefix of whole blocks (:meth:`BlockManager.match`, at least one token left to
-    compute) and starts after them. Same exactness argument; it also shortens the recompute after a preemption.
+    compute) and starts after them. When nothing is recorded for it yet but a running sequence (or one admitted
+    earlier in the same step) is computing the same first block, it waits, like a sibling, so that prompts sharing a
+    system prompt and admitted together compute it once. Same exactness argument; it also shortens the recompute
+    after a preemption.
     """
 
     def __init__(
@@ -136,6 +139,23 @@ class Scheduler:
             prefilling = True
         return prefilling
 
+    def _first_block(self, seq: Sequence) -> tuple[int, ...] | None:
+        """The tokens of ``seq``'s first KV block when prefix caching could record it and a later sequence take it
+        (at least one token after it), else None."""
+        bs = self.bm.block_size
+        return tuple(seq.tokens[:bs]) if len(seq.tokens) > bs else None
+
+    def _leading_blocks_in_progress(self) -> set[tuple[int, ...]]:
+        """First blocks (their tokens) that running sequences are computing and have not recorded yet: a waiting
+        sequence starting with one of them waits for the record instead of computing the same K/V."""
+        bs = self.bm.block_size
+        out = set()
+        for seq in self.running:
+            first = self._first_block(seq) if seq.num_computed < bs else None
+            if first is not None and not seq.score_only:
+                out.add(first)
+        return out
+
     def schedule(self) -> ScheduledBatch:
         """The next step (never empty while sequences remain)."""
         budget = self.max_num_batched_tokens
@@ -176,6 +196,7 @@ class Scheduler:
                 prefill += n
             budget -= n
             i += 1
+        leading = self._leading_blocks_in_progress() if self.prefix_cache else None
         w = 0
         while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
@@ -185,8 +206,14 @@ class Scheduler:
                 continue
             src = source if isinstance(source, Sequence) else None
             hit = 0
-            if src is None and self.prefix_cache and not seq.num_computed and not seq.score_only:
+            if leading is not None and src is None and not seq.num_computed and not seq.score_only:
                 hit = self.bm.match(seq)
+                first = self._first_block(seq)
+                if not hit and first is not None:
+                    if first in leading:
+                        w += 1  # another sequence is computing this first block: take it from the cache later
+                        continue
+                    leading.add(first)
             start = seq.num_prompt_tokens - 1 if src is not None else seq.num_computed + hit
             n = self._chunk(len(seq.tokens) - start, budget)
             copy = None
