@@ -163,3 +163,20 @@ def ids(*values: int) -> torch.Tensor:
 
 def mask(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.bool)
+
+
+def assert_same_completions(a: list, b: list) -> None:
+    """Two generate results are the same: token ids equal and log-probs bitwise equal, in order."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert torch.equal(x.logprobs, y.logprobs)
+
+
+def assert_trainer_logprobs(model: torch.nn.Module, outs: list) -> None:
+    """Every completion's log-probs equal the trainer's packed forward on its sequence, bitwise."""
+    import rlexact
+
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
+    for o, r in zip(outs, ref):
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])

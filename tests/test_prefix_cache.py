@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rlexact
-from models import prompts_for, tiny_model
+from models import assert_same_completions, assert_trainer_logprobs, prompts_for, tiny_model
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.sequence import Sequence
@@ -18,19 +18,6 @@ from rlexact.rollout.sequence import Sequence
 def qwen() -> torch.nn.Module:
     model = tiny_model("qwen3", hidden=48, intermediate=88, kv_heads=2, max_pos=128, weight_scale=2.5, seed=4)
     return rlexact.exactify(model)
-
-
-def _same(a, b) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
-        assert torch.equal(x.logprobs, y.logprobs)
-
-
-def _assert_exact(model, outs) -> None:
-    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
-    for o, r in zip(outs, ref):
-        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
 
 
 def _computed(seq: Sequence, bm: BlockManager, n: int) -> Sequence:
@@ -88,18 +75,23 @@ def test_preempted_sequence_finds_its_own_blocks() -> None:
     assert bm.match(s) == 8 and s.block_table == held[:2]
 
 
+def _cached_and_uncached(model, prompts, params, **kw) -> tuple[Generator, Generator]:  # noqa: ANN001
+    """Generate with and without prefix caching (other settings ``kw``), check the completions are bitwise the same
+    and equal to the trainer's, and return both generators (their ``stats``)."""
+    cached, plain = Generator(model, **kw), Generator(model, prefix_caching=False, **kw)
+    outs = cached.generate(prompts, params)
+    assert_same_completions(outs, plain.generate(prompts, params))
+    assert_trainer_logprobs(model, outs)
+    return cached, plain
+
+
 def test_prefix_caching_equals_uncached_and_trainer(qwen) -> None:
     """Prompts sharing a 21-token prefix (and one that is a prefix of the others), n = 2: the cached run computes
     fewer prompt positions and gives bitwise the completions of the uncached run."""
     prefix = prompts_for(1, 97, lo=21, hi=21, seed=5)[0]
     prompts = [prefix + s for s in prompts_for(6, 97, lo=1, hi=9, seed=6)] + [prefix[:13]]
     params = SamplingParams(max_new_tokens=6, seed=3, n=2)
-    kw = {"block_size": 4, "max_num_batched_tokens": 40}
-    cached = Generator(qwen, **kw)
-    outs = cached.generate(prompts, params)
-    plain = Generator(qwen, prefix_caching=False, **kw)
-    _same(outs, plain.generate(prompts, params))
-    _assert_exact(qwen, outs)
+    cached, plain = _cached_and_uncached(qwen, prompts, params, block_size=4, max_num_batched_tokens=40)
     hits = cached.stats["prefix_cached_tokens"]
     assert hits >= 4 * 20 and hits % 4 == 0 and plain.stats["prefix_cached_tokens"] == 0
     assert cached.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - hits
@@ -113,12 +105,7 @@ def test_prompts_admitted_together_compute_a_shared_prefix_once(qwen) -> None:
     prefix = prompts_for(1, 97, lo=8, hi=8, seed=12)[0]
     prompts = [prefix + s for s in prompts_for(5, 97, lo=2, hi=6, seed=13)]
     params = SamplingParams(max_new_tokens=5, seed=6)
-    kw = {"block_size": 4, "max_num_batched_tokens": 256}
-    gen = Generator(qwen, **kw)
-    outs = gen.generate(prompts, params)
-    plain = Generator(qwen, prefix_caching=False, **kw)
-    _same(outs, plain.generate(prompts, params))
-    _assert_exact(qwen, outs)
+    gen, plain = _cached_and_uncached(qwen, prompts, params, block_size=4, max_num_batched_tokens=256)
     assert gen.stats["prefix_cached_tokens"] == 4 * 8
     assert gen.stats["prefill_tokens"] == plain.stats["prefill_tokens"] - 4 * 8
 
@@ -132,8 +119,8 @@ def test_prefix_caching_with_preemption_evictions_and_shuffled_pages(qwen) -> No
     assert gen.stats["preemptions"] > 0 and gen.stats["prefix_cached_tokens"] > 0
     roomy = Generator(qwen, block_size=8, share_prompt_blocks=False, prefix_caching=False).generate(prompts, params)
     assert all(o.num_preemptions == 0 for o in roomy)
-    _same(outs, roomy)
-    _assert_exact(qwen, outs)
+    assert_same_completions(outs, roomy)
+    assert_trainer_logprobs(qwen, outs)
 
 
 def test_negative_control_prefix_key_missing_a_token(qwen, monkeypatch) -> None:
@@ -144,7 +131,7 @@ def test_negative_control_prefix_key_missing_a_token(qwen, monkeypatch) -> None:
     params = SamplingParams(max_new_tokens=4, seed=2)
     kw = {"block_size": 4, "max_num_batched_tokens": 12}  # the first prompt prefills alone, the second one later
     good = Generator(qwen, **kw).generate([first, second], params)
-    _assert_exact(qwen, good)
+    assert_trainer_logprobs(qwen, good)
     original = BlockManager._node
 
     def loose(self, parent, tokens, index, create):  # noqa: ANN001, ANN202

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlexact
-from models import prompts_for, tiny_model
+from models import assert_same_completions, assert_trainer_logprobs, prompts_for, tiny_model
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.runner import ModelRunner
@@ -18,19 +18,6 @@ from rlexact.rollout.sequence import Sequence
 def qwen() -> torch.nn.Module:
     model = tiny_model("qwen3", hidden=48, intermediate=88, kv_heads=2, max_pos=128, weight_scale=2.5, seed=4)
     return rlexact.exactify(model)
-
-
-def _same(a, b) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
-        assert torch.equal(x.logprobs, y.logprobs)
-
-
-def _assert_exact(model, outs) -> None:
-    ref = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
-    for o, r in zip(outs, ref):
-        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
 
 
 def test_block_manager_refcounts_and_copy_on_write() -> None:
@@ -62,8 +49,8 @@ def test_shared_prompts_equal_unshared_and_trainer(qwen) -> None:
     outs = shared.generate(prompts, params)
     plain = Generator(qwen, share_prompt_blocks=False, prefix_caching=False, **kw)
     ref = plain.generate(prompts, params)
-    _same(outs, ref)
-    _assert_exact(qwen, outs)
+    assert_same_completions(outs, ref)
+    assert_trainer_logprobs(qwen, outs)
     requested = sum(len(p) for p in prompts) * 4
     assert shared.stats["prompt_tokens"] == plain.stats["prompt_tokens"] == requested
     assert shared.stats["prompt_forks"] == 5 * 3 and plain.stats["shared_prompt_tokens"] == 0
@@ -80,8 +67,8 @@ def test_shared_prompts_with_preemption_and_shuffled_pages(qwen) -> None:
     assert gen.stats["preemptions"] > 0 and gen.stats["prompt_forks"] > 0
     roomy = Generator(qwen, block_size=8, share_prompt_blocks=False).generate(prompts, params)
     assert all(o.num_preemptions == 0 for o in roomy)
-    _same(outs, roomy)
-    _assert_exact(qwen, outs)
+    assert_same_completions(outs, roomy)
+    assert_trainer_logprobs(qwen, outs)
 
 
 def test_negative_control_without_copy_on_write(qwen, monkeypatch) -> None:
@@ -99,7 +86,7 @@ def test_negative_control_without_copy_on_write(qwen, monkeypatch) -> None:
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]]  # 9 shared positions, block 4: a partial third block
     params = SamplingParams(max_new_tokens=4, seed=1, n=3)
     good = Generator(qwen, block_size=4).generate(prompts, params)
-    _assert_exact(qwen, good)
+    assert_trainer_logprobs(qwen, good)
     monkeypatch.setattr(ModelRunner, "_copy_blocks", lambda self, copies: None)
     bad = Generator(qwen, block_size=4).generate(prompts, params)
     assert torch.equal(bad[0].logprobs, good[0].logprobs)  # the sample that prefilled is unaffected

@@ -208,16 +208,22 @@ def test_gpu_capture_failure_falls_back_cleanly(qwen, monkeypatch):
     assert [o.token_ids for o in again_outs] == [o.token_ids for o in ok]
 
 
+def reused_and_computed(model, prompts, params) -> tuple[Generator, Generator]:
+    """Generate with KV blocks reused (prompt sharing and prefix caching, the defaults) and with every block computed;
+    check the completions are bitwise the same and the trainer's; return both generators (their ``stats``)."""
+    reused = Generator(model, max_num_batched_tokens=256)
+    outs = reused.generate(prompts, params)
+    plain = Generator(model, max_num_batched_tokens=256, share_prompt_blocks=False, prefix_caching=False)
+    assert same(outs, plain.generate(prompts, params))
+    assert_exact(model, outs)
+    return reused, plain
+
+
 def test_gpu_shared_prompts_equal_unshared(qwen):
     """n = 8 samples share their prompt's blocks (prefilled once, forks replay decode graphs): the same completions
     as without sharing, bitwise, and equal to the trainer."""
     prompts = prompts_for(6, 1003, lo=30, hi=300, seed=21)
-    params = SamplingParams(max_new_tokens=16, seed=3, n=8)
-    shared = Generator(qwen, max_num_batched_tokens=256)
-    outs = shared.generate(prompts, params)
-    plain = Generator(qwen, max_num_batched_tokens=256, share_prompt_blocks=False, prefix_caching=False)
-    assert same(outs, plain.generate(prompts, params))
-    assert_exact(qwen, outs)
+    shared, plain = reused_and_computed(qwen, prompts, SamplingParams(max_new_tokens=16, seed=3, n=8))
     assert shared.stats["prompt_forks"] == 6 * 7 and shared.stats["graph_steps"] > 0
     assert shared.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
@@ -227,12 +233,7 @@ def test_gpu_prefix_cache_equals_uncached(qwen):
     equal those of a run without prefix caching or sharing, bitwise, and the trainer's."""
     system = prompts_for(1, 1003, lo=200, hi=200, seed=30)[0]
     prompts = [system + p for p in prompts_for(10, 1003, lo=5, hi=120, seed=31)]
-    params = SamplingParams(max_new_tokens=16, seed=5, n=4)
-    cached = Generator(qwen, max_num_batched_tokens=256)
-    outs = cached.generate(prompts, params)
-    plain = Generator(qwen, max_num_batched_tokens=256, share_prompt_blocks=False, prefix_caching=False)
-    assert same(outs, plain.generate(prompts, params))
-    assert_exact(qwen, outs)
+    cached, plain = reused_and_computed(qwen, prompts, SamplingParams(max_new_tokens=16, seed=5, n=4))
     assert cached.stats["prefix_cached_tokens"] >= 8 * 192 and cached.stats["graph_steps"] > 0
     assert cached.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
