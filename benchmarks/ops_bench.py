@@ -108,11 +108,13 @@ PREFILL_CASES = ((64, 512), (8, 4096), (1, 8192))
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 
-def _prefill_case(ops, b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
     """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
     :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlexact import ops
 
     q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +165,7 @@ def bench_attention(quick: bool) -> dict:
     for b, s in PREFILL_CASES[:1] if quick else PREFILL_CASES:
         name = "prefill" if (b, s) == PREFILL_CASES[0] else f"prefill_{b}x{s}"
         try:
-            res[name] = _prefill_case(ops, 16 if quick and b == 64 else b, s, hq, hkv, d, scale)
+            res[name] = _prefill_case(16 if quick and b == 64 else b, s, hq, hkv, d, scale)
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     # decode over a paged cache: one new query per sequence

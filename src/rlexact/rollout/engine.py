@@ -72,11 +72,11 @@ class Generator:
         self._graph_state: GraphState | None = None
         self._fused: FusedProjections | None = None
         self._table_width = 0
+        """Block-table width of the kept cache's last call: a later call on the same cache keeps at least this width,
+        so its decode graphs (keyed by the width) are reused by a call with fewer new tokens."""
         self._warmed: set[tuple] = set()
         """Decode-graph kernel keys captured by this generator (``ModelRunner.warmed``): a later call's capture of
         the same key skips the eager warm-up run."""
-        """Block-table width of the kept cache's last call: a later call on the same cache keeps at least this width,
-        so its decode graphs (keyed by the width) are reused by a call with fewer new tokens."""
 
     # ---------------------------------------------------------------------------------------------------------------
     # properties of the model

@@ -145,16 +145,18 @@ class Scheduler:
         bs = self.bm.block_size
         return tuple(seq.tokens[:bs]) if len(seq.tokens) > bs else None
 
-    def _leading_blocks_in_progress(self) -> set[tuple[int, ...]]:
-        """First blocks (their tokens) that running sequences are computing and have not recorded yet: a waiting
-        sequence starting with one of them waits for the record instead of computing the same K/V."""
+    def _record_running(self) -> set[tuple[int, ...]]:
+        """Record the running sequences' written full blocks in the prefix cache; return the first blocks (their
+        tokens) that running sequences are still computing: a waiting sequence starting with one of them waits for
+        the record instead of computing the same K/V."""
         bs = self.bm.block_size
-        out = set()
+        leading = set()
         for seq in self.running:
-            first = self._first_block(seq) if seq.num_computed < bs else None
-            if first is not None and not seq.score_only:
-                out.add(first)
-        return out
+            self.bm.register(seq)
+            first = self._first_block(seq) if seq.num_computed < bs and not seq.score_only else None
+            if first is not None:
+                leading.add(first)
+        return leading
 
     def schedule(self) -> ScheduledBatch:
         """The next step (never empty while sequences remain)."""
@@ -166,9 +168,7 @@ class Scheduler:
         is_decode = True
         prefill = 0
         running = self.running  # preemption removes from this very list
-        if self.prefix_cache:
-            for seq in running:
-                self.bm.register(seq)
+        leading = self._record_running() if self.prefix_cache else None  # the running loop below only preempts
         add_seq, add_n = seqs.append, num_new.append
         i = 0
         while i < len(running) and budget > 0:
@@ -196,7 +196,6 @@ class Scheduler:
                 prefill += n
             budget -= n
             i += 1
-        leading = self._leading_blocks_in_progress() if self.prefix_cache else None
         w = 0
         while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
