@@ -1,23 +1,24 @@
 """Host (CPU) time of one generator decode step with the device work removed.
 
-The real engine loop runs (scheduler, block manager, the CUDA-graph decode path's input staging and table sync,
-collecting the sampled tokens, appending them, stop checks, finishing sequences) while the model forward, lm head and
-sampler are replaced by a stub that returns a fixed token: prefill steps skip the forward, and the "captured graph"
-only writes that token into the output buffer. The stub lives here, never in the library. Runs on a CPU-only machine.
+The real engine loop runs (scheduler, block manager, the CUDA-graph decode path's table sync, input staging and
+read-back, appending tokens, stop checks, finishing sequences) while prefill steps skip the forward and the
+"captured graph" only writes a fixed token into the output buffer. The stub lives here, never in the library. Runs
+on a CPU-only machine.
 
     python benchmarks/rollout_host.py                    # batches 64 and 256, 128 prompt + 256 new tokens
     python benchmarks/rollout_host.py --cprofile 256     # also print the top functions of batch 256 under cProfile
 
-Per decode step and batch it prints (and writes to ``--out``, default ``benchmarks/results/rollout_host_cpu.json``):
-``loop_us`` (wall time from one step's schedule to the next's), its split ``schedule_us`` / ``runner_us`` /
-``engine_other_us`` (measured by wrapping ``Scheduler.schedule`` and ``ModelRunner.step``), and ``parts_us``, the
-generator's own ``stats["decode_host_s"]`` breakdown.
+Per decode step and batch it writes (``--out``, default ``benchmarks/results/rollout_host_cpu.json``) ``step_us``:
+the wall time of two calls that differ only in new tokens, divided by the difference; ``parts_us``: the generator's
+own ``stats["decode_host_s"]`` split; and the Python garbage collections that ran during the decode steps
+(``gc_per_step``: count and microseconds per generation), measured through ``gc.callbacks``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import time
@@ -30,7 +31,7 @@ from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
 from rlexact.rollout.runner import GraphState, ModelRunner
-from rlexact.rollout.scheduler import ScheduledBatch, Scheduler
+from rlexact.rollout.scheduler import ScheduledBatch
 from rlexact.rollout.sequence import Sequence
 
 STUB_TOKEN = 5
@@ -70,8 +71,38 @@ class StubRunner(ModelRunner):
         return out
 
 
+class GcClock:
+    """Count and time of the garbage collections per generation while it is installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._start
+
+
+def timed_call(gen: Generator, prompts: list[list[int]], new_tokens: int) -> tuple[float, GcClock]:
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    try:
+        t0 = time.perf_counter()
+        outs = gen.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True))
+        wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(clock)
+    assert all(o.token_ids == [STUB_TOKEN] * new_tokens for o in outs)
+    return wall, clock
+
+
 def measure(batch: int, prompt_len: int, new_tokens: int, profiler: cProfile.Profile | None) -> dict:
-    """Per-decode-step host times of one stubbed ``generate`` of ``batch`` prompts."""
+    """Per-decode-step host times of stubbed ``generate`` calls of ``batch`` prompts."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
@@ -81,63 +112,34 @@ def measure(batch: int, prompt_len: int, new_tokens: int, profiler: cProfile.Pro
     model = rlexact.exactify(Qwen3ForCausalLM(cfg).eval())
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, 1000, (batch, prompt_len), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
-    times = {"schedule": 0.0, "runner": 0.0, "loop": 0.0}
-    state = {"decode": False, "last_end": None, "steps": 0}
-    orig_schedule, orig_step = Scheduler.schedule, StubRunner.step
-
-    def schedule(self: Scheduler) -> ScheduledBatch:
-        t0 = time.perf_counter()
-        if state["decode"] and state["last_end"] is not None:
-            times["loop"] += t0 - state["last_start"]
-        out = orig_schedule(self)
-        times["schedule_pending"] = time.perf_counter() - t0
-        state["last_start"] = t0
-        state["decode"] = out.is_decode
-        return out
-
-    def step(self: ModelRunner, b: ScheduledBatch) -> list:
-        t0 = time.perf_counter()
-        out = orig_step(self, b)
-        t1 = time.perf_counter()
-        if b.is_decode:
-            times["runner"] += t1 - t0
-            times["schedule"] += times["schedule_pending"]
-            state["steps"] += 1
-        state["last_end"] = t1
-        return out
-
+    short_tokens = new_tokens // 2
     engine_mod.ModelRunner = StubRunner
-    Scheduler.schedule, StubRunner.step = schedule, step
     try:
         gen = Generator(model, max_num_seqs=batch, max_num_batched_tokens=max(8192, 2 * batch), block_size=16)
-        gen.generate(prompts, SamplingParams(max_new_tokens=4, seed=0, ignore_eos=True))  # warm-up
-        times.update(schedule=0.0, runner=0.0, loop=0.0)
-        state.update(decode=False, last_end=None, steps=0)
+        timed_call(gen, prompts, 4)  # warm-up
+        short, gc_short = timed_call(gen, prompts, short_tokens)
         if profiler is not None:
             profiler.enable()
-        outs = gen.generate(prompts, params)
+        long, gc_long = timed_call(gen, prompts, new_tokens)
         if profiler is not None:
             profiler.disable()
-        if state["decode"]:  # the last decode step ends with the loop
-            times["loop"] += state["last_end"] - state["last_start"]
     finally:
         engine_mod.ModelRunner = ModelRunner
-        Scheduler.schedule, StubRunner.step = orig_schedule, orig_step
-    assert all(o.token_ids == [STUB_TOKEN] * new_tokens for o in outs)
-    steps = state["steps"]
-    us = {k: v / steps * 1e6 for k, v in times.items() if k != "schedule_pending"}
-    res = {
+    steps = new_tokens - short_tokens
+    parts = gen.stats["decode_host_s"]
+    graph_steps = gen.stats["graph_steps"]
+    return {
         "decode_steps": steps,
-        "loop_us": us["loop"],
-        "schedule_us": us["schedule"],
-        "runner_us": us["runner"],
-        "engine_other_us": us["loop"] - us["schedule"] - us["runner"],
+        "step_us": (long - short) / steps * 1e6,
+        "parts_us": {k: v / graph_steps * 1e6 for k, v in parts.items()},
+        "gc_per_step": {
+            f"gen{i}": {
+                "collections": (gc_long.count[i] - gc_short.count[i]) / steps,
+                "us": (gc_long.seconds[i] - gc_short.seconds[i]) / steps * 1e6,
+            }
+            for i in range(3)
+        },
     }
-    parts = gen.stats.get("decode_host_s")
-    if isinstance(parts, dict) and gen.stats.get("graph_steps"):
-        res["parts_us"] = {k: v / gen.stats["graph_steps"] * 1e6 for k, v in parts.items()}
-    return res
 
 
 def main() -> int:
@@ -156,7 +158,7 @@ def main() -> int:
     }
     for batch in args.batches:
         runs = [measure(batch, args.prompt_len, args.new_tokens, None) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r["loop_us"])
+        best = min(runs, key=lambda r: r["step_us"])
         result["results"][str(batch)] = best
         print(f"batch {batch}: " + json.dumps(best, default=lambda x: round(x, 1)), flush=True)
     if args.cprofile:

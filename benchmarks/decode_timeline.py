@@ -1,0 +1,168 @@
+"""Where a decode step's GPU time goes between kernels: the device timeline of profiled exact ``generate`` calls.
+
+``rollout_throughput.py --profile`` sums kernel durations per step; this script looks at *when* they ran. It profiles
+one exact ``generate`` per batch (Qwen3-1.7B shape, bf16, ``--prompt-len`` random prompt tokens, ``--new-tokens``
+new tokens, EOS ignored) after two warm-up calls, and over the decode steps (from the ``--skip``-th CUDA-graph launch
+to the end) reports:
+
+- ``busy_ms`` / ``idle_ms`` per step: the union of the device intervals (kernels, copies, memsets) and the rest;
+- ``gaps``: every idle interval longer than ``--min-gap-us``, summed by the (previous, next) device event names, and
+  a histogram of all gaps;
+- ``host``: the runtime calls of the host per step (``cudaGraphLaunch``, copies, syncs, host allocations) with their
+  count and host time, and ``launch_lead_ms``: per graph step, how long before the device ran out of queued work the
+  host launched the next graph (negative: the device waited for the host).
+
+    python benchmarks/decode_timeline.py                        # batches 64 and 256
+    python benchmarks/decode_timeline.py --trace /tmp/traces    # also write the Chrome traces there
+
+Writes ``benchmarks/results/decode_timeline_h200.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+import rlexact
+from common import ROOT, header
+from rlexact.rollout import Generator, SamplingParams
+from rollout_throughput import build_model
+
+HOST_CALLS = ("cudaGraphLaunch", "cudaMemcpy", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaHostAlloc",
+              "cudaLaunchKernel", "cuLaunchKernel", "cudaMalloc", "cudaFree", "cudaEventRecord")  # fmt: skip
+GAP_BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, float("inf"))
+
+
+def device_intervals(prof) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every device event, sorted by start."""
+    out = [
+        (ev.time_range.start, ev.time_range.end, ev.name)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return sorted(out)
+
+
+def host_calls(prof) -> list[tuple[float, float, str]]:
+    out = [
+        (ev.time_range.start, ev.time_range.end, ev.name)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(HOST_CALLS)
+    ]
+    return sorted(out)
+
+
+def analyse(dev: list[tuple[float, float, str]], host: list[tuple[float, float, str]], args) -> dict:
+    launches = [h for h in host if h[2] == "cudaGraphLaunch"]
+    if len(launches) <= args.skip + 2:
+        raise RuntimeError(f"only {len(launches)} graph launches were profiled; lower --skip or raise --new-tokens")
+    t0 = launches[args.skip][0]
+    window = [d for d in dev if d[0] >= t0]
+    steps = len(launches) - args.skip
+    cur_end = window[0][1]
+    prev_name = window[0][2]
+    busy, idle = window[0][1] - window[0][0], 0.0
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    hist: Counter[str] = Counter()
+    gaps: list[tuple[float, float]] = []
+    for start, end, name in window[1:]:
+        if start > cur_end:
+            gap = start - cur_end
+            idle += gap
+            bucket = next(b for b in GAP_BUCKETS_US if gap <= b)
+            hist[f"<={bucket}us"] += 1
+            gaps.append((cur_end, start))
+            if gap > args.min_gap_us:
+                entry = pairs[(prev_name[:80], name[:80])]
+                entry[0] += 1
+                entry[1] += gap
+        busy += max(0.0, end - max(start, cur_end))
+        if end > cur_end:
+            cur_end, prev_name = end, name
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][1])[: args.top]
+    # the device's queue ran dry at a gap's start; a graph launch that began inside the gap kept the device waiting
+    waited_ms = []
+    for launch_start, _, _ in launches[args.skip + 1 :]:
+        gap = next(((gs, ge) for gs, ge in gaps if gs <= launch_start <= ge), None)
+        if gap is not None:
+            waited_ms.append((launch_start - gap[0]) / 1e3)
+    in_window = [h for h in host if h[0] >= t0]
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for s, e, name in in_window:
+        calls[name][0] += 1
+        calls[name][1] += e - s
+    return {
+        "graph_steps": steps,
+        "busy_ms_per_step": busy / steps / 1e3,
+        "idle_ms_per_step": idle / steps / 1e3,
+        "busy_fraction": busy / (busy + idle),
+        "gap_histogram": {f"<={b}us": hist[f"<={b}us"] for b in GAP_BUCKETS_US if hist[f"<={b}us"]},
+        "gaps_over_min": [
+            {"prev": p, "next": n, "count": c, "ms_per_step": us / steps / 1e3} for (p, n), (c, us) in top
+        ],
+        "host_calls_per_step": {
+            name: {"calls": c / steps, "host_ms": us / steps / 1e3}
+            for name, (c, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])
+        },
+        "launches_inside_a_gap": len(waited_ms),
+        "device_wait_for_launch_ms_per_step": sum(waited_ms) / steps,
+        "device_wait_for_launch_median_ms": statistics.median(waited_ms) if waited_ms else 0.0,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--skip", type=int, default=8, help="graph launches left out at the start of the window")
+    ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--trace", default=None, help="directory for gzipped Chrome traces")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_timeline_h200.json"))
+    args = ap.parse_args()
+    args.tiny = False
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    model = rlexact.exactify(build_model(args, device, torch.bfloat16))
+    result = header("decode_timeline", "triton", "transformers") | {
+        "setup": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "skip": args.skip},
+        "results": {},
+    }
+    for batch in args.batches:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        gen = Generator(model, max_num_seqs=batch, max_num_batched_tokens=max(8192, 2 * batch))
+        params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+        for _ in range(2):
+            gen.generate(prompts, params)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen.generate(prompts, params)
+            torch.cuda.synchronize()
+        res = analyse(device_intervals(prof), host_calls(prof), args)
+        res["decode_host_s"] = gen.stats.get("decode_host_s")
+        result["results"][str(batch)] = res
+        print(f"batch {batch}: " + json.dumps(res, default=str)[:3000], flush=True)
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            raw = Path(args.trace) / f"decode_b{batch}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+                dst.write(src.read())
+            raw.unlink()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
