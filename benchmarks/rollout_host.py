@@ -62,7 +62,7 @@ class StubRunner(ModelRunner):
         self.stats["graph_captures"] += 1
         return _StubGraph(gs, bucket)
 
-    def _eager_step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
+    def _eager_step(self, batch: ScheduledBatch, t0: float, decode_rows: int) -> list[tuple[Sequence, int, float]]:
         out = []
         for s, n in zip(batch.seqs, batch.num_new):
             s.num_computed += n

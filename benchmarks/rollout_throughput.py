@@ -252,6 +252,7 @@ def run_rlexact(
     tokens = sum(len(o.token_ids) for o in outs)
     stats = {k: v for k, v in gen.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
     res = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "stats": stats}
+    res["eager_host_s"] = gen.stats.get("eager_host_s")
     half = args.new_tokens // 2
     host_short = None
     if decode_step and half >= 1 and kernels == "exact":

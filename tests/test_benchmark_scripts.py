@@ -43,3 +43,12 @@ def test_train_step_small(tmp_path: Path) -> None:
     assert "native_recompute_over_exact_time" in grpo, grpo
     assert set(grpo["exact"]["stages_s"]) == {"rollout", "update"}
     assert set(grpo["native_recompute"]["stages_s"]) == {"rollout", "scoring", "update"}
+
+
+def test_rollout_host_stub(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    _run("rollout_host.py", "--batches", "4", "--new-tokens", "16", "--repeats", "1", "--out", str(out))
+    row = json.loads(out.read_text())["results"]["4"]
+    assert row["decode_steps"] == 8 and row["step_us"] > 0
+    assert set(row["parts_us"]) == {"schedule", "prepare", "launch", "wait", "collect", "postprocess"}
+    assert set(row["gc_per_step"]) == {"gen0", "gen1", "gen2"}

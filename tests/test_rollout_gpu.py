@@ -169,8 +169,10 @@ def test_gpu_later_captures_skip_the_warm_up(qwen):
     first = gen.generate(prompts, params)
     assert gen.stats["graph_captures"] >= 1
     assert gen.stats["graph_captures_warmed"] == gen.stats["graph_captures"]
+    assert gen.stats["graph_captures_ahead"] == 0
     second = gen.generate(prompts, params)
     assert gen.stats["graph_captures"] >= 1 and gen.stats["graph_captures_warmed"] == 0
+    assert gen.stats["graph_captures_ahead"] == 1  # the first decode graph, captured during the prefill
     assert same(first, second)
     reseeded = gen.generate(prompts, SamplingParams(max_new_tokens=16, seed=4))
     assert gen.stats["graph_captures_warmed"] == 0  # the seed is not part of the kernels
@@ -206,6 +208,43 @@ def test_gpu_capture_failure_falls_back_cleanly(qwen, monkeypatch):
     again_outs = again.generate(prompts, params)
     assert again.stats["graph_steps"] > 0 and again.stats["cuda_graphs_disabled"] is None
     assert [o.token_ids for o in again_outs] == [o.token_ids for o in ok]
+
+
+def test_gpu_failed_capture_ahead_leaves_the_usual_capture(qwen, monkeypatch):
+    """A capture ahead of the decode steps that fails (a host sync inside it) is recorded and changes nothing else:
+    no warning, graphs stay on, the decode step captures its graph as usual, same completions."""
+    import warnings
+
+    import rlexact.rollout.runner as runner_mod
+
+    prompts = prompts_for(6, 1003, hi=60, seed=12)
+    params = SamplingParams(max_new_tokens=8, seed=4)
+    gen = Generator(qwen)
+    first = gen.generate(prompts, params)
+    original_head, original_ahead = runner_mod.head_logits, runner_mod.ModelRunner.capture_ahead
+    inside = [False]
+
+    def head(model, hidden, temperature):
+        if inside[0]:
+            hidden.sum().item()  # a host sync: illegal while capturing
+        return original_head(model, hidden, temperature)
+
+    def ahead(self, rows):
+        inside[0] = True
+        try:
+            original_ahead(self, rows)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(runner_mod, "head_logits", head)
+    monkeypatch.setattr(runner_mod.ModelRunner, "capture_ahead", ahead)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        second = gen.generate(prompts, params)
+    assert "item" in gen.stats["capture_ahead_failed"] or "capturing" in gen.stats["capture_ahead_failed"]
+    assert gen.stats["graph_captures_ahead"] == 0 and gen.stats["graph_captures"] >= 1
+    assert gen.stats["cuda_graphs_disabled"] is None and gen.stats["graph_steps"] > 0
+    assert same(first, second)
 
 
 def reused_and_computed(model, prompts, params) -> tuple[Generator, Generator]:

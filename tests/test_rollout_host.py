@@ -28,8 +28,10 @@ class EagerGraphRunner(ModelRunner):
         kept = kwargs.get("graph_state")  # the engine's reuse rule, now that this runner has a signature
         self.graph_state = kept if kept is not None and kept.signature == self._signature else None
 
-    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> SimpleNamespace:
+    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
         self.stats["graph_captures"] += 1
+        self.stats["graph_captures_ahead"] += int(ahead)
+        self.warmed.add(self._warm_key(bucket, kv_len))
         return SimpleNamespace(replay=self._graph_fn(gs, bucket, kv_len))
 
 
@@ -112,6 +114,40 @@ def test_fewer_new_tokens_reuse_the_kept_graphs(qwen, monkeypatch) -> None:
     assert _same(outs, fresh)
 
 
+class CapturesAheadForOneRow(EagerGraphRunner):
+    """Negative control: the graph captured ahead runs the step of one row only, so the decode steps that replay
+    it leave the other rows' outputs stale."""
+
+    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
+        graph = super()._capture(gs, bucket, kv_len, ahead)
+        return SimpleNamespace(replay=self._graph_fn(gs, 1, kv_len)) if ahead else graph
+
+
+def test_graph_captured_ahead_during_prefill(qwen, monkeypatch) -> None:
+    """A later call of the same generator captures its first decode graph while the device runs a prefill step
+    (the kernels of that graph key were compiled by the first call) and generates what the first call did, bitwise,
+    and the trainer's log-probs; a graph captured ahead for the wrong rows changes the completions."""
+    params = SamplingParams(max_new_tokens=10, seed=2, n=3, ignore_eos=True)
+    kw = {"block_size": 4, "max_num_seqs": 12}
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", EagerGraphRunner)
+        gen = Generator(qwen, **kw)
+        first = gen.generate(PROMPTS, params)
+        assert gen.stats["graph_captures_ahead"] == 0
+        second = gen.generate(PROMPTS, params)
+        assert gen.stats["graph_captures_ahead"] == 1 and gen.stats["eager_steps"] > 0
+        m.setattr(engine_mod, "ModelRunner", CapturesAheadForOneRow)
+        gen_bad = Generator(qwen, **kw)
+        gen_bad.generate(PROMPTS, params)
+        bad = gen_bad.generate(PROMPTS, params)
+        assert gen_bad.stats["graph_captures_ahead"] == 1
+    assert _same(second, first)
+    assert not _same(bad, first)
+    trainer = rlexact.sequence_logprobs(qwen, [o.sequence for o in second])
+    for o, r in zip(second, trainer):
+        assert torch.equal(o.logprobs, r[-len(o.token_ids) :])
+
+
 class KeepsFinishedRows(EagerGraphRunner):
     """Negative control: reading back a step that was launched before an earlier step's stop token was seen keeps
     the row of the stopped sequence."""
@@ -174,9 +210,9 @@ def test_capture_warm_key_leaves_out_only_addresses_and_seed(qwen, monkeypatch) 
     keys: list[tuple] = []
 
     class KeyRunner(EagerGraphRunner):
-        def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> SimpleNamespace:
+        def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
             keys.append(self._warm_key(bucket, kv_len))
-            return super()._capture(gs, bucket, kv_len)
+            return super()._capture(gs, bucket, kv_len, ahead)
 
     def first_key(params: SamplingParams, prompts: list) -> tuple:
         keys.clear()

@@ -374,6 +374,7 @@ class Generator:
                     from tqdm.auto import tqdm
 
                     bar = tqdm(total=progress_total, unit="tok", desc=f"generate[{cfg.kernels}]", dynamic_ncols=True)
+                stats["setup_s"] = time.perf_counter() - t0
                 steps = generated = prefill_tokens = chained = 0
                 host = runner.decode_host_s
                 clock = time.perf_counter
@@ -395,7 +396,11 @@ class Generator:
                         launched = runner.launch(batch)
                         if launched is None or not overlap:
                             graph = launched is not None
-                            results = runner.collect(launched) if graph else runner.run_eager(batch)
+                            results = (
+                                runner.collect(launched)
+                                if graph
+                                else runner.run_eager(batch, min(cfg.max_num_seqs, sched.num_unfinished))
+                            )
                             if graph:
                                 host["schedule"] += host_sched
                             generated += self._finish_step(sched, results, stop, host, graph, bar)

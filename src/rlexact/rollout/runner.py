@@ -167,8 +167,9 @@ class ModelRunner:
         self.stats.setdefault("eager_steps", 0)
         self.stats.setdefault("graph_captures", 0)
         self.stats.setdefault("graph_captures_warmed", 0)
+        self.stats.setdefault("graph_captures_ahead", 0)
         self.stats.setdefault("cuda_graphs_disabled", None)
-        for key in ("graph_s", "eager_s", "capture_s"):
+        for key in ("graph_s", "eager_s", "capture_s", "capture_ahead_s"):
             self.stats.setdefault(key, 0.0)
         self._pin = self.device.type == "cuda"
         self.buckets = config.batch_buckets()
@@ -192,6 +193,12 @@ class ModelRunner:
         choice), ``launch`` (the replay call), ``wait`` (the read-back of the sampled tokens, which waits for the
         device), ``collect`` (advancing the sequences, the result list); the engine adds ``schedule`` and
         ``postprocess`` (appending tokens, stop checks, finishing)."""
+        self.eager_host_s: dict[str, float] = self.stats.setdefault(
+            "eager_host_s", dict.fromkeys(("prepare", "launch", "wait"), 0.0)
+        )
+        """Seconds per part of the eager steps (prefill chunks, mixed steps): ``prepare`` (block copies, the packed
+        inputs built on the host and uploaded), ``launch`` (the forward, lm head and sampler calls, which return once
+        their kernels are queued), ``wait`` (the read-back of the sampled tokens, which waits for the device)."""
 
     # ---------------------------------------------------------------------------------------------------------------
     # helpers
@@ -259,8 +266,10 @@ class ModelRunner:
             "max_k": int(seqlens.max()),
         }
 
-    def _eager_forward(self, inp: dict) -> torch.Tensor:
-        d = {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+    def _upload(self, inp: dict) -> dict:
+        return {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+
+    def _eager_forward(self, d: dict) -> torch.Tensor:
         meta = AttnMetadata(
             d["cu"],
             PagedKV(
@@ -270,14 +279,15 @@ class ModelRunner:
         self.stats["eager_steps"] += 1
         return forward_hidden(self.model, d["ids"], d["pos"], meta)
 
-    def run_eager(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
+    def run_eager(self, batch: ScheduledBatch, decode_rows: int = 0) -> list[tuple[Sequence, int, float]]:
         """Run a step that :meth:`launch` did not take (prefill chunks, mixed steps, graphs off) eagerly; advance
         ``num_computed``; return ``(seq, token, logprob)`` for sampled rows. Its wall time (it ends with a
-        device-to-host read) is added to ``stats["eager_s"]``."""
+        device-to-host read) is added to ``stats["eager_s"]``. ``decode_rows``: the sequences the coming decode steps
+        are expected to run; their graph is captured while the device runs this step (:meth:`capture_ahead`)."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
         self._staged = None
-        out = self._eager_step(batch)
+        out = self._eager_step(batch, t0, decode_rows)
         self.stats["eager_s"] += time.perf_counter() - t0
         return out
 
@@ -293,27 +303,38 @@ class ModelRunner:
         src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
         data.index_copy_(2, dst, data.index_select(2, src))
 
-    def _eager_step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, float]]:
+    def _eager_step(self, batch: ScheduledBatch, t0: float, decode_rows: int) -> list[tuple[Sequence, int, float]]:
+        """The step's packed forward, then the lm head and sampler on the rows that sample (each sequence whose fed
+        tokens reach its end), then :meth:`capture_ahead` before the read-back; ``t0``: when the step began, for
+        ``eager_host_s``."""
         inp = self._prepare(batch)
-        hidden = self._eager_forward(inp)
         sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.tokens)]
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.long)
+            rows = inp["cu"][1:].long()[idx] - 1
+            inp["rows"] = rows
+            inp["rid"] = torch.tensor([batch.seqs[i].request_id for i in sampled], dtype=torch.long)
+            inp["next_pos"] = inp["pos"][rows] + 1
+        d = self._upload(inp)
+        t1 = time.perf_counter()
+        hidden = self._eager_forward(d)
         for s, n in zip(batch.seqs, batch.num_new):
             s.num_computed += n
-        if not sampled:
-            return []
-        idx = torch.tensor(sampled, dtype=torch.long)
-        rows = inp["cu"][1:].long()[idx] - 1
-        rid = torch.tensor([batch.seqs[i].request_id for i in sampled], dtype=torch.long)
-        pos = inp["pos"][rows] + 1
-        tok, lp = self._head_sample(hidden[self._to_device(rows)], self._to_device(rid), self._to_device(pos))
-        return self._collect([batch.seqs[i] for i in sampled], tok, lp)
-
-    @staticmethod
-    def _collect(seqs: list[Sequence], tok: torch.Tensor, lp: torch.Tensor) -> list[tuple[Sequence, int, float]]:
-        both = torch.stack([tok.double(), lp.double()]).cpu()
-        toks = both[0].long().tolist()
-        lps = both[1].tolist()
-        return list(zip(seqs, toks, lps))
+        tok = lp = None
+        if sampled:
+            tok, lp = self._head_sample(hidden[d["rows"]], d["rid"], d["next_pos"])
+        t2 = time.perf_counter()
+        self.capture_ahead(decode_rows)
+        t3 = time.perf_counter()
+        out: list[tuple[Sequence, int, float]] = []
+        if tok is not None and lp is not None:
+            both = torch.stack([tok.double(), lp.double()]).cpu()
+            out = list(zip([batch.seqs[i] for i in sampled], both[0].long().tolist(), both[1].tolist()))
+        host = self.eager_host_s
+        host["prepare"] += t1 - t0
+        host["launch"] += t2 - t1
+        host["wait"] += time.perf_counter() - t3
+        return out
 
     # ---------------------------------------------------------------------------------------------------------------
     # CUDA-graph decode
@@ -428,12 +449,32 @@ class ModelRunner:
 
         return run
 
-    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
+    def _capture(
+        self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False
+    ) -> torch.cuda.CUDAGraph | None:
         t0 = time.perf_counter()
         try:
-            return self._capture_inner(gs, bucket, kv_len)
+            return self._capture_inner(gs, bucket, kv_len, ahead)
         finally:
-            self.stats["capture_s"] += time.perf_counter() - t0
+            self.stats["capture_ahead_s" if ahead else "capture_s"] += time.perf_counter() - t0
+
+    def capture_ahead(self, rows: int) -> None:
+        """Capture the decode graph of ``rows`` sequences now, while the device runs an eager step, if it is not
+        captured yet and an earlier capture compiled its kernels (:meth:`_warm_key`), so the capture runs nothing.
+
+        A capture is host work, one launch call per kernel of the step; done between the last prefill step and the
+        first decode step it leaves the device idle for as long. Exact mode only (native graphs are also keyed by the
+        padded key length, which is not known ahead). A failed capture here changes nothing: it is recorded in
+        ``stats["capture_ahead_failed"]`` and the decode step captures as usual, with its inputs staged."""
+        if not (self.use_graphs and not self.native and 0 < rows <= self.buckets[-1]):
+            return
+        gs = self._ensure_graph_state()
+        bucket = next(x for x in self.buckets if x >= rows)
+        if (bucket, None) in gs.graphs or self._warm_key(bucket, None) not in self.warmed:
+            return
+        graph = self._capture(gs, bucket, None, ahead=True)
+        if graph is not None:
+            gs.graphs[(bucket, None)] = graph
 
     def _warm_key(self, bucket: int, kv_len: int | None) -> tuple:
         """What decides the kernels a decode graph launches (shapes, constexprs, dtypes), without the addresses and
@@ -452,15 +493,22 @@ class ModelRunner:
             tuple(state.fused) if state is not None else (),
         )
 
-    def _capture_inner(self, gs: GraphState, bucket: int, kv_len: int | None) -> torch.cuda.CUDAGraph | None:
+    def _capture_inner(
+        self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool
+    ) -> torch.cuda.CUDAGraph | None:
         """Capture the decode step of ``bucket`` rows. The first capture of a :meth:`_warm_key` runs the step eagerly
         first (compiles kernels, fills caches outside the capture); a later one captures directly and, should that
-        fail, retries once with the warm-up before giving up on graphs."""
+        fail, retries once with the warm-up before giving up on graphs (``ahead``: gives up at once, see
+        :meth:`capture_ahead`).
+
+        The capture is recorded on a side stream without synchronizing the device first (unlike
+        ``torch.cuda.graph``, which also empties the allocator's caches): recording executes nothing, so work in
+        flight on the current stream may go on meanwhile."""
         run = self._graph_fn(gs, bucket, kv_len)
         dev = self.device
         key = self._warm_key(bucket, kv_len)
         prev_stream = torch.cuda.current_stream(dev)
-        for warm in (False, True) if key in self.warmed else (True,):
+        for warm in (False,) if ahead else (False, True) if key in self.warmed else (True,):
             try:
                 if warm:
                     side = torch.cuda.Stream(dev)
@@ -469,8 +517,12 @@ class ModelRunner:
                         run()
                     prev_stream.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=gs.pool):
-                    run()
+                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    graph.capture_begin(pool=gs.pool)
+                    try:
+                        run()
+                    finally:
+                        graph.capture_end()
                 torch.cuda.synchronize(dev)
             except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
                 _recover_from_failed_capture(dev, prev_stream)
@@ -479,8 +531,12 @@ class ModelRunner:
             self.warmed.add(key)
             self.stats["graph_captures"] += 1
             self.stats["graph_captures_warmed"] += int(warm)
+            self.stats["graph_captures_ahead"] += int(ahead)
             return graph
         reason = _describe_capture_failure(failure)
+        if ahead:
+            self.stats["capture_ahead_failed"] = reason
+            return None
         self.stats["cuda_graphs_disabled"] = reason
         self.use_graphs = False
         warnings.warn(
@@ -604,7 +660,7 @@ class ModelRunner:
         """Feed a step of score-only sequences; store the log-prob of every fed token's successor (under the
         ``top_k`` / ``top_p`` truncation when one is set, as :func:`rlexact.models.forward.head_logprobs`)."""
         inp = self._prepare(batch)
-        hidden = self._eager_forward(inp)
+        hidden = self._eager_forward(self._upload(inp))
         cu = inp["cu"].tolist()
         spans: list[tuple[Sequence, int, int]] = []  # (sequence, first fed position with a successor, count)
         rows: list[torch.Tensor] = []

@@ -96,6 +96,10 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def _chunk(self, pending: int, budget: int) -> int:
         if pending <= budget:
             return pending
