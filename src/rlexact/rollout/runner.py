@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -211,12 +212,6 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """``[B, w]`` int32 CPU block tables of ``seqs`` (``w`` = most blocks held by one of them)."""
-        rows = torch.tensor([s.row for s in seqs], dtype=torch.long)
-        width = max(len(s.block_table) for s in seqs)
-        return self.bm.table.index_select(0, rows)[:, :width]
-
     def _head_sample(
         self, hidden: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,28 +235,33 @@ class ModelRunner:
     # ---------------------------------------------------------------------------------------------------------------
 
     def _prepare(self, batch: ScheduledBatch) -> dict[str, torch.Tensor | int]:
+        """The packed step's CPU inputs: token ids, positions, cache slots, ``cu_seqlens``, block tables (``[B, w]``,
+        ``w`` = most blocks held by one sequence) and key lengths. Index arithmetic runs in numpy: torch's CPU ops
+        cost a thread-pool round trip each, which the device would wait for between eager steps."""
         seqs, num_new = batch.seqs, batch.num_new
         bs = self.cache.block_size
         ids: list[int] = []
         for s, n in zip(seqs, num_new):
             ids.extend(s.tokens[s.num_computed : s.num_computed + n])
-        n_t = torch.tensor(num_new, dtype=torch.long)
-        start_t = torch.tensor([s.num_computed for s in seqs], dtype=torch.long)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(n_t, 0, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), n_t)
-        pos = torch.arange(total) - (cu[:-1] - start_t)[seq_of_token]
-        bt = self._block_tables(seqs)
-        slots = bt.long()[seq_of_token, pos // bs] * bs + pos % bs
-        seqlens = start_t + n_t
+        count = len(seqs)
+        n_a = np.asarray(num_new, dtype=np.int64)
+        start = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=count)
+        cu = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(n_a, out=cu[1:])
+        seq_of_token = np.repeat(np.arange(count), n_a)
+        pos = np.arange(cu[-1]) - (cu[:-1] - start)[seq_of_token]
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=count)
+        width = max(len(s.block_table) for s in seqs)
+        bt = self.bm.table.numpy()[rows, :width]
+        slots = bt[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        seqlens = start + n_a
         return {
             "ids": torch.tensor(ids, dtype=torch.long),
-            "pos": pos,
-            "slots": slots,
-            "cu": cu.to(torch.int32),
-            "bt": bt,
-            "seqlens": seqlens.to(torch.int32),
+            "pos": torch.from_numpy(pos),
+            "slots": torch.from_numpy(slots),
+            "cu": torch.from_numpy(cu.astype(np.int32)),
+            "bt": torch.from_numpy(bt),
+            "seqlens": torch.from_numpy(seqlens.astype(np.int32)),
             "max_q": max(num_new),
             "max_k": int(seqlens.max()),
         }
@@ -526,6 +526,9 @@ class ModelRunner:
                 torch.cuda.synchronize(dev)
             except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
                 _recover_from_failed_capture(dev, prev_stream)
+                # a capture that fails before capture_end finishes leaves its memory pool marked as recording, and a
+                # later capture into that pool fails ("already recording"): later graphs take a new pool
+                gs.pool = torch.cuda.graph_pool_handle()
                 failure = exc
                 continue
             self.warmed.add(key)
