@@ -209,9 +209,17 @@ def test_short_runs_per_mode(mode: str, kernels: str) -> None:
         "response_length/mean",
         "response_length/max",
         "rollout/tokens_per_s",
+        "rollout/prompt_tokens",
+        "rollout/prefill_tokens",
+        "rollout/shared_prompt_tokens",
+        "rollout/prefix_cached_tokens",
+        "rollout/preemptions",
         "rollout_step",
     ):
         assert key in m and math.isfinite(m[key]), key
+    # the 3 samples of each prompt share its prompt blocks: requested 3x, prefilled about once
+    assert m["rollout/shared_prompt_tokens"] > 0
+    assert m["rollout/prefill_tokens"] < m["rollout/prompt_tokens"]
     assert m["update/optimizer_steps"] == 4.0
     after = module.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -18,6 +18,7 @@ from rlexact.reduction import MetricReducer, all_reduce
 from rlexact.rollout import eos_token_ids
 from rlexact.rollout.keyed_hash import request_key
 from rlexact.trainer.policy import enable_activation_checkpointing
+from rlexact.trainer.sampling import ENGINE_COUNTERS, engine_counters
 
 
 def _fwd_bwd(model: torch.nn.Module, packed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -145,3 +146,17 @@ def test_batch_select_gathers_the_chosen_sequences_in_order(indices: list[int]) 
     assert torch.equal(sub.position_ids, batch.position_ids[token_idx])
     assert torch.equal(sub.rollout_logprobs, batch.rollout_logprobs[token_idx])
     assert torch.equal(sub.rewards, batch.rewards[torch.tensor(indices, dtype=torch.long)])
+
+
+def test_engine_counters_only_from_a_call_of_this_step() -> None:
+    """The generator's counters are logged only when it ran since the step began (a ``generate`` override that
+    samples elsewhere leaves its stats untouched, and stale counters would be logged as this step's)."""
+    gen = SimpleNamespace(stats={})
+    assert engine_counters(None, None) == {}
+    assert engine_counters(gen, None) == {}  # created, never called
+    before = gen.stats
+    gen.stats = {"prompt_tokens": 12, "prefill_tokens": 6, "shared_prompt_tokens": 6, "preemptions": 1}
+    counters = engine_counters(gen, before)
+    assert set(counters) == set(ENGINE_COUNTERS)
+    assert counters["prefill_tokens"] == 6.0 and counters["prefix_cached_tokens"] == 0.0
+    assert engine_counters(gen, gen.stats) == {}  # the same stats object: no call this step

@@ -444,14 +444,20 @@ class RLModule(L.LightningModule):
         epoch = int(items[0].get("epoch", self.current_epoch)) if items and isinstance(items[0], dict) else 0
         keys = sampling.prompt_keys(items, split=sampling.TRAIN_KEYS, epoch=epoch)  # the data epoch (exact resume)
         params = self.sampling_params(keyed=keys is not None)
+        engine = self.__dict__.get("_generator")
+        engine_stats = engine.stats if engine is not None else None
         t0 = time.perf_counter()
         completions = self.generate(prompts, params, keys)
         gen_s = max(time.perf_counter() - t0, 1e-9)
         timer.seconds["rollout"] = gen_s
         lengths = [len(c.token_ids) for c in completions]
-        timing = MetricReducer().add_sum("tokens", sum(lengths)).add_max("seconds", gen_s).reduce()
-        metrics["rollout/tokens_per_s"] = timing["tokens"] / timing["seconds"]
-        metrics["rollout/seconds"] = timing["seconds"]
+        rollout_red = MetricReducer().add_sum("tokens", sum(lengths)).add_max("seconds", gen_s)
+        for name, value in sampling.engine_counters(self.__dict__.get("_generator"), engine_stats).items():
+            rollout_red.add_sum(f"rollout/{name}", value)
+        timing = rollout_red.reduce(self.device)
+        metrics["rollout/tokens_per_s"] = timing.pop("tokens") / timing["seconds"]
+        metrics["rollout/seconds"] = timing.pop("seconds")
+        metrics.update(timing)
 
         # (2) rewards, (3) advantages
         self.reward_result = None

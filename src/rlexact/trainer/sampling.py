@@ -16,7 +16,9 @@ from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
 from rlexact.rollout.keyed_hash import request_key
 
 __all__ = [
+    "ENGINE_COUNTERS",
     "check_prompts",
+    "engine_counters",
     "generate_completions",
     "make_generator",
     "prompt_keys",
@@ -103,6 +105,20 @@ def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int)
             )
         prompts.append(ids)
     return prompts
+
+
+ENGINE_COUNTERS = ("prompt_tokens", "prefill_tokens", "shared_prompt_tokens", "prefix_cached_tokens", "preemptions")
+"""Counters of a ``generate`` call (``Generator.stats``) that the module logs as ``rollout/<name>``, summed over
+ranks: prompt tokens requested, tokens prefilled (recomputes after a preemption included), prompt tokens taken from a
+sibling's blocks or from the prefix cache, and preemptions (a KV cache too small for the batch)."""
+
+
+def engine_counters(generator: Generator | None, before: dict | None) -> dict[str, float]:
+    """``{name: value}`` of :data:`ENGINE_COUNTERS` from ``generator``'s last call, or ``{}`` when ``generator`` made no
+    call since its ``stats`` were ``before`` (a ``generate`` override that samples elsewhere)."""
+    if generator is None or generator.stats is before or not generator.stats:
+        return {}
+    return {name: float(generator.stats.get(name) or 0) for name in ENGINE_COUNTERS}
 
 
 def make_generator(model: nn.Module, cfg: RolloutConfig) -> Generator:
