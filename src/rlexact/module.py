@@ -454,7 +454,7 @@ class RLModule(L.LightningModule):
         rollout_red = MetricReducer().add_sum("tokens", sum(lengths)).add_max("seconds", gen_s)
         for name, value in sampling.engine_counters(self.__dict__.get("_generator"), engine_stats).items():
             rollout_red.add_sum(f"rollout/{name}", value)
-        timing = rollout_red.reduce(self.device)
+        timing = rollout_red.reduce()
         metrics["rollout/tokens_per_s"] = timing.pop("tokens") / timing["seconds"]
         metrics["rollout/seconds"] = timing.pop("seconds")
         metrics.update(timing)
