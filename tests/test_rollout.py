@@ -411,3 +411,18 @@ def test_native_paged_attention_matches_exact_kernel_closely():
     dref = ops.attention_paged(dq, kc, vc, tables, dmeta.cu_seqlens, meta.paged.seqlens_k, 0.25)
     dmeta.paged.max_seqlen_q, dmeta.paged.max_seqlen_k = 1, 32  # static padded bound (graph mode)
     torch.testing.assert_close(_native_paged(dq, dmeta, kc, vc, 0.25), dref, atol=2e-5, rtol=1e-4)
+
+
+def test_every_stats_key_is_documented(qwen):
+    """``Generator.stats`` is a documented contract: each key a call (generate or score) records is named in the
+    class docstring, and each documented key of a generate call is present (``capture_ahead_failed`` only on a
+    failure)."""
+    import re
+
+    documented = set(re.findall(r"``([a-z_]+)``", Generator.__doc__.split("``stats`` describes")[1]))
+    gen = Generator(qwen, max_num_seqs=4)
+    gen.generate(prompts_for(2, 97, lo=3, hi=8, seed=1), SamplingParams(max_new_tokens=3, n=2, seed=0))
+    assert set(gen.stats) <= documented, set(gen.stats) - documented
+    assert documented - set(gen.stats) == {"capture_ahead_failed"}
+    gen.score([[5, 6, 7, 8]])
+    assert set(gen.stats) <= documented, set(gen.stats) - documented

@@ -53,7 +53,21 @@ class Generator:
     with the same arguments.
 
     The KV cache is allocated at the start of each call and freed at its end (``keep_kv_cache=True`` keeps it, and
-    the captured CUDA graphs, while the dtype, device and size still fit). ``stats`` holds counters of the last call.
+    the captured CUDA graphs, while the dtype, device and size still fit).
+
+    ``stats`` describes the last call (a new dict per call):
+
+    - work: ``num_sequences``, ``steps``, ``generated_tokens``, ``prompt_tokens`` (requested), ``prefill_tokens``
+      (computed, recomputes after a preemption included), ``shared_prompt_tokens`` / ``prompt_forks`` (taken from a
+      sibling's blocks), ``prefix_cached_tokens``, ``preemptions``, ``kv_blocks``, ``block_size``;
+    - path: ``kernels``, ``fused_projections``, ``cuda_graphs``, ``graph_steps`` / ``eager_steps``,
+      ``overlapped_steps`` (decode steps launched before the previous one was read back), ``graph_captures`` (of
+      which ``graph_captures_warmed`` ran an eager warm-up and ``graph_captures_ahead`` were recorded during a
+      prefill step), ``cuda_graphs_disabled`` (why graphs were turned off, else None), ``capture_ahead_failed`` (why
+      an early capture failed; the decode step then captured as usual);
+    - host seconds: ``setup_s`` (to the first step), ``eager_s`` and its split ``eager_host_s``, ``graph_s`` and the
+      per-part split of graph decode steps ``decode_host_s``, ``capture_s`` / ``capture_ahead_s``, ``elapsed_s``,
+      ``tokens_per_s``.
     """
 
     def __init__(self, model: nn.Module, config: GeneratorConfig | None = None, **kwargs: object) -> None:
