@@ -5,12 +5,14 @@ one exact ``generate`` per batch (Qwen3-1.7B shape, bf16, ``--prompt-len`` rando
 new tokens, EOS ignored) after two warm-up calls, and over the decode steps (from the ``--skip``-th CUDA-graph launch
 to the end) reports:
 
-- ``busy_ms`` / ``idle_ms`` per step: the union of the device intervals (kernels, copies, memsets) and the rest;
-- ``gaps``: every idle interval longer than ``--min-gap-us``, summed by the (previous, next) device event names, and
-  a histogram of all gaps;
-- ``host``: the runtime calls of the host per step (``cudaGraphLaunch``, copies, syncs, host allocations) with their
-  count and host time, and ``launch_lead_ms``: per graph step, how long before the device ran out of queued work the
-  host launched the next graph (negative: the device waited for the host).
+- ``busy_ms_per_step`` / ``idle_ms_per_step`` / ``busy_fraction``: the union of the device intervals (kernels,
+  copies, memsets) and the rest;
+- ``gaps_over_min``: every idle interval longer than ``--min-gap-us``, summed by the (previous, next) device event
+  names, and ``gap_histogram`` of all gaps;
+- ``host_calls_per_step``: the host's runtime calls (``cudaGraphLaunch``, copies, syncs, host allocations) with
+  their count and host time;
+- ``launches_inside_a_gap`` and ``device_wait_for_launch_ms_per_step`` / ``_median_ms``: graph launches that began
+  after the device had run out of queued work, and how long the device had waited by then.
 
     python benchmarks/decode_timeline.py                        # batches 64 and 256
     python benchmarks/decode_timeline.py --trace /tmp/traces    # also write the Chrome traces there

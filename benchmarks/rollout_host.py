@@ -58,8 +58,10 @@ class StubRunner(ModelRunner):
         self.bm.record_updates = True
         self._signature = self.signature()
 
-    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None) -> _StubGraph:
+    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> _StubGraph:
         self.stats["graph_captures"] += 1
+        self.stats["graph_captures_ahead"] += int(ahead)
+        self.warmed.add(self._warm_key(bucket, kv_len))  # as a real capture: later calls capture ahead
         return _StubGraph(gs, bucket)
 
     def _eager_step(self, batch: ScheduledBatch, t0: float, decode_rows: int) -> list[tuple[Sequence, int, float]]:
