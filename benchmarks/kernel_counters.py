@@ -231,9 +231,9 @@ def main() -> int:
             )
         if "error" in entry:
             print(f"[kernel_counters] {case}: {entry['error'][-600:]}", flush=True)
-    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every case: a timeout keeps the rest
     print(f"[kernel_counters] wrote {args.out} ({result['elapsed_s']} s)")
     return 0 if all("error" not in e for e in result["cases"].values()) else 1
 

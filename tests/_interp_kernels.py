@@ -86,6 +86,19 @@ def check_matmul() -> None:
     cfg = tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True)
     _check_invariant(lambda xb: tmm.matmul_with_config(xb, w, cfg), torch.randn(20, 68), 20, "tma")
 
+    # fixed K splits: the in-register sum ("tma" with KS) and the split launch ("split") give the same bits at every M
+    w = torch.randn(44, 200)
+    seq = tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, KS=64)
+    par = tmm.MatmulConfig("split", 16, 32, 32, 4, 1, KS=64)
+    pool = torch.randn(20, 200)
+    full = tmm.matmul_with_config(pool, w, seq)
+    assert _rel_err(full, pool.double() @ w.double().T, pool.double().abs() @ w.double().abs().T) < 1e-5
+    for m in (1, 7, 20):
+        assert torch.equal(tmm.matmul_with_config(pool[:m], w, par), full[:m]), f"split launch differs at M={m}"
+    _check_invariant(lambda xb: tmm.matmul_with_config(xb, w, par), pool, 12, "split")
+    # negative control: the splits are taken (the unsplit chain rounds differently)
+    assert not torch.equal(full, tmm.matmul_with_config(pool, w, tmm.MatmulConfig("tma", 16, 32, 32, 4, 1)))
+
     # NEGATIVE CONTROLS. (1) native CPU torch matmul is not batch-invariant here.
     x, w = torch.randn(32, 96), torch.randn(64, 96)
     singles = torch.cat([x[i : i + 1] @ w.T for i in range(32)])

@@ -159,6 +159,26 @@ def test_gpu_matmul_row_tile_variants_bitwise(nk: tuple[int, int]) -> None:
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_matmul_k_splits_taken() -> None:
+    """The K-heavy down projection splits K at fixed columns: decode-sized M runs the split launches, and the
+    library's rows equal the in-register sum of the same splits and differ from one unsplit chain (so the invariance
+    tests above compare split launches with in-register sums, not two unsplit paths)."""
+    tm = _tm()
+    n, k = 2048, 6144
+    assert [tm.config_for(m, n, k, torch.bfloat16, _dev()).kernel for m in (4, 64, 300)] == ["split", "split", "tma"]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(n, k, device=_dev(), generator=g).bfloat16()
+    x = torch.randn(300, k, device=_dev(), generator=g).bfloat16()
+    seq = tm.MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=tm.SPLIT_K_KEYS)
+    unsplit = tm.MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
+    lib = tm.matmul(x, w)
+    assert torch.equal(lib, tm.matmul_with_config(x, w, seq))
+    assert torch.equal(tm.matmul(x[:40], w), lib[:40])
+    assert not torch.equal(lib, tm.matmul_with_config(x, w, unsplit)), "negative control: the split changed no bit"
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_matmul_negative_control() -> None:
     """cuBLAS bf16 (torch.mm) is not batch-invariant: some row differs between M=1 and a larger M."""
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -3,11 +3,20 @@
 Why the result for a row depends only on that row
 -------------------------------------------------
 Every output element is ``acc = 0; for k-tile in 0, 1, ..., cdiv(K, BK) - 1: acc = dot(x_tile, w_tile^T, acc)``:
-one program owns a whole ``BM x BN`` output tile (no split-K, no atomics), the K tiles are visited in ascending order,
+one program owns a whole ``BM x BN`` output tile (no atomics), the K tiles are visited in ascending order,
 the accumulator is fp32 and is carried through ``tl.dot``'s accumulator operand (never ``acc += dot(...)``), and
 fp32 operands use ``input_precision="ieee"`` (no TF32). Out-of-range rows/columns/K-tail are zero-filled (TMA
 out-of-bounds fill or masked loads), so padding rows never influence real rows: matrix instructions compute each
 output element from its own row of ``x`` and column of ``w^T`` only.
+
+Fixed K splits. For K-heavy shapes (:func:`split_keys`, a function of N, K and dtype only) the chain restarts from
+zero every ``KS`` columns, anchored at column 0, and the split chains are summed in ascending order:
+``out = ((0 + c_0) + c_1) + ...``. That is still a function of the row alone. Decode-sized M computes the splits in
+separate programs (``"split"`` configs: fp32 partials, then a summing launch), larger M in one program with a second
+register accumulator (``"tma"`` configs with ``KS``); the sums are the same fp32 additions in the same order, so the
+bits are the same (``tests/_interp_kernels.py``, ``tests/test_triton_kernels.py``). At small M the output tiles of
+such shapes are too few to fill the GPU, and the splits multiply the programs without re-reading ``x`` per narrow
+column tile (``benchmarks/results/matmul_splitk_h200.json``).
 
 The tile configuration is a function of ``(N, K, dtype, device)`` only (:func:`static_config`), never of M. On Hopper
 an M-bucketed list of variants (:func:`row_tile_variants`, itself a function of N, K, dtype, device) trades tile
@@ -36,11 +45,14 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 ``benchmarks/results/matmul_variants_h200.json``, ``benchmarks/results/matmul_variants_m256_h200.json`` and the
 ``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
+* K-heavy shapes (``KS`` set): M <= 16 ``"split"`` 16 x 64 x 128, M <= 64 ``"split"`` 64 x 64 x 128, M <= 256 TMA
+  64 x 64 x 128 with ``KS``, larger M TMA 128 x 128 x 64 with ``KS`` (two 128 x 256 accumulators would not fit in
+  registers). The rules below are for the other shapes.
 * M <= 16 ("narrow"): pointer kernel, BM = 16, BN = 32 where N still gives ~#SMs column tiles, else 16, BK = 128,
   4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16-row candidate there, over one warp
   or four, was bitwise equal to the large-M tiles).
 * 16 < M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles
-  exist (small M is bound by reading ``w`` once, and with split-K banned N is the only parallelism), BK = 128 for
+  exist (small M is bound by reading ``w`` once, and without K splits N is the only parallelism), BK = 128 for
   BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
 * 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
   per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
@@ -117,7 +129,8 @@ def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One kernel launch configuration. ``kernel`` is ``"tma"`` (persistent, tensor descriptors) or ``"ptr"``."""
+    """One kernel launch configuration. ``kernel`` is ``"tma"`` (persistent, tensor descriptors), ``"ptr"``, or
+    ``"split"`` (one program per output tile and K split, fp32 partials summed by a second launch; needs ``KS``)."""
 
     kernel: str
     BM: int
@@ -132,6 +145,18 @@ class MatmulConfig:
     device_desc: bool = True
     """TMA kernel only: build the tensor descriptors on the device (no per-launch host encoding). ``False`` builds
     them on the host (same arithmetic; kept for comparison)."""
+    KS: int = 0
+    """Keys per fixed K split (0: one chain over all of K). With ``KS``, every output element is
+    ``((0 + c_0) + c_1) + ...`` where ``c_s`` is the K chain of columns ``[s * KS, (s + 1) * KS)`` started from zero:
+    the ``"tma"`` kernel sums the splits in registers, ``"split"`` in a second launch, with the same bits."""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("tma", "ptr", "split"):
+            raise ValueError(f"MatmulConfig: unknown kernel {self.kernel!r} (expected 'tma', 'ptr' or 'split')")
+        if self.KS % self.BK or (self.kernel == "split" and not self.KS) or (self.kernel == "ptr" and self.KS):
+            raise ValueError(
+                f"MatmulConfig: KS={self.KS} must be a multiple of BK={self.BK}, set for 'split' and 0 for 'ptr'"
+            )
 
 
 def _device_key(device: torch.device) -> tuple:
@@ -162,12 +187,30 @@ def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     return (K * dtype.itemsize) % 16 == 0 and (N * dtype.itemsize) % 16 == 0
 
 
+SPLIT_K_KEYS = 1536
+"""``KS`` of the K-heavy shapes (:func:`split_keys`): chosen from ``benchmarks/results/matmul_splitk_h200.json``
+(the Qwen3-1.7B ``down`` projection, N = 2,048, K = 6,144: 1,536 keys were fastest at M = 4 and 64; a multiple of
+every BK)."""
+
+
+def split_keys(N: int, K: int, dtype: torch.dtype, tma: bool) -> int:
+    """``KS`` for ``(N, K, dtype)`` on a TMA-capable device: :data:`SPLIT_K_KEYS` for K-heavy shapes (K at least 4,096
+    and at least twice N, where small M leaves too few output tiles to fill the GPU), else 0. Part of the static
+    configuration, so every M of the shape splits K at the same columns."""
+    if not (tma and USE_ROW_TILE_VARIANTS) or dtype == torch.float32:
+        return 0
+    return SPLIT_K_KEYS if K >= 4096 and K >= 2 * N else 0
+
+
 @functools.cache
 def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) -> MatmulConfig:
     if device_key[0] == "interp":
         return MatmulConfig("ptr", BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # FMA path (ieee); tiles only affect speed, not bits
         return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
+    ks = split_keys(N, K, dtype, tma)
+    if ks:  # two fp32 accumulators (split and sum) per tile: 128 x 128 keeps them in registers
+        return MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=ks)
     if tma:  # measured on an H200 (triton 3.6): warp specialization gave no gain here, so it is off by default
         if N >= 256:
             return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, subtile=True)
@@ -181,8 +224,8 @@ def static_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> M
 
 
 def _decode_bn(N: int, num_sms: int) -> int:
-    """Widest BN in {64, 32, 16} that still gives about one column tile per SM (small M reads ``w`` once and, with
-    split-K banned, N is the only source of parallelism)."""
+    """Widest BN in {64, 32, 16} that still gives about one column tile per SM (small M reads ``w`` once and, for
+    shapes without K splits, N is the only source of parallelism)."""
     for bn in (64, 32):
         if triton.cdiv(N, bn) >= 0.9 * num_sms:
             return bn
@@ -195,6 +238,11 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     if not (tma and USE_ROW_TILE_VARIANTS):
         return ((None, base),)
     sms = _cuda_props(device_key[1])[1]
+    if base.KS:  # K-heavy: small M splits K across programs, larger M sums the same splits in registers
+        narrow = MatmulConfig("split", 16, 64, 128, num_warps=4, num_stages=4, KS=base.KS)
+        decode = MatmulConfig("split", 64, 64, 128, num_warps=4, num_stages=4, KS=base.KS)
+        small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, KS=base.KS)
+        return ((16, narrow), (64, decode), (256, small), (None, base))
     bn = _decode_bn(N, sms)
     # All variants are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
@@ -284,12 +332,14 @@ def _mm_tma_kernel(
     RNE_FIX: tl.constexpr,
     DEV_DESC: tl.constexpr,
     PDL: tl.constexpr,
+    KS: tl.constexpr,
 ):
     """Persistent matmul over tensor descriptors: ``x_desc [M, K]`` block ``[BM, BK]``, ``w_desc [N, K]`` block
     ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE).
 
     ``DEV_DESC``: the three arguments are plain (contiguous) tensors and the descriptors are built on the device
-    (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`ensure_allocator`)."""
+    (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`ensure_allocator`).
+    ``KS > 0``: the chain restarts from zero every ``KS`` columns and the splits are summed in ascending order."""
     pdl_entry(PDL)  # before the descriptors are written: the previous launch may still read the same scratch
     if DEV_DESC:
         OB: tl.constexpr = BN // 2 if SUBTILE else BN
@@ -307,6 +357,8 @@ def _mm_tma_kernel(
         offs_m = pid_m * BM
         offs_n = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if KS > 0:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
             a = x_desc.load([offs_m, ki * BK])
             b = w_desc.load([offs_n, ki * BK])
@@ -314,6 +366,12 @@ def _mm_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc)
+            if KS > 0:
+                if ((ki + 1) % (KS // BK) == 0) | (ki == k_tiles - 1):  # a split ends: add its chain to the sum
+                    total = total + acc
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if KS > 0:
+            acc = total
         tile_id_c += NUM_PROGS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_cm = pid_m * BM
@@ -374,6 +432,59 @@ def _mm_ptr_kernel(
         w_ptrs += BK
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_split_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    KS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The fp32 chain of K split ``program_id(2)`` (columns ``[s * KS, (s + 1) * KS)``, from zero) of one output tile,
+    stored at ``ws[s]`` (``[splits, M, N]``); :func:`_split_sum_kernel` adds the splits."""
+    pdl_entry(PDL)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    offs_m = tl.program_id(0) * BM
+    offs_n = tl.program_id(1) * BN
+    s = tl.program_id(2)
+    TPS: tl.constexpr = KS // BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(s * TPS, tl.minimum(s * TPS + TPS, tl.cdiv(K, BK))):
+        a = x_desc.load([offs_m, ki * BK])
+        b = w_desc.load([offs_n, ki * BK])
+        if UPCAST:  # interpreter only
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    rows = offs_m + tl.arange(0, BM)
+    cols = offs_n + tl.arange(0, BN)
+    p_ptrs = ws_ptr + (s * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(p_ptrs, acc, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(ws_ptr, o_ptr, numel, splits, BLOCK: tl.constexpr, RNE_FIX: tl.constexpr, PDL: tl.constexpr):
+    """``out = ((0 + ws[0]) + ws[1]) + ...`` in ascending split order (the TMA kernel's in-register sum), cast once."""
+    pdl_entry(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, splits):
+        total = total + tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(o_ptr + offs, cast_out(total, o_ptr.dtype.element_ty, RNE_FIX), mask=ok)
+
+
+_SPLIT_SUM_BLOCK = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -452,12 +563,16 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
     out_flags = {"RNE_FIX": _rne_fix(dtype), "PDL": pdl.pop("PDL")}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
     idx = device.index if device.type == "cuda" and device.index is not None else -1
+    if cfg.kernel == "split":
+        grid = (triton.cdiv(M, cfg.BM), triton.cdiv(N, cfg.BN), triton.cdiv(K, cfg.KS))
+        constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, KS=cfg.KS, UPCAST=_INTERPRET, PDL=out_flags["PDL"])
+        return _Launch(cfg, _mm_split_kernel, grid, constexprs, options, (M, N, K), idx)
     if cfg.kernel == "tma":
         num_progs = max(1, min(num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
         constexprs = dict(
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
-            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, **out_flags,
+            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS, **out_flags,
         )  # fmt: skip
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
@@ -477,6 +592,9 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     """Launch ``plan`` on contiguous ``x [..., K]``, ``w [N, K]``, ``out [..., N]`` (``M`` rows; same CUDA device,
     or the interpreter). TMA kernels need 16-byte-aligned bases, so a misaligned operand is copied first."""
     cfg = plan.cfg
+    if cfg.kernel == "split":
+        _launch_split(plan, x, w, out)
+        return
     px, pw = x.data_ptr(), w.data_ptr()
     if (px | pw) % 16 and cfg.kernel == "tma":
         x, w = _aligned(x), _aligned(w)
@@ -513,6 +631,20 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     _keep_runner(plan, compiled, x, w, out)
+
+
+def _launch_split(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """A ``"split"`` plan: the per-split partials into a fresh fp32 workspace (from the CUDA-graph pool during
+    capture), then their sum into ``out``. Both through Triton's JIT dispatch (decode-sized calls, usually captured)."""
+    M, N, K = plan.ints
+    ensure_allocator()
+    x, w = _aligned(x), _aligned(w)
+    ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=x.device)
+    plan.kernel[plan.grid](x, w, ws, M, N, K, **plan.constexprs, **plan.options)
+    numel = M * N
+    _split_sum_kernel[(triton.cdiv(numel, _SPLIT_SUM_BLOCK),)](
+        ws, out, numel, plan.grid[2], BLOCK=_SPLIT_SUM_BLOCK, RNE_FIX=_rne_fix(out.dtype), **pdl_options(x.device)
+    )
 
 
 def _keep_runner(plan: _Launch, compiled, *tensors: torch.Tensor) -> None:  # noqa: ANN001

@@ -1,0 +1,154 @@
+"""Fixed K splits of the exact matmul (``MatmulConfig.KS``): the split-size sweep and the library against no split.
+
+    python benchmarks/matmul_splitk.py [--out benchmarks/results/matmul_splitk_h200.json]
+
+A K split whose boundaries depend only on K (every ``KS`` columns from 0), with the split chains summed in ascending
+order from zero, keeps a row's bits a function of the row alone (``rlexact.ops.triton_matmul``). Two parts, on the
+Qwen3-1.7B ``down`` projection (N = 2,048, K = 6,144; the only K-heavy shape of that model):
+
+* ``sweep``: for M = 4, 64, 256 and each ``KS`` in 512 ... 3,072, ``"split"`` launches (one program per tile and
+  split) of several tiles, each checked bitwise against the in-register sum (``"tma"`` with the same ``KS``) of the
+  same rows inside a 4,096-row call, and timed with the weights from HBM (CUDA-graph replays over weight copies that
+  together exceed four times L2), next to ``torch.mm``;
+* ``library``: for M from 1 to 16,384, the library's matmul (with ``SPLIT_K_KEYS``) against the configuration it used
+  for the same M before K splits (``UNSPLIT``) and ``torch.mm``, and whether the library's rows equal the same rows
+  inside a 4,096-row call. M <= 256 with the weights from HBM, larger M with one weight (compute-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import traceback
+from pathlib import Path
+
+import torch
+
+from common import ROOT, bench_graph, header
+from rlexact.ops.triton_matmul import SPLIT_K_KEYS, MatmulConfig, config_for, matmul, matmul_with_config
+
+N, K = 2048, 6144
+L2_BYTES = 50 * 2**20
+MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096, 16384]
+KS_SWEEP = [512, 1024, 1536, 2048, 3072]
+UNSPLIT = (  # (max M, config) of the down projection before K splits (triton_matmul._variants at 91f122b)
+    (16, MatmulConfig("ptr", 16, 16, 128, num_warps=4, num_stages=4)),
+    (64, MatmulConfig("ptr", 64, 16, 64, num_warps=4, num_stages=4)),
+    (256, MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)),
+    (2048, MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)),
+    (None, MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, subtile=True)),
+)
+
+
+def unsplit(m: int) -> MatmulConfig:
+    return next(cfg for max_m, cfg in UNSPLIT if max_m is None or m <= max_m)
+
+
+def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
+    """Microseconds per call of ``fn(w)`` over the weight copies ``ws``, one CUDA-graph replay for all of them."""
+
+    def run() -> None:
+        for w in ws:
+            fn(w)
+
+    return bench_graph(run) / len(ws) * 1e3
+
+
+def split_candidates(m: int, ks: int) -> list[MatmulConfig]:
+    bms = (16,) if m <= 16 else (64, 128)
+    return [
+        MatmulConfig("split", bm, bn, bk, num_warps=4 if bm * bn <= 64 * 128 else 8, num_stages=4, KS=ks)
+        for bm, bn, bk in itertools.product(bms, (64, 128), (64, 128))
+        if ks % bk == 0
+    ]
+
+
+def sweep(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
+    rows = []
+    for ks in KS_SWEEP:
+        seq = matmul_with_config(x_all, w, MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=ks))
+        for m in (4, 64, 256):
+            x = x_all[1000 : 1000 + m].contiguous()
+            for cfg in split_candidates(m, ks):
+                row: dict = {"M": m, "KS": ks, "config": repr(cfg)}
+                try:
+                    row["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), seq[1000 : 1000 + m]))
+                    row["us"] = timed(lambda w, x=x, c=cfg: matmul_with_config(x, w, c), wcopies)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+        best = {
+            m: min((r["us"] for r in rows if r["KS"] == ks and r["M"] == m and r.get("bitwise")), default=None)
+            for m in (4, 64, 256)
+        }
+        print(f"[matmul_splitk] KS={ks}: best split launch (us) per M {best}", flush=True)
+    return rows
+
+
+def library(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
+    dev = w.device
+    big = torch.randn(16384, K, device=dev, dtype=torch.bfloat16)
+    big[:4096] = x_all
+    ref = matmul(x_all, w)
+    rows = []
+    for m in MS:
+        x = big[:m].contiguous() if m > 4096 else x_all[1000 : 1000 + m].contiguous() if m <= 3000 else x_all[:m]
+        ws = wcopies if m <= 256 else wcopies[:1]
+        cfg = config_for(m, N, K, torch.bfloat16, dev)
+        row: dict = {"M": m, "config": repr(cfg), "unsplit_config": repr(unsplit(m))}
+        got = matmul(x, w)
+        if m <= 3000:
+            row["rows_equal_inside_4096"] = bool(torch.equal(got, ref[1000 : 1000 + m]))
+        elif m == 4096:
+            row["rows_equal_inside_4096"] = True
+        else:
+            row["rows_equal_inside_4096"] = bool(torch.equal(got[:4096], ref))
+        row["library_us"] = timed(lambda w, x=x: matmul(x, w), ws)
+        old = unsplit(m)
+        row["unsplit_us"] = timed(lambda w, x=x, c=old: matmul_with_config(x, w, c), ws)
+        row["torch_mm_us"] = timed(lambda w, x=x: torch.mm(x, w.T), ws)
+        row["library_over_unsplit"] = row["unsplit_us"] / row["library_us"]
+        row["library_over_torch_mm"] = row["torch_mm_us"] / row["library_us"]
+        print(
+            f"[matmul_splitk] M={m}: library {row['library_us']:.1f} us, unsplit {row['unsplit_us']:.1f}, "
+            f"torch.mm {row['torch_mm_us']:.1f}, rows equal {row['rows_equal_inside_4096']}",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_splitk_h200.json"))
+    ap.add_argument("--skip-sweep", action="store_true", help="only the library part")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(N, K, device=dev, generator=g).bfloat16()
+    wcopies = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)]
+    x_all = torch.randn(4096, K, device=dev, generator=g).bfloat16()
+    result: dict = header("matmul_splitk", "triton") | {
+        "shape": {"N": N, "K": K, "dtype": "bfloat16"},
+        "split_k_keys": SPLIT_K_KEYS,
+        "timing": "microseconds per call, median of CUDA-graph replays; M <= 256 (and the sweep) over weight copies "
+        "that together exceed four times L2, so the weights come from HBM",
+        "errors": {},
+    }
+    for part, fn in (("sweep", sweep), ("library", library)):
+        if part == "sweep" and args.skip_sweep:
+            continue
+        try:
+            result[part] = fn(w, wcopies, x_all)
+        except Exception:  # noqa: BLE001
+            result["errors"][part] = traceback.format_exc()[-2000:]
+            print(f"[matmul_splitk] {part} failed:\n{result['errors'][part]}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[matmul_splitk] wrote {args.out}; errors: {list(result['errors'])}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
