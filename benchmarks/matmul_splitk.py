@@ -10,6 +10,9 @@ Qwen3-1.7B ``down`` projection (N = 2,048, K = 6,144; the only K-heavy shape of 
   split) of several tiles, each checked bitwise against the in-register sum (``"tma"`` with the same ``KS``) of the
   same rows inside a 4,096-row call, and timed with the weights from HBM (CUDA-graph replays over weight copies that
   together exceed four times L2), next to ``torch.mm``;
+* ``large``: in-register-sum candidates (``"tma"`` tiles with ``SPLIT_K_KEYS``) at M = 4,096 and 16,384, each
+  checked bitwise against the library and timed next to the tile used before K splits (two 128 x 256 accumulators
+  do not fit in registers, so the split shapes need another large-M tile);
 * ``library``: for M from 1 to 16,384, the library's matmul (with ``SPLIT_K_KEYS``) against the configuration it used
   for the same M before K splits (``UNSPLIT``) and ``torch.mm``, and whether the library's rows equal the same rows
   inside a 4,096-row call. M <= 256 with the weights from HBM, larger M with one weight (compute-bound).
@@ -86,6 +89,38 @@ def sweep(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> 
     return rows
 
 
+def large_candidates() -> list[MatmulConfig]:
+    tiles = [
+        (128, 128, 64, 8, 4, False), (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 5, False),
+        (128, 128, 128, 8, 3, False), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, False),
+        (256, 128, 64, 8, 3, False), (128, 64, 64, 4, 4, False),
+    ]  # fmt: skip
+    return [
+        MatmulConfig("tma", bm, bn, bk, num_warps=wp, num_stages=st, warp_specialize=ws, KS=SPLIT_K_KEYS)
+        for bm, bn, bk, wp, st, ws in tiles
+    ]
+
+
+def large(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
+    rows = []
+    for m in (4096, 16384):
+        x = torch.randn(m, K, device=w.device, dtype=torch.bfloat16)
+        ref = matmul(x, w)
+        old = unsplit(m)
+        base_us = timed(lambda w, x=x, c=old: matmul_with_config(x, w, c), [w])
+        for cfg in large_candidates():
+            row: dict = {"M": m, "config": repr(cfg), "unsplit_us": base_us}
+            try:
+                row["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
+                row["us"] = timed(lambda w, x=x, c=cfg: matmul_with_config(x, w, c), [w])
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(f"[matmul_splitk] large M={m} {cfg}: {row.get('us', float('nan')):.1f} us (unsplit {base_us:.1f}) "
+                  f"bitwise {row.get('bitwise')}", flush=True)  # fmt: skip
+    return rows
+
+
 def library(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
     dev = w.device
     big = torch.randn(16384, K, device=dev, dtype=torch.bfloat16)
@@ -136,7 +171,7 @@ def main() -> int:
         "that together exceed four times L2, so the weights come from HBM",
         "errors": {},
     }
-    for part, fn in (("sweep", sweep), ("library", library)):
+    for part, fn in (("sweep", sweep), ("large", large), ("library", library)):
         if part == "sweep" and args.skip_sweep:
             continue
         try:

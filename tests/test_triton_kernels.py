@@ -469,7 +469,7 @@ def test_gpu_token_logprobs_backward(dtype: torch.dtype, hv: tuple[int, int]) ->
 @pytest.mark.parametrize("nk", QWEN_LINEARS)
 def test_gpu_matmul_cached_launcher_bitwise(nk: tuple[int, int]) -> None:
     """The cached-launcher path of ``matmul`` gives the bits of the JIT-dispatched launch of the same config, also
-    for an unaligned (sliced) input that must take the JIT path."""
+    for an unaligned (sliced) input that must take the JIT path (split plans: their partials launch is cached)."""
     tm = _tm()
     n, k = nk
     g = torch.Generator(device="cuda").manual_seed(26)

@@ -590,13 +590,27 @@ _RUNNER_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``plan`` on contiguous ``x [..., K]``, ``w [N, K]``, ``out [..., N]`` (``M`` rows; same CUDA device,
-    or the interpreter). TMA kernels need 16-byte-aligned bases, so a misaligned operand is copied first."""
-    cfg = plan.cfg
-    if cfg.kernel == "split":
-        _launch_split(plan, x, w, out)
+    or the interpreter). A ``"split"`` plan writes its fp32 partials into a fresh workspace (from the CUDA-graph pool
+    during capture) and a second launch sums them into ``out``."""
+    if plan.cfg.kernel != "split":
+        _launch_kernel(plan, x, w, out)
         return
+    M, N, _ = plan.ints
+    ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=out.device)
+    _launch_kernel(plan, x, w, ws)
+    numel = M * N
+    _split_sum_kernel[(triton.cdiv(numel, _SPLIT_SUM_BLOCK),)](
+        ws, out, numel, plan.grid[2], BLOCK=_SPLIT_SUM_BLOCK, RNE_FIX=_rne_fix(out.dtype), **pdl_options(out.device)
+    )
+
+
+def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch ``plan``'s kernel with ``out`` as its third argument (the output, or a split plan's workspace), through
+    the cached launcher when there is one. Descriptor kernels need 16-byte-aligned bases, so a misaligned operand is
+    copied first."""
+    cfg = plan.cfg
     px, pw = x.data_ptr(), w.data_ptr()
-    if (px | pw) % 16 and cfg.kernel == "tma":
+    if (px | pw) % 16 and cfg.kernel != "ptr":
         x, w = _aligned(x), _aligned(w)
         px, pw = x.data_ptr(), w.data_ptr()
     runner = plan.runner
@@ -631,20 +645,6 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
     _keep_runner(plan, compiled, x, w, out)
-
-
-def _launch_split(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """A ``"split"`` plan: the per-split partials into a fresh fp32 workspace (from the CUDA-graph pool during
-    capture), then their sum into ``out``. Both through Triton's JIT dispatch (decode-sized calls, usually captured)."""
-    M, N, K = plan.ints
-    ensure_allocator()
-    x, w = _aligned(x), _aligned(w)
-    ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=x.device)
-    plan.kernel[plan.grid](x, w, ws, M, N, K, **plan.constexprs, **plan.options)
-    numel = M * N
-    _split_sum_kernel[(triton.cdiv(numel, _SPLIT_SUM_BLOCK),)](
-        ws, out, numel, plan.grid[2], BLOCK=_SPLIT_SUM_BLOCK, RNE_FIX=_rne_fix(out.dtype), **pdl_options(x.device)
-    )
 
 
 def _keep_runner(plan: _Launch, compiled, *tensors: torch.Tensor) -> None:  # noqa: ANN001
