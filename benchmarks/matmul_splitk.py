@@ -157,7 +157,7 @@ def library(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_splitk_h200.json"))
-    ap.add_argument("--skip-sweep", action="store_true", help="only the library part")
+    ap.add_argument("--parts", nargs="+", default=["sweep", "large", "library"], help="parts to run (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -172,7 +172,7 @@ def main() -> int:
         "errors": {},
     }
     for part, fn in (("sweep", sweep), ("large", large), ("library", library)):
-        if part == "sweep" and args.skip_sweep:
+        if part not in args.parts:
             continue
         try:
             result[part] = fn(w, wcopies, x_all)
