@@ -46,8 +46,8 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 ``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
 * K-heavy shapes (``KS`` set): M <= 16 ``"split"`` 16 x 64 x 128, M <= 64 ``"split"`` 64 x 64 x 128, M <= 256 TMA
-  64 x 64 x 128 with ``KS``, larger M TMA 128 x 128 x 64 with ``KS`` (two 128 x 256 accumulators would not fit in
-  registers). The rules below are for the other shapes.
+  64 x 64 x 128, M <= 2048 TMA 128 x 128 x 64, larger M TMA 128 x 256 x 64 (8 warps, 3 stages), all with ``KS``
+  (``benchmarks/results/matmul_splitk_h200.json``). The rules below are for the other shapes.
 * M <= 16 ("narrow"): pointer kernel, BM = 16, BN = 32 where N still gives ~#SMs column tiles, else 16, BK = 128,
   4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16-row candidate there, over one warp
   or four, was bitwise equal to the large-M tiles).
@@ -209,8 +209,8 @@ def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: b
     if dtype == torch.float32:  # FMA path (ieee); tiles only affect speed, not bits
         return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
     ks = split_keys(N, K, dtype, tma)
-    if ks:  # two fp32 accumulators (split and sum) per tile: 128 x 128 keeps them in registers
-        return MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=ks)
+    if ks:  # fastest in-register-sum tile at M = 4,096 and 16,384 (matmul_splitk_h200.json, part "large")
+        return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, KS=ks)
     if tma:  # measured on an H200 (triton 3.6): warp specialization gave no gain here, so it is off by default
         if N >= 256:
             return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, subtile=True)
@@ -242,7 +242,8 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
         narrow = MatmulConfig("split", 16, 64, 128, num_warps=4, num_stages=4, KS=base.KS)
         decode = MatmulConfig("split", 64, 64, 128, num_warps=4, num_stages=4, KS=base.KS)
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, KS=base.KS)
-        return ((16, narrow), (64, decode), (256, small), (None, base))
+        mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=base.KS)
+        return ((16, narrow), (64, decode), (256, small), (2048, mid), (None, base))
     bn = _decode_bn(N, sms)
     # All variants are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
