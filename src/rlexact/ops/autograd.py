@@ -66,7 +66,7 @@ class MatmulFn(torch.autograd.Function):
     Forward: the exact (batch-invariant) matmul. Backward: cuBLAS, ``dx = grad @ w`` and ``dw = grad.T @ x``.
 
     The backward need not be batch-invariant, only deterministic and correct, and cuBLAS is the fastest such GEMM
-    here (the exact kernel's fixed tiles and ban on split-K buy batch invariance, which a gradient does not need).
+    here (the exact kernel's fixed tiles and fixed K splits buy batch invariance, which a gradient does not need).
     It is deterministic: cuBLAS documents bitwise-identical results run to run for a given toolkit version, GPU
     architecture and SM count; for fixed shapes, dtypes and strides its heuristic returns the same algorithm, any
     split-K reduction runs in a fixed order, and atomics are off by default (``cublasSetAtomicsMode``). The documented
