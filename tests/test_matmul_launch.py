@@ -120,6 +120,39 @@ def test_triton_matmul_shape_errors() -> None:
         tmm.matmul(torch.randn(3, 4), torch.randn(4))
 
 
+@needs_triton
+def test_matmul_config_errors_name_the_fix() -> None:
+    """A K split that does not fit the config is an error naming the rule, not a silently different chain."""
+    from rlexact.ops import triton_matmul as tmm
+
+    with pytest.raises(ValueError, match="multiple of BK"):
+        tmm.MatmulConfig("tma", 128, 128, 64, 8, 4, KS=1000)
+    with pytest.raises(ValueError, match="set for 'split'"):
+        tmm.MatmulConfig("split", 16, 64, 128, 4, 4)
+    with pytest.raises(ValueError, match="0 for 'ptr'"):
+        tmm.MatmulConfig("ptr", 16, 64, 128, 4, 4, KS=1536)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        tmm.MatmulConfig("cublas", 16, 64, 128, 4, 4)
+    assert tmm.MatmulConfig("split", 16, 64, 128, 4, 4, KS=1536).KS == 1536
+
+
+@needs_triton
+def test_split_keys_only_for_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K splits are a function of (N, K, dtype) on TMA devices: the down projection splits, the K = 2,048 projections
+    and fp32 do not, and without row-tile variants nothing splits (one static chain for every M)."""
+    from rlexact.ops import triton_matmul as tmm
+
+    bf16 = torch.bfloat16
+    assert tmm.split_keys(2048, 6144, bf16, tma=True) == tmm.SPLIT_K_KEYS
+    assert tmm.split_keys(4096, 12288, torch.float16, tma=True) == tmm.SPLIT_K_KEYS
+    for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (6144, 2048), (4096, 6144)):
+        assert tmm.split_keys(n, k, bf16, tma=True) == 0, (n, k)
+    assert tmm.split_keys(2048, 6144, torch.float32, tma=True) == 0
+    assert tmm.split_keys(2048, 6144, bf16, tma=False) == 0
+    monkeypatch.setattr(tmm, "USE_ROW_TILE_VARIANTS", False)
+    assert tmm.split_keys(2048, 6144, bf16, tma=True) == 0
+
+
 INTERP = r"""
 import torch
 from rlexact import ops

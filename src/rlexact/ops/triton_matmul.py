@@ -76,7 +76,9 @@ allocator (:func:`ensure_allocator` installs :func:`_torch_alloc` in a thread th
 global). Where no launcher can be reused (unaligned pointers of the pointer kernel, the interpreter, another current
 device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the same
 specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
-incompatible Triton warns and switches to it).
+incompatible Triton warns and switches to it). A ``"split"`` plan (K-heavy shapes at M <= 64) launches its partials
+through the cached launcher too, plus a summing kernel through Triton's JIT dispatch: one more launch and its host
+time per call, which CUDA-graph decode steps do not repeat.
 Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
 
