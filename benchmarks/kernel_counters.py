@@ -53,25 +53,28 @@ CASES = [
     "head256",
 ]
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats"]
-SUMMARY = {  # summary key -> ncu raw metric
-    "duration_ns": "gpu__time_duration.sum",
-    "dram_read_bytes": "dram__bytes_read.sum",
-    "dram_write_bytes": "dram__bytes_write.sum",
-    "dram_pct_of_peak": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "l2_bytes": "lts__t_bytes.sum",
-    "l2_pct_of_peak": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "l1_pct_of_peak": "l1tex__throughput.avg.pct_of_peak_sustained_active",
-    "sm_pct_of_peak": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "theoretical_occupancy_pct": "sm__maximum_warps_per_active_cycle_pct",
-    "occupancy_limit_registers": "launch__occupancy_limit_registers",
-    "occupancy_limit_shared_mem": "launch__occupancy_limit_shared_mem",
-    "occupancy_limit_warps": "launch__occupancy_limit_warps",
-    "registers_per_thread": "launch__registers_per_thread",
-    "shared_mem_per_block": "launch__shared_mem_per_block",
-    "grid_size": "launch__grid_size",
-    "block_size": "launch__block_size",
-    "waves_per_sm": "launch__waves_per_multiprocessor",
+SUMMARY = {  # summary key -> ncu raw metrics, the first one present is taken (names differ between ncu versions)
+    "duration_ns": ("gpu__time_duration.sum",),
+    "dram_read_bytes": ("dram__bytes_read.sum",),
+    "dram_write_bytes": ("dram__bytes_write.sum",),
+    "dram_pct_of_peak": (
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
+    "l2_bytes": ("lts__t_bytes.sum",),
+    "l2_pct_of_peak": ("lts__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "l1_pct_of_peak": ("l1tex__throughput.avg.pct_of_peak_sustained_active",),
+    "sm_pct_of_peak": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "achieved_occupancy_pct": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
+    "theoretical_occupancy_pct": ("sm__maximum_warps_per_active_cycle_pct",),
+    "occupancy_limit_registers": ("launch__occupancy_limit_registers",),
+    "occupancy_limit_shared_mem": ("launch__occupancy_limit_shared_mem",),
+    "occupancy_limit_warps": ("launch__occupancy_limit_warps",),
+    "registers_per_thread": ("launch__registers_per_thread",),
+    "shared_mem_per_block": ("launch__shared_mem_per_block",),
+    "grid_size": ("launch__grid_size",),
+    "block_size": ("launch__block_size",),
+    "waves_per_sm": ("launch__waves_per_multiprocessor",),
 }
 
 
@@ -163,7 +166,7 @@ def parse(report: str) -> list[dict]:
     kernels = []
     for row in body:
         raw = {k: _number(v) for k, v in zip(head, row) if v != ""}
-        summary = {key: raw[metric] for key, metric in SUMMARY.items() if metric in raw}
+        summary = {key: next(raw[m] for m in names if m in raw) for key, names in SUMMARY.items() if raw.keys() & names}
         tensor = {k: v for k, v in raw.items() if "pipe_tensor" in k and "pct" in k}
         stalls = {
             k.removeprefix("smsp__average_warps_issue_stalled_").removesuffix("_per_issue_active.ratio"): v

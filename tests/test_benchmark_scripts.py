@@ -52,3 +52,24 @@ def test_rollout_host_stub(tmp_path: Path) -> None:
     assert row["decode_steps"] == 8 and isinstance(row["step_us"], float)  # a difference of walls: noise may flip it
     assert set(row["parts_us"]) == {"schedule", "prepare", "launch", "wait", "collect", "postprocess"}
     assert set(row["gc_per_step"]) == {"gen0", "gen1", "gen2"}
+
+
+def test_kernel_counters_parses_ncu_raw_csv() -> None:
+    """``kernel_counters.parse`` reads ncu's raw CSV (a units row, quoted numbers with thousands separators): the
+    summary takes the first metric name present, the stalls are ranked, and a kernel row of the wrong width is
+    dropped."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernel_counters as kc
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    head = ["ID", "Kernel Name", "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+            stall.format("long_scoreboard"), stall.format("wait")]  # fmt: skip
+    rows = [head, ["", "", "nsecond", "%", "", ""], ["0", "_attn_fwd_kernel", "54,612", "71.5", "9.25", "1.5"],
+            ["1", "short row"]]  # fmt: skip
+    report = "==PROF== Connected\n" + "\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n"
+    (kern,) = kc.parse(report)
+    assert kern["name"] == "_attn_fwd_kernel"
+    assert kern["summary"] == {"duration_ns": 54612.0, "dram_pct_of_peak": 71.5}
+    assert list(kern["top_stalls_per_issue"]) == ["long_scoreboard", "wait"]
