@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header
+from common import ROOT, header
+from matmul_variants import L2_BYTES
+from matmul_variants import timed as timed_ms
 from rlexact.ops.triton_matmul import SPLIT_K_KEYS, MatmulConfig, config_for, matmul, matmul_with_config
 
 N, K = 2048, 6144
-L2_BYTES = 50 * 2**20
 MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 KS_SWEEP = [512, 1024, 1536, 2048, 3072]
 UNSPLIT = (  # (max M, config) of the down projection before K splits (triton_matmul._variants at 91f122b)
@@ -49,13 +50,8 @@ def unsplit(m: int) -> MatmulConfig:
 
 
 def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
-    """Microseconds per call of ``fn(w)`` over the weight copies ``ws``, one CUDA-graph replay for all of them."""
-
-    def run() -> None:
-        for w in ws:
-            fn(w)
-
-    return bench_graph(run) / len(ws) * 1e3
+    """Microseconds per call of ``fn(w)`` over the weight copies ``ws`` (:func:`matmul_variants.timed`)."""
+    return timed_ms(fn, ws) * 1e3
 
 
 def split_candidates(m: int, ks: int) -> list[MatmulConfig]:
