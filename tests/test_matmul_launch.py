@@ -149,6 +149,10 @@ def test_split_keys_only_for_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> 
         assert tmm.split_keys(n, k, bf16, tma=True) == 0, (n, k)
     assert tmm.split_keys(2048, 6144, torch.float32, tma=True) == 0
     assert tmm.split_keys(2048, 6144, bf16, tma=False) == 0
+    # every M of a split shape splits at the same columns: all its row-tile variants carry the static KS
+    variants = tmm._variants(2048, 6144, bf16, ("cuda", 0), True)
+    assert {cfg.KS for _, cfg in variants} == {tmm.SPLIT_K_KEYS}
+    assert [cfg.kernel for _, cfg in variants[:2]] == ["split", "split"] and variants[-1][0] is None
     monkeypatch.setattr(tmm, "USE_ROW_TILE_VARIANTS", False)
     assert tmm.split_keys(2048, 6144, bf16, tma=True) == 0
 
