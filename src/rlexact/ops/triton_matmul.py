@@ -552,6 +552,8 @@ class _Launch:
     ints: tuple
     device: int
     runner: object = None
+    sum_launch: tuple | None = None
+    """``"split"`` plans: ``(grid, keyword arguments)`` of the launch of :func:`_split_sum_kernel`."""
 
 
 _LAUNCHES: dict = {}
@@ -569,7 +571,8 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg:
     if cfg.kernel == "split":
         grid = (triton.cdiv(M, cfg.BM), triton.cdiv(N, cfg.BN), triton.cdiv(K, cfg.KS))
         constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, KS=cfg.KS, UPCAST=_INTERPRET, PDL=out_flags["PDL"])
-        return _Launch(cfg, _mm_split_kernel, grid, constexprs, options, (M, N, K), idx)
+        sum_launch = ((triton.cdiv(M * N, _SPLIT_SUM_BLOCK),), dict(BLOCK=_SPLIT_SUM_BLOCK, **out_flags, **pdl))
+        return _Launch(cfg, _mm_split_kernel, grid, constexprs, options, (M, N, K), idx, sum_launch=sum_launch)
     if cfg.kernel == "tma":
         num_progs = max(1, min(num_sms(device), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)))
         constexprs = dict(
@@ -601,10 +604,8 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     M, N, _ = plan.ints
     ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=out.device)
     _launch_kernel(plan, x, w, ws)
-    numel = M * N
-    _split_sum_kernel[(triton.cdiv(numel, _SPLIT_SUM_BLOCK),)](
-        ws, out, numel, plan.grid[2], BLOCK=_SPLIT_SUM_BLOCK, RNE_FIX=_rne_fix(out.dtype), **pdl_options(out.device)
-    )
+    grid, kwargs = plan.sum_launch
+    _split_sum_kernel[grid](ws, out, M * N, plan.grid[2], **kwargs)
 
 
 def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
