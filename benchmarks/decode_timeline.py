@@ -11,8 +11,12 @@ to the end) reports:
   names, and ``gap_histogram`` of all gaps;
 - ``host_calls_per_step``: the host's runtime calls (``cudaGraphLaunch``, copies, syncs, host allocations) with
   their count and host time;
-- ``launches_inside_a_gap`` and ``device_wait_for_launch_ms_per_step`` / ``_median_ms``: graph launches that began
-  after the device had run out of queued work, and how long the device had waited by then.
+- ``launches_inside_a_gap`` and ``device_wait_for_launch_ms_per_step`` / ``_median_ms``: launches (graphs or
+  kernels) that began after the device had run out of queued work, and how long the device had waited by then.
+
+``eager`` holds the same for the call's eager window (its prefill steps: from the first device event to the first
+graph launch) as one step. ``--host-profile N`` also runs one more call under ``cProfile`` and lists the ``N``
+functions with the most own host time (``host_profile``).
 
     python benchmarks/decode_timeline.py                        # batches 64 and 256
     python benchmarks/decode_timeline.py --trace /tmp/traces    # also write the Chrome traces there
@@ -23,10 +27,14 @@ Writes ``benchmarks/results/decode_timeline_h200.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import functools
 import gzip
 import json
+import pstats
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +46,7 @@ from rollout_throughput import build_model
 
 HOST_CALLS = ("cudaGraphLaunch", "cudaMemcpy", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaHostAlloc",
               "cudaLaunchKernel", "cuLaunchKernel", "cudaMalloc", "cudaFree", "cudaEventRecord")  # fmt: skip
+LAUNCH_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel")
 GAP_BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, float("inf"))
 
 
@@ -61,12 +70,32 @@ def host_calls(prof) -> list[tuple[float, float, str]]:
 
 
 def analyse(dev: list[tuple[float, float, str]], host: list[tuple[float, float, str]], args) -> dict:
+    """The decode window: from the ``--skip``-th graph launch to the end, per graph step."""
     launches = [h for h in host if h[2] == "cudaGraphLaunch"]
     if len(launches) <= args.skip + 2:
         raise RuntimeError(f"only {len(launches)} graph launches were profiled; lower --skip or raise --new-tokens")
     t0 = launches[args.skip][0]
-    window = [d for d in dev if d[0] >= t0]
-    steps = len(launches) - args.skip
+    res = timeline(dev, host, t0, float("inf"), len(launches) - args.skip, args)
+    return {"graph_steps": res.pop("steps")} | res
+
+
+def analyse_eager(dev: list[tuple[float, float, str]], host: list[tuple[float, float, str]], args) -> dict:
+    """The eager window: from the call's first device event to its first graph launch (the prefill steps), as one
+    step; ``device_ms`` is the window's length on the device."""
+    launches = [h for h in host if h[2] == "cudaGraphLaunch"]
+    t1 = launches[0][0] if launches else float("inf")
+    t0 = dev[0][0]
+    res = timeline(dev, host, t0, t1, 1, args)
+    res.pop("steps")
+    return res
+
+
+def timeline(
+    dev: list[tuple[float, float, str]], host: list[tuple[float, float, str]], t0: float, t1: float, steps: int, args
+) -> dict:
+    """Busy and idle device time of the device events starting in ``[t0, t1)``, per step, with the idle gaps by the
+    (previous, next) event names and the host runtime calls in the window."""
+    window = [d for d in dev if t0 <= d[0] < t1]
     cur_end = window[0][1]
     prev_name = window[0][2]
     busy, idle = window[0][1] - window[0][0], 0.0
@@ -88,19 +117,20 @@ def analyse(dev: list[tuple[float, float, str]], host: list[tuple[float, float, 
         if end > cur_end:
             cur_end, prev_name = end, name
     top = sorted(pairs.items(), key=lambda kv: -kv[1][1])[: args.top]
-    # the device's queue ran dry at a gap's start; a graph launch that began inside the gap kept the device waiting
+    in_window = [h for h in host if t0 <= h[0] < t1]
+    # the device's queue ran dry at a gap's start; a launch (graph or kernel) that began inside the gap kept the
+    # device waiting
     waited_ms = []
-    for launch_start, _, _ in launches[args.skip + 1 :]:
+    for launch_start, _, _ in (h for h in in_window[1:] if h[2].startswith(LAUNCH_CALLS)):
         gap = next(((gs, ge) for gs, ge in gaps if gs <= launch_start <= ge), None)
         if gap is not None:
             waited_ms.append((launch_start - gap[0]) / 1e3)
-    in_window = [h for h in host if h[0] >= t0]
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for s, e, name in in_window:
         calls[name][0] += 1
         calls[name][1] += e - s
     return {
-        "graph_steps": steps,
+        "steps": steps,
         "busy_ms_per_step": busy / steps / 1e3,
         "idle_ms_per_step": idle / steps / 1e3,
         "busy_fraction": busy / (busy + idle),
@@ -118,6 +148,21 @@ def analyse(dev: list[tuple[float, float, str]], host: list[tuple[float, float, 
     }
 
 
+def host_profile(call: Callable[[], object], top: int) -> list[dict]:
+    """The ``top`` functions by own host time (``tottime``) of one ``call()`` under ``cProfile``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    call()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"function": f"{Path(f).name}:{line}:{name}", "calls": n, "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3}
+        for (f, line, name), (_, n, tt, ct, _) in rows
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
@@ -127,6 +172,7 @@ def main() -> int:
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--host-profile", type=int, default=0, help="functions listed from a cProfile'd call (0: none)")
     ap.add_argument("--trace", default=None, help="directory for gzipped Chrome traces")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_timeline_h200.json"))
     args = ap.parse_args()
@@ -150,8 +196,13 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen.generate(prompts, params)
             torch.cuda.synchronize()
-        res = analyse(device_intervals(prof), host_calls(prof), args)
+        dev, host = device_intervals(prof), host_calls(prof)
+        res = analyse(dev, host, args)
         res["decode_host_s"] = gen.stats.get("decode_host_s")
+        res["eager"] = analyse_eager(dev, host, args)
+        res["eager_host_s"] = gen.stats.get("eager_host_s")
+        if args.host_profile:
+            res["host_profile"] = host_profile(functools.partial(gen.generate, prompts, params), args.host_profile)
         result["results"][str(batch)] = res
         print(f"batch {batch}: " + json.dumps(res, default=str)[:3000], flush=True)
         if args.trace:
