@@ -219,7 +219,13 @@ def decode_sweep(out: str) -> int:
 PERSISTENT_SHAPES = ((256, 160, None), (256, 384, None), (256, 1000, None), (256, 1000, 100), (64, 512, None),
                      (64, 1000, None), (16, 1000, None), (4, 1000, None), (1, 1000, None))  # fmt: skip
 """``(batch, keys, shortest keys or None)`` of ``--persistent``: contexts within one KV split."""
-PERSISTENT_CANDIDATES = [{"num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (2, 3, 4)]
+PERSISTENT_CANDIDATES = [
+    {"num_warps": w, "num_stages": st, "FLATTEN": f, "PER_SM": per}
+    for f in (False, True)
+    for w in (2, 4)
+    for st in (2, 3)
+    for per in (3, 8)
+]
 
 
 def persistent_sweep(out: str) -> int:

@@ -576,6 +576,7 @@ def _attn_decode_kernel(
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     MAX_LOCAL: tl.constexpr,
+    FLATTEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent single-split decode: program ``(p, g)`` computes query-head pack ``g`` of sequences ``p, p + P,
@@ -602,7 +603,7 @@ def _attn_decode_kernel(
     lens = tl.load(seqlens_k + mine, mask=mine < num_seqs, other=0)
     n_tiles = (tl.max(lens, 0) + BLOCK_N - 1) // BLOCK_N
     n_local = (num_seqs - pid + progs - 1) // progs
-    for i in tl.range(0, n_local, flatten=True):
+    for i in tl.range(0, n_local, flatten=FLATTEN):
         b = (pid + i * progs).to(tl.int64)
         seqlen_k = tl.load(seqlens_k + b)
         pos = seqlen_k - 1 + qi
@@ -610,14 +611,22 @@ def _attn_decode_kernel(
         if UPCAST:
             q = q.to(tl.float32)
         bt_row = block_tables + b * stride_bt
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for j in tl.range(0, n_tiles):
-            m_i, l_i, acc = _attn_key_tile(
-                q, m_i, l_i, acc, K, V, j, 0, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
-                stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=True, PAGE_SIZE=PAGE_SIZE,
-                MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+        if FLATTEN:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in tl.range(0, n_tiles):
+                m_i, l_i, acc = _attn_key_tile(
+                    q, m_i, l_i, acc, K, V, j, 0, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+                    stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=True, PAGE_SIZE=PAGE_SIZE,
+                    MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+                )  # fmt: skip
+        else:
+            m_i, l_i, acc = _attn_split(
+                q, K, V, 0, (seqlen_k - 1) // BLOCK_N + 1, seqlen_k // BLOCK_N, 0, seqlen_k, kv_head, pos, bt_row,
+                offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=True, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+                UPCAST=UPCAST,
             )  # fmt: skip
         out = acc / l_i[:, None]
         tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -993,10 +1002,10 @@ def _forward(
     )
 
 
-def _decode_programs(num_seqs: int, groups: int, device: torch.device) -> int:
+def _decode_programs(num_seqs: int, groups: int, device: torch.device, per_sm: int) -> int:
     """Programs per query-head pack of a persistent decode launch: about :data:`DECODE_PERSISTENT_PROGRAMS_PER_SM`
     programs per SM in all, each with the same number of sequences (at most :data:`DECODE_PERSISTENT_MAX_LOCAL`)."""
-    target = max(1, DECODE_PERSISTENT_PROGRAMS_PER_SM * num_sms(device) // groups)
+    target = max(1, per_sm * num_sms(device) // groups)
     per = min(DECODE_PERSISTENT_MAX_LOCAL, -(-num_seqs // target))
     return -(-num_seqs // per)
 
@@ -1016,7 +1025,10 @@ def _decode_persistent(
     """Launch :func:`_attn_decode_kernel` (one query per sequence, every sequence within one KV split)."""
     num_seqs, hq, d = q.shape
     block_d = _block_d(d)
-    grid = (_decode_programs(num_seqs, hq // hp, q.device), hq // hp)
+    grid = (
+        _decode_programs(num_seqs, hq // hp, q.device, cfg.get("PER_SM", DECODE_PERSISTENT_PROGRAMS_PER_SM)),
+        hq // hp,
+    )
     _attn_decode_kernel[grid](
         q,
         k,
@@ -1044,6 +1056,7 @@ def _decode_persistent(
         GROUP=hq // k.shape[-2],
         PAGE_SIZE=page_size,
         MAX_LOCAL=DECODE_PERSISTENT_MAX_LOCAL,
+        FLATTEN=cfg.get("FLATTEN", True),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
