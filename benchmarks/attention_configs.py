@@ -28,11 +28,6 @@ bitwise checks (then it would have to replace the query-side entries of ``_fwd_c
 decode launch and, installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch``
 (the fastest total among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
 Output: ``attention_decode_configs_h200.json``.
-
-``--persistent`` times the persistent decode kernel (``rlexact.ops.triton_attention.DECODE_PERSISTENT``: each
-program loops over several sequences) against one program per sequence at ``PERSISTENT_SHAPES`` (contexts within one
-KV split, one case with lengths spread over 100 ... 1,000 keys), for each ``PERSISTENT_CANDIDATES`` launch, each output
-checked bitwise against the per-sequence launch. Output: ``attention_persistent_h200.json``.
 """
 
 from __future__ import annotations
@@ -59,7 +54,9 @@ PREFILL_SHAPES = ((64, 512), (8, 4096), (1, 8192))
 DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 DECODE_SWEEP_SHAPES = ((256, 160), (256, 384), (64, 2048), (32, 8192), (4, 8192))
-DECODE_CANDIDATES = [{"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)]
+DECODE_CANDIDATES = [
+    {"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)
+]
 """Decode launches swept. Narrowed from the c2c7cb9 sweep (8 warps, and 64-row tiles over fewer than four warps, lost
 everywhere) and the 23cc05a one (``attention_decode_configs_h200.json`` at that commit: 32- and 64-row tiles lost
 everywhere, six stages equal to five). One stage added: the short contexts of a large batch (three key tiles per
@@ -77,18 +74,13 @@ def prefill_case(b: int, s: int) -> tuple:
     return q, k, v, _cu([s] * b), None, None
 
 
-def decode_case(b: int, ctx: int, min_ctx: int | None = None) -> tuple:
-    """Paged decode of ``b`` sequences of ``ctx`` keys (``min_ctx``: lengths spread evenly over ``[min_ctx, ctx]``)
-    in scattered pages."""
+def decode_case(b: int, ctx: int) -> tuple:
     nblk = math.ceil(ctx / PAGE)
     kc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
     vc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
     tables = torch.randperm(b * nblk, device=DEV).to(torch.int32).view(b, nblk)
     q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
-    if min_ctx is None:
-        lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
-    else:
-        lens = torch.linspace(min_ctx, ctx, b, device=DEV).round().to(torch.int32)[torch.randperm(b, device=DEV)]
+    lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
     return q, kc, vc, _cu([1] * b), lens, tables
 
 
@@ -216,74 +208,14 @@ def decode_sweep(out: str) -> int:
     return 0
 
 
-PERSISTENT_SHAPES = ((256, 160, None), (256, 384, None), (256, 1000, None), (256, 1000, 100), (64, 512, None),
-                     (64, 1000, None), (16, 1000, None), (4, 1000, None), (1, 1000, None))  # fmt: skip
-"""``(batch, keys, shortest keys or None)`` of ``--persistent``: contexts within one KV split."""
-PERSISTENT_CANDIDATES = [
-    {"num_warps": w, "num_stages": st, "FLATTEN": f, "PER_SM": per}
-    for f in (False, True)
-    for w in (2, 4)
-    for st in (2, 3)
-    for per in (3, 8)
-]
-
-
-def persistent_sweep(out: str) -> int:
-    """``--persistent``: the persistent decode kernel (``DECODE_PERSISTENT``) against one program per sequence."""
-    t0 = time.time()
-    torch.manual_seed(0)
-    library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
-    names = {f"b{b}_ctx{c}" + (f"_from{lo}" if lo else ""): (b, c, lo) for b, c, lo in PERSISTENT_SHAPES}
-    cases = {n: decode_case(*shape) for n, shape in names.items()}
-    kv_bytes = {n: 2 * int(cases[n][4].sum()) * HKV * D * DT.itemsize for n in names}
-    per_seq = library | {"PERSISTENT": False}
-    refs = {n: run(case, per_seq) for n, case in cases.items()}
-    _, base = bitwise_times(cases, refs, per_seq)
-    result: dict = header("attention_persistent", "triton") | {
-        "shape": SHAPE,
-        "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
-        "programs_per_sm": ta.DECODE_PERSISTENT_PROGRAMS_PER_SM,
-        "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
-        "per_sequence": {n: {"us": us, "kv_tb_s": kv_bytes[n] / us / 1e6} for n, us in base.items()},
-        "rows": [],
-    }
-    for launch in PERSISTENT_CANDIDATES:
-        row: dict = {"launch": launch}
-        try:
-            row["bitwise"], times = bitwise_times(cases, refs, library | launch | {"PERSISTENT": True})
-            row.update(
-                {n: {"us": us, "kv_tb_s": kv_bytes[n] / us / 1e6, "speedup": base[n] / us} for n, us in times.items()}
-            )
-            row["total_us"] = sum(times.values())
-        except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print("[attention_configs --persistent]", launch, row.get("bitwise"),
-              {n: round(row[n]["speedup"], 2) for n in names if n in row})  # fmt: skip
-        result["rows"].append(row)
-    exact = [r for r in result["rows"] if "error" not in r and r["bitwise"]]
-    result["per_sequence_total_us"] = sum(base.values())
-    if exact:
-        best = min(exact, key=lambda r: r["total_us"])
-        result["choice"] = {"launch": best["launch"], "total_us": best["total_us"]}
-    result["elapsed_s"] = time.time() - t0
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
-    print(
-        "[attention_configs --persistent] choice", result.get("choice"), "per-sequence", result["per_sequence_total_us"]
-    )
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
     )
     ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
-    ap.add_argument("--persistent", action="store_true", help="time the persistent decode kernel per launch")
     args = ap.parse_args()
     results = ROOT / "benchmarks" / "results"
-    if args.persistent:
-        return persistent_sweep(args.out or str(results / "attention_persistent_h200.json"))
     if args.decode:
         return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"))
     args.out = args.out or str(results / "attention_configs_h200.json")

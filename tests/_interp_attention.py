@@ -266,52 +266,6 @@ def check_split_negative_control(lens, hq, hkv, d, dtype=torch.float32, device="
     assert not torch.equal(split, whole), "negative control: another split size gave identical bits"
 
 
-def check_decode_persistent(lens, hq, hkv, d, dtype=torch.float32, device="cpu", decode_steps=4, block_size=4):
-    """Decode steps in which every sequence has one query and every context fits one KV split run the persistent
-    decode kernel (several sequences per program, sequences of different lengths, so the shorter ones visit fully
-    masked tiles): each step equals the one-program-per-sequence launch and the training forward, bitwise. Negative
-    control: the persistent kernel with halved key tiles stays correct but changes bits."""
-    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device, seed=3)
-    scale = d**-0.5
-    full = ta.attention_varlen(q, k, v, cu, scale)
-    split = ta._fwd_config(d, dtype)["SPLIT"]
-    assert max(lens) <= split and min(lens) > decode_steps, "every step must decode all sequences in one split"
-    launches = []
-    orig = ta._decode_persistent
-
-    def spy(*args, **kwargs):
-        launches.append(args[0].shape[0])
-        return orig(*args, **kwargs)
-
-    ta._decode_persistent = spy
-    try:
-        prompts = [n - decode_steps for n in lens]
-        out = run_schedule(q, k, v, lens, decode_schedule(lens, prompts), block_size, bound=True)
-    finally:
-        ta._decode_persistent = orig
-    assert launches == [len(lens)] * decode_steps, f"persistent decode launches {launches}"
-    assert torch.equal(out, full), "persistent decode != training forward"
-    # one step side by side: persistent vs one program per sequence vs halved key tiles
-    cache = PagedCache(lens, hkv, d, dtype, device, block_size)
-    starts = cu.tolist()
-    for b in range(len(lens)):
-        cache.write(b, 0, k[starts[b] : starts[b + 1]], v[starts[b] : starts[b + 1]])
-    last = torch.tensor(starts[1:], device=device) - 1
-    qd, seqk = q[last].contiguous(), torch.tensor(lens, dtype=torch.int32, device=device)
-    cuq = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
-
-    def step(**cfg):
-        o = torch.empty_like(qd)
-        ta._forward(qd, cache.k, cache.v, cuq, seqk, cache.block_tables, scale, o, cfg=cfg, max_seqlen_q=1)
-        return o
-
-    persistent, per_seq = step(), step(PERSISTENT=False)
-    assert torch.equal(persistent, per_seq) and torch.equal(persistent, full[last])
-    halved = step(BLOCK_N=ta._fwd_config(d, dtype)["BLOCK_N"] // 2)
-    assert (halved.double() - full[last].double()).abs().max().item() < _tol(dtype)
-    assert not torch.equal(halved, persistent), "negative control: halved key tiles gave identical bits"
-
-
 def check_backward(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     from rlexact import ops
 
@@ -377,8 +331,6 @@ def section_exact() -> None:
         check_exactness(LENS, hq, hkv, 16, chunks=(7,), block_sizes=(4,))
     check_exactness([3, 33], 4, 2, 64, chunks=(5,), block_sizes=(16,))
     check_batch_invariance(LENS, 4, 2, 16)
-    check_decode_persistent([9, 40, 17, 33, 6, 25, 12], 4, 2, 16)
-    check_decode_persistent([60, 7, 45], 4, 2, 16, dtype=torch.bfloat16)
     diffs = check_negative_control(LENS, 4, 2, 16)
     print(f"negative control: dense fp32 prefix != full in {diffs} of {LENS[-1] - 1} rows")
 

@@ -151,18 +151,6 @@ def test_gpu_decode_large_batch(checks) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_decode_persistent(checks, dtype) -> None:
-    """The persistent decode kernel at Qwen3-1.7B shapes: 256 sequences of mixed lengths within one KV split, and
-    three sequences (one program each), equal the per-sequence launch and the training forward bitwise; halved key
-    tiles change bits."""
-    lens = [40 + (37 * i) % 950 for i in range(256)]
-    checks.check_decode_persistent(lens, *QWEN3, dtype=dtype, device="cuda", decode_steps=3, block_size=16)
-    checks.check_decode_persistent([5, 300, 980], *QWEN3, dtype=dtype, device="cuda", decode_steps=3, block_size=16)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_negative_control(checks, dtype) -> None:
     checks.check_negative_control(GPU_LENS, *QWEN3, dtype=dtype, device="cuda")
 

@@ -124,16 +124,6 @@ programs); single-split decode launches keep :data:`DECODE_LAUNCH_16BIT` (``benc
 at 0089106 ran them with five stages, and batch 64 got slower)."""
 DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
 """Largest number of split-parallel decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
-DECODE_PERSISTENT = True
-"""Pure decode launches (one query per sequence) whose every sequence fits one KV split run the persistent
-:func:`_attn_decode_kernel` (each program loops over several sequences) instead of one program per sequence: a
-short context gives a program only a few key tiles, too few to hide the latency of its first loads. Same bits either
-way (``PERSISTENT`` in ``_forward``'s ``cfg`` overrides it, for tests and benchmarks)."""
-DECODE_PERSISTENT_PROGRAMS_PER_SM = 3
-"""Target programs per SM of a persistent decode launch (all query-head packs together)."""
-DECODE_PERSISTENT_MAX_LOCAL = 16
-"""Most sequences one persistent decode program computes (a launch has at least ``num_seqs / 16`` programs per
-query-head pack)."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
@@ -546,93 +536,6 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _attn_decode_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    seqlens_k,
-    block_tables,
-    qk_scale,
-    num_seqs,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HP: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    MAX_LOCAL: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Persistent single-split decode: program ``(p, g)`` computes query-head pack ``g`` of sequences ``p, p + P,
-    p + 2P, ...`` (``P`` programs on axis 0, at most ``MAX_LOCAL`` sequences each), one query each, every key within
-    one KV split. Each sequence is one online softmax over key tiles ``0 .. W - 1`` in ascending order from the empty
-    state, ``W`` the key tiles of the program's longest sequence: the tiles past a sequence's length are fully masked,
-    exact no-ops, so a row gets the bits of :func:`_attn_split` over its own tiles (one split, merged into the empty
-    state: itself). The sequence loop and the key-tile loop are fused into one pipelined loop (the key-tile count is
-    loop-invariant), so the loads of the next sequence's first tiles are in flight while this one finishes."""
-    pdl_entry(PDL)
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
-    hgroup = tl.program_id(1)
-    kv_head = ((hgroup * HP) // GROUP).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    qi = rows // HP  # rows of the tile's first position hold the query; the others are padding
-    head = hgroup * HP + rows % HP
-    row_ok = qi < 1
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    io_mask = row_ok[:, None] & d_ok[None, :]
-    mine = pid + progs * tl.arange(0, MAX_LOCAL)
-    lens = tl.load(seqlens_k + mine, mask=mine < num_seqs, other=0)
-    n_tiles = (tl.max(lens, 0) + BLOCK_N - 1) // BLOCK_N
-    n_local = (num_seqs - pid + progs - 1) // progs
-    for i in tl.range(0, n_local, flatten=FLATTEN):
-        b = (pid + i * progs).to(tl.int64)
-        seqlen_k = tl.load(seqlens_k + b)
-        pos = seqlen_k - 1 + qi
-        q = tl.load(Q + b * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        bt_row = block_tables + b * stride_bt
-        if FLATTEN:
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for j in tl.range(0, n_tiles):
-                m_i, l_i, acc = _attn_key_tile(
-                    q, m_i, l_i, acc, K, V, j, 0, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
-                    stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=True, PAGE_SIZE=PAGE_SIZE,
-                    MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
-                )  # fmt: skip
-        else:
-            m_i, l_i, acc = _attn_split(
-                q, K, V, 0, (seqlen_k - 1) // BLOCK_N + 1, seqlen_k // BLOCK_N, 0, seqlen_k, kv_head, pos, bt_row,
-                offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=True, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
-                UPCAST=UPCAST,
-            )  # fmt: skip
-        out = acc / l_i[:, None]
-        tl.store(Out + b * stride_ot + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=io_mask)  # fmt: skip
-
-
 @triton.jit
 def _fold_partials(PML, PACC, prow0, n_splits, row_ok, offs_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Fold the stored fp32 split partials ``0 .. n_splits - 1`` of a query tile's rows (``prow0``: their first
@@ -929,16 +832,6 @@ def _forward(
         max_keys = tq
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
-    if (
-        override.get("PERSISTENT", DECODE_PERSISTENT)
-        and paged
-        and lse is None
-        and n_split == 1
-        and decode
-        and max_seqlen_q == 1
-    ):
-        _decode_persistent(q, k, v, seqlens_k, block_tables, scale, out, cfg, hp, page_size)
-        return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
@@ -999,68 +892,6 @@ def _forward(
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
         **pdl,
-    )
-
-
-def _decode_programs(num_seqs: int, groups: int, device: torch.device, per_sm: int) -> int:
-    """Programs per query-head pack of a persistent decode launch: about :data:`DECODE_PERSISTENT_PROGRAMS_PER_SM`
-    programs per SM in all, each with the same number of sequences (at most :data:`DECODE_PERSISTENT_MAX_LOCAL`)."""
-    target = max(1, per_sm * num_sms(device) // groups)
-    per = min(DECODE_PERSISTENT_MAX_LOCAL, -(-num_seqs // target))
-    return -(-num_seqs // per)
-
-
-def _decode_persistent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    cfg: dict[str, int],
-    hp: int,
-    page_size: int,
-) -> None:
-    """Launch :func:`_attn_decode_kernel` (one query per sequence, every sequence within one KV split)."""
-    num_seqs, hq, d = q.shape
-    block_d = _block_d(d)
-    grid = (
-        _decode_programs(num_seqs, hq // hp, q.device, cfg.get("PER_SM", DECODE_PERSISTENT_PROGRAMS_PER_SM)),
-        hq // hp,
-    )
-    _attn_decode_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        seqlens_k,
-        block_tables,
-        scale * _LOG2E,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k.stride(1),
-        k.stride(2),
-        v.stride(1),
-        v.stride(2),
-        block_tables.stride(0),
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        EVEN_D=block_d == d,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        HP=hp,
-        GROUP=hq // k.shape[-2],
-        PAGE_SIZE=page_size,
-        MAX_LOCAL=DECODE_PERSISTENT_MAX_LOCAL,
-        FLATTEN=cfg.get("FLATTEN", True),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **_dtype_flags(q.dtype),
-        **pdl_options(q.device),
     )
 
 
