@@ -30,9 +30,8 @@ import rlexact
 from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
-from rlexact.rollout.runner import GraphState, ModelRunner
+from rlexact.rollout.runner import EagerLaunch, GraphState, ModelRunner
 from rlexact.rollout.scheduler import ScheduledBatch
-from rlexact.rollout.sequence import Sequence
 
 STUB_TOKEN = 5
 STUB_LOGPROB = -1.0
@@ -64,13 +63,14 @@ class StubRunner(ModelRunner):
         self.warmed.add(self._warm_key(bucket, kv_len))  # as a real capture: later calls capture ahead
         return _StubGraph(gs, bucket)
 
-    def _eager_step(self, batch: ScheduledBatch, t0: float, decode_rows: int) -> list[tuple[Sequence, int, float]]:
-        out = []
+    def launch_eager(self, batch: ScheduledBatch, decode_rows: int = 0) -> EagerLaunch:
+        sampled = []
         for s, n in zip(batch.seqs, batch.num_new):
             s.num_computed += n
             if s.num_computed == len(s.tokens):
-                out.append((s, STUB_TOKEN, STUB_LOGPROB))
-        return out
+                sampled.append(s)
+        out = torch.tensor([[STUB_TOKEN] * len(sampled), [STUB_LOGPROB] * len(sampled)], dtype=torch.float64)
+        return EagerLaunch(batch, sampled, out if sampled else None, None, decode_rows)
 
 
 class GcClock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from rlexact.models.exactify import KERNELS, Kernels
 
@@ -63,6 +63,13 @@ class GeneratorConfig:
     sequences all continue (no length limit reached, nothing to admit); a sequence that stops at step ``t`` is
     dropped from step ``t + 1``'s results (keyed sampling: nothing else changes). Off: every step is launched after
     the previous one was read back (the results are identical)."""
+    overlap_prefill: bool = True
+    """Launch the next prefill step before reading back the current eager step when it feeds no token that step
+    samples (:meth:`rlexact.rollout.scheduler.Scheduler.chain_prefill`: prompt chunks and admissions, at least half
+    of ``max_num_batched_tokens``, never a preemption), so the device is not idle while the host reads back,
+    schedules and prepares the next step, or captures a decode graph ahead. Mostly the prefill steps at the start
+    of a call; the decodes of sequences that sampled in one of them wait for the chain to end. Off: every eager step
+    is launched after the previous one was read back (the results are identical)."""
     keep_kv_cache: bool = False
     """Keep the KV cache (and captured graphs) between ``generate`` calls; by default both are freed so the trainer
     gets the memory back."""
@@ -84,6 +91,10 @@ class GeneratorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a bool, got {value!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.graph_batch_sizes is not None:

@@ -19,7 +19,7 @@ from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.keyed_hash import request_key
 from rlexact.rollout.params import Completion, SamplingParams
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
-from rlexact.rollout.scheduler import Scheduler
+from rlexact.rollout.scheduler import ScheduledBatch, Scheduler
 from rlexact.rollout.sequence import Sequence
 
 
@@ -61,7 +61,8 @@ class Generator:
       (computed, recomputes after a preemption included), ``shared_prompt_tokens`` / ``prompt_forks`` (taken from a
       sibling's blocks), ``prefix_cached_tokens``, ``preemptions``, ``kv_blocks``, ``block_size``;
     - path: ``kernels``, ``fused_projections``, ``cuda_graphs``, ``graph_steps`` / ``eager_steps``,
-      ``overlapped_steps`` (decode steps launched before the previous one was read back), ``graph_captures`` (of
+      ``overlapped_steps`` (decode steps launched before the previous one was read back), ``overlapped_eager_steps``
+      (prefill steps launched before the previous eager step was read back), ``graph_captures`` (of
       which ``graph_captures_warmed`` ran an eager warm-up and ``graph_captures_ahead`` were recorded during a
       prefill step), ``cuda_graphs_disabled`` (why graphs were turned off, else None), ``capture_ahead_failed`` (why
       an early capture failed; the decode step then captured as usual);
@@ -389,7 +390,7 @@ class Generator:
 
                     bar = tqdm(total=progress_total, unit="tok", desc=f"generate[{cfg.kernels}]", dynamic_ncols=True)
                 stats["setup_s"] = time.perf_counter() - t0
-                steps = generated = prefill_tokens = chained = 0
+                steps = generated = prefill_tokens = chained = eager_chained = 0
                 host = runner.decode_host_s
                 clock = time.perf_counter
                 overlap = cfg.overlap_decode and sampling is not None
@@ -408,19 +409,18 @@ class Generator:
                             continue
                         host_sched = clock() - t_sched
                         launched = runner.launch(batch)
-                        if launched is None or not overlap:
-                            graph = launched is not None
-                            results = (
-                                runner.collect(launched)
-                                if graph
-                                else runner.run_eager(batch, min(cfg.max_num_seqs, sched.num_unfinished))
-                            )
-                            if graph:
-                                host["schedule"] += host_sched
-                            generated += self._finish_step(sched, results, stop, host, graph, bar)
-                            launched = None
+                        if launched is None:
+                            tokens, chained_eager = self._run_eager(sched, runner, batch, stop, bar)
+                            generated += tokens
+                            steps += len(chained_eager)
+                            eager_chained += len(chained_eager)
+                            prefill_tokens += sum(b.num_prefill_tokens for b in chained_eager)
                             continue
                         host["schedule"] += host_sched
+                        if not overlap:
+                            generated += self._finish_step(sched, runner.collect(launched), stop, host, True, bar)
+                            launched = None
+                            continue
                         t_sched = clock()
                     # a step is in flight: queue the next one before reading this one back when it is known already
                     nxt_batch = sched.chain(launched.batch)
@@ -438,6 +438,7 @@ class Generator:
                     generated_tokens=generated,
                     prefill_tokens=prefill_tokens,
                     overlapped_steps=chained,
+                    overlapped_eager_steps=eager_chained,
                     prompt_tokens=sum(s.num_prompt_tokens for s in seqs),
                     shared_prompt_tokens=sched.shared_tokens,
                     prefix_cached_tokens=sched.cached_tokens,
@@ -459,6 +460,27 @@ class Generator:
             cache = runner = None
             if torch.cuda.is_available() and not cfg.keep_kv_cache:
                 torch.cuda.empty_cache()
+
+    def _run_eager(
+        self, sched: Scheduler, runner: ModelRunner, batch: ScheduledBatch, stop: set[int], bar: Any
+    ) -> tuple[int, list[ScheduledBatch]]:
+        """Run the eager step ``batch`` and, with ``overlap_prefill``, the prefill steps chained behind it
+        (:meth:`Scheduler.chain_prefill`): each is launched before the one in flight is collected, then that one's
+        tokens are appended and its finished sequences finished. Returns the tokens sampled and the chained steps."""
+        cfg = self.config
+        launched = runner.launch_eager(batch, min(cfg.max_num_seqs, sched.num_unfinished))
+        chained: list[ScheduledBatch] = []
+        generated = 0
+        while launched is not None:
+            nxt_batch = sched.chain_prefill(launched.batch) if cfg.overlap_prefill else None
+            nxt = None
+            if nxt_batch is not None:
+                nxt = runner.launch_eager(nxt_batch, min(cfg.max_num_seqs, sched.num_unfinished))
+                chained.append(nxt_batch)
+            results = runner.collect_eager(launched)  # captures the decode graph ahead before it waits
+            generated += self._finish_step(sched, results, stop, runner.decode_host_s, False, bar)
+            launched = nxt
+        return generated, chained
 
     @staticmethod
     def _finish_step(

@@ -3,8 +3,8 @@
 Every step is one call of :func:`rlexact.models.forward_hidden` on a packed token stream (prefill chunks and decodes
 mixed) with :class:`~rlexact.models.PagedKV` metadata; K/V of the new tokens are written to the cache inside the
 attention function before attention reads them. The lm head runs only on the rows that sample (each sequence's last
-fed token), through :func:`rlexact.models.head_logits`, whose ``z - lse`` is bitwise the trainer's log-prob in exact
-mode.
+fed token), with the draw, through :func:`rlexact.rollout.sampler.draw_from_hidden` (a plain draw in exact mode on
+CUDA is fused into the head kernel); the reported ``z - lse`` is bitwise the trainer's log-prob in exact mode.
 
 Step inputs are built with vectorized torch ops from the block manager's block-table tensor (no per-token Python
 loops). Pure decode steps replay CUDA graphs captured lazily per batch-size bucket (and, in native mode, per padded
@@ -15,7 +15,10 @@ the previous step, replays, and queues the read-back of one ``[2, B]`` tensor in
 (:meth:`ModelRunner.launch`); :meth:`ModelRunner.collect` waits for it (the only host synchronization). While
 consecutive graph steps decode the same sequences (or a subset, after some finished), the rows are not rebuilt on the
 host: the previous step's sampled tokens become the next input ids and the positions advance on the device, so a
-step can be launched before the previous one is read back.
+step can be launched before the previous one is read back. Eager steps are split the same way
+(:meth:`ModelRunner.launch_eager` queues the step and the read-back of its sampled tokens,
+:meth:`ModelRunner.collect_eager` waits for it), so a prefill step that feeds no token of the step in flight is
+launched before that one is read back.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logprobs
 from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.sampler import sample
+from rlexact.rollout.sampler import draw_from_hidden
 from rlexact.rollout.scheduler import ScheduledBatch
 from rlexact.rollout.sequence import Sequence, Status
 
@@ -138,6 +141,18 @@ class DecodeLaunch:
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU, where the copy is synchronous)
 
 
+@dataclass
+class EagerLaunch:
+    """An eager step (prefill chunks, mixed steps) whose sampled tokens are not read back yet
+    (:meth:`ModelRunner.collect_eager` waits for ``done`` and reads ``host_out``)."""
+
+    batch: ScheduledBatch
+    sampled: list[Sequence]  # the sequences that sample in the step, in the order of host_out's columns
+    host_out: torch.Tensor | None  # [2, len(sampled)] float64 tokens and log-probs (pinned on CUDA); None: none
+    done: torch.cuda.Event | None  # recorded after the copy into host_out (None on CPU or when nothing samples)
+    decode_rows: int  # the sequences the coming decode steps are expected to run (ModelRunner.capture_ahead)
+
+
 class ModelRunner:
     """Executes scheduled steps of one generate/score call."""
 
@@ -217,10 +232,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sp = self.sampling
         assert sp is not None
-        z, lse = head_logits(self.model, hidden, sp.temperature)
-        return sample(
-            z,
-            lse,
+        return draw_from_hidden(
+            self.model,
+            hidden,
+            temperature=sp.temperature,
             greedy=sp.greedy,
             top_k=sp.top_k,
             top_p=sp.top_p,
@@ -279,34 +294,18 @@ class ModelRunner:
         self.stats["eager_steps"] += 1
         return forward_hidden(self.model, d["ids"], d["pos"], meta)
 
-    def run_eager(self, batch: ScheduledBatch, decode_rows: int = 0) -> list[tuple[Sequence, int, float]]:
-        """Run a step that :meth:`launch` did not take (prefill chunks, mixed steps, graphs off) eagerly; advance
-        ``num_computed``; return ``(seq, token, logprob)`` for sampled rows. Its wall time (it ends with a
-        device-to-host read) is added to ``stats["eager_s"]``. ``decode_rows``: the sequences the coming decode steps
-        are expected to run; their graph is captured while the device runs this step (:meth:`capture_ahead`)."""
+    def launch_eager(self, batch: ScheduledBatch, decode_rows: int = 0) -> EagerLaunch:
+        """Queue a step that :meth:`launch` did not take (prefill chunks, mixed steps, graphs off) without waiting for
+        it: block copies, the packed forward, then the lm head and sampler on the rows that sample (each sequence
+        whose fed tokens reach its end) and the copy of their tokens and log-probs to the host. Advances
+        ``num_computed``; :meth:`collect_eager` returns the sampled tokens. Launches run in order on the device, so a
+        step may be launched before the previous one is collected when it feeds no token the previous one samples.
+        ``decode_rows``: the sequences the coming decode steps are expected to run; :meth:`collect_eager` captures
+        their graph while the device works (:meth:`capture_ahead`). Host time goes to ``stats["eager_s"]`` and to the
+        ``prepare`` and ``launch`` parts of ``eager_host_s``."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
         self._staged = None
-        out = self._eager_step(batch, t0, decode_rows)
-        self.stats["eager_s"] += time.perf_counter() - t0
-        return out
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked prompt blocks: block ``dst`` gets block ``src``'s slots in every layer (K and V)."""
-        if not copies:
-            return
-        data = self.cache.data
-        if {s for s, _ in copies} & {d for _, d in copies}:  # a copy reads a block another one writes: in order
-            for s, d in copies:
-                data[:, :, d].copy_(data[:, :, s])
-            return
-        src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
-        data.index_copy_(2, dst, data.index_select(2, src))
-
-    def _eager_step(self, batch: ScheduledBatch, t0: float, decode_rows: int) -> list[tuple[Sequence, int, float]]:
-        """The step's packed forward, then the lm head and sampler on the rows that sample (each sequence whose fed
-        tokens reach its end), then :meth:`capture_ahead` before the read-back; ``t0``: when the step began, for
-        ``eager_host_s``."""
         inp = self._prepare(batch)
         sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.tokens)]
         if sampled:
@@ -320,21 +319,58 @@ class ModelRunner:
         hidden = self._eager_forward(d)
         for s, n in zip(batch.seqs, batch.num_new):
             s.num_computed += n
-        tok = lp = None
+        host_out = done = None
         if sampled:
             tok, lp = self._head_sample(hidden[d["rows"]], d["rid"], d["next_pos"])
+            host_out, done = self._read_back(torch.stack([tok.double(), lp.double()]))
         t2 = time.perf_counter()
-        self.capture_ahead(decode_rows)
-        t3 = time.perf_counter()
+        self.eager_host_s["prepare"] += t1 - t0
+        self.eager_host_s["launch"] += t2 - t1
+        self.stats["eager_s"] += t2 - t0
+        return EagerLaunch(batch, [batch.seqs[i] for i in sampled], host_out, done, decode_rows)
+
+    def _read_back(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of the device tensor ``out`` into a new host tensor (pinned) and record an event after it;
+        on CPU ``out`` itself and no event. A new tensor per step: one whose copy is pending is never written again
+        (the pinned-memory allocator reuses its memory only once the copy is done)."""
+        if self.device.type != "cuda":
+            return out, None
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def collect_eager(self, launched: EagerLaunch) -> list[tuple[Sequence, int, float]]:
+        """Capture the coming decode graph while the device runs (:meth:`capture_ahead` of ``launched.decode_rows``:
+        called after the engine has launched every step it can, so the most device work is queued), then wait for
+        ``launched`` and return ``(seq, token, logprob)`` of its sampled rows. Host time goes to ``stats["eager_s"]``
+        and to the ``wait`` part of ``eager_host_s`` (the capture to ``capture_ahead_s``)."""
+        t0 = time.perf_counter()
+        self.capture_ahead(launched.decode_rows)
+        t1 = time.perf_counter()
         out: list[tuple[Sequence, int, float]] = []
-        if tok is not None and lp is not None:
-            both = torch.stack([tok.double(), lp.double()]).cpu()
-            out = list(zip([batch.seqs[i] for i in sampled], both[0].long().tolist(), both[1].tolist()))
-        host = self.eager_host_s
-        host["prepare"] += t1 - t0
-        host["launch"] += t2 - t1
-        host["wait"] += time.perf_counter() - t3
+        if launched.host_out is not None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            both = launched.host_out
+            out = list(zip(launched.sampled, both[0].long().tolist(), both[1].tolist()))
+        t2 = time.perf_counter()
+        self.eager_host_s["wait"] += t2 - t1
+        self.stats["eager_s"] += t2 - t0
         return out
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked prompt blocks: block ``dst`` gets block ``src``'s slots in every layer (K and V)."""
+        if not copies:
+            return
+        data = self.cache.data
+        if {s for s, _ in copies} & {d for _, d in copies}:  # a copy reads a block another one writes: in order
+            for s, d in copies:
+                data[:, :, d].copy_(data[:, :, s])
+            return
+        src, dst = (self._to_device(torch.tensor(c, dtype=torch.long)) for c in zip(*copies))
+        data.index_copy_(2, dst, data.index_select(2, src))
 
     # ---------------------------------------------------------------------------------------------------------------
     # CUDA-graph decode
@@ -596,8 +632,8 @@ class ModelRunner:
         """Replay the decode graph of ``batch`` without waiting for it: advances ``num_computed`` and queues the
         read-back of the sampled tokens; :meth:`collect` returns them. None (nothing launched) when ``batch`` is not
         a graph decode (a prefill, graphs off, more sequences than the largest bucket, a failed capture): run it
-        with :meth:`run_eager`. Graph steps add their host time to ``stats["graph_s"]`` (here and in :meth:`collect`);
-        captures to ``stats["capture_s"]``.
+        with :meth:`launch_eager`. Graph steps add their host time to ``stats["graph_s"]`` (here and in
+        :meth:`collect`); captures to ``stats["capture_s"]``.
 
         Several launches may be in flight in order: a launch for the same sequences in the same order as the last
         one takes its input ids from the previous step's sampled tokens on the device (:meth:`_stage_inputs`)."""

@@ -31,6 +31,39 @@ class ScheduledBatch:
     num_prefill_tokens: int = 0
 
 
+class _Step:
+    """A step being built: its sequences and token counts, copies, the token budget left, and the positions taken
+    from siblings or the prefix cache (counted once the step is committed)."""
+
+    __slots__ = ("budget", "cached", "copies", "forks", "is_decode", "num_new", "prefill", "seqs", "shared")
+
+    def __init__(
+        self,
+        budget: int,
+        seqs: list[Sequence] | None = None,
+        num_new: list[int] | None = None,
+        is_decode: bool = True,
+        prefill: int = 0,
+    ) -> None:
+        self.budget = budget
+        self.seqs: list[Sequence] = seqs if seqs is not None else []
+        self.num_new: list[int] = num_new if num_new is not None else []
+        self.is_decode = is_decode
+        self.prefill = prefill
+        self.copies: list[tuple[int, int]] = []
+        self.cached = self.forks = self.shared = 0
+
+    def add(self, seq: Sequence, n: int) -> None:
+        """Feed ``n`` tokens of ``seq`` from its ``num_computed``."""
+        self.seqs.append(seq)
+        self.num_new.append(n)
+        if n != 1 or seq.num_computed + 1 != len(seq.tokens):
+            self.is_decode = False
+        if seq.num_computed < seq.num_prompt_tokens:
+            self.prefill += n
+        self.budget -= n
+
+
 class Scheduler:
     """Chooses which sequences run in the next packed forward.
 
@@ -59,6 +92,9 @@ class Scheduler:
     earlier in the same step) is computing the same first block, it waits, like a sibling, so that prompts sharing a
     system prompt and admitted together compute it once. Same exactness argument; it also shortens the recompute
     after a preemption.
+
+    While a step is in flight, :meth:`chain` (the next decode) and :meth:`chain_prefill` (the next prefill) may name
+    the step after it, which the engine launches before reading the first one back.
     """
 
     def __init__(
@@ -167,7 +203,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_new: list[int] = []
-        copies: list[tuple[int, int]] = []
         preempted = False
         is_decode = True
         prefill = 0
@@ -200,8 +235,29 @@ class Scheduler:
                 prefill += n
             budget -= n
             i += 1
+        step = _Step(budget, seqs, num_new, is_decode, prefill)
+        if not preempted:
+            self._admit(step, leading)
+        if not seqs:
+            raise RuntimeError(
+                "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
+                f"(free blocks {self.bm.num_free}/{self.bm.num_blocks}, budget {self.max_num_batched_tokens})"
+            )
+        return self._commit(step)
+
+    def _admit(self, step: _Step, leading: set[tuple[int, ...]] | None, reserve: int = 0) -> list[tuple[int, Sequence]]:
+        """Admit waiting sequences into ``step``, in queue order, while its budget, the sequence slots and the free
+        blocks last, leaving at least ``reserve`` blocks free; returns ``(queue index, sequence)`` of each admission
+        (:meth:`_readmit` undoes them).
+
+        A sequence whose sibling is still prefilling its prompt, or whose first block another sequence is computing
+        (``leading``, prefix caching), is skipped; one that can fork from a sibling (:meth:`_share_source`) or take
+        recorded blocks (:meth:`BlockManager.match`) starts after them. The first sequence whose blocks do not fit
+        ends the admissions, holding nothing."""
+        admitted: list[tuple[int, Sequence]] = []
+        bm = self.bm
         w = 0
-        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while w < len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
             source = self._share_source(seq)
             if source is True:
@@ -210,7 +266,7 @@ class Scheduler:
             src = source if isinstance(source, Sequence) else None
             hit = 0
             if leading is not None and src is None and not seq.num_computed and not seq.score_only:
-                hit = self.bm.match(seq)
+                hit = bm.match(seq)
                 first = self._first_block(seq)
                 if not hit and first is not None:
                     if first in leading:
@@ -218,38 +274,106 @@ class Scheduler:
                         continue
                     leading.add(first)
             start = seq.num_prompt_tokens - 1 if src is not None else seq.num_computed + hit
-            n = self._chunk(len(seq.tokens) - start, budget)
+            n = self._chunk(len(seq.tokens) - start, step.budget)
             copy = None
             if n and src is not None:
-                copy = self.bm.fork(src, seq, start)
+                copy = bm.fork(src, seq, start)
                 if copy is None:
                     break
-            if n == 0 or not self.bm.ensure(seq, start + n):
+            # the reserve check also catches a fork or match that took reserved blocks
+            if n == 0 or bm.missing(seq, start + n) > bm.num_free - reserve or not bm.ensure(seq, start + n):
                 if src is not None or hit:
-                    self.bm.free(seq)
+                    bm.free(seq)
                 break
             seq.num_computed = start
-            self.cached_tokens += hit
+            step.cached += hit
             if copy is not None:
-                self.num_forks += 1
-                self.shared_tokens += start
+                step.forks += 1
+                step.shared += start
                 if copy[0] >= 0:
-                    copies.append(copy)
+                    step.copies.append(copy)
             del self.waiting[w]
+            admitted.append((w, seq))
             self._start(seq)
-            seqs.append(seq)
-            num_new.append(n)
-            if n != 1 or seq.num_computed + 1 != len(seq.tokens):
-                is_decode = False
-            if seq.num_computed < seq.num_prompt_tokens:
-                prefill += n
-            budget -= n
-        if not seqs:
-            raise RuntimeError(
-                "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
-                f"(free blocks {self.bm.num_free}/{self.bm.num_blocks}, budget {self.max_num_batched_tokens})"
-            )
-        return ScheduledBatch(seqs, num_new, is_decode, copies, prefill)
+            step.add(seq, n)
+        return admitted
+
+    def _readmit(self, admitted: list[tuple[int, Sequence]]) -> None:
+        """Undo :meth:`_admit`: the sequences free their blocks and return to their places in the waiting queue."""
+        for w, seq in reversed(admitted):
+            self._stop(seq)
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+            self.waiting.insert(w, seq)
+
+    def _commit(self, step: _Step) -> ScheduledBatch:
+        """Count ``step``'s shared and cached positions and forks; return it as a batch."""
+        self.cached_tokens += step.cached
+        self.num_forks += step.forks
+        self.shared_tokens += step.shared
+        return ScheduledBatch(step.seqs, step.num_new, step.is_decode, step.copies, step.prefill)
+
+    @staticmethod
+    def _prefilling(seq: Sequence) -> bool:
+        """Whether ``seq`` (running) has known tokens to feed beyond a decode: its prompt, or the prompt and generated
+        tokens of a recompute, is not fully fed (more than the last token pending)."""
+        return seq.num_computed < max(seq.num_prompt_tokens, len(seq.tokens) - 1)
+
+    def _plan_chunks(self, step: _Step) -> tuple[list[tuple[Sequence, int]], bool]:
+        """Add the next chunk of every running sequence that is still prefilling (:meth:`_prefilling`) to ``step``, in
+        admission order, while its budget and the free blocks last, allocating nothing. Returns ``(sequence, positions
+        that need slots)`` of each, for :meth:`BlockManager.ensure`, and whether every chunk's blocks fit (``False``:
+        the plan stopped at a sequence whose blocks do not)."""
+        free = self.bm.num_free
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if step.budget <= 0:
+                break
+            if not self._prefilling(seq):
+                continue
+            n = self._chunk(len(seq.tokens) - seq.num_computed, step.budget)
+            if n == 0:
+                continue
+            need = self.bm.missing(seq, seq.num_computed + n)
+            if need > free:
+                return chunks, False
+            free -= need
+            chunks.append((seq, seq.num_computed + n))
+            step.add(seq, n)
+        return chunks, True
+
+    def chain_prefill(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """A prefill step to launch while the eager step ``in_flight`` is still running (its sampled tokens not read
+        back yet, ``num_computed`` already advanced), or None.
+
+        The step holds only work that does not depend on ``in_flight``'s sampled tokens: the next prompt chunk (or
+        recompute chunk) of running sequences that are still prefilling, then admissions from the waiting queue
+        under the rules of :meth:`schedule` (prompt sharing, prefix caching, token budget, sequence slots). A sequence
+        that samples in ``in_flight`` has nothing to feed until its token is appended, and a running sequence's
+        decode is left to :meth:`schedule`. It never preempts (a preempted sequence of ``in_flight`` would lose
+        blocks the device is still writing): it stops adding sequences at the first one whose blocks do not fit
+        (a prompt's chunk or an admission; admissions never take the blocks of the chunks before them).
+
+        Policy (performance only: results never depend on how steps are formed): a step is chained only behind an
+        ``in_flight`` step that contains prefill, and only if it carries at least half of ``max_num_batched_tokens``
+        tokens; otherwise (steady-state continuous batching, where an admission joins the decodes in a mixed step)
+        it returns None, and the sequences it tried are as they were: the running ones hold no new block, the waiting
+        ones are back in their places holding none (the free list's order and the prefix-cache records of blocks an
+        undone admission evicted may differ)."""
+        if not in_flight.num_prefill_tokens:
+            return None
+        leading = self._record_running() if self.prefix_cache else None
+        step = _Step(self.max_num_batched_tokens)
+        chunks, fits = self._plan_chunks(step)
+        reserve = sum(self.bm.missing(seq, target) for seq, target in chunks)
+        admitted = self._admit(step, leading, reserve) if fits else []
+        if 2 * (self.max_num_batched_tokens - step.budget) < self.max_num_batched_tokens:
+            self._readmit(admitted)
+            return None
+        for seq, target in chunks:
+            if not self.bm.ensure(seq, target):
+                raise RuntimeError("chain_prefill: a reserved block allocation failed")
+        return self._commit(step)
 
     def chain(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after ``batch`` while ``batch`` is still in flight (its sampled tokens not read back yet,
