@@ -18,7 +18,9 @@ the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_
 in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time of one decode step with prefill and
 warm-up removed. Medians, because a call's prefill varies by tens of milliseconds, which a single pair of calls
 spreads over the steps. ``kept_engine`` times the same call on a generator that keeps its KV cache and CUDA graphs
-between calls (``keep_kv_cache=True``), which leaves out the per-call setup. On a GPU listed in ``roofline.PEAKS``
+between calls (``keep_kv_cache=True``), which leaves out the per-call setup; ``prefill_overlap_off`` times it with
+``overlap_prefill=False`` (each eager step read back before the next is launched), beside the default's timed walls
+and their ``eager_s_timed_calls``. On a GPU listed in ``roofline.PEAKS``
 the result also holds ``roofline``, the bound of a decode step at the run's mean context (every weight and the whole
 K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer; :func:`roofline.decode_step_bound`)
 and ``decode_step_over_bound``.
@@ -190,7 +192,9 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     }
 
 
-def make_generator(model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False) -> Generator:
+def make_generator(
+    model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False, overlap_prefill: bool = True
+) -> Generator:
     return Generator(
         model,
         kernels=kernels,
@@ -200,6 +204,7 @@ def make_generator(model, kernels: str, batch: int, args, *, share: bool = True,
         share_prompt_blocks=share,
         prefix_caching=share,
         keep_kv_cache=keep,
+        overlap_prefill=overlap_prefill,
     )
 
 
@@ -237,6 +242,32 @@ def kept_engine(model, kernels: str, prompts, args, device, reference: list, *, 
     }
 
 
+def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
+    """The same ``generate`` call with ``overlap_prefill=False`` (every eager step read back before the next is
+    launched), side by side with the default's ``decode_step_walls_s["long"]``: one warm-up call, then
+    ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
+    gen = make_generator(model, "exact", len(prompts) * n, args, share=share, overlap_prefill=False)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
+    timed_generate(gen, prompts, params, device)
+    walls, eager = [], []
+    for _ in range(args.step_reps):
+        wall, outs = timed_generate(gen, prompts, params, device)
+        walls.append(wall)
+        eager.append(gen.stats.get("eager_s"))
+    tokens = sum(len(o.token_ids) for o in outs)
+    seconds = statistics.median(walls)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "walls_s": walls,
+        "eager_s": eager,
+        "same_as_default": len(outs) == len(reference)
+        and all(a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, reference)),
+        "note": "overlap_prefill=False; median of the timed calls",
+    }
+
+
 def run_rlexact(
     model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True
 ) -> tuple[dict, list]:
@@ -255,8 +286,12 @@ def run_rlexact(
     res["eager_host_s"] = gen.stats.get("eager_host_s")
     half = args.new_tokens // 2
     host_short = None
+    eager_walls = [gen.stats.get("eager_s")]
     if decode_step and half >= 1 and kernels == "exact":
-        longs = [elapsed] + [timed(args.new_tokens, 0)[0] for _ in range(args.step_reps - 1)]
+        longs = [elapsed]
+        for _ in range(args.step_reps - 1):
+            longs.append(timed(args.new_tokens, 0)[0])
+            eager_walls.append(gen.stats.get("eager_s"))
         timed(half, 0)  # its own warm-up: a narrower block table can specialize (compile) kernels anew
         shorts = [timed(half, 0)[0] for _ in range(args.step_reps)]
         host_short = host_snapshot(gen)
@@ -274,6 +309,11 @@ def run_rlexact(
             res["roofline"] = bound
             res["decode_step_over_bound"] = res["decode_step_ms"] / bound["decode_step_bound_ms"]
     if decode_step and kernels == "exact":
+        res["eager_s_timed_calls"] = eager_walls
+        try:
+            res["prefill_overlap_off"] = prefill_overlap_off(model, prompts, args, device, outs, n=n, share=share)
+        except Exception:  # noqa: BLE001
+            res["prefill_overlap_off_error"] = traceback.format_exc()
         try:
             res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001
