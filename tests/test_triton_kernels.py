@@ -318,37 +318,6 @@ def test_gpu_token_logprobs_invariant(dtype: torch.dtype) -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_head_sample_fused(dtype: torch.dtype) -> None:
-    """The draw fused into the head (Qwen3-1.7B head shape) equals ``lm_head_logits`` + the Triton sampler bitwise
-    (tokens and log-probs) at decode and larger row counts, its log-prob is the trainer's ``token_logprobs`` of the
-    drawn token, a row draws the same alone as in a batch; other request ids draw other tokens (the comparison can
-    fail)."""
-    from rlexact.ops import triton_logprob as tlp
-    from rlexact.rollout._sampler_triton import gumbel_argmax_triton
-
-    h, v = 2048, 151936
-    hid, w, _ = _head_inputs(256, h, v, dtype, 12)
-    g = torch.Generator().manual_seed(3)
-    rid = torch.randint(0, 2**62, (256,), generator=g).to(_dev())
-    pos = torch.randint(0, 9000, (256,), generator=g).to(_dev())
-    for rows in (1, 7, 64, 65, 256):
-        for temp in (1.0, 0.7):
-            z, lse = tlp.lm_head_logits(hid[:rows], w, temp)
-            ref_tok, ref_lp = gumbel_argmax_triton(z, None, 99, rid[:rows], pos[:rows], lse)
-            tok, lp = tlp.lm_head_sample(hid[:rows], w, temp, 99, rid[:rows], pos[:rows])
-            assert torch.equal(tok, ref_tok) and torch.equal(lp, ref_lp), (rows, temp)
-            assert torch.equal(lp, tlp.token_logprobs(hid[:rows], w, tok, temp)[0]), (rows, temp)
-    alone = torch.cat(
-        [tlp.lm_head_sample(hid[i : i + 1], w, 0.7, 99, rid[i : i + 1], pos[i : i + 1])[0] for i in range(8)]
-    )
-    assert torch.equal(alone, tlp.lm_head_sample(hid, w, 0.7, 99, rid, pos)[0][:8])
-    other, _ = tlp.lm_head_sample(hid, w, 0.7, 99, rid + 1, pos)
-    assert not torch.equal(other, tlp.lm_head_sample(hid, w, 0.7, 99, rid, pos)[0])
-
-
-@gpu
-@pytest.mark.gpu
 def test_gpu_logprob_negative_control() -> None:
     """The materialized torch path (cuBLAS bf16 + log_softmax) is not batch-invariant for some lm-head shape.
 

@@ -10,14 +10,7 @@ from rlexact.models.exactify import (
     is_exactified,
     use_kernels,
 )
-from rlexact.models.forward import (
-    decoder,
-    forward_hidden,
-    head_logits,
-    head_logprobs,
-    head_sample,
-    lm_head_weight,
-)
+from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.metadata import AttnMetadata, PagedKV
 
 __all__ = [
@@ -33,7 +26,6 @@ __all__ = [
     "get_state",
     "head_logits",
     "head_logprobs",
-    "head_sample",
     "is_exactified",
     "lm_head_weight",
     "use_kernels",

@@ -85,22 +85,6 @@ def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> t
     return z, torch.logsumexp(z, dim=-1)
 
 
-def head_sample(
-    model: nn.Module,
-    hidden: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The keyed draw fused into the exact head (:func:`rlexact.ops.lm_head_sample`): ``(tokens, z[tokens] - lse)``
-    with the bits of :func:`head_logits` followed by the Triton sampler without truncation; None where it does not
-    run (native mode, or hidden states not on a CUDA device)."""
-    if not (_exact(model) and hidden.is_cuda):
-        return None
-    return ops.lm_head_sample(hidden, lm_head_weight(model), temperature, seed, request_ids, positions)
-
-
 def _exact(model: nn.Module) -> bool:
     """The head uses the exact kernels unless the model is exactified and in ``"native"`` mode."""
     state = get_state(model)

@@ -23,7 +23,6 @@ __all__ = [
     "interpreter_enabled",
     "linear",
     "lm_head_logits",
-    "lm_head_sample",
     "matmul",
     "moe_experts",
     "moe_router",
@@ -250,26 +249,6 @@ def lm_head_logits(
     """
     _check_head(hidden, w, temperature)
     return _impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
-
-
-@torch.no_grad()
-def lm_head_sample(
-    hidden: torch.Tensor,
-    w: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One keyed Gumbel-max draw per row fused into the exact head (Triton backend only: CUDA, or the interpreter):
-    ``(tokens [B] int64, logp [B] fp32)``, bitwise the draw of :func:`lm_head_logits` followed by the generator's
-    Triton sampler without truncation, and ``logp == z[tokens] - lse``. The ``[B, V]`` logits are never stored."""
-    _check_head(hidden, w, temperature)
-    if resolve_backend(hidden, None if hidden.is_cuda else "triton") != "triton":
-        raise RuntimeError("lm_head_sample runs on the Triton backend only")
-    return _impl("triton", "lm_head_sample")(
-        hidden.contiguous(), w, float(temperature), int(seed), request_ids, positions
-    )
 
 
 def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

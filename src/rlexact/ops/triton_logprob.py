@@ -36,8 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .hash_constants import MASK32, ROW_SALT
-from .keyed_noise import neg_gumbel, row_keys
 from .triton_matmul import _HAS_WS, TensorDescriptor, _aligned, _cuda_props, _device_key, _dot_flags, _tile_coords
 from .triton_pdl import pdl_entry, pdl_options
 
@@ -100,7 +98,7 @@ def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device)
     return _decode_head_config(H, V, dtype, _device_key(device))
 
 
-@triton.jit(do_not_specialize=["T", "n_split", "seed_lo_salted", "seed_hi"])
+@triton.jit(do_not_specialize=["T", "n_split"])
 def _head_kernel(
     h_ptr,
     w_ptr,
@@ -110,12 +108,6 @@ def _head_kernel(
     z_ptr,
     part_ptr,
     zt_ptr,
-    rid_ptr,
-    pos_ptr,
-    samp_ptr,
-    sidx_ptr,
-    seed_lo_salted,
-    seed_hi,
     T,
     V,
     H,
@@ -135,7 +127,6 @@ def _head_kernel(
     TMA: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    SAMPLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -151,16 +142,6 @@ def _head_kernel(
     s_i = tl.zeros((BM,), tl.float32)
     t_i = tl.zeros((BM,), tl.float32)
     zt = tl.full((BM,), float("-inf"), tl.float32)
-    if SAMPLE:
-        ka, kb = row_keys(
-            seed_lo_salted,
-            seed_hi,
-            tl.load(rid_ptr + rows64, mask=r_ok, other=0),
-            tl.load(pos_ptr + rows64, mask=r_ok, other=0),
-        )
-        best_s = tl.full((BM,), float("-inf"), tl.float32)
-        best_i = tl.full((BM,), V, tl.int32)
-        best_z = tl.zeros((BM,), tl.float32)
     v0 = sid * VS
     v_end = tl.minimum(v0 + VS, V)
     k_tiles = tl.cdiv(H, BK)
@@ -207,15 +188,6 @@ def _head_kernel(
         m_i = m_new
         if HAS_TGT:
             zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), axis=1))
-        if SAMPLE:  # the chunk's largest draw score, its first column and z there; earlier chunks win ties
-            sc = tl.where(c_ok[None, :], z - neg_gumbel(ka[:, None], kb[:, None], cols[None, :]), float("-inf"))
-            c_best = tl.max(sc, axis=1)
-            c_idx = tl.min(tl.where(sc == c_best[:, None], cols[None, :], V), axis=1)
-            c_z = tl.max(tl.where(cols[None, :] == c_idx[:, None], z, float("-inf")), axis=1)
-            upd = c_best > best_s
-            best_s = tl.where(upd, c_best, best_s)
-            best_i = tl.where(upd, c_idx, best_i)
-            best_z = tl.where(upd, c_z, best_z)
     base = part_ptr + sid.to(tl.int64) * T + rows64
     stride_part = n_split.to(tl.int64) * T
     tl.store(base, m_i, mask=r_ok)
@@ -224,11 +196,6 @@ def _head_kernel(
     if HAS_TGT:
         mine = r_ok & (tgt >= v0) & (tgt < v_end)
         tl.store(zt_ptr + rows64, zt, mask=mine)
-    if SAMPLE:
-        sbase = samp_ptr + sid.to(tl.int64) * T + rows64
-        tl.store(sbase, best_s, mask=r_ok)
-        tl.store(sbase + stride_part, best_z, mask=r_ok)
-        tl.store(sidx_ptr + sid.to(tl.int64) * T + rows64, best_i, mask=r_ok)
 
 
 @triton.jit(do_not_specialize=["T", "n_split"])
@@ -238,14 +205,10 @@ def _head_merge_kernel(
     logp_ptr,
     ent_ptr,
     lse_ptr,
-    samp_ptr,
-    sidx_ptr,
-    tok_ptr,
     T,
     n_split,
     BLOCK: tl.constexpr,
     HAS_TGT: tl.constexpr,
-    SAMPLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -273,32 +236,9 @@ def _head_merge_kernel(
     if HAS_TGT:
         ztv = tl.load(zt_ptr + rows64, mask=ok, other=0.0)
         tl.store(logp_ptr + rows64, ztv - lse, mask=ok)
-    if SAMPLE:  # the largest draw over the splits, the first split on ties (so the first column overall)
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        tok = tl.zeros((BLOCK,), tl.int32)
-        zb = tl.zeros((BLOCK,), tl.float32)
-        for j in range(n_split):
-            sj = tl.load(samp_ptr + j * T + rows64, mask=ok, other=float("-inf"))
-            upd = sj > best
-            best = tl.where(upd, sj, best)
-            tok = tl.where(upd, tl.load(sidx_ptr + j * T + rows64, mask=ok, other=0), tok)
-            zb = tl.where(upd, tl.load(samp_ptr + stride_part + j * T + rows64, mask=ok, other=0.0), zb)
-        tl.store(tok_ptr + rows64, tok.to(tl.int64), mask=ok)
-        tl.store(logp_ptr + rows64, zb - lse, mask=ok)
 
 
 MERGE_BLOCK = 128
-
-
-@dataclass
-class _Draw:
-    """A keyed draw fused into the head (:func:`lm_head_sample`): ``seed`` (below ``2**64``), int64 ``request_ids``
-    and ``positions`` ``[T]``, and the int64 ``tokens [T]`` it writes."""
-
-    seed: int
-    request_ids: torch.Tensor
-    positions: torch.Tensor
-    tokens: torch.Tensor
 
 
 def _run_head(
@@ -308,10 +248,8 @@ def _run_head(
     temperature: float,
     store_z: bool,
     cfg: HeadConfig | None = None,
-    draw: _Draw | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(z or None, logp, entropy, lse)``; ``logp`` is the targets' log-prob, or with ``draw`` the drawn
-    tokens' (written to ``draw.tokens``), else garbage.
+    """Returns ``(z or None, logp, entropy, lse)`` (logp is garbage when ``targets`` is None).
 
     ``cfg`` overrides :func:`head_config` / :func:`decode_head_config` (tests and benchmarks only: exactness needs
     the library's configurations).
@@ -343,17 +281,6 @@ def _run_head(
         h_desc, w_desc = hidden, w
     has_tgt = targets is not None
     tgt = targets.contiguous() if has_tgt else zt  # dummy pointer when absent
-    if draw is not None:
-        seed = draw.seed & ((1 << 64) - 1)
-        keys = ((seed & MASK32) ^ ROW_SALT, seed >> 32)
-        rid, pos = draw.request_ids.contiguous(), draw.positions.contiguous()
-        samp, sidx, tok = (
-            torch.empty((2, n_split, T), **f32),
-            torch.empty((n_split, T), dtype=torch.int32, device=dev),
-            draw.tokens,
-        )
-    else:
-        keys, rid, pos, samp, sidx, tok = (0, 0), zt, zt, zt, zt, zt  # unused pointers
     grid = (triton.cdiv(T, cfg.BM) * n_split,)
     pdl = pdl_options(dev)
     _head_kernel[grid](
@@ -365,11 +292,6 @@ def _run_head(
         z if store_z else zt,
         part,
         zt,
-        rid,
-        pos,
-        samp,
-        sidx,
-        *keys,
         T,
         V,
         H,
@@ -388,15 +310,13 @@ def _run_head(
         SCALE=float(temperature) != 1.0,
         TMA=cfg.tma,
         **_dot_flags(hidden.dtype),
-        SAMPLE=draw is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
     )
     _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
-        part, zt, logp, ent, lse, samp, sidx, tok, T, n_split, BLOCK=MERGE_BLOCK, HAS_TGT=has_tgt,
-        SAMPLE=draw is not None, num_warps=4, **pdl,
-    )  # fmt: skip
+        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, HAS_TGT=has_tgt, num_warps=4, **pdl
+    )
     return z, logp, ent, lse
 
 
@@ -423,29 +343,3 @@ def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) ->
     """``hidden [B, H]``, ``w [V, H]`` -> ``(z [B, V] fp32, lse [B] fp32)`` from the same kernel as token_logprobs."""
     z, _, _, lse = _run_head(hidden, w, None, temperature, store_z=True)
     return z, lse
-
-
-def lm_head_sample(
-    hidden: torch.Tensor,
-    w: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One keyed Gumbel-max draw per row fused into the head: ``(tokens [B] int64, z[tokens] - lse [B] fp32)``.
-
-    The same draw as :func:`lm_head_logits` followed by :func:`rlexact.rollout._sampler_triton.gumbel_argmax_triton`
-    without a threshold (``argmax(z - log(-log(u)))``, the first column on ties, noise from
-    :mod:`rlexact.ops.keyed_noise`), bitwise: the scores are the same fp32 operations on the same ``z``, and a maximum
-    and the first column attaining it do not depend on how the row is cut. ``z`` is never stored. ``request_ids`` and
-    ``positions`` are non-negative int64 ``[B]``; ``seed`` an int."""
-    if request_ids.shape != hidden.shape[:1] or positions.shape != hidden.shape[:1]:
-        raise ValueError(
-            f"lm_head_sample: request_ids {tuple(request_ids.shape)} and positions {tuple(positions.shape)} must be "
-            f"[{hidden.shape[0]}] (one per row of hidden)"
-        )
-    tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-    draw = _Draw(int(seed), request_ids.long(), positions.long(), tokens)
-    _, logp, _, _ = _run_head(hidden, w, None, temperature, store_z=False, draw=draw)
-    return tokens, logp

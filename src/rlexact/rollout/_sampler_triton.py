@@ -2,9 +2,9 @@
 
 Two launches per sampling step, no ``[B, V]`` temporaries, no host synchronization:
 
-* ``_gumbel_argmax_kernel``, grid ``(B, S)``: program ``(r, s)`` derives row ``r``'s keys and streams vocabulary
-  slice ``s`` of its logits once: keyed noise (:mod:`rlexact.ops.keyed_noise`, the integer functions of
-  :func:`rlexact.rollout.keyed_hash.row_keys` and :func:`~rlexact.rollout.keyed_hash.token_hash` in uint32),
+* ``_gumbel_argmax_kernel``, grid ``(B, S)``: program ``(r, s)`` derives row ``r``'s keys (the integer function of
+  :func:`rlexact.rollout.keyed_hash.row_keys`) and streams vocabulary slice ``s`` of its logits once: 32-bit hash
+  (uint32 arithmetic, the same integer function as :func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise,
   optional threshold mask, running maximum. It stores the slice's maximum score and the first index attaining it.
 * ``_argmax_merge_kernel``, grid ``(B,)``: the largest of the ``S`` slice maxima and, among the slices attaining it,
   the smallest index; optionally the token's log-prob ``z[token] - lse``.
@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rlexact.ops.hash_constants import MASK32, ROW_SALT
-from rlexact.ops.keyed_noise import neg_gumbel, row_keys
 from rlexact.ops.triton_matmul import num_sms
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
+from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
 __all__ = ["gumbel_argmax_triton", "vocab_splits"]
 
@@ -31,6 +30,16 @@ _BLOCK_V = 2048
 """Vocabulary entries per loop iteration of a program (and the granularity of a slice)."""
 _PROGRAMS_PER_SM = 2
 """Target programs per SM when choosing the number of vocabulary slices."""
+
+
+@triton.jit
+def _mix32(x, c1, c2):
+    """lowbias32 on uint32 tensors (``c1, c2``: the multipliers as uint32 tensors broadcastable to ``x``)."""
+    x = x ^ (x >> 16)
+    x = x * c1
+    x = x ^ (x >> 15)
+    x = x * c2
+    return x ^ (x >> 16)
 
 
 @triton.jit(do_not_specialize=["seed_lo_salted", "seed_hi"])  # a new seed never compiles a new kernel
@@ -48,13 +57,28 @@ def _gumbel_argmax_kernel(
     SLICE_V,
     HAS_THR: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    SALT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
     row = tl.program_id(0)
     sl = tl.program_id(1)
     one = tl.arange(0, 1)
-    ka, kb = row_keys(seed_lo_salted, seed_hi, tl.load(rid_ptr + row + one), tl.load(pos_ptr + row + one))
+    k1 = tl.full([1], C1, tl.uint32)
+    k2 = tl.full([1], C2, tl.uint32)
+    rid = tl.load(rid_ptr + row + one)
+    pos = tl.load(pos_ptr + row + one)
+    k = _mix32(tl.full([1], seed_lo_salted, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ tl.full([1], seed_hi, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ rid.to(tl.uint32), k1, k2)
+    k = _mix32(k ^ (rid >> 32).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ pos.to(tl.uint32), k1, k2)
+    ka = _mix32(k ^ (pos >> 32).to(tl.uint32), k1, k2)
+    kb = _mix32(ka ^ tl.full([1], SALT, tl.int64).to(tl.uint32), k1, k2)
+    c1 = tl.full([BLOCK_V], C1, tl.uint32)
+    c2 = tl.full([BLOCK_V], C2, tl.uint32)
     lo = sl * SLICE_V
     hi = tl.minimum(V, lo + SLICE_V)
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -66,7 +90,9 @@ def _gumbel_argmax_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < hi
         z = tl.load(base + offs, mask=mask, other=float("-inf"))
-        s = z - neg_gumbel(ka, kb, offs)
+        h = _mix32(_mix32(ka ^ offs.to(tl.uint32), c1, c2) ^ kb, c1, c2)
+        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+        s = z - tl.log(-tl.log(u))
         if HAS_THR:
             s = tl.where(z >= thr, s, float("-inf"))
         s = tl.where(mask, s, float("-inf"))
@@ -162,6 +188,9 @@ def gumbel_argmax_triton(
         slice_v,
         HAS_THR=threshold is not None,
         BLOCK_V=_BLOCK_V,
+        C1=C1,
+        C2=C2,
+        SALT=ROW_SALT,
         num_warps=8,
         **pdl,
     )

@@ -1,6 +1,6 @@
 """The integer hashes behind rlexact's randomness: the keyed sampler's per-token hash and the seed / request-key
-mixer. Pure integer arithmetic, identical on every device, in torch (here) and in Triton
-(:mod:`rlexact.ops.keyed_noise`, which holds the constants, used by the fused sampler and the fused lm head).
+mixer. Pure integer arithmetic, identical on every device, in torch (here) and in the fused Triton sampler
+(:mod:`rlexact.rollout._sampler_triton`, which uses the constants below).
 
 * :func:`request_key` is the one seed mixer: splitmix64 steps over integers. The generator derives a sample's
   request id from it, the trainer derives the step seed of the sampler and of the mini-batch shuffle from it.
@@ -14,7 +14,14 @@ import torch
 
 __all__ = ["C1", "C2", "MASK32", "ROW_SALT", "mix32", "request_key", "row_keys", "token_hash"]
 
-from rlexact.ops.hash_constants import C1, C2, MASK32, ROW_SALT
+MASK32 = 0xFFFFFFFF
+"""32-bit mask of the hash arithmetic (held in int64)."""
+C1 = 0x7FEB352D
+"""First lowbias32 multiplier."""
+C2 = 0x846CA68B
+"""Second lowbias32 multiplier."""
+ROW_SALT = 0x9E3779B9
+"""Salt of the first and last row-key rounds."""
 
 
 def request_key(*parts: int) -> int:

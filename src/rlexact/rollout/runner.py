@@ -3,8 +3,8 @@
 Every step is one call of :func:`rlexact.models.forward_hidden` on a packed token stream (prefill chunks and decodes
 mixed) with :class:`~rlexact.models.PagedKV` metadata; K/V of the new tokens are written to the cache inside the
 attention function before attention reads them. The lm head runs only on the rows that sample (each sequence's last
-fed token), with the draw, through :func:`rlexact.rollout.sampler.draw_from_hidden` (a plain draw in exact mode on
-CUDA is fused into the head kernel); the reported ``z - lse`` is bitwise the trainer's log-prob in exact mode.
+fed token), through :func:`rlexact.models.head_logits`, whose ``z - lse`` is bitwise the trainer's log-prob in exact
+mode.
 
 Step inputs are built with vectorized torch ops from the block manager's block-table tensor (no per-token Python
 loops). Pure decode steps replay CUDA graphs captured lazily per batch-size bucket (and, in native mode, per padded
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs
 from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.sampler import draw_from_hidden
+from rlexact.rollout.sampler import sample
 from rlexact.rollout.scheduler import ScheduledBatch
 from rlexact.rollout.sequence import Sequence, Status
 
@@ -232,10 +232,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sp = self.sampling
         assert sp is not None
-        return draw_from_hidden(
-            self.model,
-            hidden,
-            temperature=sp.temperature,
+        z, lse = head_logits(self.model, hidden, sp.temperature)
+        return sample(
+            z,
+            lse,
             greedy=sp.greedy,
             top_k=sp.top_k,
             top_p=sp.top_p,

@@ -15,7 +15,6 @@ truncated, renormalized distribution actually sampled with ``logprobs="sampled"`
 (:func:`rlexact.models.truncation.kept_logsumexp`, the function the trainer uses too). Greedy (temperature 0) is
 ``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1 (full softmax).
 
-:func:`draw_from_hidden` runs the head too; a plain draw in exact mode on CUDA is fused into the head kernel there.
 On CUDA the noise + argmax runs as fused Triton kernels (:mod:`rlexact.rollout._sampler_triton`: vocabulary slices
 in parallel, then a merge that also reads the token's log-prob) that never materialize ``[B, V]`` noise; they use the
 same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
@@ -29,11 +28,10 @@ import os
 
 import torch
 
-from rlexact.models import head_logits, head_sample
 from rlexact.models.truncation import LogprobMode, kept_logsumexp, top_k_top_p_threshold
 from rlexact.rollout.keyed_hash import row_keys, token_hash
 
-__all__ = ["draw_from_hidden", "gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
+__all__ = ["gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
 
 
 def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
@@ -132,40 +130,3 @@ def sample(
     if logprobs == "sampled" and threshold is not None:
         return tokens, picked - kept_logsumexp(z, threshold)
     return tokens, picked - lse
-
-
-def draw_from_hidden(
-    model: torch.nn.Module,
-    hidden: torch.Tensor,
-    *,
-    temperature: float,
-    greedy: bool,
-    top_k: int,
-    top_p: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-    logprobs: LogprobMode = "full",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lm head on ``hidden [B, H]`` and :func:`sample` (same arguments): ``(tokens [B] int64, logprobs [B] fp32)``.
-
-    A plain draw (not greedy, no top-k / top-p) in exact mode on CUDA runs fused into the head
-    (:func:`rlexact.models.head_sample`: the ``[B, V]`` logits are never stored), with the bits of
-    :func:`rlexact.models.head_logits` followed by the Triton sampler; ``RLEXACT_SAMPLER=torch`` keeps the torch
-    sampler. No host synchronization (CUDA-graph capturable)."""
-    if not greedy and top_k == 0 and top_p >= 1.0 and os.environ.get("RLEXACT_SAMPLER", "") != "torch":
-        fused = head_sample(model, hidden, temperature, seed, request_ids, positions)
-        if fused is not None:
-            return fused
-    z, lse = head_logits(model, hidden, temperature)
-    return sample(
-        z,
-        lse,
-        greedy=greedy,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        request_ids=request_ids,
-        positions=positions,
-        logprobs=logprobs,
-    )
