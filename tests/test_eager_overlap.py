@@ -6,6 +6,7 @@ leaves nothing behind when it names no step, and keeps the half-budget policy.""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -99,6 +100,42 @@ def test_overlapped_prefill_equals_sequential(qwen, case) -> None:
         assert {o.finish_reason for o in outs} == {"stop", "length"}
     if case == "chunked_long_prompts":
         assert max(len(p) for p in CASES[case][0]) > 2 * CASES[case][2]["max_num_batched_tokens"]
+
+
+def test_random_configurations_equal_sequential(qwen) -> None:
+    """Random settings (block size, token budget, sequence slots, chunking, sharing, prefix caching, shuffled pages,
+    tight KV budgets, stop tokens, ``n``) on random prompts, some with a common prefix: overlapped and step-by-step
+    prefill give the same completions bitwise, and chained prefill steps ran."""
+    rng = random.Random(1)
+    chained = 0
+    for _ in range(12):
+        lo = rng.randint(1, 30)
+        prompts = prompts_for(rng.randint(1, 12), 97, lo=lo, hi=lo + rng.randint(0, 60), seed=rng.randrange(10**6))
+        if rng.random() < 0.3:
+            prefix = prompts_for(1, 97, lo=rng.randint(4, 20), hi=20, seed=rng.randrange(10**6))[0]
+            prompts = [prefix + p for p in prompts]
+        new, bs, chunked = rng.randint(1, 10), rng.choice([2, 4, 8, 16]), rng.random() < 0.8
+        longest = max(len(p) for p in prompts) + new
+        budget = rng.choice([8, 16, 24, 32, 64, 128])
+        kw = {
+            "block_size": bs,
+            "max_num_batched_tokens": budget if chunked else max(budget, longest),
+            "max_num_seqs": rng.choice([2, 4, 8, 16, 64]),
+            "chunked_prefill": chunked,
+            "share_prompt_blocks": rng.random() < 0.7,
+            "prefix_caching": rng.random() < 0.7,
+            "shuffle_blocks": rng.random() < 0.5,
+        }
+        if rng.random() < 0.4:
+            kw["num_kv_blocks"] = -(-longest // bs) + rng.randint(0, 10)
+        stop = list(range(rng.randint(0, 8), 97, rng.randint(5, 30))) if rng.random() < 0.4 else None
+        params = SamplingParams(max_new_tokens=new, seed=rng.randint(0, 99), n=rng.choice([1, 1, 2, 3]),
+                                stop_token_ids=stop)  # fmt: skip
+        on = Generator(qwen, **kw)
+        outs = on.generate(prompts, params)
+        assert _same(outs, Generator(qwen, overlap_prefill=False, **kw).generate(prompts, params)), kw
+        chained += on.stats["overlapped_eager_steps"]
+    assert chained > 0
 
 
 def test_overlapped_prefill_equals_trainer(qwen) -> None:
