@@ -217,27 +217,45 @@ def timed_generate(gen: Generator, prompts, params: SamplingParams, device) -> t
     return time.perf_counter() - t0, outs
 
 
-def kept_engine(model, kernels: str, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
-    """The same ``generate`` call on a generator that keeps its KV cache, CUDA graphs and fused weights between calls
-    (``keep_kv_cache=True``): the steady state without the per-call setup (cache allocation, graph capture).
-    ``same_as_default``: its last call's completions (tokens and log-probs) equal ``reference`` exactly."""
-    gen = make_generator(model, kernels, len(prompts) * n, args, share=share, keep=True)
+def same_completions(a: list, b: list) -> bool:
+    """Whether two ``generate`` results have the same tokens and bitwise the same log-probs."""
+    return len(a) == len(b) and all(
+        x.token_ids == y.token_ids and torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b)
+    )
+
+
+def repeated_calls(gen: Generator, prompts, args, device, reference: list, n: int) -> dict:
+    """``1 + --step-reps`` timed ``generate`` calls of ``--new-tokens`` on ``gen``: the median of the calls after the
+    first (which may allocate, compile and capture), every call's wall (``walls_s``) and eager seconds
+    (``eager_s``), and whether the last call's completions equal ``reference`` (``same_as_default``)."""
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
-    walls = []
-    for _ in range(1 + args.step_reps):  # the first call allocates and captures
+    walls, eager = [], []
+    for _ in range(1 + args.step_reps):
         wall, outs = timed_generate(gen, prompts, params, device)
         walls.append(wall)
+        eager.append(gen.stats.get("eager_s"))
     tokens = sum(len(o.token_ids) for o in outs)
     seconds = statistics.median(walls[1:])
-    gen.release()
     return {
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "walls_s": walls,
+        "eager_s": eager,
+        "same_as_default": same_completions(outs, reference),
+    }
+
+
+def kept_engine(model, kernels: str, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
+    """The same ``generate`` call on a generator that keeps its KV cache, CUDA graphs and fused weights between calls
+    (``keep_kv_cache=True``): the steady state without the per-call setup (cache allocation, graph capture).
+    ``same_as_default``: its last call's completions (tokens and log-probs) equal ``reference`` exactly."""
+    gen = make_generator(model, kernels, len(prompts) * n, args, share=share, keep=True)
+    res = repeated_calls(gen, prompts, args, device, reference, n)
+    gen.release()
+    del res["eager_s"]
+    return res | {
         "capture_s_last_call": gen.stats.get("capture_s"),
-        "same_as_default": len(outs) == len(reference)
-        and all(a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, reference)),
         "note": "keep_kv_cache=True; median of the calls after the first",
     }
 
@@ -247,25 +265,9 @@ def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int
     launched), side by side with the default's ``decode_step_walls_s["long"]``: one warm-up call, then
     ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
     gen = make_generator(model, "exact", len(prompts) * n, args, share=share, overlap_prefill=False)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
-    timed_generate(gen, prompts, params, device)
-    walls, eager = [], []
-    for _ in range(args.step_reps):
-        wall, outs = timed_generate(gen, prompts, params, device)
-        walls.append(wall)
-        eager.append(gen.stats.get("eager_s"))
-    tokens = sum(len(o.token_ids) for o in outs)
-    seconds = statistics.median(walls)
-    return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "walls_s": walls,
-        "eager_s": eager,
-        "same_as_default": len(outs) == len(reference)
-        and all(a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, reference)),
-        "note": "overlap_prefill=False; median of the timed calls",
-    }
+    res = repeated_calls(gen, prompts, args, device, reference, n)
+    res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]  # the timed calls only
+    return res | {"note": "overlap_prefill=False; median of the timed calls"}
 
 
 def run_rlexact(
@@ -351,10 +353,7 @@ def run_grpo(model, args, device, result: dict) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     grpo["speedup_shared_over_unshared"] = grpo["shared"]["tokens_per_s"] / grpo["unshared"]["tokens_per_s"]
-    grpo["same_completions_bitwise"] = all(
-        a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
-        for a, b in zip(outs["shared"], outs["unshared"])
-    )
+    grpo["same_completions_bitwise"] = same_completions(outs["shared"], outs["unshared"])
     grpo["exactness_spot_check"] = spot_check(model, outs["shared"])
 
 

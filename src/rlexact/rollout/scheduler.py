@@ -37,19 +37,12 @@ class _Step:
 
     __slots__ = ("budget", "cached", "copies", "forks", "is_decode", "num_new", "prefill", "seqs", "shared")
 
-    def __init__(
-        self,
-        budget: int,
-        seqs: list[Sequence] | None = None,
-        num_new: list[int] | None = None,
-        is_decode: bool = True,
-        prefill: int = 0,
-    ) -> None:
+    def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.seqs: list[Sequence] = seqs if seqs is not None else []
-        self.num_new: list[int] = num_new if num_new is not None else []
-        self.is_decode = is_decode
-        self.prefill = prefill
+        self.seqs: list[Sequence] = []
+        self.num_new: list[int] = []
+        self.is_decode = True
+        self.prefill = 0
         self.copies: list[tuple[int, int]] = []
         self.cached = self.forks = self.shared = 0
 
@@ -200,25 +193,18 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """The next step (never empty while sequences remain)."""
-        budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        num_new: list[int] = []
+        step = _Step(self.max_num_batched_tokens)
         preempted = False
-        is_decode = True
-        prefill = 0
         running = self.running  # preemption removes from this very list
         leading = self._record_running() if self.prefix_cache else None  # the running loop below only preempts
-        add_seq, add_n = seqs.append, num_new.append
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and step.budget > 0:
             seq = running[i]
-            computed = seq.num_computed
-            pending = len(seq.tokens) - computed
-            n = self._chunk(pending, budget)
+            n = self._chunk(len(seq.tokens) - seq.num_computed, step.budget)
             if n == 0:
                 i += 1
                 continue
-            target = computed + n
+            target = seq.num_computed + n
             while not self.bm.ensure(seq, target):  # returns at once when seq already has the slots
                 victim = running[-1]
                 self._preempt(victim)
@@ -227,18 +213,11 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break  # seq preempted itself: everything after it is gone too
-            add_seq(seq)
-            add_n(n)
-            if pending != 1:
-                is_decode = False
-            if computed < seq.num_prompt_tokens:
-                prefill += n
-            budget -= n
+            step.add(seq, n)
             i += 1
-        step = _Step(budget, seqs, num_new, is_decode, prefill)
         if not preempted:
             self._admit(step, leading)
-        if not seqs:
+        if not step.seqs:
             raise RuntimeError(
                 "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
                 f"(free blocks {self.bm.num_free}/{self.bm.num_blocks}, budget {self.max_num_batched_tokens})"
@@ -319,12 +298,13 @@ class Scheduler:
         tokens of a recompute, is not fully fed (more than the last token pending)."""
         return seq.num_computed < max(seq.num_prompt_tokens, len(seq.tokens) - 1)
 
-    def _plan_chunks(self, step: _Step) -> tuple[list[tuple[Sequence, int]], bool]:
+    def _plan_chunks(self, step: _Step) -> tuple[list[tuple[Sequence, int]], int, bool]:
         """Add the next chunk of every running sequence that is still prefilling (:meth:`_prefilling`) to ``step``, in
         admission order, while its budget and the free blocks last, allocating nothing. Returns ``(sequence, positions
-        that need slots)`` of each, for :meth:`BlockManager.ensure`, and whether every chunk's blocks fit (``False``:
-        the plan stopped at a sequence whose blocks do not)."""
+        that need slots)`` of each, for :meth:`BlockManager.ensure`, the blocks they need, and whether every chunk's
+        blocks fit (``False``: the plan stopped at a sequence whose blocks do not)."""
         free = self.bm.num_free
+        reserve = 0
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if step.budget <= 0:
@@ -335,12 +315,12 @@ class Scheduler:
             if n == 0:
                 continue
             need = self.bm.missing(seq, seq.num_computed + n)
-            if need > free:
-                return chunks, False
-            free -= need
+            if reserve + need > free:
+                return chunks, reserve, False
+            reserve += need
             chunks.append((seq, seq.num_computed + n))
             step.add(seq, n)
-        return chunks, True
+        return chunks, reserve, True
 
     def chain_prefill(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
         """A prefill step to launch while the eager step ``in_flight`` is still running (its sampled tokens not read
@@ -364,8 +344,7 @@ class Scheduler:
             return None
         leading = self._record_running() if self.prefix_cache else None
         step = _Step(self.max_num_batched_tokens)
-        chunks, fits = self._plan_chunks(step)
-        reserve = sum(self.bm.missing(seq, target) for seq, target in chunks)
+        chunks, reserve, fits = self._plan_chunks(step)
         admitted = self._admit(step, leading, reserve) if fits else []
         if 2 * (self.max_num_batched_tokens - step.budget) < self.max_num_batched_tokens:
             self._readmit(admitted)
