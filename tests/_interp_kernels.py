@@ -99,6 +99,40 @@ def check_matmul() -> None:
     # negative control: the splits are taken (the unsplit chain rounds differently)
     assert not torch.equal(full, tmm.matmul_with_config(pool, w, tmm.MatmulConfig("tma", 16, 32, 32, 4, 1)))
 
+    # the SiLU-gated product (w = [gate rows; up rows]): bitwise the two products under the same tiles and silu_mul,
+    # in both kernels, with N not a multiple of BN (the last gate tile reads up rows; their columns are clipped)
+    n, k = 40, 72
+    for cfg in [
+        tmm.MatmulConfig("ptr", 16, 32, 32, 4, 1),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True),
+    ]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(21, k).to(dtype), (torch.randn(2 * n, k) * 0.3).to(dtype)
+            got = tmm.matmul_with_config(x, w, cfg, gated=True)
+            g, u = tmm.matmul_with_config(x, w[:n], cfg), tmm.matmul_with_config(x, w[n:], cfg)
+            assert torch.equal(got, tnorm.silu_mul(g, u)), (cfg, dtype)
+            xd, gd, ud = x.double(), w[:n].double(), w[n:].double()
+            ref = torch.nn.functional.silu(xd @ gd.T) * (xd @ ud.T)
+            scale = (xd.abs() @ gd.abs().T) * (xd.abs() @ ud.abs().T)  # bounds |g| |u|: the product's error scale
+            assert _rel_err(got, ref, scale) < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, dtype)
+            # negative controls: the halves swapped, and (bf16) the gate applied to the unrounded fp32 products
+            assert not torch.equal(got, tnorm.silu_mul(u, g)), cfg
+            if dtype == torch.bfloat16:
+                g32 = tmm.matmul_with_config(x.float(), w[:n].float(), cfg)
+                u32 = tmm.matmul_with_config(x.float(), w[n:].float(), cfg)
+                assert not torch.equal(got, tnorm.silu_mul(g32, u32).to(dtype)), cfg
+        _check_invariant(
+            lambda xb, w=w, cfg=cfg: tmm.matmul_with_config(xb, w, cfg, gated=True), torch.randn(14, k).bfloat16(),
+            14, f"gated {cfg.kernel}",
+        )  # fmt: skip
+    try:
+        tmm.matmul_with_config(x, w, tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, KS=32), gated=True)
+    except ValueError as e:
+        assert "splits K" in str(e)
+    else:
+        raise AssertionError("a gated launch with K splits was not refused")
+
     # NEGATIVE CONTROLS. (1) native CPU torch matmul is not batch-invariant here.
     x, w = torch.randn(32, 96), torch.randn(64, 96)
     singles = torch.cat([x[i : i + 1] @ w.T for i in range(32)])

@@ -67,6 +67,36 @@ def test_fused_path_is_scoped_and_skipped_with_autograd(qwen2, monkeypatch) -> N
     assert calls and not any(calls)
 
 
+def test_groups_whose_k_splits_differ_run_unfused(qwen2, monkeypatch) -> None:
+    """A group is fused only when the concatenated weight's K chain equals every projection's: on Hopper a narrow
+    k/v projection over a wide hidden size splits K where the wide fused q|k|v does not (Llama-3-8B: k 1,024 x 4,096
+    vs q|k|v 6,144 x 4,096), and the fused output would differ from the trainer's. Such attention layers run unfused;
+    here that rule is exercised by reporting a split for the k/v width."""
+    tmm = pytest.importorskip("rlexact.ops.triton_matmul")
+    bf16 = torch.bfloat16
+    assert tmm.split_keys(1024, 4096, bf16, tma=True) != tmm.split_keys(6144, 4096, bf16, tma=True)
+    kv = qwen2.model.layers[0].self_attn.k_proj.out_features
+    monkeypatch.setattr(ops, "matmul_k_splits", lambda n, k, dtype, device: 1536 if n == kv else 0)
+    fused = FusedProjections(qwen2)
+    assert set(fused.table) == {layer.mlp for layer in qwen2.model.layers}
+    monkeypatch.setattr(ops, "matmul_k_splits", lambda n, k, dtype, device: 0)
+    assert len(FusedProjections(qwen2).table) == 2 * len(qwen2.model.layers)  # control: equal chains fuse
+
+
+def test_gate_up_silu_is_the_separate_ops() -> None:
+    """``ops.gate_up_silu`` equals ``silu_mul`` of the two products bitwise (here the CPU path, the products and the
+    gate); the halves swapped differ; a weight without two equal halves is refused with the expected layout."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 24, generator=g).bfloat16()
+    w = torch.randn(2 * 40, 24, generator=g).bfloat16()
+    y = ops.gate_up_silu(x, w)
+    assert y.shape == (3, 5, 40)
+    assert torch.equal(y, ops.silu_mul(ops.linear(x, w[:40]), ops.linear(x, w[40:])))
+    assert not torch.equal(y, ops.silu_mul(ops.linear(x, w[40:]), ops.linear(x, w[:40])))
+    with pytest.raises(ValueError, match="gate rows, then up rows"):
+        ops.gate_up_silu(x, w[:79])
+
+
 def test_generator_fuses_only_exact_cuda() -> None:
     model = rlexact.exactify(tiny_model("qwen3", seed=1))
     gen = Generator(model)

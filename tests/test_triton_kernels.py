@@ -179,6 +179,39 @@ def test_gpu_matmul_k_splits_taken() -> None:
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("nk", [(6144, 2048), (1000, 1000)])
+def test_gpu_gated_matmul_equals_products_and_silu_mul(nk: tuple[int, int]) -> None:
+    """The SiLU-gated matmul (one launch) equals the trainer's ops, ``silu_mul`` of the two exact products, bitwise
+    at every M of its variants and of the products' variants (M = 1 .. 64, and up to 8,192 with rows at many
+    positions), and it is the library's path for these shapes. Negative control: the gate applied to the unrounded
+    fp32 products differs."""
+    from rlexact import ops
+    from rlexact.ops import triton_norm
+
+    tm = _tm()
+    n, k = nk
+    assert tm.gated_config_for(64, n, k, torch.bfloat16, _dev()) is not None
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(2 * n, k, device=_dev(), generator=g) * k**-0.5).bfloat16()
+    pool = torch.randn(80, k, device=_dev(), generator=g).bfloat16()
+
+    def trainer(x: torch.Tensor) -> torch.Tensor:
+        return triton_norm.silu_mul(tm.matmul(x, w[:n]), tm.matmul(x, w[n:]))
+
+    _rows_match_singles(lambda xb: tm.gated_matmul(xb, w), pool, _small_batches(80), f"gated {n}x{k}")
+    assert torch.equal(tm.gated_matmul(pool, w), trainer(pool))
+    for m in (65, 200, 256, 300, 1000, 2048, 8192):
+        x = torch.randn(m, k, device=_dev(), generator=g).bfloat16()
+        x[-16:] = pool[:16]
+        y = ops.gate_up_silu(x, w)
+        assert torch.equal(y, trainer(x)), f"M={m}: gated != silu_mul of the products"
+        assert torch.equal(y[-16:], tm.gated_matmul(pool[:16], w)), f"M={m}: rows depend on the batch"
+    g32, u32 = tm.matmul(pool.float(), w[:n].float()), tm.matmul(pool.float(), w[n:].float())
+    assert not torch.equal(tm.gated_matmul(pool, w), triton_norm.silu_mul(g32, u32).bfloat16()), "negative control"
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_matmul_negative_control() -> None:
     """cuBLAS bf16 (torch.mm) is not batch-invariant: some row differs between M=1 and a larger M."""
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -192,24 +192,31 @@ def _attention_forward(m: nn.Module) -> Callable:
     return forward
 
 
-def _fused_linear(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The outputs of ``m``'s projections from its fused weight (column views of one exact matmul), or ``None`` when
-    ``m`` has none in effect (not set, native mode, or autograd needed): then the caller runs them separately."""
+def _fused_entry(m: nn.Module, x: torch.Tensor):  # noqa: ANN202 - a rlexact.models.fusion.FusedLinear
+    """``m``'s fused projection weights when in effect for input ``x``, else ``None`` (not set, native mode, or
+    autograd needed): then the caller runs the projections separately."""
     state: ExactState | None = m.__dict__.get(_STATE_ATTR)
     if state is None or not state.fused or not state.exact:
         return None
     fused = state.fused.get(m)
-    if fused is None or not _no_autograd(x):
-        return None
-    return ops.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+    return fused if fused is not None and _no_autograd(x) else None
+
+
+def _fused_linear(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of ``m``'s projections from its fused weight (column views of one exact matmul), or ``None``."""
+    fused = _fused_entry(m, x)
+    return None if fused is None else ops.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
 
 
 def _mlp_forward(m: nn.Module) -> Callable:
-    """Exact gated MLP: ``down(silu(gate(x)) * up(x))``, gate and up as one fused matmul when in effect."""
+    """Exact gated MLP: ``down(silu(gate(x)) * up(x))``; with fused weights in effect, gate, up and the SiLU gate are
+    one :func:`rlexact.ops.gate_up_silu` call (bitwise the separate ops)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        fused = _fused_linear(m, x)
-        gate, up = fused if fused is not None else (m.gate_proj(x), m.up_proj(x))
+        fused = _fused_entry(m, x)
+        if fused is not None and fused.bias is None and fused.sizes[0] == fused.sizes[1]:
+            return m.down_proj(ops.gate_up_silu(x, fused.weight))
+        gate, up = _fused_linear(m, x) or (m.gate_proj(x), m.up_proj(x))
         return m.down_proj(ops.silu_mul(gate, up))
 
     return forward

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlexact import ops
 from rlexact.models.exactify import fused_groups, get_state
 
 
@@ -35,7 +36,10 @@ class FusedProjections:
     """The concatenated q/k/v and gate/up weights of an exactified model (exact kernels only).
 
     ``table`` maps each attention layer and gated MLP to its :class:`FusedLinear`; modules whose projections differ
-    in dtype, device, input size or bias presence are left out (they run unfused). :meth:`refresh` copies the
+    in dtype, device, input size or bias presence are left out (they run unfused), and so are modules where the
+    exact matmul would split K differently for the concatenated weight than for one of the projections
+    (:func:`rlexact.ops.matmul_k_splits`: e.g. a narrow k/v projection over a wide hidden size), since the fused
+    product would then not carry the separate products' bits. :meth:`refresh` copies the
     current parameters into the same buffers, so their addresses (baked into captured CUDA graphs) do not change.
     """
 
@@ -48,6 +52,8 @@ class FusedProjections:
                 continue  # mixed dtype, device, input size or bias presence: runs unfused
             _, k, dtype, device, has_bias = layout[0]
             sizes = tuple(n for n, *_ in layout)
+            if len({ops.matmul_k_splits(n, k, dtype, device) for n in (*sizes, sum(sizes))}) != 1:
+                continue  # the fused product's K chain would differ from a projection's: runs unfused
             weight = torch.empty((sum(sizes), k), dtype=dtype, device=device)
             bias_dtype = linears[0].bias.dtype if has_bias else None
             bias = torch.empty(sum(sizes), dtype=bias_dtype, device=device) if has_bias else None

@@ -19,11 +19,13 @@ __all__ = [
     "add_rms_norm",
     "attention_paged",
     "attention_varlen",
+    "gate_up_silu",
     "grouped_matmul",
     "interpreter_enabled",
     "linear",
     "lm_head_logits",
     "matmul",
+    "matmul_k_splits",
     "moe_experts",
     "moe_router",
     "qk_norm_rope",
@@ -71,6 +73,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
         _check_2d_match(x, w, "linear")
         y = _matmul(x.reshape(-1, x.shape[-1]), w, be).reshape(*x.shape[:-1], w.shape[0])
     return y + bias if bias is not None else y
+
+
+def matmul_k_splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Columns per fixed K split of the exact matmul's per-element chain for ``[M, k] @ [n, k].T`` on ``device``, for
+    every M (0: one chain over all of K; always 0 off CUDA). Products computed together on concatenated weights
+    (``rlexact.models.fusion``) give the separate products' bits only when their values agree."""
+    if device.type != "cuda" or not triton_available():
+        return 0
+    from .triton_matmul import chain_splits
+
+    return chain_splits(n, k, dtype, device)
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu_mul(linear(x, w[:N]), linear(x, w[N:]))`` for ``w [2N, K]`` (gate rows, then up rows), bitwise, any
+    leading shape. Without autograd, on GPUs where :func:`rlexact.ops.triton_matmul.gated_config_for` names a
+    configuration, one launch computes both products and the gate (no ``[..., 2N]`` intermediate); elsewhere it runs
+    the two products and :func:`silu_mul`."""
+    if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"gate_up_silu: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K] "
+                         "and w [2N, K] (gate rows, then up rows)")  # fmt: skip
+    be = resolve_backend(x, backend)
+    n = w.shape[0] // 2
+    if be == "triton" and x.dtype == w.dtype and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        from . import triton_matmul as tmm
+
+        if tmm.gated_config_for(x.numel() // max(x.shape[-1], 1), n, w.shape[1], x.dtype, x.device) is not None:
+            return tmm.gated_matmul(x, w)
+    return silu_mul(linear(x, w[:n], backend=be), linear(x, w[n:], backend=be), backend=be)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:

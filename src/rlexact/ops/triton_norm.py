@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
+from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out, silu_times
 from .triton_pdl import pdl_entry, pdl_options
 
 MAX_NORM_BLOCK = 8192
@@ -117,8 +117,7 @@ def _silu_mul_kernel(
     mask = cols < ncols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
-    tl.store(o_ptr + row * stride_o + cols, cast_out(silu * u, O_DTYPE, RNE_O), mask=mask)
+    tl.store(o_ptr + row * stride_o + cols, cast_out(silu_times(g, u), O_DTYPE, RNE_O), mask=mask)
 
 
 def _norm_launch_params(H: int) -> tuple[int, bool, int]:

@@ -1,0 +1,131 @@
+"""Sweep of the SiLU-gated matmul (gate and up products and the SiLU gate in one launch) against the generator's
+previous path, the fused gate|up matmul followed by ``silu_mul``, on one GPU.
+
+    python benchmarks/matmul_gated.py [--out benchmarks/results/matmul_gated_h200.json]
+
+Shape: the Qwen3-1.7B gated MLP (intermediate 6,144, hidden 2,048, bf16). For each M every candidate configuration is
+(1) checked bitwise against ``silu_mul(matmul(x, w_gate), matmul(x, w_up))`` (the trainer's ops; a candidate that
+changes any bit is marked ``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay over weight
+copies that together exceed the L2 cache (the weights come from HBM, as in a decode step). Next to it, in the same
+run: the unfused path (one matmul on the concatenated weights, then ``silu_mul``) and torch (``torch.mm`` and
+``F.silu(g) * u``). The JSON records every candidate, the fastest bitwise-equal one per M, and the library's choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import ROOT, bench_graph, header
+from rlexact import ops
+from rlexact.ops.triton_matmul import MatmulConfig, gated_config_for, matmul_with_config
+
+MS = [1, 16, 32, 64, 128, 256, 512, 2048, 8192]
+INTER, HIDDEN = 6144, 2048
+L2_BYTES = 50 * 2**20
+
+
+def candidates(m: int) -> list[MatmulConfig]:
+    out = []
+    if m <= 16:
+        for bn, stages in itertools.product((32, 64), (3, 4)):
+            out.append(MatmulConfig("ptr", 16, bn, 128, num_warps=4, num_stages=stages))
+    if m <= 64:
+        for bn, bk, stages in itertools.product((32, 64), (64, 128), (3, 4, 5)):
+            if bk * stages * (64 + 2 * bn) * 2 <= 200_000:
+                out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=4, num_stages=stages))
+    if m >= 64:
+        for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4)):
+            smem = bk * stages * (bm + 2 * bn) * 2 + bm * bn * 2
+            if smem > 220_000 or 2 * bm * bn > 4096 * warps:  # pipeline + epilogue; two fp32 accumulators
+                continue
+            out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages))
+    return out
+
+
+def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
+    """Milliseconds per call of ``fn(w)`` over the weight copies ``ws`` (one CUDA-graph replay for all)."""
+
+    def run() -> None:
+        for w in ws:
+            fn(w)
+
+    return bench_graph(run) / len(ws)
+
+
+def sweep(ms: list[int]) -> list[dict]:
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    w = (torch.randn(2 * INTER, HIDDEN, device=dev) * HIDDEN**-0.5).to(dt)
+    ws = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)]
+    x_all = torch.randn(max(ms) + 1000, HIDDEN, device=dev, dtype=dt)
+    rows = []
+    for m in ms:
+        x = x_all[1000 - min(m, 1000) :][:m].contiguous()
+        ref = ops.silu_mul(ops.matmul(x, w[:INTER]), ops.matmul(x, w[INTER:]))
+        t_unfused = timed(lambda w, x=x: ops.silu_mul(*ops.matmul(x, w).split(INTER, dim=-1)), ws)
+        t_torch = timed(lambda w, x=x: (lambda h: F.silu(h[:, :INTER]) * h[:, INTER:])(torch.mm(x, w.T)), ws)
+        current = gated_config_for(m, INTER, HIDDEN, dt, dev)
+        entry: dict = {
+            "M": m,
+            "unfused_graph_ms": t_unfused,
+            "torch_graph_ms": t_torch,
+            "current": repr(current),
+            "candidates": [],
+        }
+        for cfg in candidates(m) + [current]:
+            c = {"config": repr(cfg)}
+            try:
+                c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg, gated=True), ref))
+                c["graph_ms"] = timed(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ws)
+                c["speedup_vs_unfused"] = t_unfused / c["graph_ms"]
+                c["ratio_vs_torch"] = t_torch / c["graph_ms"]
+            except Exception as e:  # noqa: BLE001
+                c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entry["candidates"].append(c)
+        ok = [c for c in entry["candidates"] if c.get("bitwise") and "graph_ms" in c]
+        if ok:
+            entry["best"] = min(ok, key=lambda c: c["graph_ms"])
+        entry["current_result"] = entry["candidates"][-1]
+        entry["library_gated_bitwise"] = bool(torch.equal(ops.gate_up_silu(x, w), ref))
+        print(
+            f"[matmul_gated] M={m}: unfused {t_unfused * 1e3:.1f} us, torch {t_torch * 1e3:.1f} us, current "
+            f"{entry['current_result'].get('graph_ms', float('nan')) * 1e3:.1f} us, best "
+            f"{entry.get('best', {}).get('graph_ms', float('nan')) * 1e3:.1f} us {entry.get('best', {}).get('config')}",
+            flush=True,
+        )
+        rows.append(entry)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_gated_h200.json"))
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="row counts M to sweep")
+    args = ap.parse_args()
+    timing = (
+        "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead); per call over weight "
+        f"copies totalling >= {4 * L2_BYTES >> 20} MiB (weights read from HBM)"
+    )
+    result: dict = header("matmul_gated", "triton") | {
+        "shape": {"intermediate": INTER, "hidden": HIDDEN, "dtype": "bfloat16"},
+        "timing": timing,
+        "rows": [],
+        "errors": {},
+    }
+    try:
+        result["rows"] = sweep(args.ms)
+    except Exception:  # noqa: BLE001
+        result["errors"]["sweep"] = traceback.format_exc()
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
