@@ -8,7 +8,9 @@ Shape: the Qwen3-1.7B gated MLP (intermediate 6,144, hidden 2,048, bf16). For ea
 changes any bit is marked ``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay over weight
 copies that together exceed the L2 cache (the weights come from HBM, as in a decode step). Next to it, in the same
 run: the unfused path (one matmul on the concatenated weights, then ``silu_mul``) and torch (``torch.mm`` and
-``F.silu(g) * u``). The JSON records every candidate, the fastest bitwise-equal one per M, and the library's choice.
+``F.silu(g) * u``). TMA candidates run the gate and up tiles as two dots or, ``joint``, as one ``[2, BN, BK]``
+block and one dot of twice the width. The JSON records every candidate, the fastest bitwise-equal one per M, and
+the library's choice.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ def candidates(m: int) -> list[MatmulConfig]:
             if bk * stages * (64 + 2 * bn) * 2 <= 200_000:
                 out.append(MatmulConfig("ptr", 64, bn, bk, num_warps=4, num_stages=stages))
     if m >= 64:
-        for (bm, warps), bn, bk, stages in itertools.product(((64, 4), (128, 8)), (64, 128), (64, 128), (3, 4)):
+        tiles = itertools.product(((64, 4), (128, 8)), (64, 128), (64, 128), (3, 4), (False, True))
+        for (bm, warps), bn, bk, stages, joint in tiles:
             smem = bk * stages * (bm + 2 * bn) * 2 + bm * bn * 2
             if smem > 220_000 or 2 * bm * bn > 4096 * warps:  # pipeline + epilogue; two fp32 accumulators
                 continue
-            out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages))
+            out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages, joint=joint))
     return out
 
 

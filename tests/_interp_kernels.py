@@ -7,6 +7,7 @@ exits non-zero. Shapes are tiny (the interpreter executes every program in Pytho
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -106,11 +107,14 @@ def check_matmul() -> None:
         tmm.MatmulConfig("ptr", 16, 32, 32, 4, 1),
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1),
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, joint=True),
+        tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True, joint=True),
     ]:
         for dtype in (torch.float32, torch.bfloat16):
             x, w = torch.randn(21, k).to(dtype), (torch.randn(2 * n, k) * 0.3).to(dtype)
             got = tmm.matmul_with_config(x, w, cfg, gated=True)
-            g, u = tmm.matmul_with_config(x, w[:n], cfg), tmm.matmul_with_config(x, w[n:], cfg)
+            plain = dataclasses.replace(cfg, joint=False)
+            g, u = tmm.matmul_with_config(x, w[:n], plain), tmm.matmul_with_config(x, w[n:], plain)
             assert torch.equal(got, tnorm.silu_mul(g, u)), (cfg, dtype)
             xd, gd, ud = x.double(), w[:n].double(), w[n:].double()
             ref = torch.nn.functional.silu(xd @ gd.T) * (xd @ ud.T)
@@ -119,19 +123,24 @@ def check_matmul() -> None:
             # negative controls: the halves swapped, and (bf16) the gate applied to the unrounded fp32 products
             assert not torch.equal(got, tnorm.silu_mul(u, g)), cfg
             if dtype == torch.bfloat16:
-                g32 = tmm.matmul_with_config(x.float(), w[:n].float(), cfg)
-                u32 = tmm.matmul_with_config(x.float(), w[n:].float(), cfg)
+                g32 = tmm.matmul_with_config(x.float(), w[:n].float(), plain)
+                u32 = tmm.matmul_with_config(x.float(), w[n:].float(), plain)
                 assert not torch.equal(got, tnorm.silu_mul(g32, u32).to(dtype)), cfg
         _check_invariant(
             lambda xb, w=w, cfg=cfg: tmm.matmul_with_config(xb, w, cfg, gated=True), torch.randn(14, k).bfloat16(),
             14, f"gated {cfg.kernel}",
         )  # fmt: skip
-    try:
-        tmm.matmul_with_config(x, w, tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, KS=32), gated=True)
-    except ValueError as e:
-        assert "splits K" in str(e)
-    else:
-        raise AssertionError("a gated launch with K splits was not refused")
+    for cfg, gated, msg in [
+        (tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, KS=32), True, "splits K"),
+        (tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, joint=True), False, "joint gate/up tiles"),
+        (tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, device_desc=False), True, "device descriptors"),
+    ]:
+        try:
+            tmm.matmul_with_config(x, w, cfg, gated=gated)
+        except ValueError as e:
+            assert msg in str(e), e
+        else:
+            raise AssertionError(f"{cfg} (gated={gated}) was not refused")
 
     # NEGATIVE CONTROLS. (1) native CPU torch matmul is not batch-invariant here.
     x, w = torch.randn(32, 96), torch.randn(64, 96)

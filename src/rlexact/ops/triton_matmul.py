@@ -147,6 +147,9 @@ class MatmulConfig:
     device_desc: bool = True
     """TMA kernel only: build the tensor descriptors on the device (no per-launch host encoding). ``False`` builds
     them on the host (same arithmetic; kept for comparison)."""
+    joint: bool = False
+    """Gated TMA launches only: load a tile's gate and up rows as one ``[2, BN, BK]`` block and run one dot of
+    width ``2 * BN`` (instead of two dots of width ``BN``); the columns of each chain are the same."""
     KS: int = 0
     """Keys per fixed K split (0: one chain over all of K). With ``KS``, every output element is
     ``((0 + c_0) + c_1) + ...`` where ``c_s`` is the K chain of columns ``[s * KS, (s + 1) * KS)`` started from zero:
@@ -374,14 +377,19 @@ def _mm_tma_kernel(
     ``DEV_DESC``: the three arguments are plain (contiguous) tensors and the descriptors are built on the device
     (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`ensure_allocator`).
     ``KS > 0``: the chain restarts from zero every ``KS`` columns and the splits are summed in ascending order.
-    ``GATED`` (with ``KS == 0``): ``w_desc`` is ``[2N, K]``, gate rows then up rows; each tile runs the chain of its
-    gate columns and, on the same ``x`` tiles, of its up columns, and stores ``silu(gate) * up`` (:func:`_gate_up`)."""
+    ``GATED`` (with ``KS == 0`` and ``DEV_DESC``): ``w_desc`` is ``[2N, K]``, gate rows then up rows; each tile runs
+    the chain of its gate columns and, on the same ``x`` tiles, of its up columns, and stores ``silu(gate) * up``
+    (:func:`_gate_up`). ``GATED == 1`` runs two dots of width ``BN``; ``GATED == 2`` loads the gate and up tiles as
+    one ``[2, BN, BK]`` block and runs one dot of width ``2 * BN``."""
     pdl_entry(PDL)  # before the descriptors are written: the previous launch may still read the same scratch
     if DEV_DESC:
         OB: tl.constexpr = BN // 2 if SUBTILE else BN
         WN: tl.constexpr = 2 if GATED else 1
         x_desc = tl.make_tensor_descriptor(x_desc, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
-        w_desc = tl.make_tensor_descriptor(w_desc, shape=[WN * N, K], strides=[K, 1], block_shape=[BN, BK])
+        if GATED == 2:
+            w_desc = tl.make_tensor_descriptor(w_desc, shape=[2, N, K], strides=[N * K, K, 1], block_shape=[2, BN, BK])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_desc, shape=[WN * N, K], strides=[K, 1], block_shape=[BN, BK])
         o_desc = tl.make_tensor_descriptor(o_desc, shape=[M, N], strides=[N, 1], block_shape=[BM, OB])
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -393,16 +401,20 @@ def _mm_tma_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM
         offs_n = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        AW: tl.constexpr = 2 * BN if GATED == 2 else BN
+        acc = tl.zeros((BM, AW), dtype=tl.float32)
         if KS > 0:
             total = tl.zeros((BM, BN), dtype=tl.float32)
-        if GATED:
+        if GATED == 1:
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
             a = x_desc.load([offs_m, ki * BK])
-            b = w_desc.load([offs_n, ki * BK])
+            if GATED == 2:
+                b = tl.reshape(w_desc.load([0, offs_n, ki * BK]), (2 * BN, BK))
+            else:
+                b = w_desc.load([offs_n, ki * BK])
             acc = _dot_tile(a, b, acc, UPCAST)
-            if GATED:
+            if GATED == 1:
                 acc_up = _dot_tile(a, w_desc.load([N + offs_n, ki * BK]), acc_up, UPCAST)
             if KS > 0:
                 if ((ki + 1) % (KS // BK) == 0) | (ki == k_tiles - 1):  # a split ends: add its chain to the sum
@@ -410,8 +422,11 @@ def _mm_tma_kernel(
                     acc = tl.zeros((BM, BN), dtype=tl.float32)
         if KS > 0:
             acc = total
-        if GATED:
+        if GATED == 1:
             acc = _gate_up(acc, acc_up, OUT_DTYPE, RNE_FIX)
+        if GATED == 2:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+            acc = _gate_up(gate, up, OUT_DTYPE, RNE_FIX)
         tile_id_c += NUM_PROGS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_cm = pid_m * BM
@@ -615,6 +630,10 @@ def _plan(
     (``"tma"`` or ``"ptr"`` configurations without ``KS``)."""
     if gated and (cfg.kernel == "split" or cfg.KS):
         raise ValueError(f"gated matmul: {cfg} splits K; the gated kernels run one chain over all of K")
+    if cfg.joint and not (gated and cfg.kernel == "tma" and cfg.device_desc):
+        raise ValueError(f"{cfg}: joint gate/up tiles need a gated launch of the TMA kernel with device descriptors")
+    if gated and cfg.kernel == "tma" and not cfg.device_desc:
+        raise ValueError(f"gated matmul: {cfg} needs device descriptors (device_desc=True)")
     pdl = dict(pdl_options(device))
     out_flags = {"RNE_FIX": _rne_fix(dtype), "PDL": pdl.pop("PDL")}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
@@ -629,7 +648,8 @@ def _plan(
         constexprs = dict(
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
-            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS, GATED=gated,
+            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS,
+            GATED=(2 if cfg.joint else 1) if gated else 0,
             **out_flags,
         )  # fmt: skip
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
