@@ -855,12 +855,14 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig, gate
 
 GATED_VARIANTS: tuple = (
     (16, MatmulConfig("ptr", 16, 32, 128, num_warps=4, num_stages=4)),
-    (64, MatmulConfig("ptr", 64, 64, 64, num_warps=4, num_stages=4)),
-    (256, MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=3)),
-    (None, MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=3)),
+    (64, MatmulConfig("ptr", 64, 32, 64, num_warps=4, num_stages=5)),
+    (128, MatmulConfig("tma", 128, 64, 128, num_warps=8, num_stages=3)),
+    (None, MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=3, joint=True)),
 )
 """``((max_M or None, config), ...)`` of :func:`gated_matmul` on a GPU where the row-tile variants apply: the row
-tiles are free for the same reason as :func:`row_tile_variants`' (each output element's chains do not involve them)."""
+tiles are free for the same reason as :func:`row_tile_variants`' (each output element's chains do not involve them).
+The fastest bitwise-equal candidates of ``benchmarks/results/matmul_gated_h200.json`` (Qwen3-1.7B gated MLP, weights
+from HBM) at M = 1 / 16, 64, 128 and 256 / 2,048 / 8,192."""
 
 
 def gated_config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig | None:
