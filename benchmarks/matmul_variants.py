@@ -11,12 +11,14 @@ every candidate, the fastest bitwise-equal one per (shape, M), and the configura
 ``--cold``: each timed replay runs the matmul once on each of several copies of the weight that together exceed the
 L2 cache, so the weights come from HBM as in a decode step (where every layer's weights differ) while the
 activations stay in L2; times are per call. ``--shapes`` picks shapes by name; ``--lite`` keeps one warp count per
-tile size and two pipeline depths (a quicker sweep for M > 64).
+tile size and two pipeline depths (a quicker sweep for M > 64); ``--ws`` adds every TMA candidate again with Triton's
+warp specialization of the K loop (``warp_specialized`` records whether that compile succeeded).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import traceback
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from common import ROOT, bench_graph, header
-from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config
+from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config, warp_specialized
 
 MS = [1, 16, 64, 128, 256]
 SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls them, and fused q|k|v, gate|up
@@ -41,7 +43,7 @@ SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls
 L2_BYTES = 50 * 2**20  # H100 / H200
 
 
-def candidates(m: int, lite: bool = False) -> list[MatmulConfig]:
+def candidates(m: int, lite: bool = False, ws: bool = False) -> list[MatmulConfig]:
     out = []
     if m <= 16:  # 16-row tiles: one warp (one m16 MMA row block) or four side by side along N
         for bn, bk, stages, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 4)):
@@ -59,6 +61,8 @@ def candidates(m: int, lite: bool = False) -> list[MatmulConfig]:
         if lite and (warps != (4 if bm * bn <= 8192 else 8) or (stages == (3 if bk == 64 else 5) and bn < 256)):
             continue
         out.append(MatmulConfig("tma", bm, bn, bk, num_warps=warps, num_stages=stages, device_desc=True))
+    if ws:  # the same tiles with Triton's warp specialization of the K loop (a producer warp feeding the MMA warps)
+        out += [dataclasses.replace(c, warp_specialize=True) for c in out if c.kernel == "tma"]
     return out
 
 
@@ -72,7 +76,9 @@ def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
     return bench_graph(run) / len(ws)
 
 
-def sweep_shape(n: int, k: int, ms: list[int], cold: bool = False, lite: bool = False) -> list[dict]:
+def sweep_shape(
+    n: int, k: int, ms: list[int], cold: bool = False, lite: bool = False, ws: bool = False
+) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     ws = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)] if cold else [w]
@@ -85,12 +91,14 @@ def sweep_shape(n: int, k: int, ms: list[int], cold: bool = False, lite: bool = 
         t_mm = timed(lambda w, x=x: torch.mm(x, w.T), ws)
         current = config_for(m, n, k, torch.bfloat16, dev)
         entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
-        for cfg in candidates(m, lite) + [current]:
+        for cfg in candidates(m, lite, ws) + [current]:
             c = {"config": repr(cfg)}
             try:
                 c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
                 c["graph_ms"] = timed(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg), ws)
                 c["ratio_vs_mm"] = t_mm / c["graph_ms"]
+                if cfg.warp_specialize:  # a failed warp-specialized compile runs the same tile without it
+                    c["warp_specialized"] = warp_specialized(cfg)
             except Exception as e:  # noqa: BLE001
                 c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entry["candidates"].append(c)
@@ -116,6 +124,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--cold", action="store_true", help="weights from HBM: rotate copies larger than the L2 cache")
     ap.add_argument("--lite", action="store_true", help="fewer M > 64 candidates (one warp count, two depths)")
+    ap.add_argument("--ws", action="store_true", help="also every TMA candidate with warp specialization")
     args = ap.parse_args()
     timing = "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)"
     if args.cold:
@@ -124,7 +133,7 @@ def main() -> int:
     for name in args.shapes:
         n, k = SHAPES[name]
         try:
-            result["shapes"][name] = sweep_shape(n, k, args.ms, args.cold, args.lite)
+            result["shapes"][name] = sweep_shape(n, k, args.ms, args.cold, args.lite, args.ws)
         except Exception:  # noqa: BLE001
             result["errors"][name] = traceback.format_exc()
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

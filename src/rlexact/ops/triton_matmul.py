@@ -561,6 +561,12 @@ _SCRATCH: dict = {}
 """``(device index, stream) -> int8 buffer`` reused as device-descriptor scratch by launches on that stream."""
 
 
+def warp_specialized(cfg: MatmulConfig) -> bool:
+    """Whether launches of ``cfg`` run warp-specialized: it asks for it and its warp-specialized compile did not fail
+    on this machine (a failed one runs the same tile without it, :data:`_WS_BROKEN`)."""
+    return cfg.warp_specialize and cfg not in _WS_BROKEN
+
+
 def ensure_allocator() -> None:
     """Device-side tensor descriptors need scratch memory. Launches through Triton's own launcher (JIT dispatch, or
     the cached ``CompiledKernel[grid]`` runner) ask the allocator of the current thread (Triton keeps it in a context
