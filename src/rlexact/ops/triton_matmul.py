@@ -60,8 +60,11 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
   fused gate/up projection) 128 x 256 x 64, 8 warps, 3 stages.
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
 * M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves.
-* ``tl.range(..., warp_specialize=True)`` compiled and gave the same bits but no measurable gain, so it is off by
-  default (``MatmulConfig.warp_specialize``; a failed WS compile falls back to the same kernel without it).
+* ``tl.range(..., warp_specialize=True)`` (``MatmulConfig.warp_specialize``) is never chosen: at M = 256 every
+  warp-specialized tile was slower than the best plain one, and 19 of 51 changed bits, among them every tile of the
+  K-split down projection (``benchmarks/results/matmul_variants_ws_m256_h200.json``). So it is not a scheduling-only
+  choice here: a configuration that asks for it must pass the bitwise variant checks first (a failed WS compile runs
+  the tile without it).
 
 Host overhead (the trainer calls the matmul eagerly): every TMA variant builds its tensor descriptors on the device
 (``tl.make_tensor_descriptor``), so no host descriptor is encoded per launch. Each ``(M, N, K, dtype, device)`` gets
@@ -223,7 +226,7 @@ def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: b
     ks = split_keys(N, K, dtype, tma)
     if ks:  # fastest in-register-sum tile at M = 4,096 and 16,384 (matmul_splitk_h200.json, part "large")
         return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, KS=ks)
-    if tma:  # measured on an H200 (triton 3.6): warp specialization gave no gain here, so it is off by default
+    if tma:  # warp specialization: slower and not always bitwise equal on the H200 (triton 3.6), see the module doc
         if N >= 256:
             return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, subtile=True)
         return MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
@@ -724,7 +727,7 @@ def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.T
     except Exception:
         if not plan.constexprs.get("WS"):
             raise
-        # warp specialization is a scheduling choice: the same dot chain runs without it
+        # the tile without warp specialization (only configurations that ask for it get here; none of the library's)
         _WS_BROKEN.add(cfg)
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
