@@ -73,3 +73,20 @@ def test_kernel_counters_parses_ncu_raw_csv() -> None:
     assert kern["name"] == "_attn_fwd_kernel"
     assert kern["summary"] == {"duration_ns": 54612.0, "dram_pct_of_peak": 71.5}
     assert list(kern["top_stalls_per_issue"]) == ["long_scoreboard", "wait"]
+
+
+def test_kernel_resources_compiles_on_the_host(tmp_path: Path) -> None:
+    """``kernel_resources.py`` compiles the decode attention launch and a gated matmul variant for sm_90 without a
+    GPU and reports registers, spills, shared memory and the programs per SM they allow."""
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia")
+    out = tmp_path / "resources.json"
+    _run("kernel_resources.py", "--cases", "attn_decode_w2_s2", "gated64", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["errors"] == {}
+    for case in res["cases"].values():
+        assert case["registers_per_thread"] > 0 and case["shared_bytes"] > 0
+        fit = case["programs_per_sm"]
+        assert fit["fit"] == min(fit["registers"], fit["shared_memory"], fit["threads"], fit["programs"]) >= 1
+    assert res["cases"]["attn_decode_w2_s2"]["num_warps"] == 2
