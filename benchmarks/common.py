@@ -50,3 +50,34 @@ def bench_stream(fn: Callable[[], object], calls: int = 200, rounds: int = 10) -
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return float(sorted(times)[len(times) // 2])
+
+
+L2_BYTES = 50 * 2**20
+"""L2 cache of an H100 / H200."""
+
+
+def weight_copies(w, cold: bool = True) -> list:  # noqa: ANN001 - a torch.Tensor
+    """``[w]``, and with ``cold`` clones of it that together exceed four times the L2 cache, so a replay over them
+    reads the weights from HBM, as the layers of a decode step do."""
+    if not cold:
+        return [w]
+    return [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * w.element_size())) - 1)]
+
+
+def graph_ms_over(fn: Callable[[object], object], ws: list) -> float:
+    """Milliseconds per call of ``fn(w)`` over the weight copies ``ws``: one CUDA-graph replay for all of them."""
+
+    def run() -> None:
+        for w in ws:
+            fn(w)
+
+    return bench_graph(run) / len(ws)
+
+
+def pick_best(entry: dict) -> None:
+    """Record in a sweep ``entry`` its fastest bitwise-equal candidate (``best``, where one ran) and the last candidate
+    (``current_result``: the sweeps append the library's own choice last)."""
+    ok = [c for c in entry["candidates"] if c.get("bitwise") and "graph_ms" in c]
+    if ok:
+        entry["best"] = min(ok, key=lambda c: c["graph_ms"])
+    entry["current_result"] = entry["candidates"][-1]

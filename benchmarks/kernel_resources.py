@@ -122,6 +122,7 @@ def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict: 
     fields = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
     threads = launch.num_warps * 32
     smem = int(compiled.metadata.shared)
+    fit = programs_per_sm(fields["REG"], threads, smem)
     return {
         "num_warps": launch.num_warps,
         "num_stages": launch.num_stages,
@@ -129,8 +130,8 @@ def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict: 
         "stack_bytes": fields["STACK"],
         "local_bytes": fields["LOCAL"],
         "shared_bytes": smem,
-        "programs_per_sm": programs_per_sm(fields["REG"], threads, smem),
-        "warps_per_sm": programs_per_sm(fields["REG"], threads, smem)["fit"] * launch.num_warps,
+        "programs_per_sm": fit,
+        "warps_per_sm": fit["fit"] * launch.num_warps,
     }
 
 

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import ROOT, bench_graph, header
+from common import L2_BYTES, ROOT, graph_ms_over, header, pick_best, weight_copies
 from rlexact import ops
 from rlexact.ops.triton_matmul import MatmulConfig, gated_config_for, matmul_with_config
 
 MS = [1, 16, 64, 128, 256, 2048, 8192]
 INTER, HIDDEN = 6144, 2048
-L2_BYTES = 50 * 2**20
 
 
 def candidates(m: int) -> list[MatmulConfig]:
@@ -52,28 +51,18 @@ def candidates(m: int) -> list[MatmulConfig]:
     return out
 
 
-def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
-    """Milliseconds per call of ``fn(w)`` over the weight copies ``ws`` (one CUDA-graph replay for all)."""
-
-    def run() -> None:
-        for w in ws:
-            fn(w)
-
-    return bench_graph(run) / len(ws)
-
-
 def sweep(ms: list[int]) -> list[dict]:
     dev = torch.device("cuda")
     dt = torch.bfloat16
     w = (torch.randn(2 * INTER, HIDDEN, device=dev) * HIDDEN**-0.5).to(dt)
-    ws = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)]
+    ws = weight_copies(w)
     x_all = torch.randn(max(ms) + 1000, HIDDEN, device=dev, dtype=dt)
     rows = []
     for m in ms:
         x = x_all[1000 - min(m, 1000) :][:m].contiguous()
         ref = ops.silu_mul(ops.matmul(x, w[:INTER]), ops.matmul(x, w[INTER:]))
-        t_unfused = timed(lambda w, x=x: ops.silu_mul(*ops.matmul(x, w).split(INTER, dim=-1)), ws)
-        t_torch = timed(lambda w, x=x: (lambda h: F.silu(h[:, :INTER]) * h[:, INTER:])(torch.mm(x, w.T)), ws)
+        t_unfused = graph_ms_over(lambda w, x=x: ops.silu_mul(*ops.matmul(x, w).split(INTER, dim=-1)), ws)
+        t_torch = graph_ms_over(lambda w, x=x: (lambda h: F.silu(h[:, :INTER]) * h[:, INTER:])(torch.mm(x, w.T)), ws)
         current = gated_config_for(m, INTER, HIDDEN, dt, dev)
         entry: dict = {
             "M": m,
@@ -86,16 +75,13 @@ def sweep(ms: list[int]) -> list[dict]:
             c = {"config": repr(cfg)}
             try:
                 c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg, gated=True), ref))
-                c["graph_ms"] = timed(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ws)
+                c["graph_ms"] = graph_ms_over(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ws)
                 c["speedup_vs_unfused"] = t_unfused / c["graph_ms"]
                 c["ratio_vs_torch"] = t_torch / c["graph_ms"]
             except Exception as e:  # noqa: BLE001
                 c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entry["candidates"].append(c)
-        ok = [c for c in entry["candidates"] if c.get("bitwise") and "graph_ms" in c]
-        if ok:
-            entry["best"] = min(ok, key=lambda c: c["graph_ms"])
-        entry["current_result"] = entry["candidates"][-1]
+        pick_best(entry)
         entry["library_gated_bitwise"] = bool(torch.equal(ops.gate_up_silu(x, w), ref))
         print(
             f"[matmul_gated] M={m}: unfused {t_unfused * 1e3:.1f} us, torch {t_torch * 1e3:.1f} us, current "

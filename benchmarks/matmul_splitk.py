@@ -29,9 +29,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, header
-from matmul_variants import L2_BYTES
-from matmul_variants import timed as timed_ms
+from common import ROOT, graph_ms_over, header, weight_copies
 from rlexact.ops.triton_matmul import SPLIT_K_KEYS, MatmulConfig, config_for, matmul, matmul_with_config
 
 N, K = 2048, 6144
@@ -51,8 +49,8 @@ def unsplit(m: int) -> MatmulConfig:
 
 
 def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
-    """Microseconds per call of ``fn(w)`` over the weight copies ``ws`` (:func:`matmul_variants.timed`)."""
-    return timed_ms(fn, ws) * 1e3
+    """Microseconds per call of ``fn(w)`` over the weight copies ``ws`` (:func:`common.graph_ms_over`)."""
+    return graph_ms_over(fn, ws) * 1e3
 
 
 def split_candidates(m: int, ks: int) -> list[MatmulConfig]:
@@ -156,7 +154,7 @@ def main() -> int:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(N, K, device=dev, generator=g).bfloat16()
-    wcopies = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)]
+    wcopies = weight_copies(w)
     x_all = torch.randn(4096, K, device=dev, generator=g).bfloat16()
     result: dict = header("matmul_splitk", "triton") | {
         "shape": {"N": N, "K": K, "dtype": "bfloat16"},

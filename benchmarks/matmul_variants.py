@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header
+from common import L2_BYTES, ROOT, graph_ms_over, header, pick_best, weight_copies
 from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config, warp_specialized
 
 MS = [1, 16, 64, 128, 256]
@@ -38,9 +38,6 @@ SHAPES = {  # (N, K) of the Qwen3-1.7B projections as the exactified model calls
     "qkv_fused": (4096, 2048),
     "gate_up_fused": (12288, 2048),
 }
-
-
-L2_BYTES = 50 * 2**20  # H100 / H200
 
 
 def candidates(m: int, lite: bool = False, ws: bool = False) -> list[MatmulConfig]:
@@ -66,47 +63,33 @@ def candidates(m: int, lite: bool = False, ws: bool = False) -> list[MatmulConfi
     return out
 
 
-def timed(fn, ws: list[torch.Tensor]) -> float:  # noqa: ANN001
-    """Milliseconds per call of ``fn(w)`` over the weight copies ``ws``, one CUDA-graph replay for all of them."""
-
-    def run() -> None:
-        for w in ws:
-            fn(w)
-
-    return bench_graph(run) / len(ws)
-
-
 def sweep_shape(
     n: int, k: int, ms: list[int], cold: bool = False, lite: bool = False, ws: bool = False
 ) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-    ws = [w] + [w.clone() for _ in range(-(-4 * L2_BYTES // (w.numel() * 2)) - 1)] if cold else [w]
+    ws = weight_copies(w, cold)
     x_all = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
     ref_all = matmul_with_config(x_all, w, static_config(n, k, torch.bfloat16, dev))
     rows = []
     for m in ms:
         x = x_all[1000 : 1000 + m].contiguous()
         ref = ref_all[1000 : 1000 + m]
-        t_mm = timed(lambda w, x=x: torch.mm(x, w.T), ws)
+        t_mm = graph_ms_over(lambda w, x=x: torch.mm(x, w.T), ws)
         current = config_for(m, n, k, torch.bfloat16, dev)
         entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
         for cfg in candidates(m, lite, ws) + [current]:
             c = {"config": repr(cfg)}
             try:
                 c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
-                c["graph_ms"] = timed(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg), ws)
+                c["graph_ms"] = graph_ms_over(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg), ws)
                 c["ratio_vs_mm"] = t_mm / c["graph_ms"]
                 if cfg.warp_specialize:  # a failed warp-specialized compile runs the same tile without it
                     c["warp_specialized"] = warp_specialized(cfg)
             except Exception as e:  # noqa: BLE001
                 c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entry["candidates"].append(c)
-        ok = [c for c in entry["candidates"] if c.get("bitwise") and "graph_ms" in c]
-        if ok:
-            best = min(ok, key=lambda c: c["graph_ms"])
-            entry["best"] = best
-        entry["current_result"] = entry["candidates"][-1]
+        pick_best(entry)
         print(
             f"[matmul_variants] N={n} K={k} M={m}: mm {t_mm * 1e3:.1f} us, current "
             f"{entry['current_result'].get('graph_ms', float('nan')) * 1e3:.1f} us, best "
