@@ -81,3 +81,24 @@ def pick_best(entry: dict) -> None:
     if ok:
         entry["best"] = min(ok, key=lambda c: c["graph_ms"])
     entry["current_result"] = entry["candidates"][-1]
+
+
+def try_candidate(cfg: object, run: Callable[[object], object], ref: object, ws: list) -> dict:
+    """One sweep candidate ``cfg``: whether ``run(ws[0])`` equals ``ref`` bitwise (``bitwise``) and its per-call
+    graph time over the weight copies ``ws`` (``graph_ms``), or the ``error`` it raised."""
+    import torch
+
+    c: dict = {"config": repr(cfg)}
+    try:
+        c["bitwise"] = bool(torch.equal(run(ws[0]), ref))
+        c["graph_ms"] = graph_ms_over(run, ws)
+    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or run is recorded, not fatal
+        c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return c
+
+
+def best_summary(entry: dict) -> str:
+    """``current .. us, best .. us <config>`` of a sweep entry after :func:`pick_best` (the progress lines)."""
+    best = entry.get("best", {})
+    current_us = entry["current_result"].get("graph_ms", float("nan")) * 1e3
+    return f"current {current_us:.1f} us, best {best.get('graph_ms', float('nan')) * 1e3:.1f} us {best.get('config')}"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import L2_BYTES, ROOT, graph_ms_over, header, pick_best, weight_copies
+from common import L2_BYTES, ROOT, best_summary, graph_ms_over, header, pick_best, try_candidate, weight_copies
 from rlexact import ops
 from rlexact.ops.triton_matmul import MatmulConfig, gated_config_for, matmul_with_config
 
@@ -72,23 +72,15 @@ def sweep(ms: list[int]) -> list[dict]:
             "candidates": [],
         }
         for cfg in candidates(m) + [current]:
-            c = {"config": repr(cfg)}
-            try:
-                c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg, gated=True), ref))
-                c["graph_ms"] = graph_ms_over(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ws)
+            c = try_candidate(cfg, lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ref, ws)
+            if "graph_ms" in c:
                 c["speedup_vs_unfused"] = t_unfused / c["graph_ms"]
                 c["ratio_vs_torch"] = t_torch / c["graph_ms"]
-            except Exception as e:  # noqa: BLE001
-                c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entry["candidates"].append(c)
         pick_best(entry)
         entry["library_gated_bitwise"] = bool(torch.equal(ops.gate_up_silu(x, w), ref))
-        print(
-            f"[matmul_gated] M={m}: unfused {t_unfused * 1e3:.1f} us, torch {t_torch * 1e3:.1f} us, current "
-            f"{entry['current_result'].get('graph_ms', float('nan')) * 1e3:.1f} us, best "
-            f"{entry.get('best', {}).get('graph_ms', float('nan')) * 1e3:.1f} us {entry.get('best', {}).get('config')}",
-            flush=True,
-        )
+        line = f"unfused {t_unfused * 1e3:.1f} us, torch {t_torch * 1e3:.1f} us, {best_summary(entry)}"
+        print(f"[matmul_gated] M={m}: {line}", flush=True)
         rows.append(entry)
     return rows
 

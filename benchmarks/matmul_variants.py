@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import L2_BYTES, ROOT, graph_ms_over, header, pick_best, weight_copies
+from common import L2_BYTES, ROOT, best_summary, graph_ms_over, header, pick_best, try_candidate, weight_copies
 from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config, warp_specialized
 
 MS = [1, 16, 64, 128, 256]
@@ -79,23 +79,14 @@ def sweep_shape(
         current = config_for(m, n, k, torch.bfloat16, dev)
         entry: dict = {"M": m, "N": n, "K": k, "torch_mm_graph_ms": t_mm, "current": repr(current), "candidates": []}
         for cfg in candidates(m, lite, ws) + [current]:
-            c = {"config": repr(cfg)}
-            try:
-                c["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), ref))
-                c["graph_ms"] = graph_ms_over(lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg), ws)
+            c = try_candidate(cfg, lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg), ref, ws)
+            if "graph_ms" in c:
                 c["ratio_vs_mm"] = t_mm / c["graph_ms"]
                 if cfg.warp_specialize:  # a failed warp-specialized compile runs the same tile without it
                     c["warp_specialized"] = warp_specialized(cfg)
-            except Exception as e:  # noqa: BLE001
-                c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             entry["candidates"].append(c)
         pick_best(entry)
-        print(
-            f"[matmul_variants] N={n} K={k} M={m}: mm {t_mm * 1e3:.1f} us, current "
-            f"{entry['current_result'].get('graph_ms', float('nan')) * 1e3:.1f} us, best "
-            f"{entry.get('best', {}).get('graph_ms', float('nan')) * 1e3:.1f} us {entry.get('best', {}).get('config')}",
-            flush=True,
-        )
+        print(f"[matmul_variants] N={n} K={k} M={m}: mm {t_mm * 1e3:.1f} us, {best_summary(entry)}", flush=True)
         rows.append(entry)
     return rows
 

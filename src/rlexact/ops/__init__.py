@@ -88,9 +88,9 @@ def matmul_k_splits(n: int, k: int, dtype: torch.dtype, device: torch.device) ->
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``silu_mul(linear(x, w[:N]), linear(x, w[N:]))`` for ``w [2N, K]`` (gate rows, then up rows), bitwise, any
-    leading shape. Without autograd, on GPUs where :func:`rlexact.ops.triton_matmul.gated_config_for` names a
-    configuration, one launch computes both products and the gate (no ``[..., 2N]`` intermediate); elsewhere it runs
-    the two products and :func:`silu_mul`."""
+    leading shape. Without autograd, on GPUs where :func:`rlexact.ops.triton_matmul.gated_supported` holds, one
+    launch computes both products and the gate (no ``[..., 2N]`` intermediate); elsewhere it runs the two products
+    and :func:`silu_mul`."""
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"gate_up_silu: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K] "
                          "and w [2N, K] (gate rows, then up rows)")  # fmt: skip
@@ -99,7 +99,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None
     if be == "triton" and x.dtype == w.dtype and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         from . import triton_matmul as tmm
 
-        if tmm.gated_config_for(x.numel() // max(x.shape[-1], 1), n, w.shape[1], x.dtype, x.device) is not None:
+        if tmm.gated_supported(n, w.shape[1], x.dtype, x.device):
             return tmm.gated_matmul(x, w)
     return silu_mul(linear(x, w[:n], backend=be), linear(x, w[n:], backend=be), backend=be)
 

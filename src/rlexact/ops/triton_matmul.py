@@ -874,11 +874,18 @@ The fastest bitwise-equal candidates of ``benchmarks/results/matmul_gated_h200.j
 from HBM) at M = 1 / 16, 64, 128 and 256 / 2,048 / 8,192."""
 
 
+@functools.cache
+def gated_supported(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`gated_matmul` runs ``[M, K] @ [2N, K].T`` gated products (any M) on ``device``: on Hopper-class
+    GPUs with the row-tile variants on, in 16-bit dtypes, for shapes whose products do not split K (elsewhere the
+    caller runs the two products and ``silu_mul``)."""
+    return USE_ROW_TILE_VARIANTS and _tma_ok(2 * N, K, dtype, device) and not chain_splits(N, K, dtype, device)
+
+
 def gated_config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig | None:
     """The configuration of :func:`gated_matmul` for ``M`` rows of an ``[M, K] @ [2N, K].T`` gated product, or
-    ``None`` where it does not run: outside Hopper-class GPUs with the row-tile variants on, for fp32 and for shapes
-    whose products split K (the caller then runs the two products and ``silu_mul``)."""
-    if not (USE_ROW_TILE_VARIANTS and _tma_ok(2 * N, K, dtype, device)) or chain_splits(N, K, dtype, device):
+    ``None`` where it does not run (:func:`gated_supported`)."""
+    if not gated_supported(N, K, dtype, device):
         return None
     return next(cfg for max_m, cfg in GATED_VARIANTS if max_m is None or M <= max_m)
 
