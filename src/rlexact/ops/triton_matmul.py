@@ -54,8 +54,9 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 * 16 < M <= 64 ("decode"): pointer kernel, BM = 64, BN in {64, 32, 16} chosen from N so that ~#SMs column tiles
   exist (small M is bound by reading ``w`` once, and without K splits N is the only parallelism), BK = 128 for
   BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
-* 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 64, or 64 x 64 x 128 when N is too small for ~one 64 x 128 tile
-  per SM at M = 256. For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
+* 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 128 with 4 stages, or 64 x 64 x 128 with 5 when N is too small
+  for ~one 64 x 128 tile per SM at M = 256 (BK 128 with 4 stages beat BK 64 with 5 for the fused q/k/v and the
+  gate or up projection with weights from HBM: ``benchmarks/results/matmul_variants_qkv_cold_h200.json``). For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
   128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages; for very wide N (``cdiv(N, 256) * 2 >= 0.6 * #SMs``, the
   fused gate/up projection) 128 x 256 x 64, 8 warps, 3 stages.
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
@@ -270,7 +271,7 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
     if triton.cdiv(N, 128) * 4 < 0.9 * sms:  # fewer than ~one 64 x 128 tile per SM at M = 256: narrower tiles
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:
-        small = MatmulConfig("tma", 64, 128, 64, num_warps=4, num_stages=5)
+        small = MatmulConfig("tma", 64, 128, 128, num_warps=4, num_stages=4)
     mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
     if triton.cdiv(N, 256) * 2 >= 0.6 * sms:  # very wide N (fused gate/up): 128 x 256 tiles fill the GPU at M = 256
         wide = MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3)
