@@ -56,8 +56,9 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
   BN = 32 and 64 otherwise, 6 stages for BN = 64. TMA with such narrow tiles was slower.
 * 64 < M <= 256: persistent TMA, 4 warps, 64 x 128 x 128 with 4 stages, or 64 x 64 x 128 with 5 when N is too small
   for ~one 64 x 128 tile per SM at M = 256 (BK 128 with 4 stages beat BK 64 with 5 for the fused q/k/v and the
-  gate or up projection with weights from HBM: ``benchmarks/results/matmul_variants_qkv_cold_h200.json``). For wide N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections)
-  128 < M <= 256 uses 128 x 128 x 64, 4 warps, 4 stages; for very wide N (``cdiv(N, 256) * 2 >= 0.6 * #SMs``, the
+  gate or up projection with weights from HBM: ``benchmarks/results/matmul_variants_qkv_cold_h200.json``). For wide
+  N (``cdiv(N, 128) * 2 >= 0.6 * #SMs``, e.g. the 6144-wide gate/up projections) 128 < M <= 256 uses 128 x 128 x 64,
+  4 warps, 4 stages; for very wide N (``cdiv(N, 256) * 2 >= 0.6 * #SMs``, the
   fused gate/up projection) 128 x 256 x 64, 8 warps, 3 stages.
 * 256 < M <= 2048: persistent TMA, 128 x 128 x 64, 8 warps, 4 stages.
 * M > 2048: persistent TMA, 128 x 256 x 64, 8 warps, 3 stages, epilogue stored in two halves.
