@@ -55,19 +55,12 @@ DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 DECODE_SWEEP_SHAPES = ((256, 160), (256, 384), (64, 2048), (32, 8192), (4, 8192))
 DECODE_CANDIDATES = [
-    {"BLOCK_M": 16, "num_warps": w, "num_stages": st, "SUB_N": sub}
-    for sub in (1, 2)
-    for w in (1, 2, 4)
-    for st in (1, 2, 3, 5)
-] + [
-    {"BLOCK_M": 16, "num_warps": w, "num_stages": st, "SUB_N": sub, "maxnreg": regs}
-    for sub, w, st, regs in ((1, 2, 2, 200), (2, 2, 2, 168), (2, 2, 3, 168), (2, 4, 2, 128))
+    {"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)
 ]
 """Decode launches swept. Narrowed from the c2c7cb9 sweep (8 warps, and 64-row tiles over fewer than four warps, lost
 everywhere) and the 23cc05a one (``attention_decode_configs_h200.json`` at that commit: 32- and 64-row tiles lost
-everywhere, six stages equal to five). ``SUB_N`` 2 processes each 64-key tile as two 32-key halves (fewer live
-operand registers: ``kernel_resources_sm90.json``); ``maxnreg`` caps the registers per thread so that more programs
-fit an SM (ptxas spills the rest), at the register counts where one more program fits."""
+everywhere, six stages equal to five). One stage added: the short contexts of a large batch (three key tiles per
+program) are bound by each program's fixed latency, and a single K/V buffer lets more programs share an SM."""
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -172,7 +165,7 @@ def decode_sweep(out: str) -> int:
     """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`."""
     t0 = time.time()
     torch.manual_seed(0)
-    library = ta._fwd_config(D, DT) | {"SUB_N": 1} | ta.DECODE_LAUNCH_16BIT
+    library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
     prefill_launch = dict(ta.PREFILL_LAUNCH_16BIT)
     cases = {f"decode_b{b}_ctx{c}": decode_case(b, c) for b, c in DECODE_SWEEP_SHAPES}
     kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * HKV * D * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}

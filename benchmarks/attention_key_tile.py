@@ -10,8 +10,7 @@ time at each key tile, and whether decode == chunked prefill == training still h
 * prefill (packed causal, 64 x 512, 8 x 4,096 and 1 x 8,192 tokens) under each launch of :data:`PREFILL_LAUNCHES`,
   as CUDA-graph replays, next to SDPA's default backend on the same shapes (GQA-expanded ``[B, H, S, D]``); the
   largest deviation from an fp32 SDPA reference on the first shape;
-* paged decode (the ``attention_configs.py --decode`` shapes) under each launch of :data:`DECODE_LAUNCHES`
-  (``SUB_N`` 2 runs a key tile as two halves, so a 128-key tile holds the operand registers of a 64-key one);
+* paged decode (the ``attention_configs.py --decode`` shapes) under each launch of :data:`DECODE_LAUNCHES`;
 * ``decode_eq_prefill``: the training forward equals chunked paged prefill plus one-token decode steps bitwise, with
   the fastest prefill and decode launches of that key tile installed.
 """
@@ -49,9 +48,7 @@ KEY_TILES = (64, 128)
 PREFILL_LAUNCHES = [
     {"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3)
 ]
-DECODE_LAUNCHES = [
-    {"BLOCK_M": 16, "num_warps": w, "num_stages": st, "SUB_N": sub} for w in (2, 4) for st in (2, 3) for sub in (1, 2)
-]
+DECODE_LAUNCHES = [{"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (2, 4) for st in (2, 3)]
 
 
 def sdpa_default_us(b: int, s: int) -> tuple[float, tuple]:

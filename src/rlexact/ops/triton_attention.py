@@ -239,27 +239,42 @@ def _bf16_round_f32(x):
 
 
 @triton.jit
-def _kv_subtile(
+def _attn_key_tile(
+    q,
+    m_s,
+    l_s,
+    acc_s,
     K,
     V,
-    kpos,
+    j,
     kv_begin,
     seqlen_k,
     kv_head,
+    pos,
     bt_row,
+    offs_n,
     offs_d,
     d_ok,
+    qk_scale,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+    BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The K and V rows of key positions ``kpos`` (0 where masked) and which of them are written (``k_ok``)."""
+    """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
+
+    ``MASKED=False`` is only for tiles visible to every row of the query tile (all keys written, none past a query):
+    it skips the loads' bounds masks and the score mask. Unmasked scores take exactly the same operations as visible
+    scores of a masked tile (the mask only replaces hidden scores by ``-inf`` before them), and every rounding is
+    explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked."""
+    kpos = j * BLOCK_N + offs_n
     k_ok = kpos < seqlen_k
     if PAGED:
         if MASKED:
@@ -284,133 +299,39 @@ def _kv_subtile(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return k, v, k_ok
-
-
-@triton.jit
-def _subtile_scores(q, k, kpos, k_ok, pos, MASKED: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Raw scores ``q @ k^T`` of one key sub-tile, ``-inf`` where a key is unwritten or past a row's query."""
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _subtile_probs(s, m_use, qk_scale, ELEM: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``exp2(s * scale - m)`` with one explicit rounding, as fed to the P @ V dot (``ELEM``: V's element type)."""
+    # the scale is positive, so max(s) * scale is the max of the rounded scaled scores
+    m_new = tl.maximum(m_s, tl.max(s, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
+    alpha = tl.math.exp2(m_s - m_use)
     p = tl.math.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
+    # the row sum is a dot with a ones tile (every column of it is the row sum; max picks one exactly): a reduction
+    # order fixed by the MMA's K chain, whatever the warps' layout (a tl.sum tree depends on which warps hold a row)
+    ones = tl.full([BLOCK_N, 16], 1.0, dtype=tl.float32)
     if FP32_DOT:
-        return p
-    if UPCAST:
-        if ELEM == tl.bfloat16:
-            return _bf16_round_f32(p)
-        return p.to(ELEM).to(tl.float32)
-    return p.to(ELEM)
-
-
-@triton.jit
-def _subtile_rowsum(pv, rows, FP32_DOT: tl.constexpr):
-    """``rows + pv @ ones``: the row sums of a sub-tile's probabilities chained onto the fp32 ``rows`` through the
-    MMA's K chain (every column of the result is the row sum)."""
-    ones = tl.full([pv.shape[1], 16], 1.0, dtype=pv.dtype)
-    if FP32_DOT:
-        return tl.dot(pv, ones, rows, input_precision="ieee")
-    return tl.dot(pv, ones, rows)
-
-
-@triton.jit
-def _subtile_pv(pv, v, acc, FP32_DOT: tl.constexpr):
-    if FP32_DOT:
-        return tl.dot(pv, v, acc, input_precision="ieee")
-    return tl.dot(pv, v, acc)
-
-
-@triton.jit
-def _attn_key_tile(
-    q,
-    m_s,
-    l_s,
-    acc_s,
-    K,
-    V,
-    j,
-    kv_begin,
-    seqlen_k,
-    kv_head,
-    pos,
-    bt_row,
-    offs_d,
-    d_ok,
-    qk_scale,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SUB_N: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
-
-    ``MASKED=False`` is only for tiles visible to every row of the query tile (all keys written, none past a query):
-    it skips the loads' bounds masks and the score mask. Unmasked scores take exactly the same operations as visible
-    scores of a masked tile (the mask only replaces hidden scores by ``-inf`` before them), and every rounding is
-    explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked.
-
-    ``SUB_N`` (1 or 2) is a launch choice, not part of the contract: with 2 the tile's keys are processed as two
-    halves (fewer live MMA operand registers). The tile's maximum is the maximum of the halves' maxima (exact), and
-    the row-sum and P @ V dots of the second half continue the first half's accumulators, which is the same K chain
-    of MMA steps, in the same order, as one dot over the whole tile; so every row gets the same bits either way."""
-    ELEM: tl.constexpr = V.dtype.element_ty
-    rows = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    if SUB_N == 1:
-        kpos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v, k_ok = _kv_subtile(
-            K, V, kpos, kv_begin, seqlen_k, kv_head, bt_row, offs_d, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
-            PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=MASKED, EVEN_D=EVEN_D, UPCAST=UPCAST,
-        )  # fmt: skip
-        s = _subtile_scores(q, k, kpos, k_ok, pos, MASKED=MASKED, FP32_DOT=FP32_DOT)
-        # the scale is positive, so max(s) * scale is the max of the rounded scaled scores
-        m_new = tl.maximum(m_s, tl.max(s, 1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
-        alpha = tl.math.exp2(m_s - m_use)
-        pv = _subtile_probs(s, m_use, qk_scale, ELEM=ELEM, FP32_DOT=FP32_DOT, UPCAST=UPCAST)
-        rows = _subtile_rowsum(pv, rows, FP32_DOT=FP32_DOT)
-        acc_s = _subtile_pv(pv, v, acc_s * alpha[:, None], FP32_DOT=FP32_DOT)
+        pv = p
+        rows = tl.dot(p, ones, input_precision="ieee")
     else:
-        HALF: tl.constexpr = BLOCK_N // 2
-        kpos_a = j * BLOCK_N + tl.arange(0, HALF)
-        kpos_b = kpos_a + HALF
-        k_a, v_a, ok_a = _kv_subtile(
-            K, V, kpos_a, kv_begin, seqlen_k, kv_head, bt_row, offs_d, d_ok, stride_kt, stride_kh, stride_vt,
-            stride_vh, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=MASKED, EVEN_D=EVEN_D, UPCAST=UPCAST,
-        )  # fmt: skip
-        s_a = _subtile_scores(q, k_a, kpos_a, ok_a, pos, MASKED=MASKED, FP32_DOT=FP32_DOT)
-        k_b, v_b, ok_b = _kv_subtile(
-            K, V, kpos_b, kv_begin, seqlen_k, kv_head, bt_row, offs_d, d_ok, stride_kt, stride_kh, stride_vt,
-            stride_vh, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=MASKED, EVEN_D=EVEN_D, UPCAST=UPCAST,
-        )  # fmt: skip
-        s_b = _subtile_scores(q, k_b, kpos_b, ok_b, pos, MASKED=MASKED, FP32_DOT=FP32_DOT)
-        m_new = tl.maximum(m_s, tl.maximum(tl.max(s_a, 1), tl.max(s_b, 1)) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_s - m_use)
-        pv_a = _subtile_probs(s_a, m_use, qk_scale, ELEM=ELEM, FP32_DOT=FP32_DOT, UPCAST=UPCAST)
-        rows = _subtile_rowsum(pv_a, rows, FP32_DOT=FP32_DOT)
-        acc_s = _subtile_pv(pv_a, v_a, acc_s * alpha[:, None], FP32_DOT=FP32_DOT)
-        pv_b = _subtile_probs(s_b, m_use, qk_scale, ELEM=ELEM, FP32_DOT=FP32_DOT, UPCAST=UPCAST)
-        rows = _subtile_rowsum(pv_b, rows, FP32_DOT=FP32_DOT)
-        acc_s = _subtile_pv(pv_b, v_b, acc_s, FP32_DOT=FP32_DOT)
+        if UPCAST:
+            if V.dtype.element_ty == tl.bfloat16:
+                pv = _bf16_round_f32(p)
+            else:
+                pv = p.to(V.dtype.element_ty).to(tl.float32)
+            rows = tl.dot(pv, ones)
+        else:
+            pv = p.to(V.dtype.element_ty)
+            rows = tl.dot(pv, ones.to(V.dtype.element_ty))
     l_s = tl.fma(l_s, alpha, tl.max(rows, 1))
+    acc_s = acc_s * alpha[:, None]
+    if FP32_DOT:
+        acc_s = tl.dot(pv, v, acc_s, input_precision="ieee")
+    else:
+        acc_s = tl.dot(pv, v, acc_s)
     return m_new, l_s, acc_s
 
 
@@ -427,6 +348,7 @@ def _attn_split(
     kv_head,
     pos,
     bt_row,
+    offs_n,
     offs_d,
     d_ok,
     qk_scale,
@@ -437,7 +359,6 @@ def _attn_split(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SUB_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -452,15 +373,15 @@ def _attn_split(
     j_mid = tl.minimum(j_hi, tl.maximum(j_lo, n_full))
     for j in range(j_lo, j_mid):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_d, d_ok, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_N=SUB_N, PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE, MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     for j in range(j_mid, j_hi):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_d, d_ok, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_N=SUB_N, PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE, MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     return m_s, l_s, acc_s
 
@@ -498,7 +419,6 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SUB_N: tl.constexpr,
     HP: tl.constexpr,
     GROUP: tl.constexpr,
     PAGED: tl.constexpr,
@@ -562,6 +482,7 @@ def _attn_fwd_kernel(
         sp_lo = 0
         sp_hi = n_splits
 
+    offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head = kvh.to(tl.int64)
     # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
@@ -570,16 +491,16 @@ def _attn_fwd_kernel(
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
         q, K, V, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
-        bt_row, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SUB_N=SUB_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D,
-        FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+        bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+        UPCAST=UPCAST,
     )  # fmt: skip
     for sp in range(sp_lo + 1, sp_hi):
         m_s, l_s, acc_s = _attn_split(
             q, K, V, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
-            bt_row, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SUB_N=SUB_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D,
-            FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+            bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+            UPCAST=UPCAST,
         )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
@@ -925,8 +846,6 @@ def _forward(
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)
-    if "maxnreg" in cfg:
-        pdl = pdl | {"maxnreg": cfg["maxnreg"]}
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -959,7 +878,6 @@ def _forward(
         EVEN_D=block_d == d,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
-        SUB_N=cfg.get("SUB_N", 1),
         HP=hp,
         GROUP=hq // hkv,
         PAGED=paged,
