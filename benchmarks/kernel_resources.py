@@ -52,7 +52,7 @@ ATTN_ARGS = {
 ATTN_DECODE = dict(
     HEAD_DIM=128, BLOCK_D=128, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, HP=2, GROUP=2, PAGED=True, PAGE_SIZE=16,
     BWD_PREP=False, SCAN=128, SPLIT=ta.SPLIT_KEYS_16BIT, SPLIT_PAR=False, DIRECT=True, ONE_Q=True, FP32_DOT=False,
-    UPCAST=False, PDL=False, ALL_MASKED=ta.DECODE_LAUNCH_16BIT.get("ALL_MASKED", False),
+    UPCAST=False, PDL=False,
 )  # fmt: skip
 MM_TMA_ARGS = dict(x_desc=PB, w_desc=PB, o_desc=PB, M=I32, N=I32, K=I32)
 MM_PTR_ARGS = dict(x_ptr=PB, w_ptr=PB, o_ptr=PB, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32, stride_om=I32)
@@ -85,9 +85,7 @@ def cases() -> dict[str, tuple]:
             launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=warps, num_stages=stages)  # carries the options
             out[f"attn_decode_w{warps}_s{stages}"] = (ta._attn_fwd_kernel, ATTN_ARGS, ATTN_DECODE, launch)
     prefill = ta.PREFILL_LAUNCH_16BIT
-    const = ATTN_DECODE | dict(
-        BLOCK_M=prefill["BLOCK_M"], HP=2, PAGED=False, PAGE_SIZE=1, DIRECT=False, ONE_Q=False, ALL_MASKED=False
-    )
+    const = ATTN_DECODE | dict(BLOCK_M=prefill["BLOCK_M"], HP=2, PAGED=False, PAGE_SIZE=1, DIRECT=False, ONE_Q=False)
     launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=prefill["num_warps"], num_stages=prefill["num_stages"])
     out["attn_prefill"] = (ta._attn_fwd_kernel, ATTN_ARGS, const, launch)
     for name, cfg in MM256.items():

@@ -106,14 +106,13 @@ that is not a pure decode step (training forward, backward's forward rerun, pref
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
-DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2, "ALL_MASKED": True}
+DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2}
 """Query-side launch of bf16/fp16 pure decode launches (one query per sequence) at the head dims of
 :data:`PREFILL_LAUNCH_HEAD_DIMS`. Set from ``benchmarks/attention_configs.py --decode`` (its result's
 ``choice.decode_launch``, ``benchmarks/results/attention_decode_configs_h200.json``): only a candidate whose outputs
 are bitwise equal to the previous entry's and whose decode steps equal the training forward is allowed. Since the
 row sum became a dot every candidate there agreed (before, candidates whose warps split the key tile did not). A
-16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile. ``ALL_MASKED`` runs
-every key tile through the masked path in one loop (the same bits), so a program's tiles form one software pipeline."""
+16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
 DECODE_DEEP_STAGES = 5
 """Pipeline stages of a split-parallel decode launch (contexts past one KV split, each program a chain of up to
 ``SPLIT / BLOCK_N`` key tiles) with at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` programs per SM. A paged key
@@ -432,7 +431,6 @@ def _attn_fwd_kernel(
     SPLIT_PAR: tl.constexpr,
     DIRECT: tl.constexpr,
     ONE_Q: tl.constexpr,
-    ALL_MASKED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -487,13 +485,8 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head = kvh.to(tl.int64)
-    # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written.
-    # ALL_MASKED runs every tile through the masked path (the same bits, see _attn_key_tile): one loop, so one
-    # software pipeline over all of a program's tiles instead of two
-    if ALL_MASKED:
-        n_full = q_start * 0
-    else:
-        n_full = (q_start + tile * P + 1) // BLOCK_N
+    # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
+    n_full = (q_start + tile * P + 1) // BLOCK_N
     # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
@@ -895,7 +888,6 @@ def _forward(
         SPLIT_PAR=par,
         DIRECT=direct,
         ONE_Q=decode and max_seqlen_q == 1,
-        ALL_MASKED=cfg.get("ALL_MASKED", False),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
