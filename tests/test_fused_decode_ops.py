@@ -21,7 +21,6 @@ import contextlib
 import importlib.util
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import pytest
 import torch
 
 import rlexact
+from interpreter_jobs import failure_report
 from models import tiny_model, tiny_moe
 from rlexact import ops
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logprobs
@@ -344,14 +344,10 @@ def test_native_mode_keeps_stock_layer(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    src = str(HERE.parent / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
-    assert "fused decode ops ok" in proc.stdout
+@pytest.mark.interpreter("tests/test_fused_decode_ops.py")
+def test_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "fused decode ops ok" in interpreter_run.stdout
 
 
 @contextlib.contextmanager

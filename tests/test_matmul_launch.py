@@ -10,7 +10,6 @@ kernel (``benchmarks/matmul_launch.py``'s, which repeats Triton 3.6's per-launch
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from interpreter_jobs import failure_report
 from rlexact import ops
 from rlexact.ops.autograd import MatmulFn
 
@@ -187,16 +187,13 @@ print("launch ok")
 """
 
 
-@needs_triton
-def test_interpreter_linear_leading_dims_and_grad() -> None:
+@pytest.mark.interpreter("-c", INTERP)
+def test_interpreter_linear_leading_dims_and_grad(interpreter_run: subprocess.CompletedProcess) -> None:
     """Triton backend (interpreter): ``linear`` on ``[B, S, K]`` (no views, the kernel takes leading dimensions) gives
     the ``[B*S, K]`` bits; the no-grad fast path and the ``MatmulFn.run`` path give the same forward bits; the
     gradients of both layouts are equal."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    proc = subprocess.run([sys.executable, "-c", INTERP], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "launch ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "launch ok" in interpreter_run.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------------

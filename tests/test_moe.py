@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import rlexact
 from hopper_compile import compile_for_hopper
+from interpreter_jobs import failure_report
 from models import MOE_VOCAB as VOCAB
 from models import addition_items, prompts_for, tiny_moe, tiny_moe_rl_config
 from rlexact import ops
@@ -406,25 +407,18 @@ def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _run_interpreter(script: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    src = str(HERE.parent / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    proc = subprocess.run([sys.executable, str(HERE / script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+@pytest.mark.interpreter("tests/_interp_moe.py")
+def test_interpreter_moe_kernels(interpreter_run: subprocess.CompletedProcess) -> None:
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "moe ok" in interpreter_run.stdout
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter_moe_kernels() -> None:
-    assert "moe ok" in _run_interpreter("_interp_moe.py")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter_grouped_candidates_bitwise() -> None:
+@pytest.mark.interpreter("tests/_interp_moe_configs.py")
+def test_interpreter_grouped_candidates_bitwise(interpreter_run: subprocess.CompletedProcess) -> None:
     """Every grouped-GEMM configuration the sweep may choose gives the reference configuration's bits (with a
     reduction-order negative control); see ``tests/_interp_moe_configs.py``."""
-    assert "moe configs ok" in _run_interpreter("_interp_moe_configs.py")
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "moe configs ok" in interpreter_run.stdout
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -3,11 +3,14 @@ keyed sampling; native negative control; weight sharing; scoring; bad inputs."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import rlexact
+from interpreter_jobs import failure_report
 from models import prompts_for, tiny_model
 from rlexact.distributed import gathered_params
 from rlexact.rollout import Completion, Generator, GeneratorConfig, SamplingParams
@@ -218,37 +221,34 @@ def test_keyed_gumbel_matches_softmax():
     assert int(h.min()) >= 0 and int(h.max()) < 2**32
 
 
-def test_triton_sampler_matches_torch_under_interpreter():
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
+SAMPLER_INTERP = (
+    "import torch\n"
+    "from rlexact.rollout import sampler as S\n"
+    "from rlexact.rollout._sampler_triton import gumbel_argmax_triton\n"
+    "torch.manual_seed(0)\n"
+    "z = torch.randn(6, 9001) * 2\n"
+    "rid = torch.tensor([0, 1, 2, 2**40, 5, 6]); pos = torch.tensor([3, 4, 5, 6, 2**33, 0])\n"
+    "thr = S.top_k_top_p_threshold(z, 20, 0.9)\n"
+    "z[1, 2500:] = float('-inf'); z[4, 4100:] = float('-inf')  # slices with no finite score\n"
+    "lse = torch.logsumexp(z, -1)\n"
+    "for seed in (9, 2**40 + 7, 2**64 - 1):\n"
+    "    for t in (None, thr):\n"
+    "        ref = S._gumbel_argmax_torch(z, t, seed, rid, pos)\n"
+    "        for splits in (1, 2, 5):\n"
+    "            got, lp = gumbel_argmax_triton(z, t, seed, rid, pos, lse, splits=splits)\n"
+    "            assert torch.equal(got, ref), (seed, t is None, splits)\n"
+    "            assert torch.equal(lp, z.gather(-1, ref[:, None]).squeeze(-1) - lse)\n"
+    "        assert gumbel_argmax_triton(z, t, seed, rid, pos)[1] is None\n"
+    "        other = gumbel_argmax_triton(z, t, seed + 1, rid, pos)[0]\n"
+    "        assert not torch.equal(other, ref)  # negative control: the seed enters the draw\n"
+    "print('ok')\n"
+)
 
-    code = (
-        "import torch\n"
-        "from rlexact.rollout import sampler as S\n"
-        "from rlexact.rollout._sampler_triton import gumbel_argmax_triton\n"
-        "torch.manual_seed(0)\n"
-        "z = torch.randn(6, 9001) * 2\n"
-        "rid = torch.tensor([0, 1, 2, 2**40, 5, 6]); pos = torch.tensor([3, 4, 5, 6, 2**33, 0])\n"
-        "thr = S.top_k_top_p_threshold(z, 20, 0.9)\n"
-        "z[1, 2500:] = float('-inf'); z[4, 4100:] = float('-inf')  # slices with no finite score\n"
-        "lse = torch.logsumexp(z, -1)\n"
-        "for seed in (9, 2**40 + 7, 2**64 - 1):\n"
-        "    for t in (None, thr):\n"
-        "        ref = S._gumbel_argmax_torch(z, t, seed, rid, pos)\n"
-        "        for splits in (1, 2, 5):\n"
-        "            got, lp = gumbel_argmax_triton(z, t, seed, rid, pos, lse, splits=splits)\n"
-        "            assert torch.equal(got, ref), (seed, t is None, splits)\n"
-        "            assert torch.equal(lp, z.gather(-1, ref[:, None]).squeeze(-1) - lse)\n"
-        "        assert gumbel_argmax_triton(z, t, seed, rid, pos)[1] is None\n"
-        "        other = gumbel_argmax_triton(z, t, seed + 1, rid, pos)[0]\n"
-        "        assert not torch.equal(other, ref)  # negative control: the seed enters the draw\n"
-        "print('ok')\n"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+@pytest.mark.interpreter("-c", SAMPLER_INTERP)
+def test_triton_sampler_matches_torch_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "ok" in interpreter_run.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------------

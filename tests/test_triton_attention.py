@@ -8,47 +8,35 @@ the same checks in bf16 and fp32 at head_dim 64/128 and Qwen3-1.7B shapes (16 qu
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-HELPER = Path(__file__).with_name("_interp_attention.py")
+from interpreter_jobs import failure_report
+
+HELPER = "tests/_interp_attention.py"
 
 triton_missing = importlib.util.find_spec("triton") is None
 
 
-@pytest.mark.skipif(triton_missing, reason="needs triton")
-@pytest.mark.parametrize("section", ["forward", "exact", "backward", "split"])
-def test_interpreter(section: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), section], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    assert f"{section}: ok" in proc.stdout
+SECTIONS = ["forward", "exact", "backward", "split"]
 
 
-@pytest.mark.skipif(triton_missing, reason="needs triton")
-def test_interpreter_sweep_candidates() -> None:
+@pytest.mark.parametrize(
+    "section", [pytest.param(s, marks=pytest.mark.interpreter(HELPER, s)) for s in SECTIONS]
+)
+def test_interpreter(section: str, interpreter_run: subprocess.CompletedProcess) -> None:
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert f"{section}: ok" in interpreter_run.stdout
+
+
+@pytest.mark.interpreter("tests/_interp_attention_configs.py")
+def test_interpreter_sweep_candidates(interpreter_run: subprocess.CompletedProcess) -> None:
     """Every launch candidate of ``benchmarks/attention_configs.py`` gives the library config's bits (training, paged
     prefill, chunked prefill, decode), and another ``BLOCK_N`` does not (``tests/_interp_attention_configs.py``)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    helper = Path(__file__).with_name("_interp_attention_configs.py")
-    proc = subprocess.run(
-        [sys.executable, str(helper)], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    assert "configs: ok" in proc.stdout
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "configs: ok" in interpreter_run.stdout
 
 
 class _LaunchRecorder:

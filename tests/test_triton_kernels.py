@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter_jobs import failure_report
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -31,21 +31,16 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("which", ["matmul", "norm", "logprob", "rope", "backward"])
-def test_interpreter_kernels(which: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_interp_kernels.py"), which],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert f"{which} ok" in proc.stdout
+@pytest.mark.parametrize(
+    "which",
+    [
+        pytest.param(w, marks=pytest.mark.interpreter("tests/_interp_kernels.py", w))
+        for w in ("matmul", "norm", "logprob", "rope", "backward")
+    ],
+)
+def test_interpreter_kernels(which: str, interpreter_run: subprocess.CompletedProcess) -> None:
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert f"{which} ok" in interpreter_run.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------------
