@@ -71,6 +71,23 @@ def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (*flat, cu, None, None)
 
 
+def time_launches(cases: dict, library: dict, launches: list[dict], label: str) -> list[dict]:
+    """One row per launch: each case's CUDA-graph time (us) under ``library | launch`` and their total, or the error
+    of a launch that does not compile or run."""
+    rows = []
+    for launch in launches:
+        row: dict = {"launch": launch}
+        try:
+            for name, case in cases.items():
+                row[name] = bench_graph(lambda case=case, cfg=library | launch: run(case, cfg)) * 1e3
+            row["total_us"] = sum(row[n] for n in cases)
+        except Exception as e:  # noqa: BLE001 - a launch that does not compile is recorded
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(f"[attention_key_tile] {label}", row, flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_key_tile_h200.json"))
@@ -99,26 +116,8 @@ def main() -> int:
         try:
             library = ta._fwd_config(D, DT)
             entry["max_abs_err_vs_fp32_sdpa"] = (run(ref_case[0], library).float() - ref_case[1]).abs().max().item()
-            for launch in PREFILL_LAUNCHES:
-                row: dict = {"launch": launch}
-                try:
-                    for name, case in prefill.items():
-                        row[name] = bench_graph(lambda case=case, cfg=library | launch: run(case, cfg)) * 1e3
-                    row["total_us"] = sum(row[n] for n in prefill)
-                except Exception as e:  # noqa: BLE001 - a launch that does not compile is recorded
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                entry["prefill"].append(row)
-                print(f"[attention_key_tile] BLOCK_N {bn} prefill", row, flush=True)
-            for launch in DECODE_LAUNCHES:
-                row = {"launch": launch}
-                try:
-                    for name, case in decode.items():
-                        row[name] = bench_graph(lambda case=case, cfg=library | launch: run(case, cfg)) * 1e3
-                    row["total_us"] = sum(row[n] for n in decode)
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                entry["decode"].append(row)
-                print(f"[attention_key_tile] BLOCK_N {bn} decode", row, flush=True)
+            entry["prefill"] = time_launches(prefill, library, PREFILL_LAUNCHES, f"BLOCK_N {bn} prefill")
+            entry["decode"] = time_launches(decode, library, DECODE_LAUNCHES, f"BLOCK_N {bn} decode")
             best_p = min((r for r in entry["prefill"] if "error" not in r), key=lambda r: r["total_us"])
             best_d = min((r for r in entry["decode"] if "error" not in r), key=lambda r: r["total_us"])
             entry["best_prefill"], entry["best_decode"] = best_p, best_d
