@@ -23,11 +23,10 @@ prefill shapes: copy it into ``rlexact.ops.triton_attention.PREFILL_LAUNCH_16BIT
 best candidate whose decode times stay within 2 % of the library's, for the case that no candidate passes the
 bitwise checks (then it would have to replace the query-side entries of ``_fwd_config`` itself, for both roles).
 
-``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``, or ``PREFETCH_CANDIDATES`` with
-``--prefetch``) on paged decode at batch 256 x 160 and x 384, 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last
-two split-parallel), each checked bitwise against the library's decode launch and, installed as
-``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch`` (the fastest total among those)
-goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
+``--decode`` sweeps the decode launch instead (``DECODE_CANDIDATES``) on paged decode at batch 256 x 160 and x 384,
+64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's
+decode launch and, installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch``
+(the fastest total among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
 Output: ``attention_decode_configs_h200.json``.
 """
 
@@ -55,16 +54,13 @@ PREFILL_SHAPES = ((64, 512), (8, 4096), (1, 8192))
 DECODE_SHAPES = ((256, 512), (64, 2048))
 CANDIDATES = [{"BLOCK_M": bm, "num_warps": w, "num_stages": st} for bm in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 DECODE_SWEEP_SHAPES = ((256, 160), (256, 384), (64, 2048), (32, 8192), (4, 8192))
-DECODE_CANDIDATES = [{"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)]
+DECODE_CANDIDATES = [
+    {"BLOCK_M": 16, "num_warps": w, "num_stages": st} for w in (1, 2, 4) for st in (1, 2, 3, 5)
+]
 """Decode launches swept. Narrowed from the c2c7cb9 sweep (8 warps, and 64-row tiles over fewer than four warps, lost
 everywhere) and the 23cc05a one (``attention_decode_configs_h200.json`` at that commit: 32- and 64-row tiles lost
 everywhere, six stages equal to five). One stage added: the short contexts of a large batch (three key tiles per
 program) are bound by each program's fixed latency, and a single K/V buffer lets more programs share an SM."""
-PREFETCH_CANDIDATES = [
-    {"BLOCK_M": 16, "num_warps": 2, "num_stages": st, "PREFETCH": pf} for st in (1, 2) for pf in (0, 1, 2, 4)
-]
-"""``--decode --prefetch``: the library's decode launch with each program's first key tiles and its masked tail
-prefetched into L2 at its start (``PREFETCH`` tiles), at one and two stages."""
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -165,8 +161,8 @@ def decode_eq_prefill(
     return bool(torch.equal(out, full))
 
 
-def decode_sweep(out: str, candidates: list[dict]) -> int:
-    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from ``candidates``."""
+def decode_sweep(out: str) -> int:
+    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`."""
     t0 = time.time()
     torch.manual_seed(0)
     library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
@@ -181,7 +177,7 @@ def decode_sweep(out: str, candidates: list[dict]) -> int:
         "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
         "rows": [],
     }
-    for launch in candidates:
+    for launch in DECODE_CANDIDATES:
         row: dict = {"launch": launch}
         cfg = library | launch
         try:
@@ -201,7 +197,7 @@ def decode_sweep(out: str, candidates: list[dict]) -> int:
     choice: dict = {"rule": "min total decode time over the shapes among bitwise-equal candidates"}
     if exact:
         best = min(exact, key=lambda r: r["total_us"])
-        lib = next((r for r in exact if ta.DECODE_LAUNCH_16BIT | r["launch"] == ta.DECODE_LAUNCH_16BIT), None)
+        lib = next((r for r in exact if r["launch"] == ta.DECODE_LAUNCH_16BIT), None)
         choice["decode_launch"] = best["launch"]
         choice["total_us"] = best["total_us"]
         choice["library_total_us"] = lib["total_us"] if lib is not None else None
@@ -218,12 +214,10 @@ def main() -> int:
         "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
     )
     ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
-    ap.add_argument("--prefetch", action="store_true", help="with --decode: sweep PREFETCH_CANDIDATES instead")
     args = ap.parse_args()
     results = ROOT / "benchmarks" / "results"
     if args.decode:
-        candidates = PREFETCH_CANDIDATES if args.prefetch else DECODE_CANDIDATES
-        return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"), candidates)
+        return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"))
     args.out = args.out or str(results / "attention_configs_h200.json")
     t0 = time.time()
     torch.manual_seed(0)

@@ -11,8 +11,7 @@ nonzero ``stack_bytes`` means ptxas spilled registers to local memory. The numbe
 where the script runs (``versions`` in the result), which may allocate differently from the GPU machine's.
 
 Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequence, 16 query / 8 KV heads, head dim
-128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``), and with ``_pf{P}`` its
-``PREFETCH = P`` form (L1/L2 prefetches at each program's start); ``attn_prefill``: the
+128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``); ``attn_prefill``: the
 packed training / prefill launch; ``mm256_{qkv,o,down}``: the exact matmul's M = 256 tiles of the Qwen3-1.7B
 projections as the library picks them on a 132-SM H200; ``gated256``, ``gated64``: the SiLU-gated matmul's M = 256
 and M = 64 variants (``GATED_VARIANTS``). Output: ``benchmarks/results/kernel_resources_sm90.json``.
@@ -53,7 +52,7 @@ ATTN_ARGS = {
 ATTN_DECODE = dict(
     HEAD_DIM=128, BLOCK_D=128, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, HP=2, GROUP=2, PAGED=True, PAGE_SIZE=16,
     BWD_PREP=False, SCAN=128, SPLIT=ta.SPLIT_KEYS_16BIT, SPLIT_PAR=False, DIRECT=True, ONE_Q=True, FP32_DOT=False,
-    UPCAST=False, PDL=False, PREFETCH=0, PF_LINE=64, PF_LINES=2,
+    UPCAST=False, PDL=False,
 )  # fmt: skip
 MM_TMA_ARGS = dict(x_desc=PB, w_desc=PB, o_desc=PB, M=I32, N=I32, K=I32)
 MM_PTR_ARGS = dict(x_ptr=PB, w_ptr=PB, o_ptr=PB, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32, stride_om=I32)
@@ -85,9 +84,6 @@ def cases() -> dict[str, tuple]:
         for stages in (1, 2, 3):
             launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=warps, num_stages=stages)  # carries the options
             out[f"attn_decode_w{warps}_s{stages}"] = (ta._attn_fwd_kernel, ATTN_ARGS, ATTN_DECODE, launch)
-            for pf in (1, 2, 4):
-                const = ATTN_DECODE | dict(PREFETCH=pf)
-                out[f"attn_decode_w{warps}_s{stages}_pf{pf}"] = (ta._attn_fwd_kernel, ATTN_ARGS, const, launch)
     prefill = ta.PREFILL_LAUNCH_16BIT
     const = ATTN_DECODE | dict(BLOCK_M=prefill["BLOCK_M"], HP=2, PAGED=False, PAGE_SIZE=1, DIRECT=False, ONE_Q=False)
     launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=prefill["num_warps"], num_stages=prefill["num_stages"])

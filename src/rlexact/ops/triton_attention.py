@@ -106,15 +106,13 @@ that is not a pure decode step (training forward, backward's forward rerun, pref
 decode launches keep :func:`_fwd_config`'s. Set it from ``benchmarks/attention_configs.py`` (its result's
 ``choice.prefill_launch``): only a candidate whose outputs are bitwise equal to the decode launch's is allowed, since
 a query row must get the same bits from both launches."""
-DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2, "PREFETCH": 0}
+DECODE_LAUNCH_16BIT = {"BLOCK_M": 16, "num_warps": 2, "num_stages": 2}
 """Query-side launch of bf16/fp16 pure decode launches (one query per sequence) at the head dims of
 :data:`PREFILL_LAUNCH_HEAD_DIMS`. Set from ``benchmarks/attention_configs.py --decode`` (its result's
 ``choice.decode_launch``, ``benchmarks/results/attention_decode_configs_h200.json``): only a candidate whose outputs
 are bitwise equal to the previous entry's and whose decode steps equal the training forward is allowed. Since the
 row sum became a dot every candidate there agreed (before, candidates whose warps split the key tile did not). A
-16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile. ``PREFETCH``: key
-tiles whose K/V rows each program asks L2 for at its start (:func:`_prefetch_key_tiles`; 0: none); prefetches move
-no value, only when bytes arrive."""
+16-row tile wastes fewer rows on a decode query's ``HP`` heads; two warps split its key tile."""
 DECODE_DEEP_STAGES = 5
 """Pipeline stages of a split-parallel decode launch (contexts past one KV split, each program a chain of up to
 ``SPLIT / BLOCK_N`` key tiles) with at most :data:`DECODE_DEEP_MAX_PROGRAMS_PER_SM` programs per SM. A paged key
@@ -338,63 +336,6 @@ def _attn_key_tile(
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte line of each address in ``ptrs`` where ``mask`` holds (``prefetch.global.L2``): no
-    register receives data and nothing waits for it, so the loads that later read those lines find them in L2."""
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.b32 $0, 0;\n}",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_l1(ptr):
-    """Ask L1 for the 128-byte line at the scalar address ``ptr`` (``prefetch.global.L1``), without waiting."""
-    tl.inline_asm_elementwise(
-        "{\nprefetch.global.L1 [$1];\nmov.b32 $0, 0;\n}", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_key_tiles(
-    K,
-    V,
-    bt_row,
-    j_lo,
-    j_hi,
-    seqlen_k,
-    kv_head,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    TILES: tl.constexpr,
-    LINE: tl.constexpr,
-    LINES: tl.constexpr,
-):
-    """Prefetch into L2 the K/V rows of ``TILES`` paged key tiles of the range ``[j_lo, j_hi)``: its first
-    ``TILES - 1`` tiles and its last one (the masked tail, which its own loop reaches with no load in flight). The
-    block-table entries are loaded here too, so the loops' loads of them hit L1. Reads no value into the arithmetic:
-    only when bytes arrive changes."""
-    idx = tl.arange(0, TILES * BLOCK_N * LINES)
-    i_tile = idx // (BLOCK_N * LINES)
-    tile = tl.where(i_tile < TILES - 1, j_lo + i_tile, j_hi - 1)
-    kpos = tile * BLOCK_N + (idx // LINES) % BLOCK_N
-    ok = (kpos < seqlen_k) & (tile < j_hi)
-    blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=ok, other=0)
-    krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
-    line = (idx % LINES) * LINE
-    _prefetch_l2(K + krow * stride_kt + kv_head * stride_kh + line, ok)
-    _prefetch_l2(V + krow * stride_vt + kv_head * stride_vh + line, ok)
-
-
-@triton.jit
 def _attn_split(
     q,
     K,
@@ -490,9 +431,6 @@ def _attn_fwd_kernel(
     SPLIT_PAR: tl.constexpr,
     DIRECT: tl.constexpr,
     ONE_Q: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_LINE: tl.constexpr,
-    PF_LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -512,8 +450,6 @@ def _attn_fwd_kernel(
         if tile * P >= nq:
             return
     if PAGED:
-        if PREFETCH > 0:  # the block-table row's first line, while the length is on its way
-            _prefetch_l1(block_tables + b.to(tl.int64) * stride_bt)
         seqlen_k = tl.load(seqlens_k + b)
         kv_begin = 0
     else:
@@ -551,11 +487,6 @@ def _attn_fwd_kernel(
     kv_head = kvh.to(tl.int64)
     # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
     n_full = (q_start + tile * P + 1) // BLOCK_N
-    if PREFETCH > 0:
-        _prefetch_key_tiles(
-            K, V, bt_row, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), seqlen_k, kv_head, stride_kt, stride_kh,
-            stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, TILES=PREFETCH, LINE=PF_LINE, LINES=PF_LINES,
-        )  # fmt: skip
     # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
@@ -914,10 +845,6 @@ def _forward(
     if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
-    pf_lines = block_d * q.element_size() // 128
-    prefetch = cfg.get("PREFETCH", 0) if paged and pf_lines >= 1 and not _INTERPRET else 0
-    if prefetch & (prefetch - 1):
-        raise ValueError(f"attention: PREFETCH {prefetch} must be 0 or a power of two")
     pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](
         q,
@@ -961,9 +888,6 @@ def _forward(
         SPLIT_PAR=par,
         DIRECT=direct,
         ONE_Q=decode and max_seqlen_q == 1,
-        PREFETCH=prefetch,
-        PF_LINE=128 // q.element_size(),
-        PF_LINES=max(pf_lines, 1),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
