@@ -272,6 +272,21 @@ def check_logprob() -> None:
     z, _, _, lse2 = tlp._run_head(hid, w, None, 0.9, store_z=True, cfg=cfg)
     assert torch.equal(lse, lse2) and torch.equal(z.gather(1, tgt[:, None]).squeeze(1) - lse2, lp)
 
+    # the merge folds the same splits in the same order however many splits' partials it loads at once
+    cfg = tlp.HeadConfig(BM=16, BV=32, BK=16, VS=32, num_warps=4, num_stages=1, tma=False)
+    hid, w = torch.randn(7, 48), torch.randn(300, 48) * 0.3  # 10 splits: not a multiple of 4 or 8
+    tgt = torch.randint(0, 300, (7,))
+    saved, runs = tlp.MERGE_UNROLL, []
+    try:
+        for unroll in (1, 4, 8):
+            tlp.MERGE_UNROLL = unroll
+            runs.append(tlp._run_head(hid, w, tgt, 0.9, store_z=False, cfg=cfg)[1:])
+    finally:
+        tlp.MERGE_UNROLL = saved
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0])), "merge bits depend on UNROLL"
+    rl, _ = reference.token_logprobs(hid.double(), w.double(), tgt, 0.9)
+    assert (runs[0][0].double() - rl).abs().max().item() < 1e-5
+
     # bf16 inputs (upcast inside the kernel under the interpreter)
     hid, w = torch.randn(4, 32).bfloat16(), (torch.randn(100, 32) * 0.3).bfloat16()
     tgt = torch.randint(0, 100, (4,))

@@ -3,6 +3,7 @@ keyed sampling; native negative control; weight sharing; scoring; bad inputs."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 
 import pytest
@@ -249,6 +250,27 @@ SAMPLER_INTERP = (
 def test_triton_sampler_matches_torch_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
     assert interpreter_run.returncode == 0, failure_report(interpreter_run)
     assert "ok" in interpreter_run.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="needs triton's CUDA backend")
+def test_triton_sampler_noise_uses_hardware_log2() -> None:
+    """Compiled for sm_90 on the host: with ``FAST_LOG`` each noise value takes two ``lg2.approx`` instructions (the
+    series near ``u = 1`` needs none), and the kernel is less than two thirds the size of the libdevice version;
+    without it there is no ``lg2.approx`` (negative control)."""
+    from hopper_compile import compile_for_hopper
+    from rlexact.rollout import _sampler_triton as st
+
+    args = dict(z_ptr="*fp32", thr_ptr="*fp32", rid_ptr="*i64", pos_ptr="*i64", best_ptr="*fp32", idx_ptr="*i32",
+                seed_lo_salted="i64", seed_hi="i64", V="i32", stride_z="i32", SLICE_V="i32")  # fmt: skip
+    const = dict(HAS_THR=False, BLOCK_V=2048, C1=st.C1, C2=st.C2, SALT=st.ROW_SALT, PDL=False)
+    ptx = {
+        fast: compile_for_hopper(st._gumbel_argmax_kernel, args, const | {"FAST_LOG": fast}, num_warps=8).asm["ptx"]
+        for fast in (True, False)
+    }
+    per_thread = 2048 // (8 * 32)  # noise values per thread and loop iteration
+    assert ptx[True].count("lg2.approx.f32") == 2 * per_thread
+    assert "lg2.approx" not in ptx[False]
+    assert len(ptx[True].splitlines()) < 2 / 3 * len(ptx[False].splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -198,6 +198,12 @@ def _head_kernel(
         tl.store(zt_ptr + rows64, zt, mask=mine)
 
 
+@triton.jit
+def _take(tile, sel):
+    """Column ``sel`` of ``tile [BLOCK, U]`` as ``[BLOCK]``, exactly (a maximum over one value and ``-inf``)."""
+    return tl.max(tl.where(sel[None, :], tile, float("-inf")), 1)
+
+
 @triton.jit(do_not_specialize=["T", "n_split"])
 def _head_merge_kernel(
     part_ptr,
@@ -208,28 +214,40 @@ def _head_merge_kernel(
     T,
     n_split,
     BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
     HAS_TGT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Fold each row's split partials ``(m, s, t)`` in ascending split order. The partials of ``UNROLL`` consecutive
+    splits are loaded together (one memory round trip instead of ``UNROLL``) and then folded one split at a time,
+    so the arithmetic and its order do not depend on ``UNROLL``."""
     pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < T
     rows64 = rows.to(tl.int64)
     stride_part = n_split.to(tl.int64) * T
+    cols = tl.arange(0, UNROLL)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     t = tl.zeros((BLOCK,), tl.float32)
-    for j in range(n_split):  # ascending split order
-        base = part_ptr + j * T + rows64
-        mj = tl.load(base, mask=ok, other=0.0)
-        sj = tl.load(base + stride_part, mask=ok, other=1.0)
-        tj = tl.load(base + 2 * stride_part, mask=ok, other=0.0)
-        m_new = tl.maximum(m, mj)
-        a = tl.exp(m - m_new)
-        b = tl.exp(mj - m_new)
-        s = s * a + sj * b
-        t = t * a + tj * b
-        m = m_new
+    for j0 in range(0, n_split, UNROLL):  # ascending split order
+        base = part_ptr + (j0 + cols)[None, :].to(tl.int64) * T + rows64[:, None]
+        live = ok[:, None] & ((j0 + cols) < n_split)[None, :]
+        m_tile = tl.load(base, mask=live, other=0.0)
+        s_tile = tl.load(base + stride_part, mask=live, other=1.0)
+        t_tile = tl.load(base + 2 * stride_part, mask=live, other=0.0)
+        for u in tl.static_range(UNROLL):
+            if j0 + u < n_split:
+                sel = cols == u
+                mj = _take(m_tile, sel)
+                sj = _take(s_tile, sel)
+                tj = _take(t_tile, sel)
+                m_new = tl.maximum(m, mj)
+                a = tl.exp(m - m_new)
+                b = tl.exp(mj - m_new)
+                s = s * a + sj * b
+                t = t * a + tj * b
+                m = m_new
     lse = m + tl.log(s)
     tl.store(lse_ptr + rows64, lse, mask=ok)
     tl.store(ent_ptr + rows64, lse - tl.math.div_rn(t, s), mask=ok)
@@ -239,6 +257,8 @@ def _head_merge_kernel(
 
 
 MERGE_BLOCK = 128
+MERGE_UNROLL = 8
+"""Splits whose partials :func:`_head_merge_kernel` loads together (speed only)."""
 
 
 def _run_head(
@@ -315,8 +335,9 @@ def _run_head(
         **pdl,
     )
     _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
-        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, HAS_TGT=has_tgt, num_warps=4, **pdl
-    )
+        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=MERGE_UNROLL, HAS_TGT=has_tgt, num_warps=4,
+        **pdl,
+    )  # fmt: skip
     return z, logp, ent, lse
 
 

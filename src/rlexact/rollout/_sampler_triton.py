@@ -4,8 +4,9 @@ Two launches per sampling step, no ``[B, V]`` temporaries, no host synchronizati
 
 * ``_gumbel_argmax_kernel``, grid ``(B, S)``: program ``(r, s)`` derives row ``r``'s keys (the integer function of
   :func:`rlexact.rollout.keyed_hash.row_keys`) and streams vocabulary slice ``s`` of its logits once: 32-bit hash
-  (uint32 arithmetic, the same integer function as :func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise,
-  optional threshold mask, running maximum. It stores the slice's maximum score and the first index attaining it.
+  (uint32 arithmetic, the same integer function as :func:`rlexact.rollout.keyed_hash.token_hash`), Gumbel noise
+  (:func:`_gumbel`: a series near ``u = 1``, hardware base-2 logarithms elsewhere), optional threshold mask, running
+  maximum. It stores the slice's maximum score and the first index attaining it.
 * ``_argmax_merge_kernel``, grid ``(B,)``: the largest of the ``S`` slice maxima and, among the slices attaining it,
   the smallest index; optionally the token's log-prob ``z[token] - lse``.
 
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlexact.ops.backend import interpreter_enabled
 from rlexact.ops.triton_matmul import num_sms
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
 from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
@@ -42,6 +44,38 @@ def _mix32(x, c1, c2):
     return x ^ (x >> 16)
 
 
+_LN2 = tl.constexpr(0.6931471805599453)
+_SERIES_MAX = tl.constexpr(2.0**-6)
+"""Below this distance of ``u`` from 1, ``-ln(u)`` is summed as the series ``d + d**2/2 + ... + d**5/5`` of
+``d = 1 - u`` (its first omitted term is under one fp32 ulp of the sum); above it, a logarithm of ``u`` keeps
+enough relative accuracy."""
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """``log2(x)`` of positive normal fp32 ``x``: the GPU's ``lg2.approx.f32`` (one special-function instruction,
+    absolute error below ``2**-22``) when ``FAST``, else ``tl.log2`` (libdevice on the GPU, exact under the
+    interpreter)."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.log2(x)
+
+
+@triton.jit
+def _gumbel(h, FAST: tl.constexpr):
+    """Standard Gumbel noise ``-ln(-ln u)`` from uint32 hashes ``h``, ``u = ((h >> 9) + 0.5) * 2**-23``.
+
+    ``-ln u`` near ``u = 1`` (the largest noise values, the ones that win draws) comes from the series in
+    ``d = 1 - u``, which is exact in fp32 there, so an approximate logarithm's absolute error never reaches it; the
+    two logarithms left are base-2 and need no more than absolute accuracy (:func:`_log2`)."""
+    k = (h >> 9).to(tl.float32)  # < 2**23: exact, and so are u and d
+    u = (k + 0.5) * 1.1920928955078125e-07
+    d = ((8388607.0 - k) + 0.5) * 1.1920928955078125e-07
+    series = d + d * d * (0.5 + d * (0.3333333432674408 + d * (0.25 + d * 0.20000000298023224)))
+    e = tl.where(d <= _SERIES_MAX, series, -_LN2 * _log2(u, FAST))
+    return -_LN2 * _log2(e, FAST)
+
+
 @triton.jit(do_not_specialize=["seed_lo_salted", "seed_hi"])  # a new seed never compiles a new kernel
 def _gumbel_argmax_kernel(
     z_ptr,
@@ -60,6 +94,7 @@ def _gumbel_argmax_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     SALT: tl.constexpr,
+    FAST_LOG: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -91,8 +126,7 @@ def _gumbel_argmax_kernel(
         mask = offs < hi
         z = tl.load(base + offs, mask=mask, other=float("-inf"))
         h = _mix32(_mix32(ka ^ offs.to(tl.uint32), c1, c2) ^ kb, c1, c2)
-        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-        s = z - tl.log(-tl.log(u))
+        s = z + _gumbel(h, FAST_LOG)
         if HAS_THR:
             s = tl.where(z >= thr, s, float("-inf"))
         s = tl.where(mask, s, float("-inf"))
@@ -150,12 +184,15 @@ def gumbel_argmax_triton(
     lse: torch.Tensor | None = None,
     *,
     splits: int | None = None,
+    fast_log: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``argmax(z + keyed noise)`` over ``z >= threshold`` (first index on ties): ``z [B, V]`` fp32,
     ``request_ids, positions`` int64 ``[B]`` (non-negative), ``seed`` a Python int.
 
     Returns ``(tokens [B] int64, z[tokens] - lse [B] fp32)``, the second None when ``lse`` is None. ``splits``
-    overrides :func:`vocab_splits` (tests); it never changes the result."""
+    overrides :func:`vocab_splits` (tests); it never changes the result. ``fast_log`` (tests and benchmarks; default:
+    on for CUDA tensors outside the interpreter) picks the noise's logarithms (:func:`_log2`); a draw may differ
+    between the two only where two scores are within the approximation's error."""
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax_triton: z must be a row-major fp32 [B, V] tensor, got {z.dtype} {z.shape}")
     b, v = z.shape
@@ -191,6 +228,7 @@ def gumbel_argmax_triton(
         C1=C1,
         C2=C2,
         SALT=ROW_SALT,
+        FAST_LOG=(z.is_cuda and not interpreter_enabled()) if fast_log is None else fast_log,
         num_warps=8,
         **pdl,
     )

@@ -17,9 +17,10 @@ truncated, renormalized distribution actually sampled with ``logprobs="sampled"`
 
 On CUDA the noise + argmax runs as fused Triton kernels (:mod:`rlexact.rollout._sampler_triton`: vocabulary slices
 in parallel, then a merge that also reads the token's log-prob) that never materialize ``[B, V]`` noise; they use the
-same integer hash (its float ``log`` may differ in the last ulp from torch's, so a
-token can differ between the two implementations on rare near-ties; within one device and implementation the draw is
-deterministic and batch-invariant). ``RLEXACT_SAMPLER=torch`` forces the torch path.
+same integer hash and the same noise up to rounding (a series near ``u = 1`` and the GPU's approximate base-2
+logarithms elsewhere, so the noise differs from torch's by a few ulp, and a token can differ between the two
+implementations on rare near-ties; within one device and implementation the draw is deterministic and
+batch-invariant). ``RLEXACT_SAMPLER=torch`` forces the torch path.
 """
 
 from __future__ import annotations
