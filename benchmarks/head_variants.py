@@ -32,7 +32,7 @@ TS = [4, 64, 256]
 def candidates(base: tlp.HeadConfig) -> list[tlp.HeadConfig]:
     out = []
     for (bm, warps), stages, tma in itertools.product(
-        ((16, 1), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8)), (3, 6), (True, False)
+        ((16, 1), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8), (256, 16)), (3, 4, 6), (True, False)
     ):
         if (bm + base.BV) * base.BK * 2 * stages <= 200_000:
             out.append(dataclasses.replace(base, BM=bm, num_warps=warps, num_stages=stages, tma=tma))
