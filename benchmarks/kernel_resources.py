@@ -7,7 +7,8 @@ target sm_90), reads the cubin's resource usage with the ``cuobjdump`` bundled w
 programs of it fit one SM: by registers (65,536 per SM, allocated per warp in units of 256), by shared memory
 (233,472 bytes per SM, 1 KB reserved per program), by threads (2,048) and by the 32-program limit. That bound is the
 occupancy a latency-bound kernel lives on (``kernel_counters_h200.json`` measures the achieved one on the GPU); a
-nonzero ``stack_bytes`` means ptxas spilled registers to local memory. The numbers are those of the Triton installed
+nonzero ``stack_bytes`` means ptxas spilled registers to local memory. ``sass_instructions`` counts the kernel's
+machine instructions (static, from ``cuobjdump -sass``), with its most frequent opcodes. The numbers are those of the Triton installed
 where the script runs (``versions`` in the result), which may allocate differently from the GPU machine's.
 
 Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequence, 16 query / 8 KV heads, head dim
@@ -20,6 +21,7 @@ and M = 64 variants (``GATED_VARIANTS``). Output: ``benchmarks/results/kernel_re
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -118,6 +120,8 @@ def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict: 
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
     line = next(ln for ln in usage.stdout.splitlines() if "REG:" in ln)
     fields = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
     threads = launch.num_warps * 32
@@ -132,6 +136,8 @@ def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict: 
         "shared_bytes": smem,
         "programs_per_sm": fit,
         "warps_per_sm": fit["fit"] * launch.num_warps,
+        "sass_instructions": sum(ops.values()),
+        "sass_top_opcodes": dict(ops.most_common(16)),
     }
 
 
