@@ -8,8 +8,9 @@ programs of it fit one SM: by registers (65,536 per SM, allocated per warp in un
 (233,472 bytes per SM, 1 KB reserved per program), by threads (2,048) and by the 32-program limit. That bound is the
 occupancy a latency-bound kernel lives on (``kernel_counters_h200.json`` measures the achieved one on the GPU); a
 nonzero ``stack_bytes`` means ptxas spilled registers to local memory. ``sass_instructions`` counts the kernel's
-machine instructions (static, from ``cuobjdump -sass``), with its most frequent opcodes. The numbers are those of the Triton installed
-where the script runs (``versions`` in the result), which may allocate differently from the GPU machine's.
+machine instructions (static, from ``cuobjdump -sass``), with its most frequent opcodes. The numbers are those of
+the Triton installed where the script runs (``versions`` in the result), which may allocate differently from the GPU
+machine's.
 
 Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequence, 16 query / 8 KV heads, head dim
 128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``); ``attn_prefill``: the
@@ -101,6 +102,11 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+SASS_INSTRUCTION = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"
+"""One instruction of ``cuobjdump -sass``: its address comment (four or more hex digits), an optional predicate, and
+the opcode (captured)."""
+
+
 def programs_per_sm(regs: int, threads: int, smem: int) -> dict[str, int]:
     """How many programs fit one SM by each resource (Hopper's limits) and overall."""
     warps = -(-threads // 32)
@@ -121,7 +127,7 @@ def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict: 
         f.flush()
         usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_INSTRUCTION, sass))
     line = next(ln for ln in usage.stdout.splitlines() if "REG:" in ln)
     fields = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
     threads = launch.num_warps * 32

@@ -90,3 +90,28 @@ def test_kernel_resources_compiles_on_the_host(tmp_path: Path) -> None:
         fit = case["programs_per_sm"]
         assert fit["fit"] == min(fit["registers"], fit["shared_memory"], fit["threads"], fit["programs"]) >= 1
     assert res["cases"]["attn_decode_w2_s2"]["num_warps"] == 2
+    for case in res["cases"].values():
+        ops = case["sass_top_opcodes"]
+        assert case["sass_instructions"] >= sum(ops.values()) > 0 and len(ops) == 16
+
+
+def test_sass_instruction_pattern() -> None:
+    """The instruction pattern of ``kernel_resources.py`` matches every address width and predicated instructions,
+    and not the address-less lines of a listing."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from kernel_resources import SASS_INSTRUCTION
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    listing = (
+        "        Function : _attn_fwd_kernel\n"
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;\n"
+        "        /*fff0*/              @!P0 BRA `(.L_x_7) ;\n"
+        "        /*10000*/                  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n"
+        "        /*1a3c0*/              @UP1 LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;\n"
+        "                                                                  /* 0x000fe20000000f00 */\n"
+    )
+    assert re.findall(SASS_INSTRUCTION, listing) == ["LDC", "BRA", "HMMA.16816.F32.BF16", "LDGSTS.E.BYPASS.128"]
