@@ -8,9 +8,9 @@
   share of rows whose draw is the same in both, ``torch_equal_fraction`` the share equal to the torch sampler's
   (``-log(-log u)``), and ``rows_alone_equal`` whether rows drawn alone equal the same rows of the batch (batch
   invariance). ``logits_read_us`` is the time to read the logits once at the datasheet bandwidth.
-* ``merge``: ``_head_merge_kernel`` over the split partials of that vocabulary (``VS`` = 1,152: 132 splits) at
-  T = 4, 64, 256, 16,384 rows for ``UNROLL`` in 1 ... 16 (splits whose partials are loaded together), each checked
-  bitwise against ``UNROLL`` = 1 (the one-split-per-iteration loop) and timed as CUDA-graph replays.
+* ``merge``: ``merge_splits`` (the head's merge launch) over the split partials of that vocabulary (``VS`` = 1,152:
+  132 splits) at T = 4, 64, 256, 16,384 rows for ``UNROLL`` in 1 ... 16 (splits whose partials are loaded together),
+  each checked bitwise against ``UNROLL`` = 1 (the one-split-per-iteration loop) and timed as CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -75,10 +75,7 @@ def merge_part() -> dict:
 
         def run(unroll: int, part=part, zt=zt, t=t) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
             logp, ent, lse = (torch.empty(t, device="cuda") for _ in range(3))
-            tlp._head_merge_kernel[(triton.cdiv(t, tlp.MERGE_BLOCK),)](
-                part, zt, logp, ent, lse, t, n_split, BLOCK=tlp.MERGE_BLOCK, UNROLL=unroll, HAS_TGT=True, num_warps=4,
-                PDL=False,
-            )  # fmt: skip
+            tlp.merge_splits(part, zt, True, logp, ent, lse, unroll=unroll)
             return logp, ent, lse
 
         ref = run(1)

@@ -335,11 +335,27 @@ def _run_head(
         num_stages=cfg.num_stages,
         **pdl,
     )
-    _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
-        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=MERGE_UNROLL, HAS_TGT=has_tgt, num_warps=4,
-        **pdl,
-    )  # fmt: skip
+    merge_splits(part, zt, has_tgt, logp, ent, lse)
     return z, logp, ent, lse
+
+
+def merge_splits(
+    part: torch.Tensor,
+    zt: torch.Tensor,
+    has_tgt: bool,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    lse: torch.Tensor,
+    unroll: int = MERGE_UNROLL,
+) -> None:
+    """Fold the head's split partials ``part [3, n_split, T]`` (max, sum of exponentials, sum of exponentials times
+    ``z``) in ascending split order into ``lse``, ``ent`` and, with ``has_tgt``, ``logp = zt - lse`` (all ``[T]``
+    fp32, written in place). ``unroll`` (benchmarks) only sets how many splits' partials one round trip loads."""
+    n_split, T = part.shape[1], part.shape[2]
+    _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
+        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=unroll, HAS_TGT=has_tgt, num_warps=4,
+        **pdl_options(part.device),
+    )  # fmt: skip
 
 
 def token_logprobs(

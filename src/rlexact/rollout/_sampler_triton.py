@@ -45,6 +45,8 @@ def _mix32(x, c1, c2):
 
 
 _LN2 = tl.constexpr(0.6931471805599453)
+_U_STEP = tl.constexpr(2.0**-23)
+"""Spacing of the uniform grid ``u = (k + 0.5) * _U_STEP`` that the hash's 23 high bits ``k`` index."""
 _SERIES_MAX = tl.constexpr(2.0**-6)
 """Below this distance of ``u`` from 1, ``-ln(u)`` is summed as the series ``d + d**2/2 + ... + d**5/5`` of
 ``d = 1 - u`` (its first omitted term is under one fp32 ulp of the sum); above it, a logarithm of ``u`` keeps
@@ -69,8 +71,8 @@ def _gumbel(h, FAST: tl.constexpr):
     ``d = 1 - u``, which is exact in fp32 there, so an approximate logarithm's absolute error never reaches it; the
     two logarithms left are base-2 and need no more than absolute accuracy (:func:`_log2`)."""
     k = (h >> 9).to(tl.float32)  # < 2**23: exact, and so are u and d
-    u = (k + 0.5) * 1.1920928955078125e-07
-    d = ((8388607.0 - k) + 0.5) * 1.1920928955078125e-07
+    u = (k + 0.5) * _U_STEP
+    d = ((8388607.0 - k) + 0.5) * _U_STEP
     series = d + d * d * (0.5 + d * (0.3333333432674408 + d * (0.25 + d * 0.20000000298023224)))
     e = tl.where(d <= _SERIES_MAX, series, -_LN2 * _log2(u, FAST))
     return -_LN2 * _log2(e, FAST)
