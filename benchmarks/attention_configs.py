@@ -74,10 +74,10 @@ def prefill_case(b: int, s: int) -> tuple:
     return q, k, v, _cu([s] * b), None, None
 
 
-def decode_case(b: int, ctx: int, page: int = PAGE) -> tuple:
-    nblk = math.ceil(ctx / page)
-    kc = torch.randn(b * nblk, page, HKV, D, device=DEV, dtype=DT)
-    vc = torch.randn(b * nblk, page, HKV, D, device=DEV, dtype=DT)
+def decode_case(b: int, ctx: int) -> tuple:
+    nblk = math.ceil(ctx / PAGE)
+    kc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
+    vc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
     tables = torch.randperm(b * nblk, device=DEV).to(torch.int32).view(b, nblk)
     q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
     lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
@@ -118,21 +118,20 @@ def decode_eq_prefill(
     lens: tuple[int, ...] = (1100, 300, 37, 9),
     chunk: int = 256,
     n_decode: int = 8,
-    page: int = PAGE,
 ) -> bool:
     """Training forward == chunked paged prefill (prefill launch) + decode steps (decode launch), bitwise, with
     ``launch`` installed as the library's prefill launch and ``decode_launch`` (default: the library's) as its
-    decode launch, over caches of ``page``-token blocks whose unwritten slots hold NaN."""
+    decode launch."""
     lens = list(lens)
     g = torch.Generator(device=DEV).manual_seed(1)
     t = sum(lens)
     q, k, v = (torch.randn(t, h, D, device=DEV, dtype=DT, generator=g) for h in (HQ, HKV, HKV))
     cu = _cu(lens)
-    width = 16 * math.ceil(max(math.ceil(n / page) for n in lens) / 16)
+    width = 16 * math.ceil(max(math.ceil(n / PAGE) for n in lens) / 16)
     n_blocks = len(lens) * width
     perm = torch.randperm(n_blocks, device=DEV, generator=g).to(torch.int32)
     tables = perm.view(len(lens), width)
-    kc = torch.full((n_blocks, page, HKV, D), float("nan"), device=DEV, dtype=DT)
+    kc = torch.full((n_blocks, PAGE, HKV, D), float("nan"), device=DEV, dtype=DT)
     vc = torch.full_like(kc, float("nan"))
     starts = cu.tolist()
     saved = ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT
@@ -151,7 +150,7 @@ def decode_eq_prefill(
             pos = torch.cat([torch.arange(done[b], done[b] + n) for b, n in enumerate(step)])
             seq = torch.cat([torch.full((n,), b) for b, n in enumerate(step)])
             rows, pos, seq = rows.to(DEV), pos.to(DEV), seq.to(DEV)
-            slots = tables[seq, pos // page].long() * page + pos % page
+            slots = tables[seq, pos // PAGE].long() * PAGE + pos % PAGE
             kc.view(-1, HKV, D)[slots] = k[rows]
             vc.view(-1, HKV, D)[slots] = v[rows]
             done = [d + n for d, n in zip(done, step)]
@@ -162,32 +161,30 @@ def decode_eq_prefill(
     return bool(torch.equal(out, full))
 
 
-def decode_sweep(out: str, page: int, kv_tma: tuple[bool, ...], candidates: list[dict]) -> int:
-    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`,
-    on caches of ``page``-token blocks, each candidate with each ``KV_TMA`` setting in ``kv_tma`` (TMA boxes apply
-    where a key tile lies in one page). References: the library's decode launch on the pointer path."""
+def decode_sweep(out: str) -> int:
+    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`."""
     t0 = time.time()
     torch.manual_seed(0)
     library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
     prefill_launch = dict(ta.PREFILL_LAUNCH_16BIT)
-    cases = {f"decode_b{b}_ctx{c}": decode_case(b, c, page) for b, c in DECODE_SWEEP_SHAPES}
+    cases = {f"decode_b{b}_ctx{c}": decode_case(b, c) for b, c in DECODE_SWEEP_SHAPES}
     kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * HKV * D * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}
-    refs = {name: run(case, library | {"KV_TMA": False}) for name, case in cases.items()}
+    refs = {name: run(case, library) for name, case in cases.items()}
     result: dict = header("attention_decode_configs", "triton") | {
-        "shape": SHAPE | {"page": page},
+        "shape": SHAPE,
         "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
         "library_prefill_launch": prefill_launch,
         "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
         "rows": [],
     }
-    for launch in [c | {"KV_TMA": t} for c in candidates for t in kv_tma]:
+    for launch in DECODE_CANDIDATES:
         row: dict = {"launch": launch}
         cfg = library | launch
         try:
             row["bitwise"], times = bitwise_times(cases, refs, cfg)
             for name, us in times.items():
                 row[name] = {"us": us, "kv_tb_s": kv_bytes[name] / us / 1e6}
-            row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch, page=page)
+            row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch)
             row["total_us"] = sum(row[n]["us"] for n in cases)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -200,7 +197,7 @@ def decode_sweep(out: str, page: int, kv_tma: tuple[bool, ...], candidates: list
     choice: dict = {"rule": "min total decode time over the shapes among bitwise-equal candidates"}
     if exact:
         best = min(exact, key=lambda r: r["total_us"])
-        lib = next((r for r in exact if r["launch"] == ta.DECODE_LAUNCH_16BIT | {"KV_TMA": kv_tma[0]}), None)
+        lib = next((r for r in exact if r["launch"] == ta.DECODE_LAUNCH_16BIT), None)
         choice["decode_launch"] = best["launch"]
         choice["total_us"] = best["total_us"]
         choice["library_total_us"] = lib["total_us"] if lib is not None else None
@@ -217,17 +214,10 @@ def main() -> int:
         "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
     )
     ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
-    ap.add_argument("--page", type=int, default=PAGE, help="--decode: tokens per cache block")
-    ap.add_argument(
-        "--kv-tma", nargs="+", type=int, choices=(0, 1), default=[1], help="--decode: KV_TMA settings per candidate"
-    )
-    ap.add_argument("--warps", nargs="+", type=int, default=None, help="--decode: only candidates with these warps")
     args = ap.parse_args()
     results = ROOT / "benchmarks" / "results"
     if args.decode:
-        candidates = [c for c in DECODE_CANDIDATES if args.warps is None or c["num_warps"] in args.warps]
-        out = args.out or str(results / "attention_decode_configs_h200.json")
-        return decode_sweep(out, args.page, tuple(bool(t) for t in args.kv_tma), candidates)
+        return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"))
     args.out = args.out or str(results / "attention_configs_h200.json")
     t0 = time.time()
     torch.manual_seed(0)

@@ -13,11 +13,10 @@ the Triton installed where the script runs (``versions`` in the result), which m
 machine's.
 
 Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequence, 16 query / 8 KV heads, head dim
-128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``);
-``attn_decode_tma_w{W}_s{S}``: the same over 64-token pages, each key tile one TMA box (``KV_TMA``);
-``attn_prefill``: the packed training / prefill launch; ``mm256_{qkv,o,down}``: the exact matmul's M = 256 tiles of
-the Qwen3-1.7B projections as the library picks them on a 132-SM H200; ``gated256``, ``gated64``: the SiLU-gated
-matmul's M = 256 and M = 64 variants (``GATED_VARIANTS``). Output: ``benchmarks/results/kernel_resources_sm90.json``.
+128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``); ``attn_prefill``: the
+packed training / prefill launch; ``mm256_{qkv,o,down}``: the exact matmul's M = 256 tiles of the Qwen3-1.7B
+projections as the library picks them on a 132-SM H200; ``gated256``, ``gated64``: the SiLU-gated matmul's M = 256
+and M = 64 variants (``GATED_VARIANTS``). Output: ``benchmarks/results/kernel_resources_sm90.json``.
 """
 
 from __future__ import annotations
@@ -46,11 +45,8 @@ from rlexact.ops import triton_matmul as tmm  # noqa: E402
 
 REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, THREADS_PER_SM, PROGRAMS_PER_SM = 65536, 233472, 1024, 2048, 32
 PB, I32 = "*bf16", "i32"
-TD = "tensordesc<bf16[64, 128]>"
-"""A host TMA descriptor of a 64-key K/V tile (``KV_TMA`` launches over 64-token cache pages)."""
 ATTN_ARGS = {
-    **dict(Q=PB, K=PB, V=PB, K_desc=PB, V_desc=PB, Out=PB, LSE=PB, DELTA=PB),
-    **dict(cu_q="*i32", seqlens_k="*i32", block_tables="*i32"),
+    **dict(Q=PB, K=PB, V=PB, Out=PB, LSE=PB, DELTA=PB, cu_q="*i32", seqlens_k="*i32", block_tables="*i32"),
     **dict(qk_scale="fp32", num_seqs=I32),
     **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kt", "stride_kh"], I32),
     **dict.fromkeys(["stride_vt", "stride_vh", "stride_bt", "stride_lt", "stride_lh"], I32),
@@ -59,7 +55,7 @@ ATTN_ARGS = {
 ATTN_DECODE = dict(
     HEAD_DIM=128, BLOCK_D=128, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, HP=2, GROUP=2, PAGED=True, PAGE_SIZE=16,
     BWD_PREP=False, SCAN=128, SPLIT=ta.SPLIT_KEYS_16BIT, SPLIT_PAR=False, DIRECT=True, ONE_Q=True, FP32_DOT=False,
-    UPCAST=False, KV_TMA=False, PDL=False,
+    UPCAST=False, PDL=False,
 )  # fmt: skip
 MM_TMA_ARGS = dict(x_desc=PB, w_desc=PB, o_desc=PB, M=I32, N=I32, K=I32)
 MM_PTR_ARGS = dict(x_ptr=PB, w_ptr=PB, o_ptr=PB, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32, stride_om=I32)
@@ -91,8 +87,6 @@ def cases() -> dict[str, tuple]:
         for stages in (1, 2, 3):
             launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=warps, num_stages=stages)  # carries the options
             out[f"attn_decode_w{warps}_s{stages}"] = (ta._attn_fwd_kernel, ATTN_ARGS, ATTN_DECODE, launch)
-            tma = (ATTN_ARGS | dict(K_desc=TD, V_desc=TD), ATTN_DECODE | dict(PAGE_SIZE=64, KV_TMA=True))
-            out[f"attn_decode_tma_w{warps}_s{stages}"] = (ta._attn_fwd_kernel, *tma, launch)
     prefill = ta.PREFILL_LAUNCH_16BIT
     const = ATTN_DECODE | dict(BLOCK_M=prefill["BLOCK_M"], HP=2, PAGED=False, PAGE_SIZE=1, DIRECT=False, ONE_Q=False)
     launch = tmm.MatmulConfig("ptr", 16, 64, 64, num_warps=prefill["num_warps"], num_stages=prefill["num_stages"])

@@ -54,7 +54,7 @@ import torch
 
 import rlexact
 from common import ROOT, header
-from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
+from rlexact.rollout import Generator, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
 
@@ -205,7 +205,6 @@ def make_generator(
         prefix_caching=share,
         keep_kv_cache=keep,
         overlap_prefill=overlap_prefill,
-        **({"block_size": args.block_size} if args.block_size else {}),
     )
 
 
@@ -403,7 +402,6 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
     ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
-    ap.add_argument("--block-size", type=int, default=None, help="KV-cache block size (default: the generator's)")
     ap.add_argument(
         "--step-reps", type=int, default=3, help="timed calls of each length for decode_step_ms (median, default 3)"
     )
@@ -437,7 +435,6 @@ def main() -> int:
             "batches": "grpo" if args.grpo else args.batches,
             "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
             "cuda_graphs": not args.no_graphs,
-            "block_size": args.block_size or GeneratorConfig.block_size,
             "profile_new_tokens": args.profile,
         },
         "results": {},

@@ -64,11 +64,6 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-
-try:  # triton >= 3.4: host-side TMA descriptors
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - old triton
-    TensorDescriptor = None
 from .triton_matmul import num_sms
 from .triton_pdl import pdl_entry, pdl_options
 
@@ -251,13 +246,10 @@ def _attn_key_tile(
     acc_s,
     K,
     V,
-    K_desc,
-    V_desc,
     j,
     kv_begin,
     seqlen_k,
     kv_head,
-    kv_col,
     pos,
     bt_row,
     offs_n,
@@ -275,7 +267,6 @@ def _attn_key_tile(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_TMA: tl.constexpr,
 ):
     """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
 
@@ -285,17 +276,7 @@ def _attn_key_tile(
     explicit (``tl.fma``), so a row's bits do not depend on which of its tiles were masked."""
     kpos = j * BLOCK_N + offs_n
     k_ok = kpos < seqlen_k
-    if KV_TMA:
-        # the tile lies in one page: one block-table entry, one TMA box of K and one of V (host descriptors over the
-        # cache as [blocks * page, Hkv * D]); unwritten slots arrive as they are, so V's masked rows are zeroed
-        first = j * BLOCK_N
-        blk = tl.load(bt_row + first // PAGE_SIZE)
-        row = blk * PAGE_SIZE + first % PAGE_SIZE
-        k = K_desc.load([row, kv_col])
-        v = V_desc.load([row, kv_col])
-        if MASKED:
-            v = tl.where(k_ok[:, None], v, 0.0)
-    elif PAGED:
+    if PAGED:
         if MASKED:
             blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=k_ok, other=0)
         else:
@@ -303,19 +284,18 @@ def _attn_key_tile(
         krow = blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
     else:
         krow = (kv_begin + kpos).to(tl.int64)
-    if not KV_TMA:
-        k_ptrs = K + krow[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        v_ptrs = V + krow[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        if MASKED:
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    k_ptrs = K + krow[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    v_ptrs = V + krow[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    if MASKED:
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -360,15 +340,12 @@ def _attn_split(
     q,
     K,
     V,
-    K_desc,
-    V_desc,
     j_lo,
     j_hi,
     n_full,
     kv_begin,
     seqlen_k,
     kv_head,
-    kv_col,
     pos,
     bt_row,
     offs_n,
@@ -387,7 +364,6 @@ def _attn_split(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_TMA: tl.constexpr,
 ):
     """The fp32 partial ``(max, sum, acc)`` of key tiles ``[j_lo, j_hi)`` (one split, ascending, from the empty
     state): tiles below ``n_full`` unmasked, the rest masked."""
@@ -397,17 +373,15 @@ def _attn_split(
     j_mid = tl.minimum(j_hi, tl.maximum(j_lo, n_full))
     for j in range(j_lo, j_mid):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, K_desc, V_desc, j, kv_begin, seqlen_k, kv_head, kv_col, pos, bt_row, offs_n,
-            offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE,
-            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, KV_TMA=KV_TMA,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     for j in range(j_mid, j_hi):
         m_s, l_s, acc_s = _attn_key_tile(
-            q, m_s, l_s, acc_s, K, V, K_desc, V_desc, j, kv_begin, seqlen_k, kv_head, kv_col, pos, bt_row, offs_n,
-            offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE,
-            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, KV_TMA=KV_TMA,
+            q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
         )  # fmt: skip
     return m_s, l_s, acc_s
 
@@ -417,8 +391,6 @@ def _attn_fwd_kernel(
     Q,
     K,
     V,
-    K_desc,
-    V_desc,
     Out,
     LSE,
     DELTA,
@@ -459,7 +431,6 @@ def _attn_fwd_kernel(
     SPLIT_PAR: tl.constexpr,
     DIRECT: tl.constexpr,
     ONE_Q: tl.constexpr,
-    KV_TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -514,23 +485,22 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head = kvh.to(tl.int64)
-    kv_col = kvh * HEAD_DIM
     # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
     n_full = (q_start + tile * P + 1) // BLOCK_N
     # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
-        q, K, V, K_desc, V_desc, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k,
-        kv_head, kv_col, pos, bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D,
-        FP32_DOT=FP32_DOT, UPCAST=UPCAST, KV_TMA=KV_TMA,
+        q, K, V, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+        bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+        UPCAST=UPCAST,
     )  # fmt: skip
     for sp in range(sp_lo + 1, sp_hi):
         m_s, l_s, acc_s = _attn_split(
-            q, K, V, K_desc, V_desc, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k,
-            kv_head, kv_col, pos, bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D,
-            FP32_DOT=FP32_DOT, UPCAST=UPCAST, KV_TMA=KV_TMA,
+            q, K, V, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
+            bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
+            UPCAST=UPCAST,
         )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
@@ -875,20 +845,11 @@ def _forward(
     if par and decode and "num_stages" not in override and _swept_launch(d, q.dtype):
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
-    kv_tma = paged and bool(cfg.get("KV_TMA", True)) and _kv_tma(k, v, cfg["BLOCK_N"], block_d)
-    if kv_tma:
-        rows, width = k.shape[0] * page_size, hkv * d
-        k_desc = TensorDescriptor(k, [rows, width], [width, 1], [cfg["BLOCK_N"], block_d])
-        v_desc = TensorDescriptor(v, [rows, width], [width, 1], [cfg["BLOCK_N"], block_d])
-    else:
-        k_desc, v_desc = k, v
     pdl = pdl_options(q.device)
     _attn_fwd_kernel[grid](
         q,
         k,
         v,
-        k_desc,
-        v_desc,
         out,
         lse if lse is not None else out,
         delta if delta is not None else out,
@@ -927,30 +888,10 @@ def _forward(
         SPLIT_PAR=par,
         DIRECT=direct,
         ONE_Q=decode and max_seqlen_q == 1,
-        KV_TMA=kv_tma,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
         **pdl,
-    )
-
-
-def _kv_tma(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> bool:
-    """Whether a paged launch reads its key tiles as TMA boxes (``KV_TMA``): on Hopper or newer, when every key tile
-    lies in one cache page (the page size a multiple of ``BLOCK_N``) and the caches ``[NB, BS, Hkv, D]`` are dense
-    16-bit tensors with ``D == BLOCK_D``, so that ``[NB * BS, Hkv * D]`` views address them. The same key tiles as
-    the pointer path, so the same bits (the GPU tests compare both)."""
-    nb, page, hkv, d = k.shape
-    return (
-        TensorDescriptor is not None
-        and not _INTERPRET
-        and k.is_cuda
-        and torch.cuda.get_device_capability(k.device)[0] >= 9
-        and page % block_n == 0
-        and d == block_d
-        and k.dtype in (torch.bfloat16, torch.float16)
-        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape == k.shape for t in (k, v))
-        and nb * page < 2**31
     )
 
 
