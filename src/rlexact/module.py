@@ -341,7 +341,9 @@ class RLModule(L.LightningModule):
         cfg = self.rollout_cfg
         return (cfg.top_k, cfg.top_p) if cfg.logprobs == "sampled" else (0, 1.0)
 
-    def _stop_token_ids(self) -> list[int] | None:
+    def stop_token_ids(self) -> list[int] | None:
+        """The token ids that end a rollout sample: ``rollout.stop_token_ids`` when set, else the EOS ids of the model
+        configs and tokenizer; None when there is none."""
         return sampling.stop_token_ids(self.rollout_cfg, self.model, self.tokenizer)
 
     def sampling_params(
@@ -352,7 +354,7 @@ class RLModule(L.LightningModule):
             self.rollout_cfg,
             rollout_step=self.rollout_step,
             rank=self.global_rank,
-            stop_ids=self._stop_token_ids(),
+            stop_ids=self.stop_token_ids(),
             n=n,
             temperature=temperature,
             keyed=keyed,

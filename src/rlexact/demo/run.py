@@ -254,7 +254,7 @@ def evaluate(module, rows: Sequence[dict], n: int, seed: int, max_new_tokens: in
         temperature=1.0,
         seed=seed,
         n=n,
-        stop_token_ids=module._stop_token_ids(),
+        stop_token_ids=module.stop_token_ids(),
     )
     completions = module.generate(prompts, params)
     rewards = module.compute_rewards(items, completions, n)

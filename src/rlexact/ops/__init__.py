@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, _impl
+from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, kernel_impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
 
@@ -61,7 +61,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> t
 def _matmul(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return MatmulFn.run(x.contiguous(), w, backend)
-    return _impl(backend, "matmul")(x.contiguous(), w)
+    return kernel_impl(backend, "matmul")(x.contiguous(), w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None):
@@ -132,7 +132,7 @@ def add_rms_norm(
         s = x + residual
         return rms_norm(s, w, eps, backend=be), s
     h = x.shape[-1]
-    normed, s = _impl(be, "add_rms_norm")(x.reshape(-1, h), residual.reshape(-1, h), w, float(eps))
+    normed, s = kernel_impl(be, "add_rms_norm")(x.reshape(-1, h), residual.reshape(-1, h), w, float(eps))
     return normed.reshape(x.shape), s.reshape(x.shape)
 
 
@@ -222,7 +222,7 @@ def qk_norm_rope_write_kv(
             write_kv(k3, v3, k_cache, v_cache, slot_mapping, backend=be)
             return qo, ko
         q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
-        qo, ko = _impl(be, "qk_norm_rope_write_kv")(
+        qo, ko = kernel_impl(be, "qk_norm_rope_write_kv")(
             q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping
         )
     return qo.reshape(q.shape), ko.reshape(k.shape)
@@ -279,7 +279,7 @@ def lm_head_logits(
     Bitwise contract: ``z[i, t] - lse[i] == token_logprobs(hidden, w, t)[0][i]`` for every token ``t``.
     """
     _check_head(hidden, w, temperature)
-    return _impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
+    return kernel_impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
 
 
 def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -344,7 +344,7 @@ def attention_paged(
         raise ValueError(
             f"attention_paged: split_counters must be a contiguous int32 tensor of zeros, got {split_counters.dtype}"
         )
-    return _impl(resolve_backend(q, backend), "attention_paged")(
+    return kernel_impl(resolve_backend(q, backend), "attention_paged")(
         q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q,
         split_counters,
     )  # fmt: skip
@@ -366,4 +366,4 @@ def write_kv(
     Both backends store the bits of ``cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(cache.dtype))``. The
     Triton kernel writes K and V in one launch from strided inputs without a host synchronization (CUDA-graph
     capturable) and does not check the slots; the torch twin raises on an out-of-range slot."""
-    _impl(resolve_backend(k, backend), "write_kv")(k, v, k_cache, v_cache, slot_mapping)
+    kernel_impl(resolve_backend(k, backend), "write_kv")(k, v, k_cache, v_cache, slot_mapping)

@@ -47,7 +47,9 @@ _TRITON_IMPLS: dict = {}
 """Op name -> its resolved Triton function (the import runs once)."""
 
 
-def _impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel function
+def kernel_impl(backend: Backend, name: str):  # noqa: ANN202 - returns a kernel function
+    """The function ``name`` of ``backend``: the torch twin in :mod:`rlexact.ops.cpu`, or the Triton kernel's launcher
+    (its module imported on first use)."""
     if backend == "torch":
         return getattr(cpu, name)
     fn = _TRITON_IMPLS.get(name)
@@ -78,7 +80,7 @@ class MatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, w)
-        return _impl(backend, "matmul")(x, w)
+        return kernel_impl(backend, "matmul")(x, w)
 
     @staticmethod
     def run(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
@@ -111,13 +113,14 @@ class RMSNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.eps = eps
         ctx.backend = backend
-        return _impl(backend, "rms_norm")(x, w, eps)
+        return kernel_impl(backend, "rms_norm")(x, w, eps)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        if ctx.backend == "triton" and _impl("triton", "rms_norm_supported")(x.shape[-1]):  # else: reference autograd
-            dx, dw = _impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps)
+        # the Triton backward where it takes this hidden size, else the reference autograd
+        if ctx.backend == "triton" and kernel_impl("triton", "rms_norm_supported")(x.shape[-1]):
+            dx, dw = kernel_impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps)
             want = ctx.needs_input_grad
             return (dx if want[0] else None), (dw if want[1] else None), None, None
         with torch.enable_grad():
@@ -139,7 +142,7 @@ class QKNormRopeFn(torch.autograd.Function):
         ctx.eps = eps
         ctx.backend = backend
         ctx.set_materialize_grads(False)
-        return _impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps)
+        return kernel_impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps)
 
     @staticmethod
     def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None):  # noqa: ANN001, ANN205
@@ -149,7 +152,7 @@ class QKNormRopeFn(torch.autograd.Function):
         if ctx.backend == "triton":
             gq = torch.zeros_like(q) if gq is None else gq
             gk = torch.zeros_like(k) if gk is None else gk
-            out = _impl("triton", "qk_norm_rope_backward")(q, k, cos, sin, qw, kw, gq, gk, ctx.eps)
+            out = kernel_impl("triton", "qk_norm_rope_backward")(q, k, cos, sin, qw, kw, gq, gk, ctx.eps)
             for j, d in zip((0, 1, 4, 5), out):
                 grads[j] = d if want[j] else None
             return tuple(grads)
@@ -172,13 +175,13 @@ class SiluMulFn(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(gate, up)
         ctx.backend = backend
-        return _impl(backend, "silu_mul")(gate, up)
+        return kernel_impl(backend, "silu_mul")(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
         if ctx.backend == "triton":
-            d_gate, d_up = _impl("triton", "silu_mul_backward")(gate, up, grad)
+            d_gate, d_up = kernel_impl("triton", "silu_mul_backward")(gate, up, grad)
             return d_gate, d_up, None
         d_gate, d_up = silu_mul_grad(gate.float(), up.float(), grad.float())
         return d_gate.to(gate.dtype), d_up.to(up.dtype), None
@@ -206,10 +209,10 @@ class TokenLogprobsFn(torch.autograd.Function):
         ctx.backend = backend
         ctx.set_materialize_grads(False)  # an unused output (usually the entropy) costs nothing in the backward
         if backend == "triton":
-            logp, ent, lse = _impl(backend, "token_logprobs_lse")(hidden, w, targets, temperature)
+            logp, ent, lse = kernel_impl(backend, "token_logprobs_lse")(hidden, w, targets, temperature)
             ctx.save_for_backward(hidden, w, targets, lse, ent)
         else:
-            logp, ent = _impl(backend, "token_logprobs")(hidden, w, targets, temperature)
+            logp, ent = kernel_impl(backend, "token_logprobs")(hidden, w, targets, temperature)
             ctx.save_for_backward(hidden, w, targets)
         return logp, ent
 
@@ -219,7 +222,7 @@ class TokenLogprobsFn(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[:2]
         if ctx.backend == "triton":
             h2, w2 = (hidden, w) if hidden.dtype == w.dtype else (hidden.float(), w.float())
-            gh, gw = _impl("triton", "head_backward")(
+            gh, gw = kernel_impl("triton", "head_backward")(
                 h2, w2, targets, *lse_ent, g_logp, g_ent, ctx.temperature, want_h, want_w
             )
         else:
@@ -284,13 +287,13 @@ class AttentionVarlenFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
         ctx.backend = backend
-        return _impl(backend, "attention_varlen")(q, k, v, cu_seqlens, scale)
+        return kernel_impl(backend, "attention_varlen")(q, k, v, cu_seqlens, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, cu = ctx.saved_tensors
         if ctx.backend == "triton":
-            dq, dk, dv = _impl("triton", "attention_varlen_backward")(grad, q, k, v, cu, ctx.scale)
+            dq, dk, dv = kernel_impl("triton", "attention_varlen_backward")(grad, q, k, v, cu, ctx.scale)
             return dq, dk, dv, None, None, None
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))

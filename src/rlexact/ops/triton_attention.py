@@ -64,8 +64,8 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_matmul import num_sms
 from .triton_pdl import pdl_entry, pdl_options
+from .triton_shared import num_sms
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
 

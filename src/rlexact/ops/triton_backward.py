@@ -32,18 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import (
-    _HAS_WS,
-    _TL_DTYPE,
-    _aligned,
-    _cuda_props,
-    _device_key,
-    _dot_flags,
-    _rne_fix,
-    _tile_coords,
+from .triton_matmul import ensure_allocator
+from .triton_shared import (
+    HAS_WS,
+    TL_DTYPE,
+    aligned,
     cast_out,
-    ensure_allocator,
+    cuda_props,
+    device_key,
+    dot_flags,
     num_sms,
+    rne_fix,
+    tile_coords,
 )
 
 HEAD_CHUNK = 8192
@@ -153,7 +153,7 @@ def rms_norm_backward(
     block = triton.next_power_of_2(H)
     _rms_norm_bwd_kernel[(progs,)](
         x, w, dy, dx, part, M, H, float(H), float(eps), per,
-        BLOCK=block, X_DTYPE=_TL_DTYPE[x.dtype], RNE=_rne_fix(x.dtype),
+        BLOCK=block, X_DTYPE=TL_DTYPE[x.dtype], RNE=rne_fix(x.dtype),
         num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
     )  # fmt: skip
     return dx, _column_sum(part).to(w.dtype)
@@ -305,7 +305,7 @@ def qk_norm_rope_backward(
         q, k, gq, gk, dq, dk, qw, kw, cos.contiguous(), sin.contiguous(), part,
         T, per, progs, hq, k.shape[1], d // 2, float(eps), float(d),
         BHQ=triton.next_power_of_2(hq), BHK=triton.next_power_of_2(k.shape[1]), BHALF=triton.next_power_of_2(d // 2),
-        NORM=norm, DTYPE=_TL_DTYPE[q.dtype], RNE=_rne_fix(q.dtype), num_warps=4,
+        NORM=norm, DTYPE=TL_DTYPE[q.dtype], RNE=rne_fix(q.dtype), num_warps=4,
     )  # fmt: skip
     if not norm:
         return dq, dk, None, None
@@ -343,7 +343,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) ->
     dg, du = torch.empty_like(gate), torch.empty_like(gate)
     if M and n:
         _silu_mul_bwd_kernel[(M, triton.cdiv(n, SILU_BWD_BLOCK))](
-            gate, up, dy, dg, du, n, BLOCK=SILU_BWD_BLOCK, DTYPE=_TL_DTYPE[gate.dtype], RNE=_rne_fix(gate.dtype),
+            gate, up, dy, dg, du, n, BLOCK=SILU_BWD_BLOCK, DTYPE=TL_DTYPE[gate.dtype], RNE=rne_fix(gate.dtype),
             num_warps=4,
         )  # fmt: skip
     return dg, du
@@ -385,7 +385,7 @@ def _head_dz_kernel(
 ):
     """``dz[:, 0:CW]`` for vocabulary columns ``c0 .. c0 + CW - 1``: ``hidden [T, H]`` and ``w [V, H]`` contiguous,
     ``dz [T, >= CW]`` with row stride ``stride_dz``. ``TMA``: tensor descriptors built on the device."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(T, BM), tl.cdiv(CW, BV), GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(T, BM), tl.cdiv(CW, BV), GROUP_M)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -442,12 +442,12 @@ def _head_dz_kernel(
 
 
 def _head_bwd_config(H: int, dtype: torch.dtype, device: torch.device) -> dict:
-    key = _device_key(device)
+    key = device_key(device)
     if key[0] == "interp":
         return dict(BM=16, BV=32, BK=32, TMA=False, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BM=64, BV=64, BK=32, TMA=False, num_warps=4, num_stages=3)
-    tma = _cuda_props(key[1])[0] >= 9 and _HAS_WS and (H * dtype.itemsize) % 16 == 0
+    tma = cuda_props(key[1])[0] >= 9 and HAS_WS and (H * dtype.itemsize) % 16 == 0
     return dict(BM=128, BV=128, BK=64, TMA=tma, num_warps=8, num_stages=4 if tma else 3)
 
 
@@ -502,20 +502,20 @@ def head_backward(
     cfg = config or _head_bwd_config(H, hidden.dtype, hidden.device)
     if cfg["TMA"]:
         ensure_allocator()
-        hidden, w = _aligned(hidden), _aligned(w)
+        hidden, w = aligned(hidden), aligned(w)
     cw_max = min(chunk, V)
     dz = torch.empty((T, cw_max), dtype=hidden.dtype, device=hidden.device)
     gl = g_logp.float().contiguous() if g_logp is not None else lse
     ge = g_ent.float().contiguous() if g_ent is not None else lse
-    flags = _dot_flags(hidden.dtype)
+    flags = dot_flags(hidden.dtype)
     for c0 in range(0, V, cw_max):  # fixed chunk width, ascending chunk order
         cw = min(cw_max, V - c0)
         grid = (triton.cdiv(T, cfg["BM"]) * triton.cdiv(cw, cfg["BV"]),)
         _head_dz_kernel[grid](
             hidden, w, targets, lse, ent, gl, ge, dz, T, H, c0, cw, dz.stride(0), float(temperature),
             BM=cfg["BM"], BV=cfg["BV"], BK=cfg["BK"], GROUP_M=8, HAS_GL=g_logp is not None, HAS_GE=g_ent is not None,
-            SCALE=float(temperature) != 1.0, TMA=cfg["TMA"], **flags, DZ_DTYPE=_TL_DTYPE[hidden.dtype],
-            RNE=_rne_fix(hidden.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            SCALE=float(temperature) != 1.0, TMA=cfg["TMA"], **flags, DZ_DTYPE=TL_DTYPE[hidden.dtype],
+            RNE=rne_fix(hidden.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         dzc = dz[:, :cw]
         if gw is not None:

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 from .triton_pdl import pdl_entry, pdl_options
+from .triton_shared import TL_DTYPE, cast_out, rne_fix
 
 MAX_KV_TILE = 4096
 """Elements of a ``[heads, head_dim]`` tile one program copies (heads are split across programs beyond it)."""
@@ -85,8 +85,8 @@ def check_kv_write(
         raise ValueError(f"{op}: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit k {k.shape}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{op}: cache dtypes {k_cache.dtype} and {v_cache.dtype} differ")
-    if k.dtype not in _TL_DTYPE or k_cache.dtype not in _TL_DTYPE:
-        raise ValueError(f"{op}: dtypes {k.dtype} -> {k_cache.dtype}; supported: {sorted(map(str, _TL_DTYPE))}")
+    if k.dtype not in TL_DTYPE or k_cache.dtype not in TL_DTYPE:
+        raise ValueError(f"{op}: dtypes {k.dtype} -> {k_cache.dtype}; supported: {sorted(map(str, TL_DTYPE))}")
     if slot_mapping.shape != (t,):
         raise ValueError(f"{op}: slot_mapping {tuple(slot_mapping.shape)} must be [{t}]")
 
@@ -122,8 +122,8 @@ def write_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         CAST=cast,
-        C_DTYPE=_TL_DTYPE[k_cache.dtype],
-        RNE=cast and _rne_fix(k_cache.dtype),
+        C_DTYPE=TL_DTYPE[k_cache.dtype],
+        RNE=cast and rne_fix(k_cache.dtype),
         num_warps=4 if block_h * block_d >= 1024 else 1,
         **pdl_options(k.device),
     )

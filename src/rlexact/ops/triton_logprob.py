@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import _HAS_WS, TensorDescriptor, _aligned, _cuda_props, _device_key, _dot_flags, _tile_coords
 from .triton_pdl import pdl_entry, pdl_options
+from .triton_shared import HAS_WS, TensorDescriptor, aligned, cuda_props, device_key, dot_flags, tile_coords
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,12 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
     if device_key[0] == "interp":
         bm, bv, bk, warps, stages, tma, target = 16, 32, 32, 4, 1, False, 4
     else:
-        major, sms = _cuda_props(device_key[1])
+        major, sms = cuda_props(device_key[1])
         target = sms
         if dtype == torch.float32:
             bm, bv, bk, warps, stages, tma = 64, 64, 32, 4, 3, False
         else:
-            tma = major >= 9 and TensorDescriptor is not None and _HAS_WS and (H * dtype.itemsize) % 16 == 0
+            tma = major >= 9 and TensorDescriptor is not None and HAS_WS and (H * dtype.itemsize) % 16 == 0
             bm, bv, bk, warps, stages = 128, 128, 64, 8, 4
     chunks = triton.cdiv(V, bv)
     vs = triton.cdiv(chunks, target) * bv
@@ -73,7 +73,7 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
 def head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> HeadConfig:
     """The launch configuration of calls with more than :data:`DECODE_ROWS` rows: a function of ``(H, V, dtype,
     device)`` only."""
-    return _head_config(H, V, dtype, _device_key(device))
+    return _head_config(H, V, dtype, device_key(device))
 
 
 DECODE_ROWS = 64
@@ -83,7 +83,7 @@ DECODE_ROWS = 64
 @functools.cache
 def _decode_head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadConfig:
     base = _head_config(H, V, dtype, device_key)
-    if device_key[0] != "cuda" or dtype == torch.float32 or _cuda_props(device_key[1])[0] < 9:
+    if device_key[0] != "cuda" or dtype == torch.float32 or cuda_props(device_key[1])[0] < 9:
         return base
     return dataclasses.replace(base, BM=64, num_warps=4, num_stages=6, tma=False)
 
@@ -95,7 +95,7 @@ def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device)
     the log-prob, entropy and log-sum-exp of every row (``benchmarks/head_variants.py``,
     ``benchmarks/results/head_variants_h200.json``; fewer rows per warp did not). Elsewhere it is
     :func:`head_config`."""
-    return _decode_head_config(H, V, dtype, _device_key(device))
+    return _decode_head_config(H, V, dtype, device_key(device))
 
 
 @triton.jit(do_not_specialize=["T", "n_split"])
@@ -130,7 +130,7 @@ def _head_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
-    pid_m, sid = _tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
+    pid_m, sid = tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -295,7 +295,7 @@ def _run_head(
     part = torch.empty((3, n_split, T), **f32)
     zt = torch.empty(T, **f32)
     if cfg.tma:
-        hidden, w = _aligned(hidden), _aligned(w)
+        hidden, w = aligned(hidden), aligned(w)
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.BM, cfg.BK])
         w_desc = TensorDescriptor.from_tensor(w, [cfg.BV, cfg.BK])
     else:
@@ -330,7 +330,7 @@ def _run_head(
         STORE_Z=store_z,
         SCALE=float(temperature) != 1.0,
         TMA=cfg.tma,
-        **_dot_flags(hidden.dtype),
+        **dot_flags(hidden.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

@@ -102,11 +102,20 @@ import triton.language as tl
 
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
-
-try:  # triton >= 3.3: host-side tensor descriptors
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - old triton
-    TensorDescriptor = None
+from .triton_shared import (
+    TL_DTYPE,
+    TensorDescriptor,
+    aligned,
+    cast_out,
+    cuda_props,
+    device_key,
+    dot_flags,
+    num_sms,
+    rne_fix,
+    silu_times,
+    tile_coords,
+    tma_ok,
+)
 
 try:  # the thread's Triton allocator (device-side descriptor scratch)
     from triton.runtime import _allocation
@@ -114,25 +123,9 @@ except ImportError:  # pragma: no cover - old triton
     _allocation = None
 
 _INTERPRET = interpreter_enabled()
-_HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 USE_ROW_TILE_VARIANTS = os.environ.get("RLEXACT_MATMUL_SINGLE_TILE", "0") != "1"
 """Allow the bitwise-equivalent row-tile variants (decode / mid / large M) on Hopper. See the module docstring."""
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-"""torch -> Triton dtype of the kernels' inputs/outputs (shared by the matmul, norm and rope launchers)."""
-
-
-def _rne_fix(out_dtype: torch.dtype) -> bool:
-    """The ``RNE_FIX`` flag of :func:`cast_out` for an output dtype: only the interpreter's fp32 -> bf16 truncates."""
-    return _INTERPRET and out_dtype == torch.bfloat16
-
-
-def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
-    """``UPCAST`` / ``IEEE`` constexprs of the pointer-path ``tl.dot`` for inputs of ``dtype`` (matmul and lm head):
-    fp32 dots are ``ieee``; under the interpreter 16-bit operands are upcast to fp32 (its 16-bit dot is unreliable)."""
-    return {"UPCAST": _INTERPRET and dtype != torch.float32, "IEEE": dtype == torch.float32 or _INTERPRET}
-
 
 @dataclass(frozen=True)
 class MatmulConfig:
@@ -169,34 +162,6 @@ class MatmulConfig:
             )
 
 
-def _device_key(device: torch.device) -> tuple:
-    if device.type != "cuda":
-        return ("interp",)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return ("cuda", idx)
-
-
-@functools.cache
-def _cuda_props(idx: int) -> tuple[int, int]:
-    p = torch.cuda.get_device_properties(idx)
-    return (p.major, p.multi_processor_count)
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (4 under the Triton interpreter)."""
-    key = _device_key(device)
-    return 4 if key[0] == "interp" else _cuda_props(key[1])[1]
-
-
-def _tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
-    key = _device_key(device)
-    if key[0] != "cuda" or TensorDescriptor is None or not _HAS_WS:
-        return False
-    if _cuda_props(key[1])[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return (K * dtype.itemsize) % 16 == 0 and (N * dtype.itemsize) % 16 == 0
-
-
 SPLIT_K_KEYS = 1536
 """``KS`` of the K-heavy shapes (:func:`split_keys`): chosen from ``benchmarks/results/matmul_splitk_h200.json``
 (the Qwen3-1.7B ``down`` projection, N = 2,048, K = 6,144: 1,536 keys were fastest at M = 4 and 64; a multiple of
@@ -216,7 +181,7 @@ def chain_splits(N: int, K: int, dtype: torch.dtype, device: torch.device) -> in
     """``KS`` of the per-element chain of an ``[M, K] @ [N, K].T`` product on ``device`` (0: one chain over all of K),
     for every M. Two shapes whose products may be computed by one matmul on concatenated weights (fused projections)
     must have equal values, or the fused output's bits differ from the separate products'."""
-    return split_keys(N, K, dtype, _tma_ok(N, K, dtype, device))
+    return split_keys(N, K, dtype, tma_ok(N, K, dtype, device))
 
 
 @functools.cache
@@ -237,7 +202,7 @@ def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: b
 
 def static_config(N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
     """The configuration used for every M when row-tile variants are off (a function of N, K, dtype, device)."""
-    return _static_config(N, K, dtype, _device_key(device), _tma_ok(N, K, dtype, device))
+    return _static_config(N, K, dtype, device_key(device), tma_ok(N, K, dtype, device))
 
 
 def _decode_bn(N: int, num_sms: int) -> int:
@@ -260,7 +225,7 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, KS=base.KS)
         mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=base.KS)
         return ((16, narrow), (64, decode), (256, small), (2048, mid), (None, base))
-    sms = _cuda_props(device_key[1])[1]
+    sms = cuda_props(device_key[1])[1]
     bn = _decode_bn(N, sms)
     # All variants are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
@@ -285,7 +250,7 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
 
 def row_tile_variants(N: int, K: int, dtype: torch.dtype, device: torch.device) -> tuple:
     """``((max_M or None, MatmulConfig), ...)``, ascending; all members give bitwise-identical rows (see module doc)."""
-    return _variants(N, K, dtype, _device_key(device), _tma_ok(N, K, dtype, device))
+    return _variants(N, K, dtype, device_key(device), tma_ok(N, K, dtype, device))
 
 
 _PLANS: dict = {}
@@ -308,41 +273,11 @@ def config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device)
 
 
 @triton.jit
-def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
-    """``x.to(DTYPE)`` with round-to-nearest-even. ``RNE_FIX``: the Triton interpreter truncates fp32 -> bf16, so
-    round the fp32 bits to bf16 precision first (NaN payloads aside); on GPUs the conversion is RNE already."""
-    if RNE_FIX:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u + 0x7FFF + ((u >> 16) & 1)
-        x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def silu_times(g, u):
-    """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with a correctly rounded division: the one formula of
-    the exact SiLU gate (the ``silu_mul`` kernel and the gated matmul's epilogue share it, so they share its bits)."""
-    return tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
 def _gate_up(acc, acc_up, OUT_DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
     """The gated epilogue: both fp32 chains rounded to ``OUT_DTYPE`` (as the separate products store them), then
     :func:`silu_times` of the rounded values, in fp32 (the caller rounds once more, as ``silu_mul`` does)."""
     gate = cast_out(acc, OUT_DTYPE, RNE_FIX).to(tl.float32)
     return silu_times(gate, cast_out(acc_up, OUT_DTYPE, RNE_FIX).to(tl.float32))
-
-
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped (L2-friendly) tile order; any order gives the same bits, it only affects speed."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -403,7 +338,7 @@ def _mm_tma_kernel(
     k_tiles = tl.cdiv(K, BK)
     tile_id_c = start_pid - NUM_PROGS  # separate epilogue counter (helps the pipeliner, as in the Triton tutorial)
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=False, warp_specialize=WS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM
         offs_n = pid_n * BN
         AW: tl.constexpr = 2 * BN if GATED == 2 else BN
@@ -433,7 +368,7 @@ def _mm_tma_kernel(
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
             acc = _gate_up(gate, up, OUT_DTYPE, RNE_FIX)
         tile_id_c += NUM_PROGS
-        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_cm = pid_m * BM
         offs_cn = pid_n * BN
         if SUBTILE:
@@ -481,7 +416,7 @@ def _mm_ptr_kernel(
     ``GATED``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output ``silu(gate) * up``, as the TMA kernel."""
     pdl_entry(PDL)
     pid = tl.program_id(0)
-    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -603,10 +538,6 @@ def _torch_alloc(size: int, alignment: int, stream) -> torch.Tensor:  # noqa: AN
     return _scratch(size, torch.cuda.current_device(), stream)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 @dataclass
 class _Launch:
     """Everything about one matmul launch that depends only on ``(M, N, K, dtype, device)``.
@@ -646,7 +577,7 @@ def _plan(
     if gated and cfg.kernel == "tma" and not cfg.device_desc:
         raise ValueError(f"gated matmul: {cfg} needs device descriptors (device_desc=True)")
     pdl = dict(pdl_options(device))
-    out_flags = {"RNE_FIX": _rne_fix(dtype), "PDL": pdl.pop("PDL")}
+    out_flags = {"RNE_FIX": rne_fix(dtype), "PDL": pdl.pop("PDL")}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
     idx = device.index if device.type == "cuda" and device.index is not None else -1
     if cfg.kernel == "split":
@@ -659,14 +590,14 @@ def _plan(
         constexprs = dict(
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
-            OUT_DTYPE=_TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS,
+            OUT_DTYPE=TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS,
             GATED=(2 if cfg.joint else 1) if gated else 0,
             **out_flags,
         )  # fmt: skip
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     constexprs = dict(
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, **_dot_flags(dtype), **out_flags
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, **dot_flags(dtype), **out_flags
     )  # fmt: skip
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 
@@ -700,7 +631,7 @@ def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.T
     cfg = plan.cfg
     px, pw = x.data_ptr(), w.data_ptr()
     if (px | pw) % 16 and cfg.kernel != "ptr":
-        x, w = _aligned(x), _aligned(w)
+        x, w = aligned(x), aligned(w)
         px, pw = x.data_ptr(), w.data_ptr()
     runner = plan.runner
     if runner is not None:
@@ -881,7 +812,7 @@ def gated_supported(N: int, K: int, dtype: torch.dtype, device: torch.device) ->
     """Whether :func:`gated_matmul` runs ``[M, K] @ [2N, K].T`` gated products (any M) on ``device``: on Hopper-class
     GPUs with the row-tile variants on, in 16-bit dtypes, for shapes whose products do not split K (elsewhere the
     caller runs the two products and ``silu_mul``)."""
-    return USE_ROW_TILE_VARIANTS and _tma_ok(2 * N, K, dtype, device) and not chain_splits(N, K, dtype, device)
+    return USE_ROW_TILE_VARIANTS and tma_ok(2 * N, K, dtype, device) and not chain_splits(N, K, dtype, device)
 
 
 def gated_config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig | None:
@@ -935,7 +866,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             f"matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K] and w [N, K]"
         )
     dtype = x.dtype
-    if dtype != w.dtype or dtype not in _TL_DTYPE:
+    if dtype != w.dtype or dtype not in TL_DTYPE:
         return matmul(x.float(), w.float()).to(dtype)
     dev = x.get_device()
     if w.get_device() != dev:

@@ -49,20 +49,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .backend import interpreter_enabled
-from .triton_matmul import (
-    _TL_DTYPE,
-    USE_ROW_TILE_VARIANTS,
-    _cuda_props,
-    _device_key,
-    _dot_flags,
-    _rne_fix,
-    _tile_coords,
-    _tma_ok,
-    cast_out,
-    ensure_allocator,
-)
-from .triton_norm import SILU_BLOCK, _silu_mul_kernel
-from .triton_pdl import pdl_options
+from .triton_matmul import USE_ROW_TILE_VARIANTS, ensure_allocator
+from .triton_norm import silu_mul
+from .triton_shared import TL_DTYPE, cast_out, cuda_props, device_key, dot_flags, rne_fix, tile_coords, tma_ok
 
 _INTERPRET = interpreter_enabled()
 
@@ -121,7 +110,7 @@ def _grouped_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, klass
         return GroupedConfig(BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # FMA path (ieee): tiles only affect speed
         return GroupedConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
-    hopper = _cuda_props(device_key[1])[0] >= 9
+    hopper = cuda_props(device_key[1])[0] >= 9
     cfg = _HOPPER_16BIT[klass if hopper and USE_ROW_TILE_VARIANTS else "decode"]
     return cfg if cfg.w_load == "ptr" or tma else replace(cfg, w_load="ptr")
 
@@ -133,7 +122,7 @@ def grouped_config(
     members of one ``(N, K, dtype, device)`` differ only in tile shape, program order and load path, which do not
     change any row's bits (checked bitwise by the sweep and the interpreter tests)."""
     klass = row_class(rows, num_experts)
-    return _grouped_config(N, K, dtype, _device_key(device), klass, _tma_ok(N, K, dtype, device))
+    return _grouped_config(N, K, dtype, device_key(device), klass, tma_ok(N, K, dtype, device))
 
 
 def grouped_candidates() -> tuple[GroupedConfig, ...]:
@@ -270,7 +259,7 @@ def _grouped_mm_kernel(
     ``EVEN_K`` (``K % BK == 0``): no K-tail masks. ``W_DESC``: ``w`` tiles come from a TMA descriptor over the
     ``[E * N, K]`` view of ``w`` (0: pointer loads, 1: ``w_ptr`` is a host descriptor, 2: built on the device);
     columns past ``N`` read the next expert's rows (or TMA's zero fill) and are never stored."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     cnt = tl.load(counts_ptr + offs_e, mask=e_ok, other=0).to(tl.int32)
@@ -435,7 +424,7 @@ def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[
     _router_kernel[(t,)](
         z, weights, ids, e, z.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
-        OUT_DTYPE=_TL_DTYPE[weights.dtype], RNE_FIX=_rne_fix(weights.dtype),
+        OUT_DTYPE=TL_DTYPE[weights.dtype], RNE_FIX=rne_fix(weights.dtype),
     )  # fmt: skip
     return weights, ids
 
@@ -487,24 +476,16 @@ def grouped_matmul(
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, BLOCK_E=triton.next_power_of_2(e), GROUP_M=cfg.group_m,
         EVEN_K=cfg.even_k and k % cfg.BK == 0, W_DESC=_W_LOADS[w_load], GATHER=gather is not None,
         GATHER_DIV=gather_div, SCATTER=scatter is not None,
-        RNE_FIX=_rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_dot_flags(a.dtype),
+        RNE_FIX=rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dot_flags(a.dtype),
     )  # fmt: skip
     return out
 
 
 def silu_mul_halves(h: torch.Tensor, inter: int) -> torch.Tensor:
     """``silu_mul(h[:, :inter], h[:, inter:])`` of a gate/up activation ``h [S, 2 * inter]`` without copying the
-    halves: the kernel of :func:`rlexact.ops.silu_mul` with the halves' row stride."""
-    s = h.shape[0]
-    out = torch.empty((s, inter), dtype=h.dtype, device=h.device)
-    if s == 0 or inter == 0:
-        return out
-    _silu_mul_kernel[(s, triton.cdiv(inter, SILU_BLOCK))](
-        h, h[:, inter:], out, inter, h.stride(0), h.stride(0), out.stride(0),
-        BLOCK=SILU_BLOCK, O_DTYPE=_TL_DTYPE[h.dtype], RNE_O=_rne_fix(h.dtype), num_warps=4, **pdl_options(h.device),
-    )  # fmt: skip
-    return out
+    halves (:func:`rlexact.ops.triton_norm.silu_mul` takes their row stride)."""
+    return silu_mul(h[:, :inter], h[:, inter:])
 
 
 COMBINE_BLOCK = 1024
@@ -521,8 +502,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> t
         return out
     block = min(COMBINE_BLOCK, triton.next_power_of_2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](
-        y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=_TL_DTYPE[out_dtype],
-        RNE_FIX=_rne_fix(out_dtype),
+        y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=TL_DTYPE[out_dtype],
+        RNE_FIX=rne_fix(out_dtype),
     )  # fmt: skip
     return out
 
@@ -553,7 +534,7 @@ def grouped_wgrad(
     _grouped_wgrad_kernel[(e, triton.cdiv(n, bn) * tiles_k)](
         g, a, out, gather if gather is not None else counts, counts, e, n, k, g.stride(0), a.stride(0), tiles_k,
         BR=br, BN=bn, BK=bk, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None, GATHER_DIV=gather_div,
-        RNE_FIX=_rne_fix(out.dtype), num_warps=8 if not interp else 4, num_stages=3 if not interp else 1,
-        **_dot_flags(g.dtype),
+        RNE_FIX=rne_fix(out.dtype), num_warps=8 if not interp else 4, num_stages=3 if not interp else 1,
+        **dot_flags(g.dtype),
     )  # fmt: skip
     return out

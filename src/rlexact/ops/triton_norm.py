@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out, silu_times
 from .triton_pdl import pdl_entry, pdl_options
+from .triton_shared import TL_DTYPE, cast_out, rne_fix, silu_times
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
@@ -160,10 +160,10 @@ def _launch_norm(
         BLOCK=block,
         SINGLE=single,
         HAS_RES=residual is not None,
-        X_DTYPE=_TL_DTYPE[x.dtype],
-        O_DTYPE=_TL_DTYPE[out_dtype],
-        RNE_X=_rne_fix(x.dtype),
-        RNE_O=_rne_fix(out_dtype),
+        X_DTYPE=TL_DTYPE[x.dtype],
+        O_DTYPE=TL_DTYPE[out_dtype],
+        RNE_X=rne_fix(x.dtype),
+        RNE_O=rne_fix(out_dtype),
         num_warps=warps,
         **pdl_options(x.device),
     )
@@ -213,8 +213,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         up.stride(0),
         out.stride(0),
         BLOCK=SILU_BLOCK,
-        O_DTYPE=_TL_DTYPE[gate.dtype],
-        RNE_O=_rne_fix(gate.dtype),
+        O_DTYPE=TL_DTYPE[gate.dtype],
+        RNE_O=rne_fix(gate.dtype),
         num_warps=4,
         **pdl_options(gate.device),
     )

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .triton_kv import check_kv_write, write_kv
-from .triton_matmul import _TL_DTYPE, _rne_fix, cast_out
 from .triton_pdl import pdl_entry, pdl_options
+from .triton_shared import TL_DTYPE, cast_out, rne_fix
 
 
 @triton.jit
@@ -229,8 +229,8 @@ def _launch(
         BHK=triton.next_power_of_2(k.shape[1]),
         BHALF=triton.next_power_of_2(d // 2),
         NORM=norm,
-        DTYPE=_TL_DTYPE[q.dtype],
-        RNE=_rne_fix(q.dtype),
+        DTYPE=TL_DTYPE[q.dtype],
+        RNE=rne_fix(q.dtype),
         WRITE_KV=kv is not None,
         num_warps=4,
         **pdl_options(q.device),

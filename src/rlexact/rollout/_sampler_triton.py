@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from rlexact.ops.backend import interpreter_enabled
-from rlexact.ops.triton_matmul import num_sms
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
+from rlexact.ops.triton_shared import num_sms
 from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
 __all__ = ["gumbel_argmax_triton", "vocab_splits"]

@@ -1,0 +1,120 @@
+"""Helpers the Triton launchers and kernels share: dtype mapping and rounding flags, device properties, TMA
+availability, the grouped tile order, the output cast and the SiLU gate's formula."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import interpreter_enabled
+
+__all__ = [
+    "HAS_WS",
+    "TL_DTYPE",
+    "TensorDescriptor",
+    "aligned",
+    "cast_out",
+    "cuda_props",
+    "device_key",
+    "dot_flags",
+    "num_sms",
+    "rne_fix",
+    "silu_times",
+    "tile_coords",
+    "tma_ok",
+]
+
+try:  # triton >= 3.3: host-side tensor descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old triton
+    TensorDescriptor = None
+
+
+_INTERPRET = interpreter_enabled()
+HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+"""Whether ``tl.range`` takes ``warp_specialize`` (Triton >= 3.4): also the gate of the TMA kernels."""
+
+TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""torch -> Triton dtype of the kernels' inputs/outputs (shared by every launcher)."""
+
+
+def rne_fix(out_dtype: torch.dtype) -> bool:
+    """The ``RNE_FIX`` flag of :func:`cast_out` for an output dtype: only the interpreter's fp32 -> bf16 truncates."""
+    return _INTERPRET and out_dtype == torch.bfloat16
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """``UPCAST`` / ``IEEE`` constexprs of the pointer-path ``tl.dot`` for inputs of ``dtype`` (matmul and lm head):
+    fp32 dots are ``ieee``; under the interpreter 16-bit operands are upcast to fp32 (its 16-bit dot is unreliable)."""
+    return {"UPCAST": _INTERPRET and dtype != torch.float32, "IEEE": dtype == torch.float32 or _INTERPRET}
+
+
+def device_key(device: torch.device) -> tuple:
+    """``("cuda", index)`` of a CUDA device, ``("interp",)`` of any other (the Triton interpreter)."""
+    if device.type != "cuda":
+        return ("interp",)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", idx)
+
+
+@functools.cache
+def cuda_props(idx: int) -> tuple[int, int]:
+    """``(compute capability major, SM count)`` of CUDA device ``idx``."""
+    p = torch.cuda.get_device_properties(idx)
+    return (p.major, p.multi_processor_count)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the Triton interpreter)."""
+    key = device_key(device)
+    return 4 if key[0] == "interp" else cuda_props(key[1])[1]
+
+
+def tma_ok(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``[M, K] @ [N, K].T`` in ``dtype`` on ``device`` can run the TMA kernels (Hopper or newer, 16-bit,
+    16-byte aligned rows, a Triton with descriptors and ``warp_specialize``)."""
+    key = device_key(device)
+    if key[0] != "cuda" or TensorDescriptor is None or not HAS_WS:
+        return False
+    if cuda_props(key[1])[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return (K * dtype.itemsize) % 16 == 0 and (N * dtype.itemsize) % 16 == 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its data is not 16-byte aligned (what TMA descriptors need)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@triton.jit
+def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even. ``RNE_FIX``: the Triton interpreter truncates fp32 -> bf16, so
+    round the fp32 bits to bf16 precision first (NaN payloads aside); on GPUs the conversion is RNE already."""
+    if RNE_FIX:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        x = ((u >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def silu_times(g, u):
+    """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with a correctly rounded division: the one formula of
+    the exact SiLU gate (the ``silu_mul`` kernel and the gated matmul's epilogue share it, so they share its bits)."""
+    return tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) tile order; any order gives the same bits, it only affects speed."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
