@@ -34,11 +34,21 @@ try:  # triton >= 3.4: grid dependency control
 except ImportError:  # pragma: no cover - old triton
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_entry", "pdl_options", "pdl_supported"]
+__all__ = ["pdl_entry", "pdl_options", "pdl_supported", "prefetch_l2", "weight_prefetch"]
 
 PDL_ENV = "RLEXACT_PDL"
 """Environment variable: ``1`` launches the kernels with a ``PDL`` constexpr with PDL (read when a launch is made; the
 matmul keeps the choice in its cached launch plans)."""
+
+
+PREFETCH_ENV = "RLEXACT_PDL_PREFETCH"
+"""Environment variable: ``0`` keeps PDL launches of the matmuls from prefetching their weights (default ``1``)."""
+
+
+def weight_prefetch() -> bool:
+    """Whether matmul launches with PDL ask L2 for the first weight columns of their tiles before they wait for the
+    previous kernel (``RLEXACT_PDL_PREFETCH``, default on)."""
+    return os.environ.get(PREFETCH_ENV, "1") != "0"
 
 
 def _triton_has_pdl() -> bool:
@@ -83,3 +93,13 @@ def pdl_entry(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line of every address in ``ptrs`` (``prefetch.global.L2``) without waiting: no register
+    receives data, so no value can change. A kernel launched with PDL may do this with memory that no kernel in
+    flight writes (weights) before :func:`pdl_entry`, so the loads after its wait hit L2."""
+    tl.inline_asm_elementwise(
+        "{\nprefetch.global.L2 [$1];\nmov.b32 $0, 0;\n}", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
