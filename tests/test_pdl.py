@@ -30,7 +30,7 @@ def _first_global_access(ptx: str) -> int:
     return min(hits) if hits else len(ptx)
 
 
-def _check_order(kernel, args: dict, const: dict, prefetch: bool = False, **options: object) -> None:  # noqa: ANN001
+def _check_order(kernel, args: dict, const: dict, **options: object) -> None:  # noqa: ANN001
     from hopper_compile import compile_for_hopper
 
     on = compile_for_hopper(kernel, args, {**const, "PDL": True}, launch_pdl=True, **options)
@@ -38,8 +38,6 @@ def _check_order(kernel, args: dict, const: dict, prefetch: bool = False, **opti
     assert on.metadata.launch_pdl, "compiled without the PDL launch attribute"
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < release and wait < _first_global_access(ptx), f"{kernel.fn.__name__}: wait is not first"
-    # weight prefetches (no data into registers) are the only global-memory instructions allowed before the wait
-    assert (0 <= ptx.find("prefetch.global.L2") < wait) == prefetch, f"{kernel.fn.__name__}: prefetch {prefetch}"
     off = compile_for_hopper(kernel, args, {**const, "PDL": False}, **options)
     assert "griddepcontrol" not in off.asm["ptx"] and not off.metadata.launch_pdl  # negative control
 
@@ -63,18 +61,14 @@ def test_pdl_kernels_wait_before_memory() -> None:
     for gated in (1, 2):  # the SiLU-gated launches: two dots, or one joint [2, BN, BK] block
         _check_order(triton_matmul._mm_tma_kernel, tma, mm | dict(GATED=gated), num_warps=8)
     split = dict(x_ptr=p, w_ptr=p, ws_ptr="*fp32", M=i, N=i, K=i)
-    const = dict(BM=16, BN=64, BK=128, KS=1536, UPCAST=False, PF_STEP=64)
-    for lines in (0, 8):  # the first pipeline stages' weight columns prefetched before the wait, or not
-        _check_order(triton_matmul._mm_split_kernel, split, const | dict(PF_LINES=lines), bool(lines), num_warps=4,
-                     num_stages=4)  # fmt: skip
+    const = dict(BM=16, BN=64, BK=128, KS=1536, UPCAST=False)
+    _check_order(triton_matmul._mm_split_kernel, split, const, num_warps=4, num_stages=4)
     const = dict(BLOCK=1024, RNE_FIX=False)
     _check_order(triton_matmul._split_sum_kernel, dict(ws_ptr="*fp32", o_ptr=p, numel=i, splits=i), const)
     ptr = dict(x_ptr=p, w_ptr=p, o_ptr=p, M=i, N=i, K=i, stride_xm=i, stride_wn=i, stride_om=i)
-    const = dict(BM=16, BN=16, BK=128, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False, PF_STEP=64)
+    const = dict(BM=16, BN=16, BK=128, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False)
     for gated in (False, True):
-        for lines in (0, 8):
-            _check_order(triton_matmul._mm_ptr_kernel, ptr, const | dict(GATED=gated, PF_LINES=lines), bool(lines),
-                         num_warps=4, num_stages=4)  # fmt: skip
+        _check_order(triton_matmul._mm_ptr_kernel, ptr, const | dict(GATED=gated), num_warps=4, num_stages=4)
     norm = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i, stride_o=i,
                 stride_s=i, eps="fp32")  # fmt: skip
     const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16, RNE_X=False,

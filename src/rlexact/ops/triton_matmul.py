@@ -101,7 +101,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_pdl import pdl_entry, pdl_options, prefetch_l2, weight_prefetch
+from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
     TL_DTYPE,
     TensorDescriptor,
@@ -411,22 +411,14 @@ def _mm_ptr_kernel(
     RNE_FIX: tl.constexpr,
     PDL: tl.constexpr,
     GATED: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_STEP: tl.constexpr,
 ):
     """Portable pointer matmul (one output tile per program); same per-element recurrence as the TMA kernel.
-    ``GATED``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output ``silu(gate) * up``, as the TMA kernel.
-    ``PF_LINES``: with PDL, the first ``PF_LINES`` 128-byte lines (``PF_STEP`` elements each) of the tile's weight rows
-    are prefetched into L2 before the wait for the previous kernel."""
+    ``GATED``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output ``silu(gate) * up``, as the TMA kernel."""
+    pdl_entry(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    if PF_LINES:
-        _prefetch_rows(w_ptr, tl.minimum(rn, N - 1), 0, K, stride_wn, PF_LINES, PF_STEP)
-        if GATED:
-            _prefetch_rows(w_ptr + N * stride_wn, tl.minimum(rn, N - 1), 0, K, stride_wn, PF_LINES, PF_STEP)
-    pdl_entry(PDL)
     rk = tl.arange(0, BK)
     m_ok = rm < M
     n_ok = rn < N
@@ -464,15 +456,9 @@ def _mm_split_kernel(
     KS: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_STEP: tl.constexpr,
 ):
     """The fp32 chain of K split ``program_id(2)`` (columns ``[s * KS, (s + 1) * KS)``, from zero) of one output tile,
-    stored at ``ws[s]`` (``[splits, M, N]``); :func:`_split_sum_kernel` adds the splits. ``PF_LINES``, ``PF_STEP``:
-    as :func:`_mm_ptr_kernel`'s, from the split's first column."""
-    if PF_LINES:
-        rows = tl.minimum(tl.program_id(1) * BN + tl.arange(0, BN), N - 1)
-        _prefetch_rows(w_ptr, rows, tl.program_id(2) * KS, K, K, PF_LINES, PF_STEP)
+    stored at ``ws[s]`` (``[splits, M, N]``); :func:`_split_sum_kernel` adds the splits."""
     pdl_entry(PDL)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
@@ -487,14 +473,6 @@ def _mm_split_kernel(
     cols = offs_n + tl.arange(0, BN)
     p_ptrs = ws_ptr + (s * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(p_ptrs, acc, mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, rows, col0, K, stride_wn, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
-    """Prefetch into L2 the ``PF_LINES`` lines of ``PF_STEP`` elements from column ``col0`` of weight rows ``rows``
-    (columns clamped to ``K - 1``)."""
-    cols = tl.minimum(col0 + tl.arange(0, PF_LINES) * PF_STEP, K - 1)
-    prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :])
 
 
 @triton.jit
@@ -602,14 +580,9 @@ def _plan(
     out_flags = {"RNE_FIX": rne_fix(dtype), "PDL": pdl.pop("PDL")}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | pdl
     idx = device.index if device.type == "cuda" and device.index is not None else -1
-    # with PDL, a pointer or split launch prefetches the columns its first pipeline stages load
-    step = 128 // dtype.itemsize
-    pf = min(cfg.num_stages * cfg.BK, cfg.KS or K) // step if out_flags["PDL"] and weight_prefetch() else 0
-    prefetch = dict(PF_LINES=triton.next_power_of_2(pf) if pf else 0, PF_STEP=step)
     if cfg.kernel == "split":
         grid = (triton.cdiv(M, cfg.BM), triton.cdiv(N, cfg.BN), triton.cdiv(K, cfg.KS))
         constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, KS=cfg.KS, UPCAST=_INTERPRET, PDL=out_flags["PDL"])
-        constexprs |= prefetch
         sum_launch = ((triton.cdiv(M * N, _SPLIT_SUM_BLOCK),), dict(BLOCK=_SPLIT_SUM_BLOCK, **out_flags, **pdl))
         return _Launch(cfg, _mm_split_kernel, grid, constexprs, options, (M, N, K), idx, sum_launch=sum_launch)
     if cfg.kernel == "tma":
@@ -624,7 +597,7 @@ def _plan(
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     constexprs = dict(
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, **dot_flags(dtype), **out_flags, **prefetch
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, **dot_flags(dtype), **out_flags
     )  # fmt: skip
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 

@@ -13,7 +13,8 @@ never arithmetic.
 PDL is opt-in: ``RLEXACT_PDL=1`` turns it on for CUDA tensors of compute capability 9.0 or newer when Triton supports
 it. It is off by default because it did not pay on the H200: CUDA-graph decode steps with PDL were no faster at
 batch 64 and slower at batch 4 with 8k-token contexts (``benchmarks/results/rollout_pdl_{on,off}_h200.json``,
-``rollout_long_pdl_{on,off}_h200.json``).
+``rollout_long_pdl_{on,off}_h200.json``). Prefetching each matmul's first weight columns into L2 before the wait
+(built at 0e9c657) did not make it pay either (``rollout_pdl_pf_{off,on,nopf}_h200.json``).
 """
 
 from __future__ import annotations
@@ -34,21 +35,11 @@ try:  # triton >= 3.4: grid dependency control
 except ImportError:  # pragma: no cover - old triton
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_entry", "pdl_options", "pdl_supported", "prefetch_l2", "weight_prefetch"]
+__all__ = ["pdl_entry", "pdl_options", "pdl_supported"]
 
 PDL_ENV = "RLEXACT_PDL"
 """Environment variable: ``1`` launches the kernels with a ``PDL`` constexpr with PDL (read when a launch is made; the
 matmul keeps the choice in its cached launch plans)."""
-
-
-PREFETCH_ENV = "RLEXACT_PDL_PREFETCH"
-"""Environment variable: ``0`` keeps PDL launches of the matmuls from prefetching their weights (default ``1``)."""
-
-
-def weight_prefetch() -> bool:
-    """Whether matmul launches with PDL ask L2 for the first weight columns of their tiles before they wait for the
-    previous kernel (``RLEXACT_PDL_PREFETCH``, default on)."""
-    return os.environ.get(PREFETCH_ENV, "1") != "0"
 
 
 def _triton_has_pdl() -> bool:
@@ -93,13 +84,3 @@ def pdl_entry(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line of every address in ``ptrs`` (``prefetch.global.L2``) without waiting: no register
-    receives data, so no value can change. A kernel launched with PDL may do this with memory that no kernel in
-    flight writes (weights) before :func:`pdl_entry`, so the loads after its wait hit L2."""
-    tl.inline_asm_elementwise(
-        "{\nprefetch.global.L2 [$1];\nmov.b32 $0, 0;\n}", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
