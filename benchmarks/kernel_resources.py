@@ -9,8 +9,10 @@ programs of it fit one SM: by registers (65,536 per SM, allocated per warp in un
 occupancy a latency-bound kernel lives on (``kernel_counters_h200.json`` measures the achieved one on the GPU); a
 nonzero ``stack_bytes`` means ptxas spilled registers to local memory. ``sass_instructions`` counts the kernel's
 machine instructions (static, from ``cuobjdump -sass``), with its most frequent opcodes. The numbers are those of
-the Triton installed where the script runs (``versions`` in the result), which may allocate differently from the GPU
-machine's.
+the Triton installed where the script runs (``versions`` in the result). With the GPU machine's Triton on the path
+(``pip install --target DIR triton==X`` of its version, then ``PYTHONPATH=DIR``) they are the GPU's own: Triton 3.6
+on the host gave the same registers, spills and instruction counts as ``kernel_resources_sass_h200.json`` compiled
+on the H200.
 
 Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequence, 16 query / 8 KV heads, head dim
 128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``); ``attn_prefill``: the
