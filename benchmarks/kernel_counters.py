@@ -14,6 +14,10 @@ packed causal forward of 64 x 512 tokens and SDPA's default backend on the same 
 ``mm{M}_{shape}_torch``: the exact matmul (the library's tile for ``M``) and ``torch.mm`` (cuBLAS) of the projections
 as the exactified model calls them; ``head256``: the exact lm head + log-softmax of 256 rows.
 
+``--source`` collects per-instruction warp-stall samples instead (``SourceCounters``, ncu's ``source`` page with the
+SASS): per kernel the instructions with the most samples, each with its address, SASS text and every stall column
+ncu reports, plus the samples summed by opcode (output: ``benchmarks/results/kernel_sass_stalls_h200.json``).
+
 Per kernel the JSON keeps the duration, DRAM and L2 bytes and throughputs (percent of peak), SM and tensor-pipe
 throughput, achieved occupancy and its limits, registers and shared memory, and the five largest warp-stall reasons
 (cycles per issued instruction); ``raw`` holds every counter of the sections collected. Output:
@@ -185,6 +189,68 @@ def parse(report: str) -> list[dict]:
     return kernels
 
 
+SOURCE_TOP = 60
+"""Instructions kept per kernel by ``--source`` (the most stall samples first)."""
+
+
+def parse_source(report: str) -> list[dict]:
+    """Kernels of ncu's ``--csv --page source --print-source sass`` report: per kernel the :data:`SOURCE_TOP`
+    instructions with the most warp-stall samples (every column ncu gives) and the samples summed by opcode."""
+    kernels, rows, head = [], [], None
+    for row in csv.reader(io.StringIO(report)):
+        if "Source" in row and "Address" in row:  # each kernel's table starts with its header row
+            if head is not None:
+                kernels.append((head, rows))
+            head, rows = row, []
+        elif head is not None and len(row) == len(head):
+            rows.append(dict(zip(head, row)))
+    if head is not None:
+        kernels.append((head, rows))
+    out = []
+    for head, rows in kernels:
+        samples = next((c for c in head if c.startswith("Warp Stall Sampling (All")), None)
+        if samples is None:
+            out.append({"columns": head, "error": "no warp-stall sampling column"})
+            continue
+        for r in rows:
+            r[samples] = _number(r[samples]) if r[samples] else 0.0
+        by_op: dict[str, float] = {}
+        for r in rows:
+            words = r["Source"].split()
+            op = next((w for w in words if not w.startswith("@")), "").split(".")[0]
+            by_op[op] = by_op.get(op, 0.0) + float(r[samples] or 0)
+        top = sorted(rows, key=lambda r: -float(r[samples] or 0))[:SOURCE_TOP]
+        out.append(
+            {
+                "columns": head,
+                "samples_column": samples,
+                "total_samples": sum(float(r[samples] or 0) for r in rows),
+                "instructions": len(rows),
+                "samples_by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+                "top_instructions": top,
+            }
+        )
+    return out
+
+
+def profile_source(ncu: str, case: str, timeout: float) -> dict:
+    """One case under ncu with per-instruction stall sampling (``--source``)."""
+    cmd = [
+        ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "source",
+        "--print-source", "sass", "--section", "SourceCounters", "--section", "WarpStateStats",
+        sys.executable, str(Path(__file__).resolve()), "--child", case,
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent)
+    entry: dict = {"seconds": round(time.perf_counter() - t0, 1), "report_head": proc.stdout[:2000]}
+    kernels = parse_source(proc.stdout) if proc.returncode == 0 else []
+    if not kernels:
+        entry["error"] = f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+        return entry
+    entry["kernels"] = kernels
+    return entry
+
+
 def profile(ncu: str, case: str, timeout: float) -> dict:
     cmd = [
         ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
@@ -207,6 +273,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel_counters_h200.json"))
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--source", action="store_true", help="per-instruction stall samples (kernel_sass_stalls)")
     args = ap.parse_args()
     if args.child:
         return child(args.child)
@@ -214,6 +281,8 @@ def main() -> int:
     if ncu is None:
         print("kernel_counters: ncu (Nsight Compute) not found on PATH or under /opt/nvidia/nsight-compute")
         return 1
+    if args.source:
+        return source_main(ncu, args)
     result: dict = header("kernel_counters", "triton") | {
         "ncu": ncu,
         "sections": SECTIONS,
@@ -239,6 +308,30 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every case: a timeout keeps the rest
     print(f"[kernel_counters] wrote {args.out} ({result['elapsed_s']} s)")
     return 0 if all("error" not in e for e in result["cases"].values()) else 1
+
+
+def source_main(ncu: str, args: argparse.Namespace) -> int:
+    """``--source``: per-instruction warp-stall samples of each case's kernels."""
+    out = args.out if args.out != str(ROOT / "benchmarks" / "results" / "kernel_counters_h200.json") else str(
+        ROOT / "benchmarks" / "results" / "kernel_sass_stalls_h200.json"
+    )
+    result: dict = header("kernel_sass_stalls", "triton") | {
+        "ncu": ncu,
+        "sections": ["SourceCounters", "WarpStateStats"],
+        "note": "warp-stall samples per SASS instruction of one profiled call per case",
+        "cases": {},
+    }
+    rc = 0
+    for case in args.cases:
+        result["cases"][case] = entry = profile_source(ncu, case, args.timeout)
+        for kern in entry.get("kernels", []):
+            ops = list(kern.get("samples_by_opcode", {}).items())[:8]
+            print(f"[kernel_counters --source] {case}: {kern.get('total_samples')} samples, top opcodes {ops}")
+        if "error" in entry:
+            rc = 1
+            print(f"[kernel_counters --source] {case}: {entry['error'][-1500:]}", flush=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return rc
 
 
 if __name__ == "__main__":

@@ -75,6 +75,24 @@ def test_kernel_counters_parses_ncu_raw_csv() -> None:
     assert list(kern["top_stalls_per_issue"]) == ["long_scoreboard", "wait"]
 
 
+def test_kernel_counters_parses_ncu_source_csv() -> None:
+    """``kernel_counters.parse_source`` reads ncu's source page (one table per kernel, SASS text per row): samples
+    are summed by opcode (predicates skipped), the instructions are ranked by samples, and a short row is dropped."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernel_counters as kc
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)"]
+    rows = [head, ["0x10", "LDG.E R2, desc[UR4][R4.64]", "120", "110"], ["0x20", "@!P0 BAR.SYNC.DEFER_BLOCKING 0x0",
+            "30", "30"], ["0x30", "LDG.E.128 R8, desc[UR4][R6.64]", "1,200", "1,100"], ["0x40", "short"]]  # fmt: skip
+    report = "==PROF== Connected\n" + "\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n"
+    (kern,) = kc.parse_source(report)
+    assert kern["samples_by_opcode"] == {"LDG": 1320.0, "BAR": 30.0}
+    assert [r["Address"] for r in kern["top_instructions"]] == ["0x30", "0x10", "0x20"]
+    assert kern["total_samples"] == 1350.0 and kern["instructions"] == 3
+
+
 def test_kernel_resources_compiles_on_the_host(tmp_path: Path) -> None:
     """``kernel_resources.py`` compiles the decode attention launch and a gated matmul variant for sm_90 without a
     GPU and reports registers, spills, shared memory and the programs per SM they allow."""
