@@ -11,9 +11,9 @@ bf16, head dim 128, GQA groups of 2 packed into 64-row tiles): the same per-row 
 library (scores, ``-inf`` mask, ``exp2(fma(s, scale, -m))``, the row sum as a dot with a ones tile, ``fma`` updates,
 P @ V accumulated in the MMA's K chain), so its output must equal the library's bitwise.
 
-For 64 x 512 tokens (16 query / 8 KV heads) it records, as CUDA-graph replays: the library's forward, the probe
-synchronous (``ASYNC=0``) and with the next tile's scores in flight during the softmax (``ASYNC=1``), SDPA's default
-backend on the same shape, and whether each probe output is ``torch.equal`` to the library's.
+For each shape (16 query / 8 KV heads) it records, as CUDA-graph replays: the library's forward, the probe
+(:data:`VARIANTS`: synchronous, or with the next tile's scores in flight during the softmax; four or eight warps),
+SDPA's default backend on the same shape, and whether each probe output is ``torch.equal`` to the library's.
 """
 
 from __future__ import annotations
@@ -41,13 +41,21 @@ from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
 HP = HQ // HKV
-BLOCK_M, BLOCK_N = 64, 64
+BLOCK_N = 64
 SCALE = 1 / math.sqrt(D)
+VARIANTS = (
+    ("probe_sync", False, 4),
+    ("probe_async", True, 4),
+    ("probe_sync_w8", False, 8),
+    ("probe_async_w8", True, 8),
+)
+"""``(name, ASYNC, warps)``: 16 query rows per warp (64- or 128-row tiles, one or two warp groups)."""
 
 
 @gluon.jit
 def _probe_fwd(q_ptr, o_ptr, k_desc, v_desc, s_len, qk_scale, HQ: gl.constexpr, HP: gl.constexpr,
-               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ASYNC: gl.constexpr):  # fmt: skip
+               D: gl.constexpr, BLOCK_N: gl.constexpr, ASYNC: gl.constexpr, W: gl.constexpr):  # fmt: skip
+    BLOCK_M: gl.constexpr = 16 * W  # one m16 row block per warp
     P: gl.constexpr = BLOCK_M // HP
     pid = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -55,10 +63,10 @@ def _probe_fwd(q_ptr, o_ptr, k_desc, v_desc, s_len, qk_scale, HQ: gl.constexpr, 
     seq0 = (pid // tiles_per_seq) * s_len
     tile = pid % tiles_per_seq
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, 128, 16])
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, 16, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
 
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
@@ -67,7 +75,7 @@ def _probe_fwd(q_ptr, o_ptr, k_desc, v_desc, s_len, qk_scale, HQ: gl.constexpr, 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D],
                                                                                                       gl.bfloat16))
     q_smem.store(q)
-    ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
     ones_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for(
         [BLOCK_N, 16], gl.bfloat16))  # fmt: skip
     ones_smem.store(gl.full([BLOCK_N, 16], 1.0, gl.bfloat16, layout=ones_layout))
@@ -140,16 +148,18 @@ def _probe_fwd(q_ptr, o_ptr, k_desc, v_desc, s_len, qk_scale, HQ: gl.constexpr, 
     gl.store(o_ptr + orow[:, None] + ocols[None, :], out.to(gl.bfloat16))
 
 
-def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_len: int, asynchronous: bool) -> torch.Tensor:
+def probe(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_len: int, asynchronous: bool, warps: int
+) -> torch.Tensor:
     t = q.shape[0]
     out = torch.empty_like(q)
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     k2, v2 = k.view(t, HKV * D), v.view(t, HKV * D)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [BLOCK_N, D], layout)
-    grid = (t // (BLOCK_M // HP), HKV)
-    _probe_fwd[grid](q, out, k_desc, v_desc, s_len, SCALE * math.log2(math.e), HQ=HQ, HP=HP, D=D, BLOCK_M=BLOCK_M,
-                     BLOCK_N=BLOCK_N, ASYNC=asynchronous, num_warps=4)  # fmt: skip
+    grid = (t // (16 * warps // HP), HKV)
+    _probe_fwd[grid](q, out, k_desc, v_desc, s_len, SCALE * math.log2(math.e), HQ=HQ, HP=HP, D=D, BLOCK_N=BLOCK_N,
+                     ASYNC=asynchronous, W=warps, num_warps=warps)  # fmt: skip
     return out
 
 
@@ -162,13 +172,13 @@ def measure(b: int, s_len: int) -> dict:
     cu = torch.arange(0, b + 1, device="cuda", dtype=torch.int32) * s_len
     ref = ta.attention_varlen(q, k, v, cu, SCALE)
     row: dict = {"library_us": bench_graph(lambda: ta.attention_varlen(q, k, v, cu, SCALE)) * 1e3}
-    for name, asyn in (("probe_sync", False), ("probe_async", True)):
+    for name, asyn, warps in VARIANTS:
         try:
-            out = probe(q, k, v, s_len, asyn)
+            out = probe(q, k, v, s_len, asyn, warps)
             row[name] = {
                 "bitwise_equal_library": bool(torch.equal(out, ref)),
                 "max_abs_diff": float((out.float() - ref.float()).abs().max()),
-                "us": bench_graph(lambda asyn=asyn: probe(q, k, v, s_len, asyn)) * 1e3,
+                "us": bench_graph(lambda asyn=asyn, warps=warps: probe(q, k, v, s_len, asyn, warps)) * 1e3,
             }
         except Exception as e:  # noqa: BLE001 - a probe that fails to compile or run is recorded
             row[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
