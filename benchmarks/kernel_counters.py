@@ -212,19 +212,17 @@ def parse_source(report: str) -> list[dict]:
         if samples is None:
             out.append({"columns": head, "error": "no warp-stall sampling column"})
             continue
-        for r in rows:
-            r[samples] = _number(r[samples]) if r[samples] else 0.0
         by_op: dict[str, float] = {}
         for r in rows:
-            words = r["Source"].split()
-            op = next((w for w in words if not w.startswith("@")), "").split(".")[0]
-            by_op[op] = by_op.get(op, 0.0) + float(r[samples] or 0)
-        top = sorted(rows, key=lambda r: -float(r[samples] or 0))[:SOURCE_TOP]
+            r[samples] = float(_number(r[samples])) if r[samples] else 0.0
+            op = next((w for w in r["Source"].split() if not w.startswith("@")), "").split(".")[0]
+            by_op[op] = by_op.get(op, 0.0) + r[samples]
+        top = sorted(rows, key=lambda r: -r[samples])[:SOURCE_TOP]
         out.append(
             {
                 "columns": head,
                 "samples_column": samples,
-                "total_samples": sum(float(r[samples] or 0) for r in rows),
+                "total_samples": sum(r[samples] for r in rows),
                 "instructions": len(rows),
                 "samples_by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
                 "top_instructions": top,
@@ -233,17 +231,28 @@ def parse_source(report: str) -> list[dict]:
     return out
 
 
-def profile_source(ncu: str, case: str, timeout: float) -> dict:
-    """One case under ncu with per-instruction stall sampling (``--source``)."""
+SOURCE_SECTIONS = ["SourceCounters", "WarpStateStats"]
+"""What ``--source`` collects: per-instruction warp-stall samples and the stall reasons."""
+
+
+def profile(ncu: str, case: str, timeout: float, source: bool = False) -> dict:
+    """One case under ncu: its counters (``raw`` page, :func:`parse`) or, with ``source``, its per-instruction
+    stall samples (``source`` page with the SASS, :func:`parse_source`)."""
+    if source:
+        page = ["--page", "source", "--print-source", "sass", *[a for s in SOURCE_SECTIONS for a in ("--section", s)]]
+    else:
+        page = ["--page", "raw", "--print-units", "base", *[a for s in SECTIONS for a in ("--section", s)]]
     cmd = [
-        ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "source",
-        "--print-source", "sass", "--section", "SourceCounters", "--section", "WarpStateStats",
+        ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", *page,
         sys.executable, str(Path(__file__).resolve()), "--child", case,
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent)
-    entry: dict = {"seconds": round(time.perf_counter() - t0, 1), "report_head": proc.stdout[:2000]}
-    kernels = parse_source(proc.stdout) if proc.returncode == 0 else []
+    entry: dict = {"seconds": round(time.perf_counter() - t0, 1)}
+    if source:
+        entry["report_head"] = proc.stdout[:2000]
+    ok = proc.returncode == 0 and (source or '"ID"' in proc.stdout)
+    kernels = (parse_source if source else parse)(proc.stdout) if ok else []
     if not kernels:
         entry["error"] = f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
         return entry
@@ -251,26 +260,11 @@ def profile_source(ncu: str, case: str, timeout: float) -> dict:
     return entry
 
 
-def profile(ncu: str, case: str, timeout: float) -> dict:
-    cmd = [
-        ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-        "--print-units", "base", *[a for s in SECTIONS for a in ("--section", s)],
-        sys.executable, str(Path(__file__).resolve()), "--child", case,
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent)
-    entry: dict = {"seconds": round(time.perf_counter() - t0, 1)}
-    if proc.returncode != 0 or '"ID"' not in proc.stdout:
-        entry["error"] = f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-        return entry
-    entry["kernels"] = parse(proc.stdout)
-    return entry
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=CASES, help="cases to profile (default: all)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel_counters_h200.json"))
+    ap.add_argument("--out", default=None, help="output JSON (default kernel_counters_h200.json, with --source "
+                    "kernel_sass_stalls_h200.json, in benchmarks/results)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--source", action="store_true", help="per-instruction stall samples (kernel_sass_stalls)")
@@ -281,8 +275,10 @@ def main() -> int:
     if ncu is None:
         print("kernel_counters: ncu (Nsight Compute) not found on PATH or under /opt/nvidia/nsight-compute")
         return 1
+    results = ROOT / "benchmarks" / "results"
     if args.source:
-        return source_main(ncu, args)
+        return source_main(ncu, args, args.out or str(results / "kernel_sass_stalls_h200.json"))
+    args.out = args.out or str(results / "kernel_counters_h200.json")
     result: dict = header("kernel_counters", "triton") | {
         "ncu": ncu,
         "sections": SECTIONS,
@@ -310,20 +306,17 @@ def main() -> int:
     return 0 if all("error" not in e for e in result["cases"].values()) else 1
 
 
-def source_main(ncu: str, args: argparse.Namespace) -> int:
-    """``--source``: per-instruction warp-stall samples of each case's kernels."""
-    out = args.out if args.out != str(ROOT / "benchmarks" / "results" / "kernel_counters_h200.json") else str(
-        ROOT / "benchmarks" / "results" / "kernel_sass_stalls_h200.json"
-    )
+def source_main(ncu: str, args: argparse.Namespace, out: str) -> int:
+    """``--source``: per-instruction warp-stall samples of each case's kernels, written to ``out``."""
     result: dict = header("kernel_sass_stalls", "triton") | {
         "ncu": ncu,
-        "sections": ["SourceCounters", "WarpStateStats"],
+        "sections": SOURCE_SECTIONS,
         "note": "warp-stall samples per SASS instruction of one profiled call per case",
         "cases": {},
     }
     rc = 0
     for case in args.cases:
-        result["cases"][case] = entry = profile_source(ncu, case, args.timeout)
+        result["cases"][case] = entry = profile(ncu, case, args.timeout, source=True)
         for kern in entry.get("kernels", []):
             ops = list(kern.get("samples_by_opcode", {}).items())[:8]
             print(f"[kernel_counters --source] {case}: {kern.get('total_samples')} samples, top opcodes {ops}")
