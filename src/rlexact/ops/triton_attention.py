@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_attention
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import num_sms
@@ -795,7 +796,8 @@ def _forward(
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
-    overrides entries of :func:`_launch_config` (benchmarks and tests only). ``max_seqlen_q``: an upper bound of
+    overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a packed launch
+    on the ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` would take it). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
     does not read it (``ONE_Q``).
@@ -813,9 +815,13 @@ def _forward(
     split = cfg["SPLIT"]
     if split % cfg["BLOCK_N"]:
         raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
+    paged = block_tables is not None
+    if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
+        hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
+        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta)
+        return
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
-    paged = block_tables is not None
     if paged:
         page_size = k.shape[1]
         stride_kt, stride_kh = k.stride(1), k.stride(2)

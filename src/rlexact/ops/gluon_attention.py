@@ -1,0 +1,234 @@
+"""The exact packed attention forward in Triton's Gluon dialect, for Hopper (bf16/fp16, head dim 128).
+
+Bitwise the rows of :func:`rlexact.ops.triton_attention.attention_varlen`'s ``tl`` kernel (docs/design.md §2.4): the
+same key tiles (``BLOCK_N`` anchored at 0) and KV splits (``SPLIT`` keys, partials folded in ascending order from the
+empty state), the same per-row operations in the same order (scores, ``-inf`` mask, ``exp2(fma(s, scale, -m))``, the
+row sum as a dot with a ones tile, ``fma`` updates, P @ V in the MMA's K chain, the fold's explicit FMAs), so a row
+does not depend on which kernel computed it; decode keeps the ``tl`` kernel. What differs is only how the work is
+carried: Q in shared memory, K/V tiles through a two-deep TMA ring with mbarriers, the three wgmmas per key tile
+explicit, the ones tile stored once per program, 16 query rows per warp. Keys past a sequence arrive through TMA
+(the next sequence's rows or zero fill): their scores are masked and their V rows zeroed, so nothing of another
+sequence enters a row.
+
+``BWD_PREP`` is the backward's preprocessing, as in the ``tl`` kernel: ``o_ptr`` holds dO; the base-2 log-sum-exp
+and ``delta = rowsum(dO * O)`` (fp32 ``O``) are stored instead of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:  # triton >= 3.5 with Gluon's Hopper language
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # pragma: no cover - old triton
+    gluon = None
+
+from .backend import interpreter_enabled
+
+__all__ = ["forward", "supported"]
+
+BLOCK_N = 64
+"""Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
+HEAD_DIM = 128
+WARPS = 4
+"""Warps per program, 16 query rows each (``benchmarks/results/gluon_attention_probe_h200.json``: faster than 8)."""
+SCAN = 128
+"""Sequences examined per step when a program looks up which sequence its tile slot belongs to."""
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
+    """Whether :func:`forward` runs this packed launch: a Triton with Gluon's Hopper language (not the interpreter),
+    an sm_90 GPU, 16-bit inputs of head dim 128 with key tiles of :data:`BLOCK_N`, K and V laid out as TMA reads
+    them (heads and dims dense, rows 16-byte aligned)."""
+    if gluon is None or interpreter_enabled() or not q.is_cuda or block_n != BLOCK_N:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != HEAD_DIM or k.dtype != q.dtype:
+        return False
+    if q.stride(2) != 1 or k.stride(2) != 1 or k.stride(1) != HEAD_DIM or (k.stride(0) * k.element_size()) % 16:
+        return False  # TMA reads K/V rows as [T, Hkv * D] with a 16-byte-aligned row stride
+    if k.data_ptr() % 16:
+        return False
+    if v.stride() != k.stride() or v.data_ptr() % 16:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _hopper(index)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
+        """``(sequence, tile within it)`` of tile slot ``slot``: sequence ``b`` owns slots from ``cu[b] // P + b``, as
+        in the ``tl`` kernel."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+        count = slot * 0
+        for c in range(0, num_seqs, SCAN):
+            offs = c + gl.arange(0, SCAN, layout=lay)
+            inside = offs < num_seqs
+            start = gl.load(cu_ptr + offs, mask=inside, other=0)
+            count += gl.sum(((start // P + offs <= slot) & inside).to(gl.int32), axis=0)
+        b = count - 1
+        return b, slot - (gl.load(cu_ptr + b) // P + b)
+
+    @gluon.jit
+    def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
+                    D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = 16 * W
+        P: gl.constexpr = BLOCK_M // HP
+        TPS: gl.constexpr = SPLIT // BLOCK_N
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        hgroup = gl.program_id(1)
+        kvh = (hgroup * HP) // GROUP
+        b, tile = _locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
+        q_begin = gl.load(cu_ptr + b)
+        nq = gl.load(cu_ptr + b + 1) - q_begin
+        if tile * P >= nq:
+            return
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, 16, 16])  # fmt: skip
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        qi = tile * P + rows // HP
+        q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        q_smem.store(q)
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dt, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
+                                                                                                      dt))
+        ones_smem.store(gl.full([BLOCK_N, 16], 1.0, dt, layout=ones_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        k_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
+
+        last_pos = gl.minimum(tile * P + P, nq) - 1
+        n_tiles = last_pos // BLOCK_N + 1
+        n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
+        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+        nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
+
+        mbarrier.expect(bars.index(0), nbytes)
+        tma.async_copy_global_to_shared(k_desc, [q_begin, kvh * D], bars.index(0), k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [q_begin, kvh * D], bars.index(0), v_smem.index(0))
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+        m_s = m_i  # the current split's partial
+        l_s = l_i
+        acc_s = acc
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
+
+        mbarrier.wait(bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        for j in range(n_tiles):
+            buf = j % 2
+            if j + 1 < n_tiles:  # the next tile's K/V into the other buffer (tile j - 1's MMAs are done)
+                mbarrier.expect(bars.index(1 - buf), nbytes)
+                tma.async_copy_global_to_shared(k_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
+                                                k_smem.index(1 - buf))  # fmt: skip
+                tma.async_copy_global_to_shared(v_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
+                                                v_smem.index(1 - buf))  # fmt: skip
+            if j % TPS == 0:  # a split starts from the empty state
+                m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+                l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+                acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+            if j >= n_full:
+                kpos = j * BLOCK_N + offs_n
+                s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
+                if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
+                    v = v_smem.index(buf).load(blk)
+                    v_smem.index(buf).store(gl.where((j * BLOCK_N + vrows < nq)[:, None], v, 0.0))
+                    fence_async_shared()
+                    gl.thread_barrier()
+            m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_s - m_use)
+            pv = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+            rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
+                                 use_acc=False)  # fmt: skip
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            acc_s = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, o_layout, 2)), v_smem.index(buf),
+                                  acc_s)  # fmt: skip
+            m_s = m_new
+            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in (the tl kernel's merge)
+                m_new = gl.maximum(m_i, m_s)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                fa = gl.exp2(m_i - m_use)
+                fb = gl.exp2(m_s - m_use)
+                l_i = gl.fma(l_i, fa, l_s * fb)
+                acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None], acc_s * gl.convert_layout(fb, row_o)[:, None])
+                m_i = m_new
+            if j + 1 < n_tiles:
+                mbarrier.wait(bars.index(1 - buf), ((j + 1) // 2) & 1)
+                s = warpgroup_mma(q_smem, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        orows = gl.arange(0, BLOCK_M, layout=row_o)
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        oqi = tile * P + orows // HP
+        ohead = hgroup * HP + orows % HP
+        o_ok = oqi < nq
+        o_ptrs = o_ptr + ((q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh)[:, None] + ocols[None, :]
+        if BWD_PREP:
+            do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+            lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
+            gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
+            gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
+        else:
+            gl.store(o_ptrs, out.to(dt), mask=o_ok[:, None])
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
+    ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
+    (``out`` holds dO). Call only where :func:`supported` holds."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    num_seqs = cu.shape[0] - 1
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.float16 if q.dtype == torch.float16 else
+                                                  gl.bfloat16)  # fmt: skip
+    k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
+    v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
+    lse, delta = lse_delta if lse_delta is not None else (out, out)
+    grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
+    _fwd_kernel[grid](
+        q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if lse_delta is not None else 0,
+        lse.stride(1) if lse_delta is not None else 0, HP=hp, GROUP=hq // hkv, D=d, BLOCK_N=BLOCK_N, SPLIT=split,
+        BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
+    )  # fmt: skip
