@@ -138,6 +138,49 @@ def test_gpu_decode_large_batch(checks) -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
+def test_gpu_gluon_forward_equals_tl(heads) -> None:
+    """On sm_90 the packed forward runs the Gluon kernel (``rlexact.ops.gluon_attention``): its rows equal the ``tl``
+    kernel's bitwise (mixed lengths, partial tiles, several sequences per tile slot, KV splits, NaN in another
+    sequence's keys), a non-contiguous K/V view gives the same rows, and the backward's preprocessing gives the
+    ``tl`` kernel's log-sum-exp. Negative control: another key tile changes bits."""
+    from rlexact.ops import gluon_attention
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = heads
+    q = torch.randn(6, hq, d, device="cuda", dtype=torch.bfloat16)
+    if not gluon_attention.supported(q, q[:, :hkv], q[:, :hkv], 64):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    lens = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
+    t = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(t, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # strided views, as a fused projection gives
+
+    def run(cfg: dict | None, kk: torch.Tensor = k, vv: torch.Tensor = v) -> torch.Tensor:
+        out = torch.empty_like(q)
+        ta._forward(q, kk, vv, cu, None, None, d**-0.5, out, cfg=cfg)
+        return out
+
+    ref = run({"GLUON": False})
+    assert torch.equal(run(None), ref)
+    assert torch.equal(run(None, k.contiguous(), v.contiguous()), ref)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[: lens[0]] = float("nan")  # sequence 0's keys: no other sequence may see them
+    v_nan[: lens[0]] = float("nan")
+    assert torch.equal(run(None, k_nan, v_nan)[lens[0] :], ref[lens[0] :])
+    lse = [torch.empty(t, hq, device="cuda", dtype=torch.float32) for _ in range(4)]
+    do = torch.randn_like(q)
+    ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[0], lse[1]), cfg={"GLUON": False})
+    ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[2], lse[3]))
+    assert torch.equal(lse[0], lse[2])
+    torch.testing.assert_close(lse[1], lse[3], rtol=1e-5, atol=1e-5)  # delta: a row sum, another reduction tree
+    assert not torch.equal(run({"GLUON": False, "BLOCK_N": 32, "SPLIT": 1024}), ref)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_negative_control(checks, dtype) -> None:
     checks.check_negative_control(GPU_LENS, *QWEN3, dtype=dtype, device="cuda")
