@@ -167,9 +167,12 @@ def test_gpu_gluon_forward_equals_tl(heads) -> None:
     assert torch.equal(run(None), ref)
     assert torch.equal(run(None, k.contiguous(), v.contiguous()), ref)
     k_nan, v_nan = k.clone(), v.clone()
-    k_nan[: lens[0]] = float("nan")  # sequence 0's keys: no other sequence may see them
-    v_nan[: lens[0]] = float("nan")
-    assert torch.equal(run(None, k_nan, v_nan)[lens[0] :], ref[lens[0] :])
+    one = slice(lens[0], lens[0] + lens[1])  # sequence 1, whose keys sequence 0's only key tile also covers
+    k_nan[one] = float("nan")
+    v_nan[one] = float("nan")
+    out, keep = run(None, k_nan, v_nan), torch.ones(t, dtype=torch.bool, device="cuda")
+    keep[one] = False
+    assert torch.equal(out[keep], ref[keep])
     lse = [torch.empty(t, hq, device="cuda", dtype=torch.float32) for _ in range(4)]
     do = torch.randn_like(q)
     ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[0], lse[1]), cfg={"GLUON": False})
