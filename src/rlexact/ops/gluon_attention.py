@@ -24,20 +24,12 @@ import torch
 try:  # triton >= 3.5 with Gluon's Hopper language
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
-from .triton_shared import num_sms
 
 __all__ = ["forward", "supported"]
 
@@ -47,8 +39,6 @@ HEAD_DIM = 128
 WARPS = 4
 """Warps per program, 16 query rows each (``benchmarks/results/gluon_attention_probe_h200.json``: faster than 8)."""
 SCAN = 128
-PROGRAMS_PER_SM = 2
-"""Resident programs per SM (shared memory: two query buffers and the two-deep K/V ring)."""
 """Sequences examined per step when a program looks up which sequence its tile slot belongs to."""
 
 
@@ -67,8 +57,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -
         return False
     if q.stride(2) != 1 or k.stride(2) != 1 or k.stride(1) != HEAD_DIM or (k.stride(0) * k.element_size()) % 16:
         return False  # TMA reads K/V rows as [T, Hkv * D] with a 16-byte-aligned row stride
-    if k.data_ptr() % 16 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
-        return False  # query rows are copied 16 bytes at a time
+    if k.data_ptr() % 16:
+        return False
     if v.stride() != k.stride() or v.data_ptr() % 16:
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -78,13 +68,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -
 if gluon is not None:
 
     @gluon.jit
-    def _item(cu_ptr, num_seqs, w, n_work, n_slots, NHG: gl.constexpr, P: gl.constexpr, SCAN: gl.constexpr,
-              W: gl.constexpr):  # fmt: skip
-        """Work item ``w`` (tile slots from the last, head groups fastest): ``(valid, first token, queries,
-        query tile, head group)``. Sequence ``b`` owns the slots from ``cu[b] // P + b``, as in the ``tl`` kernel; a
-        slot past its sequence's queries, or ``w >= n_work``, is not valid."""
-        wc = gl.minimum(w, n_work - 1)
-        slot = n_slots - 1 - wc // NHG
+    def _locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
+        """``(sequence, tile within it)`` of tile slot ``slot``: sequence ``b`` owns slots from ``cu[b] // P + b``, as
+        in the ``tl`` kernel."""
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         count = slot * 0
         for c in range(0, num_seqs, SCAN):
@@ -93,80 +79,24 @@ if gluon is not None:
             start = gl.load(cu_ptr + offs, mask=inside, other=0)
             count += gl.sum(((start // P + offs <= slot) & inside).to(gl.int32), axis=0)
         b = count - 1
-        q_begin = gl.load(cu_ptr + b)
-        nq = gl.load(cu_ptr + b + 1) - q_begin
-        tile = slot - (q_begin // P + b)
-        return (w < n_work) & (tile * P < nq), q_begin, nq, tile, wc % NHG
+        return b, slot - (gl.load(cu_ptr + b) // P + b)
 
     @gluon.jit
-    def _load_q(q_ptr, q_smem, valid, q_begin, nq, tile, hgroup, stride_qt, stride_qh, HP: gl.constexpr,
-                P: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):  # fmt: skip
-        """Start the copy of a work item's query tile into ``q_smem`` (rows ``(position, head)``, zeros past the
-        sequence) as one ``cp.async`` group."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        qi = tile * P + rows // HP
-        q_rows = gl.multiple_of((q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh, 8)
-        ok = (qi < nq) & valid
-        async_copy.async_copy_global_to_shared(q_smem, q_ptr + q_rows[:, None] + cols[None, :], mask=ok[:, None])
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _tiles(tile, nq, P: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Key tiles a query tile reads: through its last position."""
-        return (gl.minimum(tile * P + P, nq) - 1) // BLOCK_N + 1
-
-    @gluon.jit
-    def _issue(desc, smem, bars, x, go, base, n_a, a_begin, a_col, b_ok, n_b, b_begin, b_col, BLOCK_N: gl.constexpr,
-               NBYTES: gl.constexpr):  # fmt: skip
-        """Start the TMA copy of stream tile ``x`` (this item's tile ``x - base`` while below ``n_a``, then the next
-        item's) into ring slot ``x % 2`` when ``go`` and the tile exists; returns how many copies started."""
-        t = x - base
-        in_a = (t < n_a).to(gl.int32)
-        ok = go & ((t < n_a) | (b_ok & (t - n_a < n_b)))
-        if ok:
-            row = in_a * (a_begin + t * BLOCK_N) + (1 - in_a) * (b_begin + (t - n_a) * BLOCK_N)
-            col = in_a * a_col + (1 - in_a) * b_col
-            mbarrier.expect(bars.index(x % 2), NBYTES)
-            tma.async_copy_global_to_shared(desc, [row, col], bars.index(x % 2), smem.index(x % 2))
-        return ok.to(gl.int32)
-
-    @gluon.jit
-    def _epilogue(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
-                  stride_lh, HP: gl.constexpr, P: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BWD_PREP: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """Store a work item's rows ``acc / l`` (or, with ``BWD_PREP``, its log-sum-exp and ``delta``)."""
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        orows = gl.arange(0, BLOCK_M, layout=row_o)
-        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
-        oqi = tile * P + orows // HP
-        ohead = hgroup * HP + orows % HP
-        o_ok = oqi < nq
-        orow = (q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh
-        o_ptrs = o_ptr + orow[:, None] + ocols[None, :]
-        if BWD_PREP:
-            do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-            lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
-            gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
-            gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
-        else:
-            gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_ok[:, None])
-
-    @gluon.jit
-    def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ticket_ptr, num_seqs, n_slots, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr,
-                    GROUP: gl.constexpr, NHG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                    SPLIT: gl.constexpr, BWD_PREP: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+    def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
+                    D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
         TPS: gl.constexpr = SPLIT // BLOCK_N
         dt: gl.constexpr = q_ptr.dtype.element_ty
-        NBYTES: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        n_work = n_slots * NHG
+        hgroup = gl.program_id(1)
+        kvh = (hgroup * HP) // GROUP
+        b, tile = _locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
+        q_begin = gl.load(cu_ptr + b)
+        nq = gl.load(cu_ptr + b + 1) - q_begin
+        if tile * P >= nq:
+            return
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -174,148 +104,119 @@ if gluon is not None:
                                                            instr_shape=[16, D, 16])  # fmt: skip
         r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                            instr_shape=[16, 16, 16])  # fmt: skip
-        pv_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D],
-                                                                                                     dt))  # fmt: skip
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        qi = tile * P + rows // HP
+        q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        q_smem.store(q)
         ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
         ones_smem = gl.allocate_shared_memory(dt, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
-                                                                                                      dt))  # fmt: skip
+                                                                                                      dt))
         ones_smem.store(gl.full([BLOCK_N, 16], 1.0, dt, layout=ones_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+
         k_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
-        k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
 
+        last_pos = gl.minimum(tile * P + P, nq) - 1
+        n_tiles = last_pos // BLOCK_N + 1
+        n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
+        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+        nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
+
+        mbarrier.expect(bars.index(0), nbytes)
+        tma.async_copy_global_to_shared(k_desc, [q_begin, kvh * D], bars.index(0), k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [q_begin, kvh * D], bars.index(0), v_smem.index(0))
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+        m_s = m_i  # the current split's partial
+        l_s = l_i
+        acc_s = acc
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
-        # Work items in ticket order: the first one per program, then one ticket per item from the counter, taken an
-        # item ahead of its use. One stream of K tiles and one of V tiles run through two-deep rings across items:
-        # K tile x + 2 and V tile x + 1 are copied while tile x is computed (x counts this program's tiles).
-        valid, q_begin, nq, tile, hgroup = _item(cu_ptr, num_seqs, pid, n_work, n_slots, NHG, P, SCAN, W)
-        _load_q(q_ptr, q_smem.index(0), valid, q_begin, nq, tile, hgroup, stride_qt, stride_qh, HP, P, D, BLOCK_M, W)
-        nxt = nprog + gl.atomic_add(ticket_ptr, 1, sem="relaxed")
-        it = 0  # tiles consumed: K and V tile x sit in ring slot x % 2, phase (x // 2) & 1
-        kk = 0  # K tiles whose copies started
-        vv = 0  # V tiles whose copies started
-        n_items = 0
-        w = pid
-        while w < n_work:
-            qb = n_items % 2
-            async_copy.wait_group(0)  # this item's query tile; after the barrier no warp reads the other buffer
-            fence_async_shared()
-            gl.thread_barrier()
-            after = nprog + gl.atomic_add(ticket_ptr, 1, sem="relaxed")
-            n_valid, n_begin, n_nq, n_tile, n_hgroup = _item(cu_ptr, num_seqs, nxt, n_work, n_slots, NHG, P, SCAN, W)
-            _load_q(q_ptr, q_smem.index(1 - qb), n_valid, n_begin, n_nq, n_tile, n_hgroup, stride_qt, stride_qh, HP,
-                    P, D, BLOCK_M, W)  # fmt: skip
-            kv_col = (hgroup * HP) // GROUP * D
-            n_kv_col = (n_hgroup * HP) // GROUP * D
-            n_tiles = _tiles(tile, nq, P, BLOCK_N) * valid.to(gl.int32)
-            n_ntiles = _tiles(n_tile, n_nq, P, BLOCK_N)
-            base = it
-            # no MMA is in flight here: both K slots and both V slots are free
-            kk += _issue(k_desc, k_smem, k_bars, kk, kk <= base, base, n_tiles, q_begin, kv_col, n_valid, n_ntiles,
-                         n_begin, n_kv_col, BLOCK_N, NBYTES)  # fmt: skip
-            kk += _issue(k_desc, k_smem, k_bars, kk, kk <= base + 1, base, n_tiles, q_begin, kv_col, n_valid,
-                         n_ntiles, n_begin, n_kv_col, BLOCK_N, NBYTES)  # fmt: skip
-            vv += _issue(v_desc, v_smem, v_bars, vv, vv <= base, base, n_tiles, q_begin, kv_col, n_valid, n_ntiles,
-                         n_begin, n_kv_col, BLOCK_N, NBYTES)  # fmt: skip
-            if valid:
-                n_full = (tile * P + 1) // BLOCK_N  # tiles below it are seen by every row, wholly inside the sequence
-                pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
-                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-                acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-                m_s = m_i  # the current split's partial
-                l_s = l_i
-                acc_s = acc
-                pv_o = gl.zeros([BLOCK_M, BLOCK_N], dt, layout=pv_layout)  # P of the P @ V in flight (kept alive)
-                mbarrier.wait(k_bars.index(base % 2), (base // 2) & 1)
-                s = warpgroup_mma(q_smem.index(qb), k_smem.index(base % 2).permute((1, 0)), s_zero, use_acc=False)
-                for j in range(n_tiles):
-                    x = base + j
-                    buf = x % 2
-                    # S(j) is done, so K slot buf is free; P @ V of tile j - 1 may still run (it reads the other V)
-                    kk += _issue(k_desc, k_smem, k_bars, kk, kk <= x + 2, base, n_tiles, q_begin, kv_col, n_valid,
-                                 n_ntiles, n_begin, n_kv_col, BLOCK_N, NBYTES)  # fmt: skip
-                    if j % TPS == 0:  # a split starts from the empty state (the last split's P @ V was waited for)
-                        m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-                        l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-                        acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-                    if j >= n_full:
-                        kpos = j * BLOCK_N + offs_n
-                        s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
-                    m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
-                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_s - m_use)
-                    pv = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
-                    rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
-                                         use_acc=False, is_async=True)  # fmt: skip
-                    rsum, acc_s, pv_o = warpgroup_mma_wait(0, deps=(rsum, acc_s, pv_o))  # P @ V of tile j - 1 too
-                    vv += _issue(v_desc, v_smem, v_bars, vv, vv <= x + 1, base, n_tiles, q_begin, kv_col, n_valid,
-                                 n_ntiles, n_begin, n_kv_col, BLOCK_N, NBYTES)  # fmt: skip
-                    l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-                    mbarrier.wait(v_bars.index(buf), (x // 2) & 1)
-                    if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next one holds
-                        v = v_smem.index(buf).load(blk)
-                        v_smem.index(buf).store(gl.where((j * BLOCK_N + vrows < nq)[:, None], v, 0.0))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                    pv_o = gl.convert_layout(pv, pv_layout)
-                    m_s = m_new
-                    if (j + 1 < n_tiles) & (j % TPS != TPS - 1):  # S(j + 1) and P @ V(j) in flight, wait for S only
-                        mbarrier.wait(k_bars.index(1 - buf), ((x + 1) // 2) & 1)
-                        s_next = warpgroup_mma(q_smem.index(qb), k_smem.index(1 - buf).permute((1, 0)), s_zero,
-                                               use_acc=False, is_async=True)  # fmt: skip
-                        acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                        acc_s = warpgroup_mma(pv_o, v_smem.index(buf), acc_s, is_async=True)
-                        s, acc_s, pv_o = warpgroup_mma_wait(1, deps=(s_next, acc_s, pv_o))
-                    else:  # the split ends: P @ V(j) synchronous, fold (the tl kernel's merge), then S(j + 1)
-                        acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                        acc_s = warpgroup_mma(pv_o, v_smem.index(buf), acc_s)
-                        m_new = gl.maximum(m_i, m_s)
-                        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                        fa = gl.exp2(m_i - m_use)
-                        fb = gl.exp2(m_s - m_use)
-                        l_i = gl.fma(l_i, fa, l_s * fb)
-                        acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None],
-                                     acc_s * gl.convert_layout(fb, row_o)[:, None])  # fmt: skip
-                        m_i = m_new
-                        if j + 1 < n_tiles:
-                            mbarrier.wait(k_bars.index(1 - buf), ((x + 1) // 2) & 1)
-                            s = warpgroup_mma(q_smem.index(qb), k_smem.index(1 - buf).permute((1, 0)), s_zero,
-                                              use_acc=False)  # fmt: skip
-                it += n_tiles
-                _epilogue(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
-                          stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
-            valid, q_begin, nq, tile, hgroup = n_valid, n_begin, n_nq, n_tile, n_hgroup
-            w = nxt
-            nxt = after
-            n_items += 1
-        async_copy.wait_group(0)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        mbarrier.wait(bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        for j in range(n_tiles):
+            buf = j % 2
+            if j + 1 < n_tiles:  # the next tile's K/V into the other buffer (tile j - 1's MMAs are done)
+                mbarrier.expect(bars.index(1 - buf), nbytes)
+                tma.async_copy_global_to_shared(k_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
+                                                k_smem.index(1 - buf))  # fmt: skip
+                tma.async_copy_global_to_shared(v_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
+                                                v_smem.index(1 - buf))  # fmt: skip
+            if j % TPS == 0:  # a split starts from the empty state
+                m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+                l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+                acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+            if j >= n_full:
+                kpos = j * BLOCK_N + offs_n
+                s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
+                if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
+                    v = v_smem.index(buf).load(blk)
+                    v_smem.index(buf).store(gl.where((j * BLOCK_N + vrows < nq)[:, None], v, 0.0))
+                    fence_async_shared()
+                    gl.thread_barrier()
+            m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_s - m_use)
+            pv = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+            rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
+                                 use_acc=False)  # fmt: skip
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            acc_s = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, o_layout, 2)), v_smem.index(buf),
+                                  acc_s)  # fmt: skip
+            m_s = m_new
+            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in (the tl kernel's merge)
+                m_new = gl.maximum(m_i, m_s)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                fa = gl.exp2(m_i - m_use)
+                fb = gl.exp2(m_s - m_use)
+                l_i = gl.fma(l_i, fa, l_s * fb)
+                acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None], acc_s * gl.convert_layout(fb, row_o)[:, None])
+                m_i = m_new
+            if j + 1 < n_tiles:
+                mbarrier.wait(bars.index(1 - buf), ((j + 1) // 2) & 1)
+                s = warpgroup_mma(q_smem, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        orows = gl.arange(0, BLOCK_M, layout=row_o)
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        oqi = tile * P + orows // HP
+        ohead = hgroup * HP + orows % HP
+        o_ok = oqi < nq
+        o_ptrs = o_ptr + ((q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh)[:, None] + ocols[None, :]
+        if BWD_PREP:
+            do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+            lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
+            gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
+            gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
+        else:
+            gl.store(o_ptrs, out.to(dt), mask=o_ok[:, None])
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-            programs: int | None = None) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
-    (``out`` holds dO). ``programs``: persistent programs (default :data:`PROGRAMS_PER_SM` per SM, at most one per
-    work item); each takes the next work item from a ticket counter when it starts its current one. Call only where
-    :func:`supported` holds."""
+    (``out`` holds dO). Call only where :func:`supported` holds."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     num_seqs = cu.shape[0] - 1
@@ -324,12 +225,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)
-    n_slots = t // (16 * WARPS // hp) + num_seqs
-    grid = (min(n_slots * (hq // hp), programs or PROGRAMS_PER_SM * num_sms(q.device)),)
-    ticket = torch.zeros(1, dtype=torch.int32, device=q.device)
+    grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
     _fwd_kernel[grid](
-        q, out, lse, delta, k_desc, v_desc, cu, ticket, num_seqs, n_slots, scale * math.log2(math.e), q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse_delta is not None else 0,
-        lse.stride(1) if lse_delta is not None else 0, HP=hp, GROUP=hq // hkv, NHG=hq // hp, D=d, BLOCK_N=BLOCK_N,
-        SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
+        q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if lse_delta is not None else 0,
+        lse.stride(1) if lse_delta is not None else 0, HP=hp, GROUP=hq // hkv, D=d, BLOCK_N=BLOCK_N, SPLIT=split,
+        BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
     )  # fmt: skip

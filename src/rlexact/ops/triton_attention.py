@@ -797,8 +797,7 @@ def _forward(
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
     overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a packed launch
-    on the ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` would take it, ``{"GLUON_PROGRAMS": n}`` sets its
-    persistent programs). ``max_seqlen_q``: an upper bound of
+    on the ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` would take it). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
     does not read it (``ONE_Q``).
@@ -819,7 +818,7 @@ def _forward(
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
-        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, cfg.get("GLUON_PROGRAMS"))
+        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta)
         return
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
