@@ -212,6 +212,12 @@ if gluon is not None:
             gl.store(o_ptrs, out.to(dt), mask=o_ok[:, None])
 
 
+@functools.cache
+def _kv_layout(fp16: bool) -> object:
+    """The shared-memory layout of a K/V tile (built once: the launch is on the host's critical path)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16 if fp16 else gl.bfloat16)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
@@ -220,8 +226,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     t, hq, d = q.shape
     hkv = k.shape[1]
     num_seqs = cu.shape[0] - 1
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.float16 if q.dtype == torch.float16 else
-                                                  gl.bfloat16)  # fmt: skip
+    layout = _kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)
