@@ -13,7 +13,10 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's default choice and each of its
   flash / cuDNN / memory-efficient backends forced; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
   short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and
-  without the ``max_seqlen_q = 1`` bound the generator passes.
+  without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the packed forward at the GRPO
+  update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side:
+  GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's launch cost shows once it
+  exceeds the kernel's) and host time per call.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, header
+from common import ROOT, bench, bench_graph, bench_stream, header
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -152,6 +155,44 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     }
 
 
+LAUNCH_CASE = (16, 384)
+"""``(sequences, tokens each)`` of the launch comparison: one micro-batch of the GRPO update in ``train_step.py``."""
+
+
+def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
+    """The packed forward at :data:`LAUNCH_CASE` through the library's default launch (the Gluon kernel on sm_90) and
+    through the ``tl`` kernel: graph-replay and eager milliseconds per call, host microseconds per call (calls
+    issued without synchronizing, so the host's own cost), and whether the two outputs are equal bitwise."""
+    from rlexact.ops import triton_attention as ta
+
+    b, s = LAUNCH_CASE
+    q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    res: dict = {"batch": b, "seqlen": s}
+    outs = {}
+    for name, cfg in (("default", None), ("tl", {"GLUON": False})):
+        out = torch.empty_like(q)
+
+        def call(out: torch.Tensor = out, cfg: dict | None = cfg) -> None:
+            ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg)
+
+        call()
+        outs[name] = out
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                call()
+            host.append((time.perf_counter() - t0) / 50 * 1e6)
+        torch.cuda.synchronize()
+        res[name] = {"graph_ms": bench_graph(call), "eager_ms": bench_stream(call), "host_us": sorted(host)[2]}
+    res["bitwise_equal"] = bool(torch.equal(outs["default"], outs["tl"]))
+    return res
+
+
 def bench_attention(quick: bool) -> dict:
     import torch.nn.functional as F
 
@@ -168,6 +209,10 @@ def bench_attention(quick: bool) -> dict:
             res[name] = _prefill_case(16 if quick and b == 64 else b, s, hq, hkv, d, scale)
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    try:
+        res["launch_microbatch"] = _launch_case(hq, hkv, d, scale)
+    except Exception as e:  # noqa: BLE001
+        res["launch_microbatch"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     # decode over a paged cache: one new query per sequence
     for b, ctx in DECODE_CASES:
         name = f"decode_b{b}" if ctx == 512 else f"decode_b{b}_ctx{ctx}"
@@ -351,6 +396,13 @@ def _table(results: dict) -> str:
                 lines.append(
                     f"{sec:18s} {case:28s}  {r['exact_ms']:8.3f}ms {native:8.3f}ms  {r.get('ratio', float('nan')):6.2f}"
                 )
+            if "default" in r and "tl" in r:
+                for kind in ("default", "tl"):
+                    t = r[kind]
+                    lines.append(
+                        f"{sec:18s} {case + ' ' + kind:28s}  graph {t['graph_ms']:.3f}ms eager {t['eager_ms']:.3f}ms "
+                        f"host {t['host_us']:.0f}us"
+                    )
             if "exact_peak_bytes" in r:
                 lines.append(
                     f"{'':18s} {'  peak mem':28s}  {r['exact_peak_bytes'] / 2**20:8.0f}MB "
