@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 
 from common import ROOT, bench_graph, header
 from rlexact.ops import triton_attention as ta
+from rlexact.ops.gluon_attention import locate
 from rlexact.ops.triton_shared import num_sms
 
 HQ, HKV, D = 16, 8, 128
@@ -60,18 +61,9 @@ def _item(cu_ptr, num_seqs, w, n_work, n_slots, NHG: gl.constexpr, P: gl.constex
     query tile, head group)``. Sequence ``b`` owns the slots from ``cu[b] // P + b``, as in the ``tl`` kernel; a
     slot past its sequence's queries, or ``w >= n_work``, is not valid."""
     wc = gl.minimum(w, n_work - 1)
-    slot = n_slots - 1 - wc // NHG
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    count = slot * 0
-    for c in range(0, num_seqs, SCAN):
-        offs = c + gl.arange(0, SCAN, layout=lay)
-        inside = offs < num_seqs
-        start = gl.load(cu_ptr + offs, mask=inside, other=0)
-        count += gl.sum(((start // P + offs <= slot) & inside).to(gl.int32), axis=0)
-    b = count - 1
+    b, tile = locate(cu_ptr, num_seqs, n_slots - 1 - wc // NHG, P, SCAN, W)
     q_begin = gl.load(cu_ptr + b)
     nq = gl.load(cu_ptr + b + 1) - q_begin
-    tile = slot - (q_begin // P + b)
     return (w < n_work) & (tile * P < nq), q_begin, nq, tile, wc % NHG
 
 @gluon.jit

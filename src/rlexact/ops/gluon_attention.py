@@ -68,7 +68,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -
 if gluon is not None:
 
     @gluon.jit
-    def _locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
+    def locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
         """``(sequence, tile within it)`` of tile slot ``slot``: sequence ``b`` owns slots from ``cu[b] // P + b``, as
         in the ``tl`` kernel."""
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
@@ -92,7 +92,7 @@ if gluon is not None:
         dt: gl.constexpr = q_ptr.dtype.element_ty
         hgroup = gl.program_id(1)
         kvh = (hgroup * HP) // GROUP
-        b, tile = _locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
+        b, tile = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
         q_begin = gl.load(cu_ptr + b)
         nq = gl.load(cu_ptr + b + 1) - q_begin
         if tile * P >= nq:
