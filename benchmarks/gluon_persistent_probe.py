@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 
 from common import ROOT, bench_graph, header
 from rlexact.ops import triton_attention as ta
-from rlexact.ops.gluon_attention import locate
+from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, zero_tail_rows
 from rlexact.ops.triton_shared import num_sms
 
 HQ, HKV, D = 16, 8, 128
@@ -61,8 +61,7 @@ def _item(cu_ptr, num_seqs, w, n_work, n_slots, NHG: gl.constexpr, P: gl.constex
     query tile, head group)``. Sequence ``b`` owns the slots from ``cu[b] // P + b``, as in the ``tl`` kernel; a
     slot past its sequence's queries, or ``w >= n_work``, is not valid."""
     wc = gl.minimum(w, n_work - 1)
-    b, tile = locate(cu_ptr, num_seqs, n_slots - 1 - wc // NHG, P, SCAN, W)
-    q_begin = gl.load(cu_ptr + b)
+    b, q_begin, tile = locate(cu_ptr, num_seqs, n_slots - 1 - wc // NHG, P, SCAN, W)
     nq = gl.load(cu_ptr + b + 1) - q_begin
     return (w < n_work) & (tile * P < nq), q_begin, nq, tile, wc % NHG
 
@@ -99,28 +98,6 @@ def _issue(desc, smem, bars, x, go, base, n_a, a_begin, a_col, b_ok, n_b, b_begi
         mbarrier.expect(bars.index(x % 2), NBYTES)
         tma.async_copy_global_to_shared(desc, [row, col], bars.index(x % 2), smem.index(x % 2))
     return ok.to(gl.int32)
-
-@gluon.jit
-def _epilogue(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
-              stride_lh, HP: gl.constexpr, P: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BWD_PREP: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    """Store a work item's rows ``acc / l`` (or, with ``BWD_PREP``, its log-sum-exp and ``delta``)."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    orows = gl.arange(0, BLOCK_M, layout=row_o)
-    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    oqi = tile * P + orows // HP
-    ohead = hgroup * HP + orows % HP
-    o_ok = oqi < nq
-    orow = (q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh
-    o_ptrs = o_ptr + orow[:, None] + ocols[None, :]
-    if BWD_PREP:
-        do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-        lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
-        gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
-        gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
-    else:
-        gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_ok[:, None])
 
 @gluon.jit
 def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ticket_ptr, num_seqs, n_slots, qk_scale,
@@ -162,7 +139,6 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
         mbarrier.init(v_bars.index(i), count=1)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
@@ -223,10 +199,7 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
                 if j >= n_full:
                     kpos = j * BLOCK_N + offs_n
                     s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
-                m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_s - m_use)
-                pv = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+                m_new, alpha, pv = tile_softmax(s, m_s, qk_scale, dt)
                 rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
                                      use_acc=False, is_async=True)  # fmt: skip
                 rsum, acc_s, pv_o = warpgroup_mma_wait(0, deps=(rsum, acc_s, pv_o))  # P @ V of tile j - 1 too
@@ -235,10 +208,7 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
                 l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
                 mbarrier.wait(v_bars.index(buf), (x // 2) & 1)
                 if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next one holds
-                    v = v_smem.index(buf).load(blk)
-                    v_smem.index(buf).store(gl.where((j * BLOCK_N + vrows < nq)[:, None], v, 0.0))
-                    fence_async_shared()
-                    gl.thread_barrier()
+                    zero_tail_rows(v_smem.index(buf), j * BLOCK_N, nq, BLOCK_N, blk)
                 pv_o = gl.convert_layout(pv, pv_layout)
                 m_s = m_new
                 if (j + 1 < n_tiles) & (j % TPS != TPS - 1):  # S(j + 1) and P @ V(j) in flight, wait for S only
@@ -251,21 +221,14 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
                 else:  # the split ends: P @ V(j) synchronous, fold (the tl kernel's merge), then S(j + 1)
                     acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                     acc_s = warpgroup_mma(pv_o, v_smem.index(buf), acc_s)
-                    m_new = gl.maximum(m_i, m_s)
-                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    fa = gl.exp2(m_i - m_use)
-                    fb = gl.exp2(m_s - m_use)
-                    l_i = gl.fma(l_i, fa, l_s * fb)
-                    acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None],
-                                 acc_s * gl.convert_layout(fb, row_o)[:, None])  # fmt: skip
-                    m_i = m_new
+                    m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
                     if j + 1 < n_tiles:
                         mbarrier.wait(k_bars.index(1 - buf), ((x + 1) // 2) & 1)
                         s = warpgroup_mma(q_smem.index(qb), k_smem.index(1 - buf).permute((1, 0)), s_zero,
                                           use_acc=False)  # fmt: skip
             it += n_tiles
-            _epilogue(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
-                      stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+            store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
+                       stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
         valid, q_begin, nq, tile, hgroup = n_valid, n_begin, n_nq, n_tile, n_hgroup
         w = nxt
         nxt = after
@@ -291,15 +254,14 @@ def persistent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
                                                   gl.bfloat16)  # fmt: skip
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
-    lse, delta = lse_delta if lse_delta is not None else (out, out)
+    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without BWD_PREP
     n_slots = t // (16 * WARPS // hp) + num_seqs
     grid = (min(n_slots * (hq // hp), programs or PROGRAMS_PER_SM * num_sms(q.device)),)
     ticket = torch.zeros(1, dtype=torch.int32, device=q.device)
     _persistent_fwd[grid](
         q, out, lse, delta, k_desc, v_desc, cu, ticket, num_seqs, n_slots, scale * math.log2(math.e), q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse_delta is not None else 0,
-        lse.stride(1) if lse_delta is not None else 0, HP=hp, GROUP=hq // hkv, NHG=hq // hp, D=d, BLOCK_N=BLOCK_N,
-        SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
+        q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HP=hp, GROUP=hq // hkv, NHG=hq // hp,
+        D=d, BLOCK_N=BLOCK_N, SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
     )  # fmt: skip
 
 

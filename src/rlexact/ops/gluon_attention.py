@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
+from .triton_shared import cuda_props, device_key
 
 __all__ = ["forward", "supported"]
 
@@ -40,11 +41,6 @@ WARPS = 4
 """Warps per program, 16 query rows each (``benchmarks/results/gluon_attention_probe_h200.json``: faster than 8)."""
 SCAN = 128
 """Sequences examined per step when a program looks up which sequence its tile slot belongs to."""
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
@@ -61,8 +57,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -
         return False
     if v.stride() != k.stride() or v.data_ptr() % 16:
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _hopper(index)
+    return cuda_props(device_key(q.device)[1])[0] == 9
 
 
 if gluon is not None:
@@ -79,7 +74,59 @@ if gluon is not None:
             start = gl.load(cu_ptr + offs, mask=inside, other=0)
             count += gl.sum(((start // P + offs <= slot) & inside).to(gl.int32), axis=0)
         b = count - 1
-        return b, slot - (gl.load(cu_ptr + b) // P + b)
+        q_begin = gl.load(cu_ptr + b)
+        return b, q_begin, slot - (q_begin // P + b)
+
+    @gluon.jit
+    def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr):
+        """One key tile's step of the running softmax (the ``tl`` kernel's operations): ``(m_new, alpha, p)`` with
+        ``p = exp2(fma(s, scale, -m))`` in ``dt`` and ``alpha`` the rescale of the state so far."""
+        m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+
+    @gluon.jit
+    def zero_tail_rows(v_buf, row0, n, BLOCK_N: gl.constexpr, blk: gl.constexpr):
+        """Zero the rows of the V tile in ``v_buf`` (first key ``row0``) at keys ``>= n``, visible to the next wgmma."""
+        vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+        v = v_buf.load(blk)
+        v_buf.store(gl.where((row0 + vrows < n)[:, None], v, 0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout: gl.constexpr):
+        """A finished KV split ``(m_s, l_s, acc_s)`` folded into the splits before it (the ``tl`` kernel's merge)."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        m_new = gl.maximum(m_i, m_s)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        fa = gl.exp2(m_i - m_use)
+        fb = gl.exp2(m_s - m_use)
+        acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None], acc_s * gl.convert_layout(fb, row_o)[:, None])
+        return m_new, gl.fma(l_i, fa, l_s * fb), acc
+
+    @gluon.jit
+    def store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
+                   stride_lt, stride_lh, HP: gl.constexpr, P: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BWD_PREP: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+        """Store a query tile's rows ``acc / l`` into ``o_ptr``; with ``BWD_PREP``, read dO from ``o_ptr`` and store
+        the base-2 log-sum-exp and ``delta = rowsum(dO * O)`` instead."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        orows = gl.arange(0, BLOCK_M, layout=row_o)
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        oqi = tile * P + orows // HP
+        ohead = hgroup * HP + orows % HP
+        o_ok = oqi < nq
+        orow = (q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh
+        o_ptrs = o_ptr + orow[:, None] + ocols[None, :]
+        if BWD_PREP:
+            do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+            lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
+            gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
+            gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
+        else:
+            gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_ok[:, None])
 
     @gluon.jit
     def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
@@ -92,8 +139,7 @@ if gluon is not None:
         dt: gl.constexpr = q_ptr.dtype.element_ty
         hgroup = gl.program_id(1)
         kvh = (hgroup * HP) // GROUP
-        b, tile = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
-        q_begin = gl.load(cu_ptr + b)
+        b, q_begin, tile = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
         nq = gl.load(cu_ptr + b + 1) - q_begin
         if tile * P >= nq:
             return
@@ -133,7 +179,6 @@ if gluon is not None:
         n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
         pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
         nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
 
         mbarrier.expect(bars.index(0), nbytes)
@@ -167,14 +212,8 @@ if gluon is not None:
                 kpos = j * BLOCK_N + offs_n
                 s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
                 if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
-                    v = v_smem.index(buf).load(blk)
-                    v_smem.index(buf).store(gl.where((j * BLOCK_N + vrows < nq)[:, None], v, 0.0))
-                    fence_async_shared()
-                    gl.thread_barrier()
-            m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_s - m_use)
-            pv = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+                    zero_tail_rows(v_smem.index(buf), j * BLOCK_N, nq, BLOCK_N, blk)
+            m_new, alpha, pv = tile_softmax(s, m_s, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
                                  use_acc=False)  # fmt: skip
             l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
@@ -182,34 +221,16 @@ if gluon is not None:
             acc_s = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, o_layout, 2)), v_smem.index(buf),
                                   acc_s)  # fmt: skip
             m_s = m_new
-            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in (the tl kernel's merge)
-                m_new = gl.maximum(m_i, m_s)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                fa = gl.exp2(m_i - m_use)
-                fb = gl.exp2(m_s - m_use)
-                l_i = gl.fma(l_i, fa, l_s * fb)
-                acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None], acc_s * gl.convert_layout(fb, row_o)[:, None])
-                m_i = m_new
+            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in
+                m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
             if j + 1 < n_tiles:
                 mbarrier.wait(bars.index(1 - buf), ((j + 1) // 2) & 1)
                 s = warpgroup_mma(q_smem, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
-        orows = gl.arange(0, BLOCK_M, layout=row_o)
-        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        oqi = tile * P + orows // HP
-        ohead = hgroup * HP + orows % HP
-        o_ok = oqi < nq
-        o_ptrs = o_ptr + ((q_begin + oqi).to(gl.int64) * stride_ot + ohead * stride_oh)[:, None] + ocols[None, :]
-        if BWD_PREP:
-            do = gl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-            lrow = (q_begin + oqi).to(gl.int64) * stride_lt + ohead * stride_lh
-            gl.store(lse_ptr + lrow, gl.convert_layout(m_i + gl.log2(l_i), row_o), mask=o_ok)
-            gl.store(delta_ptr + lrow, gl.sum(out * do, 1), mask=o_ok)
-        else:
-            gl.store(o_ptrs, out.to(dt), mask=o_ok[:, None])
+        store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
+                   stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
 
 
 @functools.cache
@@ -229,11 +250,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     layout = _kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
-    lse, delta = lse_delta if lse_delta is not None else (out, out)
+    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without BWD_PREP
     grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
     _fwd_kernel[grid](
         q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0) if lse_delta is not None else 0,
-        lse.stride(1) if lse_delta is not None else 0, HP=hp, GROUP=hq // hkv, D=d, BLOCK_N=BLOCK_N, SPLIT=split,
-        BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HP=hp, GROUP=hq // hkv, D=d, BLOCK_N=BLOCK_N,
+        SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
     )  # fmt: skip
