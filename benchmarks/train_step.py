@@ -1,7 +1,7 @@
 """Trainer speed: stock transformers vs the exact path, forward + backward and a whole GRPO step; writes
 ``benchmarks/results/train_h200.json``.
 
-    python benchmarks/train_step.py [--section fwd_bwd grpo_step] [--out PATH] [--small]
+    python benchmarks/train_step.py [--section fwd_bwd grpo_step] [--profile] [--host-profile] [--out PATH] [--small]
 
 Sections (each independent: a failure is recorded in the JSON and the run continues):
 
@@ -21,7 +21,9 @@ Sections (each independent: a failure is recorded in the JSON and the run contin
   (the first compiles kernels and captures CUDA graphs). The data loader holds exactly one rollout batch per step and
   the ``Trainer`` runs one epoch (``max_steps`` would count optimizer steps: two per rollout step here). With
   ``--profile`` a third step runs its update under the CUDA profiler (``update_profile``: wall time, summed kernel
-  time, GPU busy fraction, top kernels); the reported times stay the second step's.
+  time, GPU busy fraction, top kernels) and with ``--host-profile`` one more exact step runs its update under
+  ``cProfile`` (``update_host_profile``: the functions with the most own host time, and the library's functions with
+  the most cumulative host time); the reported times stay the second step's.
 
 ``--small`` runs tiny shapes (a 2-layer model, a few short sequences) on the CPU or GPU to check that the script works.
 """
@@ -262,6 +264,47 @@ def profiled_call(fn: Callable, call_index: int, sink: dict) -> Callable:
     return run
 
 
+def host_profiled_call(fn: Callable, call_index: int, sink: dict, top: int = 30) -> Callable:
+    """``fn`` with its ``call_index``-th call (0-based) run under ``cProfile``: ``sink`` gets that call's wall time
+    (inflated by the profiler) and the functions with the most own host time and, among the library's own, the most
+    cumulative host time. The profiled call runs its backward passes on the calling thread. Other calls run
+    unprofiled."""
+    import cProfile
+    import pstats
+
+    calls = [0]
+
+    def rows(stats: dict, key: int, keep: Callable) -> list:
+        picked = sorted(((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -kv[1][key])[:top]
+        return [
+            {"function": f"{'/'.join(Path(f).parts[-2:])}:{line}:{name}", "calls": n, "own_s": own, "cumulative_s": cum}
+            for (f, line, name), (_, n, own, cum, _) in picked
+        ]
+
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        index, calls[0] = calls[0], calls[0] + 1
+        if index != call_index:
+            return fn(*args, **kwargs)
+        _sync()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        # backward on the calling thread (CUDA backward runs on autograd's device thread, which cProfile misses)
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            out = fn(*args, **kwargs)
+            prof.disable()
+        _sync()
+        stats = pstats.Stats(prof).stats
+        sink.update(
+            wall_s=time.perf_counter() - t0,
+            top_own=rows(stats, 2, lambda f: True),
+            top_cumulative_rlexact=rows(stats, 3, lambda f: "rlexact" in f),
+        )
+        return out
+
+    return run
+
+
 def idle_gaps(prof, min_ms: float = 0.2, n: int = 15) -> dict:  # noqa: ANN001
     """Where the GPU sat idle between the first and the last kernel of a finished profile: the total idle time, the
     idle time in gaps of at least ``min_ms``, and the ``n`` longest gaps with the kernels on either side (which tell
@@ -335,7 +378,7 @@ class StageTimer:
         return timed
 
 
-def _grpo_run(small: bool, exact: bool, steps: int, profile: bool) -> dict:
+def _grpo_run(small: bool, exact: bool, steps: int, profile: bool, host: bool = False) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -376,9 +419,12 @@ def _grpo_run(small: bool, exact: bool, steps: int, profile: bool) -> dict:
 
     orig_run = update_stage.PPOUpdate.run
     update_profile: dict = {}
-    # the step after the reported one runs its update under the profiler
+    host_profile: dict = {}
+    # the steps after the reported one run their update under the CUDA profiler, then under cProfile
     profile = profile and torch.cuda.is_available()
     run = profiled_call(orig_run, REPORTED_STEP + 1, update_profile) if profile else orig_run
+    if host:
+        run = host_profiled_call(run, REPORTED_STEP + 1 + profile, host_profile)
     update_stage.PPOUpdate.run = timer.wrap("update", run)
     try:
         trainer = L.Trainer(
@@ -404,18 +450,20 @@ def _grpo_run(small: bool, exact: bool, steps: int, profile: bool) -> dict:
     }
     if update_profile:
         res["update_profile"] = {"step": REPORTED_STEP + 1, **update_profile}
+    if host_profile:
+        res["update_host_profile"] = {"step": REPORTED_STEP + 1 + profile, **host_profile}
     del module, trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
 
 
-def bench_grpo_step(small: bool, profile: bool) -> dict:
+def bench_grpo_step(small: bool, profile: bool, host: bool = False) -> dict:
     out: dict = {"note": "stage times wrap RLModule.generate / score_batch and PPOUpdate.run from outside the module"}
     for name, exact in (("exact", True), ("native_recompute", False)):
         try:
-            steps = REPORTED_STEP + (2 if profile else 1)
-            out[name] = _grpo_run(small, exact, steps=steps, profile=profile)
+            steps = REPORTED_STEP + 1 + profile + (host and exact)
+            out[name] = _grpo_run(small, exact, steps=steps, profile=profile, host=host and exact)
         except Exception as e:  # noqa: BLE001
             out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     if "step_s" in out["exact"] and "step_s" in out["native_recompute"]:
@@ -468,6 +516,11 @@ def main() -> None:
         help="fwd_bwd: also record the top GPU kernels of one exact step; grpo_step: run one more step and profile its"
         " update (wall time, GPU busy fraction, top kernels)",
     )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="grpo_step: run one more exact step with its update under cProfile (top host functions)",
+    )
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; writes /tmp/train_small.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -480,7 +533,7 @@ def main() -> None:
             if section == "fwd_bwd":
                 res[section] = bench_fwd_bwd(args.small, args.reps, args.case, args.profile)
             else:
-                res[section] = bench_grpo_step(args.small, args.profile)
+                res[section] = bench_grpo_step(args.small, args.profile, args.host_profile)
         except Exception as e:  # noqa: BLE001
             res[section] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
         res[section]["seconds"] = time.perf_counter() - t0
