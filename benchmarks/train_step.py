@@ -266,9 +266,9 @@ def profiled_call(fn: Callable, call_index: int, sink: dict) -> Callable:
 
 def host_profiled_call(fn: Callable, call_index: int, sink: dict, top: int = 30) -> Callable:
     """``fn`` with its ``call_index``-th call (0-based) run under ``cProfile``: ``sink`` gets that call's wall time
-    (inflated by the profiler) and the functions with the most own host time and, among the library's own, the most
-    cumulative host time. The profiled call runs its backward passes on the calling thread. Other calls run
-    unprofiled."""
+    (inflated by the profiler), the host synchronizations it made (torch's sync debug mode, counted by call site), the
+    functions with the most own host time and, among the library's own, the most cumulative host time. The profiled
+    call runs its backward passes on the calling thread. Other calls run unprofiled."""
     import cProfile
     import pstats
 
@@ -288,15 +288,31 @@ def host_profiled_call(fn: Callable, call_index: int, sink: dict, top: int = 30)
         _sync()
         prof = cProfile.Profile()
         t0 = time.perf_counter()
-        # backward on the calling thread (CUDA backward runs on autograd's device thread, which cProfile misses)
-        with torch.autograd.set_multithreading_enabled(False):
-            prof.enable()
-            out = fn(*args, **kwargs)
-            prof.disable()
+        # backward on the calling thread (CUDA backward runs on autograd's device thread, which cProfile misses);
+        # every synchronizing CUDA call warns (torch's sync debug mode) and is counted by where it was made
+        syncs = torch.cuda.is_available()
+        with torch.autograd.set_multithreading_enabled(False), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if syncs:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                prof.enable()
+                out = fn(*args, **kwargs)
+                prof.disable()
+            finally:
+                if syncs:
+                    torch.cuda.set_sync_debug_mode("default")
         _sync()
         stats = pstats.Stats(prof).stats
+        sites: dict[str, int] = {}
+        for w in caught:
+            if "synchronizing" in str(w.message):
+                site = f"{'/'.join(Path(w.filename).parts[-2:])}:{w.lineno}"
+                sites[site] = sites.get(site, 0) + 1
         sink.update(
             wall_s=time.perf_counter() - t0,
+            host_syncs=sum(sites.values()),
+            host_sync_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])),
             top_own=rows(stats, 2, lambda f: True),
             top_cumulative_rlexact=rows(stats, 3, lambda f: "rlexact" in f),
         )

@@ -148,6 +148,29 @@ def test_batch_select_gathers_the_chosen_sequences_in_order(indices: list[int]) 
     assert torch.equal(sub.rewards, batch.rewards[torch.tensor(indices, dtype=torch.long)])
 
 
+def test_batch_split_gathers_every_group_in_one_call() -> None:
+    from _callbacks_worker import make_batch
+
+    batch = make_batch(seed=4)
+    cu = batch.cu_seqlens.tolist()
+    groups = [[5, 1], [0], [], [2, 2, 4], torch.tensor([3])]
+    parts = batch.split(groups)
+    assert len(parts) == len(groups)
+    for group, part in zip(groups, parts):
+        seqs = [int(i) for i in group]
+        token_idx = torch.tensor([t for i in seqs for t in range(cu[i], cu[i + 1])], dtype=torch.long)
+        lengths = torch.tensor([0] + [cu[i + 1] - cu[i] for i in seqs])
+        assert part.cu_seqlens.dtype == torch.int32 and part.cu_seqlens.tolist() == lengths.cumsum(0).tolist()
+        for name in ("input_ids", "position_ids", "response_mask", "rollout_logprobs", "advantages", "loss_mask"):
+            assert torch.equal(getattr(part, name), getattr(batch, name)[token_idx]), name
+        assert torch.equal(part.rewards, batch.rewards[torch.tensor(seqs, dtype=torch.long)])
+    assert not torch.equal(parts[0].input_ids, batch.select([1, 5]).input_ids)  # order matters (negative control)
+    with pytest.raises(IndexError, match=r"must lie in \[0, 6\).*max 6"):
+        batch.split([[0], [6]])
+    with pytest.raises(IndexError, match="min -1"):
+        batch.select([-1])
+
+
 def test_engine_counters_only_from_a_call_of_this_step() -> None:
     """The generator's counters are logged only when it ran since the step began (a ``generate`` override that
     samples elsewhere leaves its stats untouched, and stale counters would be logged as this step's)."""

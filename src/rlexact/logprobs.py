@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, forward_hidden, head_logprobs
+from rlexact.models import AttnMetadata, forward_hidden, head_logprobs, lm_head_weight
 
 
 @dataclass
@@ -84,7 +84,9 @@ def packed_logprobs(
         )
     rows, targets = shifted_targets(packed, mask)  # host synchronizations before the forward is queued
     hidden = forward_hidden(model, packed.input_ids, packed.position_ids, AttnMetadata(packed.cu_seqlens))
-    logp_rows, ent_rows = head_logprobs(model, hidden[rows], targets, temperature, top_k=top_k, top_p=top_p)
+    logp_rows, ent_rows = head_logprobs(
+        model, hidden[rows], targets, temperature, top_k=top_k, top_p=top_p, check_targets=False
+    )  # the targets are input ids, checked by _check_vocab against the head's vocabulary too
     logp = torch.zeros(packed.input_ids.numel(), dtype=torch.float32, device=hidden.device)
     logp = logp.index_put((rows + 1,), logp_rows)
     ent = None
@@ -94,7 +96,8 @@ def packed_logprobs(
 
 
 def _check_vocab(model: nn.Module, ids: torch.Tensor) -> None:
-    vocab = model.get_input_embeddings().num_embeddings
+    """Every id lies in both the embedding's and the lm head's vocabulary (the ids are also the head's targets)."""
+    vocab = min(model.get_input_embeddings().num_embeddings, lm_head_weight(model).shape[0])
     if not ids.numel():
         return
     lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host synchronization

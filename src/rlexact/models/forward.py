@@ -52,6 +52,7 @@ def head_logprobs(
     *,
     top_k: int = 0,
     top_p: float = 1.0,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one log-prob function: ``(logp [T], entropy [T])`` fp32 of ``targets`` given final hidden states.
 
@@ -59,7 +60,8 @@ def head_logprobs(
     the model dtype, then fp32 log-softmax (what transformers-based trainers and inference engines do). With
     ``top_k > 0`` or ``top_p < 1``: log-probs and entropy of the truncated, renormalized distribution the sampler
     draws from (:func:`rlexact.models.truncation.truncated_logprobs` over :func:`head_logits`), bitwise equal to the
-    generator's ``logprobs="sampled"`` in exact mode.
+    generator's ``logprobs="sampled"`` in exact mode. ``check_targets=False``: the caller has checked that every
+    target lies in the head's vocabulary (the exact kernel then skips its own check's host synchronization).
     """
     w = lm_head_weight(model)
     if truncates(w.shape[0], top_k, top_p):
@@ -67,7 +69,7 @@ def head_logprobs(
             hidden, w, targets, temperature, top_k, top_p, lambda h: head_logits(model, h, temperature)
         )
     if _exact(model):
-        return ops.token_logprobs(hidden, w, targets, temperature)
+        return ops.token_logprobs(hidden, w, targets, temperature, check_targets=check_targets)
     z = _native_logits(hidden, w, temperature)
     logp_all = torch.log_softmax(z, dim=-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)

@@ -253,18 +253,24 @@ def token_logprobs(
     temperature: float = 1.0,
     *,
     backend: str | None = None,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused lm-head + temperature + log-softmax + gather: the one log-prob function of rlexact.
 
     ``hidden [T, H]``, ``w [V, H]`` (the lm-head weight), ``targets [T]`` int64 -> ``(logp [T], entropy [T])`` fp32,
     with ``logp[t] = z[t, targets[t]] - logsumexp(z[t])`` and ``z = (hidden @ w.T in fp32) / temperature``.
     ``[T, V]`` fp32 logits are never materialized. Differentiable in ``hidden`` and ``w``.
+
+    ``check_targets=False`` skips the range check of ``targets`` (a host synchronization that waits for everything
+    queued before it); only for callers that have checked every target lies in ``[0, V)``.
     """
     _check_head(hidden, w, temperature)
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden rows {hidden.shape[0]}")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= w.shape[0]):
-        raise ValueError(f"targets outside the vocabulary [0, {w.shape[0]})")
+    if check_targets and targets.numel():
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one host synchronization
+        if lo < 0 or hi >= w.shape[0]:
+            raise ValueError(f"targets outside the vocabulary [0, {w.shape[0]}): min {lo}, max {hi}")
     return TokenLogprobsFn.apply(
         hidden.contiguous(), w, targets.long().contiguous(), float(temperature), resolve_backend(hidden, backend)
     )

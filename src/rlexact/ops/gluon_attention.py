@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
-from .triton_shared import cuda_props, device_key
+from .triton_shared import cuda_props
 
 __all__ = ["forward", "supported"]
 
@@ -41,23 +41,30 @@ WARPS = 4
 """Warps per program, 16 query rows each (``benchmarks/results/gluon_attention_probe_h200.json``: faster than 8)."""
 SCAN = 128
 """Sequences examined per step when a program looks up which sequence its tile slot belongs to."""
+_INTERPRET = interpreter_enabled()
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
     """Whether :func:`forward` runs this packed launch: a Triton with Gluon's Hopper language (not the interpreter),
     an sm_90 GPU, 16-bit inputs of head dim 128 with key tiles of :data:`BLOCK_N`, K and V laid out as TMA reads
-    them (heads and dims dense, rows 16-byte aligned)."""
-    if gluon is None or interpreter_enabled() or not q.is_cuda or block_n != BLOCK_N:
+    them (heads and dims dense, rows 16-byte aligned). Checked on every packed launch, so it reads each tensor
+    attribute once."""
+    if gluon is None or _INTERPRET or block_n != BLOCK_N or not q.is_cuda:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != HEAD_DIM or k.dtype != q.dtype:
+    dt = q.dtype
+    if (dt is not torch.bfloat16 and dt is not torch.float16) or k.dtype is not dt or q.shape[-1] != HEAD_DIM:
         return False
-    if q.stride(2) != 1 or k.stride(2) != 1 or k.stride(1) != HEAD_DIM or (k.stride(0) * k.element_size()) % 16:
-        return False  # TMA reads K/V rows as [T, Hkv * D] with a 16-byte-aligned row stride
-    if k.data_ptr() % 16:
+    ks = k.stride()
+    if q.stride(2) != 1 or ks[2] != 1 or ks[1] != HEAD_DIM or ks[0] % 8:
+        return False  # TMA reads K/V rows as [T, Hkv * D] with a 16-byte-aligned row stride (8 16-bit elements)
+    if v.stride() != ks or k.data_ptr() % 16 or v.data_ptr() % 16:
         return False
-    if v.stride() != k.stride() or v.data_ptr() % 16:
-        return False
-    return cuda_props(device_key(q.device)[1])[0] == 9
+    return _sm90(q.get_device())
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return cuda_props(index)[0] == 9
 
 
 if gluon is not None:

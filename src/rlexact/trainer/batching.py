@@ -98,13 +98,12 @@ def score_chunks(
     forward per chunk of sequence indices (consecutive, covering the batch); every parameter gathered once under
     FSDP."""
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    cu = batch.cu_seqlens.long()
+    cu = batch.cu_seqlens.tolist()
     with gathered_params(model):
-        for idx in index_chunks:
-            sub = batch.select(idx)
+        for idx, sub in zip(index_chunks, batch.split(index_chunks)):
             lp = fsdp_call(
                 model,
                 lambda sub=sub: batch_logprobs(model, sub, temperature, with_entropy=False, truncation=truncation)[0],
             )
-            out[int(cu[idx[0]]) : int(cu[idx[-1] + 1])] = lp
+            out[cu[idx[0]] : cu[idx[-1] + 1]] = lp
     return out

@@ -175,11 +175,10 @@ class PPOUpdate:
         for epoch in range(algo.ppo_epochs):
             order = torch.randperm(n_seq, generator=g).tolist() if algo.shuffle else list(range(n_seq))
             minis = [order[i : i + size] for i in range(0, n_seq, size)]
-            for step in range(num_minis):
-                if step < len(minis):
-                    mb = batch.select(minis[step])
-                else:  # fewer sequences on this rank: a no-loss placeholder keeps the ranks' collectives aligned
-                    mb = batch.select([0])
+            # fewer sequences on this rank: no-loss placeholders keep the ranks' collectives aligned
+            mini_batches = batch.split(minis + [[0]] * (num_minis - len(minis)))
+            for step, mb in enumerate(mini_batches):
+                if step >= len(minis):
                     mb.loss_mask = torch.zeros_like(mb.loss_mask)
                 self.mini_step(mb, callbacks, epoch, step)
         lr = None
@@ -236,15 +235,14 @@ class PPOUpdate:
             stats.share = local_seqs / totals["seqs"] if totals["seqs"] else 0.0
         opt = host.optimizers()
         loss_sum = 0.0
+        # every micro-batch gathered up front: one host synchronization per mini-batch
+        micro_batches = [mb] if single else mb.split(micros + [[0]] * (num_micros - len(micros)))
         try:
-            for k in range(num_micros):
+            for k, micro in enumerate(micro_batches):
                 if single:
-                    micro, lp, en = mb, logp, ent
+                    lp, en = logp, ent
                 else:
-                    if k < len(micros):
-                        micro = mb.select(micros[k])
-                    else:
-                        micro = mb.select([0])
+                    if k >= len(micros):  # a no-loss placeholder (fewer micro-batches on this rank)
                         micro.loss_mask = torch.zeros_like(micro.loss_mask)
                     # FSDP2: accumulate unsharded gradients locally, reduce-scatter once after the last micro-batch
                     set_gradient_sync(host.model, k == num_micros - 1)
