@@ -252,8 +252,8 @@ def host_only(args: argparse.Namespace) -> dict:
     # would resolve to the torch backend.
     torch.cuda.is_current_stream_capturing = _stub_capturing
     torch.cuda.current_device = _stub_device
-    tmm._cuda_queries = lambda: (_stub_device, _stub_stream, _stub_capturing)
-    tmm._direct_layout = lambda launcher: True
+    tmm.cuda_queries = lambda: (_stub_device, _stub_stream, _stub_capturing)
+    tmm.direct_launch_ok = lambda launcher: True
     rlexact.ops.resolve_backend = lambda t, backend: backend
     tmm._SCRATCH[(-1, 0)] = torch.empty(1 << 16, dtype=torch.int8)
 

@@ -265,6 +265,15 @@ def test_aggregate_gradient_and_nan_isolation() -> None:
 
 
 @pytest.mark.parametrize("mode", list(EXPECTED))
+def test_aggregate_with_precomputed_segments(mode: str) -> None:
+    seg = segment_ids(CU, 8)
+    out = aggregate_loss(LOSS, MASK, CU, mode, norm_length=10, seg=seg)
+    assert torch.equal(out, aggregate_loss(LOSS, MASK, CU, mode, norm_length=10))
+    with pytest.raises(ValueError, match=r"seg has shape \(7,\), expected \(8,\)"):
+        aggregate_loss(LOSS, MASK, CU, mode, norm_length=10, seg=seg[:-1])
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
 def test_aggregate_all_masked_is_connected_zero(mode: str) -> None:
     loss = LOSS.clone().requires_grad_()
     out = aggregate_loss(loss, torch.zeros(8, dtype=torch.bool), CU, mode, norm_length=10)

@@ -212,8 +212,8 @@ def stub(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         sys.path.remove(str(ROOT / "benchmarks"))
     from rlexact.ops import triton_matmul as tmm
 
-    monkeypatch.setattr(tmm, "_cuda_queries", lambda: (ml._stub_device, ml._stub_stream, ml._stub_capturing))
-    monkeypatch.setattr(tmm, "_direct_layout", lambda launcher: True)
+    monkeypatch.setattr(tmm, "cuda_queries", lambda: (ml._stub_device, ml._stub_stream, ml._stub_capturing))
+    monkeypatch.setattr(tmm, "direct_launch_ok", lambda launcher: True)
     monkeypatch.setattr(torch.cuda, "current_device", ml._stub_device)
     monkeypatch.setattr(tmm, "_RUNNER_BROKEN", [False])
     monkeypatch.setattr(tmm, "_INTERPRET", False)
@@ -260,7 +260,7 @@ def test_direct_runner_capture_scratch(stub, monkeypatch: pytest.MonkeyPatch) ->
     asked = []
     monkeypatch.setattr(tmm, "_scratch", lambda size, device, stream: asked.append(size) or scratch)
     capturing = [False]
-    monkeypatch.setattr(tmm, "_cuda_queries", lambda: (ml._stub_device, ml._stub_stream, lambda: capturing[0]))
+    monkeypatch.setattr(tmm, "cuda_queries", lambda: (ml._stub_device, ml._stub_stream, lambda: capturing[0]))
     compiled = ml._StubCompiled()
     _record(compiled)
     out = torch.empty(300, 64, dtype=torch.bfloat16)
@@ -341,7 +341,7 @@ def test_direct_runner_other_device(stub) -> None:  # noqa: ANN001
 def test_direct_layout_rejects_unknown_launchers() -> None:
     from rlexact.ops import triton_matmul as tmm
 
-    assert not tmm._direct_layout(object())
+    assert not tmm.direct_launch_ok(object())
 
 
 @needs_triton

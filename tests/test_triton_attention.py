@@ -184,6 +184,47 @@ def test_gpu_gluon_forward_equals_tl(heads) -> None:
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon forward's second launch of a specialization goes through its cached launcher and gives the first
+    launch's bits; another specialization (a query buffer that is not 16-byte aligned, one sequence) gets its own
+    compiled kernel and still the ``tl`` kernel's rows. With the cached launchers off (``RLEXACT_GLUON_JIT_LAUNCH``)
+    none is kept."""
+    from rlexact.ops import gluon_attention
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    lens = [5, 300, 70]
+    t = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    buf = torch.randn(t * hq * d + 1, device="cuda", dtype=torch.bfloat16)
+    q_aligned, q_odd = buf[: t * hq * d].view(t, hq, d), buf[1:].view(t, hq, d)
+    k, v = (torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if not gluon_attention.supported(q_aligned, k, v, 64):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+
+    def run(q: torch.Tensor, cu: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+        out = torch.empty(q.shape, device="cuda", dtype=q.dtype)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, out, cfg=cfg)
+        return out
+
+    monkeypatch.setattr(gluon_attention, "_LAUNCHERS", {})
+    first = run(q_aligned, cu)
+    assert len(gluon_attention._LAUNCHERS) == 1
+    assert torch.equal(run(q_aligned, cu), first) and len(gluon_attention._LAUNCHERS) == 1
+    assert torch.equal(first, run(q_aligned, cu, {"GLUON": False}))
+    odd = run(q_odd, cu)
+    assert len(gluon_attention._LAUNCHERS) == 2 and torch.equal(run(q_odd, cu), odd)
+    assert torch.equal(odd, run(q_odd, cu, {"GLUON": False}))
+    one = cu[[0, 1]]  # num_seqs == 1: Triton specializes the integer
+    assert torch.equal(run(q_aligned[:5], one), run(q_aligned[:5], one, {"GLUON": False}))
+    assert len(gluon_attention._LAUNCHERS) == 3
+    monkeypatch.setattr(gluon_attention, "_LAUNCHERS", {})
+    monkeypatch.setattr(gluon_attention, "_DIRECT", [False])
+    assert torch.equal(run(q_aligned, cu), first) and not gluon_attention._LAUNCHERS
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_negative_control(checks, dtype) -> None:
     checks.check_negative_control(GPU_LENS, *QWEN3, dtype=dtype, device="cuda")

@@ -50,8 +50,7 @@ def shifted_targets(packed: Packed, mask: torch.Tensor | None = None) -> tuple[t
     tokens 1..L-1), in sequence order; with a bool ``mask [T]``, only the targets where it is True."""
     ids = packed.input_ids
     last = packed.cu_seqlens[1:].long() - 1
-    keep = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
-    keep[last] = False
+    keep = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device).index_fill_(0, last, False)
     if mask is not None:
         keep[:-1] &= mask[1:].to(keep.device)
     rows = torch.nonzero(keep).squeeze(-1)

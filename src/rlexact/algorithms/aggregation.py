@@ -173,6 +173,7 @@ def aggregate_loss(
     *,
     token_weights: Tensor | None = None,
     norm_length: int | None = None,
+    seg: Tensor | None = None,
 ) -> Tensor:
     """Reduce an unreduced per-token loss to a scalar (see the module docstring for the formulas).
 
@@ -184,13 +185,14 @@ def aggregate_loss(
         token_weights: optional floating ``[T]`` (e.g. detached TIS weights) multiplied into ``token_loss`` first.
         norm_length: the constant normalizer of ``seq-mean-token-sum-norm`` (the maximum response length);
             required by that mode and ignored by the others.
+        seg: ``segment_ids(cu_seqlens, T)`` when the caller has it (it validated the stream); computed otherwise.
 
     Returns:
         0-dim tensor of ``token_loss``'s dtype. Unmasked tokens contribute exactly nothing (selected away with
         ``torch.where``, so NaN there cannot leak), sequences without unmasked tokens are left out of the sequence
         means, and when no token is unmasked the result is an exact 0 that keeps a ``grad_fn`` connected to
         ``token_loss`` (its gradient is zero). The only host synchronizations on the loss path are the
-        ``cu_seqlens`` validation and :func:`segment_sum`'s longest segment (sequence modes).
+        ``cu_seqlens`` validation (without ``seg``) and :func:`segment_sum`'s longest segment (sequence modes).
     """
     mode = LossAggMode.parse(mode)
     require_1d("token_loss", token_loss)
@@ -205,7 +207,10 @@ def aggregate_loss(
         require_1d("token_weights", token_weights, num_tokens)
         loss = loss * token_weights
     masked = torch.where(loss_mask, loss, 0.0)
-    seg = segment_ids(cu_seqlens, num_tokens)  # validates the stream in every mode
+    if seg is None:
+        seg = segment_ids(cu_seqlens, num_tokens)  # validates the stream in every mode
+    elif seg.shape != (num_tokens,):
+        raise ValueError(f"seg has shape {tuple(seg.shape)}, expected ({num_tokens},): segment_ids of this stream")
     if mode is LossAggMode.TOKEN_MEAN:
         return masked.sum() / loss_mask.sum().clamp(min=1)
     num_seqs = cu_seqlens.numel() - 1

@@ -40,7 +40,13 @@ def forward_hidden(
         raise ValueError("forward_hidden needs an exactified model: call rlexact.exactify(model) first")
     if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} must be [T]")
-    out = decoder(model)(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, rlexact_meta=meta)
+    # an empty 4-D mask: transformers passes a prepared mask through unchanged instead of deriving one from the
+    # positions (a packed-sequence scan with a host synchronization); the packed kernels mask by ``meta`` alone
+    no_mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=input_ids.device)
+    out = decoder(model)(
+        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=no_mask, use_cache=False,
+        rlexact_meta=meta,
+    )  # fmt: skip
     return out.last_hidden_state[0]
 
 

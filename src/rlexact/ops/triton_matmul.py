@@ -90,7 +90,6 @@ Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/re
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
 import warnings
@@ -108,8 +107,11 @@ from .triton_shared import (
     aligned,
     cast_out,
     cuda_props,
+    cuda_queries,
     device_key,
+    direct_launch_ok,
     dot_flags,
+    launch_hooks_installed,
     num_sms,
     rne_fix,
     silu_times,
@@ -692,7 +694,7 @@ def _triton_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     allocator), skipped when the current device is not the plan's (then the JIT dispatch decides, as without a
     cached launcher)."""
     run = compiled[grid]
-    get_device = _cuda_queries()[0]
+    get_device = cuda_queries()[0]
 
     def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ptrs: int) -> bool:
         if get_device() != device:
@@ -704,34 +706,10 @@ def _triton_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     return runner
 
 
-def _cuda_queries() -> tuple:
-    """``(current device, current raw stream of a device, is the current stream capturing)`` as torch's C functions
-    (the per-launch queries of the direct launcher; CUDA builds of torch only)."""
-    c = torch._C
-    return c._cuda_getDevice, c._cuda_getCurrentRawStream, c._cuda_isCurrentStreamCapturing
-
-
-def _direct_layout(launcher) -> bool:  # noqa: ANN001
-    """True when ``launcher`` (``CompiledKernel.run``) is the CUDA launcher whose call this module reproduces:
-    Triton 3.6's ``CudaLauncher``, ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocating global and
-    profile scratch and then calling the C ``launch(gridX, gridY, gridZ, stream, function, cooperative, pdl,
-    global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)``
-    (argument formats ``iiiKKppOOOOOO``)."""
-    try:
-        from triton.backends.nvidia import driver as nv
-    except ImportError:  # pragma: no cover - no CUDA backend
-        return False
-    if getattr(nv, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or type(launcher) is not nv.CudaLauncher:
-        return False
-    params = list(inspect.signature(nv.CudaLauncher.__call__).parameters)
-    return params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and hasattr(
-        getattr(triton, "knobs", None), "runtime"
-    )
-
-
 def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: ANN001, ANN202
-    """A launcher that calls Triton's C ``launch`` of ``compiled`` itself, or None where :func:`_direct_layout`
-    does not recognise this Triton (then :func:`_triton_runner` is used).
+    """A launcher that calls Triton's C ``launch`` of ``compiled`` itself, or None where
+    :func:`~rlexact.ops.triton_shared.direct_launch_ok` does not recognise this Triton (then :func:`_triton_runner`
+    is used).
 
     Per launch it does only what Triton's ``CompiledKernel[grid]`` + ``CudaLauncher`` would do for this kernel with
     no launch hooks installed: read the current stream, take the global scratch (descriptor scratch of
@@ -742,25 +720,20 @@ def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     runner so the hooks see every launch; when the current device is not the plan's it returns False (the JIT
     dispatch decides)."""
     launcher = compiled.run
-    if not _direct_layout(launcher) or launcher.profile_scratch_size:
+    if not direct_launch_ok(launcher) or launcher.profile_scratch_size:
         return None
     c_launch = launcher.launch
     gx, gy, gz = grid
     nbytes = gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size
     function, meta = compiled.function, compiled.packed_metadata
     coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-    get_device, raw_stream, capturing = _cuda_queries()
-    rt = triton.knobs.runtime
-    chain = getattr(triton.knobs, "HookChain", ())
+    get_device, raw_stream, capturing = cuda_queries()
     hooked = _triton_runner(device, compiled, grid, tail)
     last = (None, None)  # (stream, scratch buffer) of the previous eager launch
 
     def runner(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, px: int, pw: int, po: int) -> bool:
         nonlocal last
-        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-        if (enter is not None and (type(enter) is not chain or enter.calls)) or (
-            leave is not None and (type(leave) is not chain or leave.calls)
-        ):
+        if launch_hooks_installed():
             return hooked(x, w, out)
         if get_device() != device:
             return False

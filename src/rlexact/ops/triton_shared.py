@@ -19,8 +19,11 @@ __all__ = [
     "aligned",
     "cast_out",
     "cuda_props",
+    "cuda_queries",
     "device_key",
+    "direct_launch_ok",
     "dot_flags",
+    "launch_hooks_installed",
     "num_sms",
     "rne_fix",
     "silu_times",
@@ -66,6 +69,42 @@ def cuda_props(idx: int) -> tuple[int, int]:
     """``(compute capability major, SM count)`` of CUDA device ``idx``."""
     p = torch.cuda.get_device_properties(idx)
     return (p.major, p.multi_processor_count)
+
+
+def cuda_queries() -> tuple:
+    """``(current device, current raw stream of a device, is the current stream capturing)`` as torch's C functions
+    (the per-launch queries of the cached launchers; CUDA builds of torch only)."""
+    c = torch._C
+    return c._cuda_getDevice, c._cuda_getCurrentRawStream, c._cuda_isCurrentStreamCapturing
+
+
+def direct_launch_ok(launcher) -> bool:  # noqa: ANN001
+    """True when ``launcher`` (``CompiledKernel.run``) is the CUDA launcher whose call the cached launchers
+    reproduce: Triton 3.6's ``CudaLauncher``, ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocating
+    global and profile scratch and then calling the C ``launch(gridX, gridY, gridZ, stream, function, cooperative,
+    pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)``
+    (argument formats ``iiiKKppOOOOOO``)."""
+    try:
+        from triton.backends.nvidia import driver as nv
+    except ImportError:  # pragma: no cover - no CUDA backend
+        return False
+    if getattr(nv, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or type(launcher) is not nv.CudaLauncher:
+        return False
+    params = list(inspect.signature(nv.CudaLauncher.__call__).parameters)
+    return params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and hasattr(
+        getattr(triton, "knobs", None), "runtime"
+    )
+
+
+def launch_hooks_installed() -> bool:
+    """Whether Triton's launch enter/exit hooks are set (e.g. by a profiler): then launches go through Triton's own
+    dispatch, which calls them, instead of a cached launcher."""
+    rt = triton.knobs.runtime
+    chain = getattr(triton.knobs, "HookChain", ())
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and (type(enter) is not chain or bool(enter.calls))) or (
+        leave is not None and (type(leave) is not chain or bool(leave.calls))
+    )
 
 
 def num_sms(device: torch.device) -> int:

@@ -246,8 +246,11 @@ class PPOUpdate:
                         micro.loss_mask = torch.zeros_like(micro.loss_mask)
                     # FSDP2: accumulate unsharded gradients locally, reduce-scatter once after the last micro-batch
                     set_gradient_sync(host.model, k == num_micros - 1)
+                # the stream's validation (a host synchronization) before the forward is queued, not after it
+                seg = alg.segment_ids(micro.cu_seqlens, micro.num_tokens)
+                if not single:
                     lp, en = self._logprobs(micro)
-                loss = self.micro_loss(micro, lp, en, local_tokens, local_seqs)
+                loss = self.micro_loss(micro, lp, en, local_tokens, local_seqs, seg)
                 host.manual_backward(loss)
                 loss_sum = loss_sum + loss.detach().double()
         finally:
@@ -265,11 +268,20 @@ class PPOUpdate:
             (sched[0] if isinstance(sched, list) else sched).step()
 
     def micro_loss(
-        self, micro: RolloutBatch, logp: torch.Tensor, ent: torch.Tensor, mini_tokens: int, mini_seqs: int
+        self,
+        micro: RolloutBatch,
+        logp: torch.Tensor,
+        ent: torch.Tensor,
+        mini_tokens: int,
+        mini_seqs: int,
+        seg: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of one micro-batch, scaled by its share of the mini-batch normalizer (so the micro-batch losses
-        of a mini-batch sum to the mini-batch loss); records its statistics."""
+        of a mini-batch sum to the mini-batch loss); records its statistics. ``seg``: the micro-batch's
+        ``segment_ids`` (computed here, once for every aggregate, without it)."""
         host, algo, stats = self.host, self.host.algo, self.stats
+        if seg is None:
+            seg = alg.segment_ids(micro.cu_seqlens, micro.num_tokens)
         mask = micro.loss_mask
         mode = algo.loss_agg_mode
         norm = host.rollout_cfg.max_new_tokens
@@ -281,7 +293,9 @@ class PPOUpdate:
             scale = seq_valid(micro).sum().double() / max(mini_seqs, 1)
 
         def agg(values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-            return alg.aggregate_loss(values, mask, micro.cu_seqlens, mode, token_weights=weights, norm_length=norm)
+            return alg.aggregate_loss(
+                values, mask, micro.cu_seqlens, mode, token_weights=weights, norm_length=norm, seg=seg
+            )
 
         tok, info = host.policy_loss(micro, logp)
         pg = agg(tok, micro.token_weights)
