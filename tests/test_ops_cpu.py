@@ -139,6 +139,16 @@ def test_token_logprobs(dtype: torch.dtype, vocab: int, h: int) -> None:
     assert torch.equal(z.gather(1, tgt[:, None])[:, 0] - lse, lp_t)
 
 
+def test_token_logprobs_rejects_targets_outside_the_vocabulary() -> None:
+    hid, w = torch.randn(3, 16), torch.randn(10, 16)
+    with pytest.raises(ValueError, match=r"targets outside the vocabulary \[0, 10\): min 2, max 10"):
+        ops.token_logprobs(hid, w, torch.tensor([2, 10, 4]))
+    with pytest.raises(ValueError, match="min -1, max 4"):
+        ops.token_logprobs(hid, w, torch.tensor([-1, 3, 4]))
+    lp, _ = ops.token_logprobs(hid, w, torch.tensor([2, 9, 4]), check_targets=False)  # the caller checked them
+    assert torch.equal(lp, ops.token_logprobs(hid, w, torch.tensor([2, 9, 4]))[0])
+
+
 def test_token_logprobs_large_vocab() -> None:
     g = torch.Generator().manual_seed(3)
     vocab, h = 151_936, 32
