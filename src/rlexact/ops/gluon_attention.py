@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
-from .triton_shared import cuda_props, cuda_queries, direct_launch_ok, launch_hooks_installed
+from .triton_shared import LAUNCHER_ERRORS, cuda_props, cuda_queries, direct_launch_ok, launch_hooks_installed
 
 __all__ = ["forward", "supported"]
 
@@ -272,6 +272,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
 
 
+_CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
+"""How many of :func:`_fwd_kernel`'s parameters (the trailing ones) are constexprs."""
+
 _LAUNCHERS: dict = {}
 """Specialization key (:func:`_launch`) -> ``(CompiledKernel.run, function, packed metadata)``."""
 
@@ -291,9 +294,10 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
     does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no launch hooks
     (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
     dev = tensors[0].get_device()
+    n_const = _CONSTEXPRS
     key = (
         dev,
-        args[-8:],
+        args[-n_const:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
         tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints),
     )
@@ -305,10 +309,11 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
             try:
                 run(grid[0], grid[1], 1, raw_stream(dev), function, meta, None, None, None, *args)
                 return
-            except (TypeError, IndexError, AttributeError, ValueError) as e:
+            except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
     names = _fwd_kernel.arg_names
-    compiled = _fwd_kernel[grid](*args[:-8], **dict(zip(names[-8:], args[-8:])), num_warps=WARPS)
+    constexprs = dict(zip(names[-n_const:], args[-n_const:]))
+    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)

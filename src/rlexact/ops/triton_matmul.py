@@ -102,6 +102,7 @@ import triton.language as tl
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
+    LAUNCHER_ERRORS,
     TL_DTYPE,
     TensorDescriptor,
     aligned,
@@ -608,9 +609,6 @@ _RUNNER_BROKEN: list[bool] = [os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") =
 """True: every launch goes through Triton's JIT dispatch (``RLEXACT_MATMUL_JIT_LAUNCH=1``, or set when a cached
 launcher raised, i.e. an incompatible Triton)."""
 
-_RUNNER_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
-"""What a cached launcher raises when this Triton's launcher API is not the one it was written for."""
-
 
 def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``plan`` on contiguous ``x [..., K]``, ``w [N, K]``, ``out [..., N]`` (``M`` rows; same CUDA device,
@@ -642,7 +640,7 @@ def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.T
             try:
                 if runner(x, w, out, px, pw, po):
                     return
-            except _RUNNER_ERRORS as e:
+            except LAUNCHER_ERRORS as e:
                 _RUNNER_BROKEN[0] = True
                 plan.runner = None
                 warnings.warn(f"cached Triton launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=2)

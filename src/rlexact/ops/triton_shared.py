@@ -14,6 +14,7 @@ from .backend import interpreter_enabled
 
 __all__ = [
     "HAS_WS",
+    "LAUNCHER_ERRORS",
     "TL_DTYPE",
     "TensorDescriptor",
     "aligned",
@@ -94,6 +95,10 @@ def direct_launch_ok(launcher) -> bool:  # noqa: ANN001
     return params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and hasattr(
         getattr(triton, "knobs", None), "runtime"
     )
+
+
+LAUNCHER_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
+"""What a cached launcher raises when this Triton's launcher API is not the one it was written for."""
 
 
 def launch_hooks_installed() -> bool:

@@ -98,12 +98,13 @@ def score_chunks(
     forward per chunk of sequence indices (consecutive, covering the batch); every parameter gathered once under
     FSDP."""
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    cu = batch.cu_seqlens.tolist()
+    start = 0
     with gathered_params(model):
-        for idx, sub in zip(index_chunks, batch.split(index_chunks)):
+        for sub in batch.split(index_chunks):  # consecutive chunks: each starts where the previous one ended
             lp = fsdp_call(
                 model,
                 lambda sub=sub: batch_logprobs(model, sub, temperature, with_entropy=False, truncation=truncation)[0],
             )
-            out[cu[idx[0]] : cu[idx[-1] + 1]] = lp
+            out[start : start + sub.num_tokens] = lp
+            start += sub.num_tokens
     return out
