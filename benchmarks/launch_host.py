@@ -18,12 +18,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, bench_stream, header
+from common import ROOT, bench_graph, bench_stream, header, host_us
 
 T, HQ, HKV, D, H, INTER = 6144, 16, 8, 128, 2048, 6144
 SEQS = 16
@@ -65,15 +64,7 @@ def measure(out_file: str | None) -> dict:
     res, outs = {}, {}
     for name, fn in _ops().items():
         outs[name] = fn().detach().cpu()
-        host = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                fn()
-            host.append((time.perf_counter() - t0) / 50 * 1e6)
-        torch.cuda.synchronize()
-        res[name] = {"host_us": sorted(host)[2], "eager_ms": bench_stream(fn), "graph_ms": bench_graph(fn)}
+        res[name] = {"host_us": host_us(fn), "eager_ms": bench_stream(fn), "graph_ms": bench_graph(fn)}
     if out_file:
         torch.save(outs, out_file)
     return res
