@@ -166,3 +166,21 @@ def test_launcher_that_raises_switches_to_the_dispatch(monkeypatch: pytest.Monke
     with pytest.warns(UserWarning, match="cached Triton launcher unusable"):
         tl_launch.launch(kern, (1,), x, 5, BLOCK=64)
     assert len(kern.dispatched) == 2 and tl_launch._DIRECT == [False]
+
+
+@needs_triton
+def test_stand_in_kernels_are_dispatched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object that is not a JIT function (a test's recorder) is launched through its own ``[grid]``."""
+    from rlexact.ops import triton_launch as tl_launch
+
+    monkeypatch.setattr(tl_launch, "_INTERPRET", False)
+    monkeypatch.setattr(tl_launch, "_DIRECT", [True])
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    x = torch.Tensor._make_subclass(_OnGpu0, torch.zeros(8))
+    tl_launch.launch(Recorder(), (2,), x, 3, BLOCK=16)
+    assert calls == [((2,), (x, 3), {"BLOCK": 16})]

@@ -51,7 +51,9 @@ class UncachedLaunch(Exception):
 def _signature(kernel: object) -> tuple:
     sig = _SIGNATURES.get(kernel)
     if sig is None:
-        params = kernel.params
+        params = getattr(kernel, "params", None)
+        if params is None:  # not a JIT function (a stand-in): its own ``[grid]`` launches it
+            raise UncachedLaunch
         names = tuple(p.name for p in params)
         defaults = tuple(p.default if p.has_default else _NO_DEFAULT for p in params)
         sig = _SIGNATURES[kernel] = (names, {n: i for i, n in enumerate(names)}, tuple(p.is_constexpr for p in params),
