@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from .backend import interpreter_enabled
-from .triton_shared import cuda_queries, direct_launch_ok, launch_hooks_installed
+from .triton_shared import LAUNCHER_ERRORS, cuda_queries, direct_launch_ok, launch_hooks_installed
 
 __all__ = ["UncachedLaunch", "launch", "launcher_count", "specialization_key", "value_class"]
 
@@ -40,8 +40,6 @@ _SIGNATURES: dict = {}
 """JIT function -> ``(parameter names, name -> index, constexpr flags, defaults)``."""
 _NO_DEFAULT = object()
 _INT32 = (-(2**31), 2**31)
-_ERRORS = (TypeError, IndexError, AttributeError, ValueError)
-"""What a cached launcher raises when this Triton's launcher API is not the one it was written for."""
 
 
 class UncachedLaunch(Exception):
@@ -142,7 +140,7 @@ def launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: objec
             try:
                 run(g[0], g[1], g[2], raw_stream(device), function, meta, None, None, None, *values)
                 return
-            except _ERRORS as e:
+            except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Triton launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=2)
     compiled = kernel[grid](*args, **kwargs)
