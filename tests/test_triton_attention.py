@@ -185,11 +185,11 @@ def test_gpu_gluon_forward_equals_tl(heads) -> None:
 @pytest.mark.gpu
 @gpu
 def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon forward's second launch of a specialization goes through the cached launcher
-    (``rlexact.ops.triton_launch``) and gives the first launch's bits; another specialization (a query buffer that
-    is not 16-byte aligned, one sequence) gets its own compiled kernel and still the ``tl`` kernel's rows. With the
-    cached launchers off (``RLEXACT_JIT_LAUNCH``) none is kept."""
-    from rlexact.ops import gluon_attention, triton_launch
+    """The Gluon forward's second launch of a specialization goes through its cached launcher and gives the first
+    launch's bits; another specialization (a query buffer that is not 16-byte aligned, one sequence) gets its own
+    compiled kernel and still the ``tl`` kernel's rows. With the cached launchers off (``RLEXACT_GLUON_JIT_LAUNCH``)
+    none is kept."""
+    from rlexact.ops import gluon_attention
     from rlexact.ops import triton_attention as ta
 
     hq, hkv, d = QWEN3
@@ -201,27 +201,26 @@ def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     k, v = (torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if not gluon_attention.supported(q_aligned, k, v, 64):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    kernel = gluon_attention._fwd_kernel
 
     def run(q: torch.Tensor, cu: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
         out = torch.empty(q.shape, device="cuda", dtype=q.dtype)
         ta._forward(q, k, v, cu, None, None, d**-0.5, out, cfg=cfg)
         return out
 
-    monkeypatch.setattr(triton_launch, "_LAUNCHERS", {})
+    monkeypatch.setattr(gluon_attention, "_LAUNCHERS", {})
     first = run(q_aligned, cu)
-    assert triton_launch.launcher_count(kernel) == 1
-    assert torch.equal(run(q_aligned, cu), first) and triton_launch.launcher_count(kernel) == 1
+    assert len(gluon_attention._LAUNCHERS) == 1
+    assert torch.equal(run(q_aligned, cu), first) and len(gluon_attention._LAUNCHERS) == 1
     assert torch.equal(first, run(q_aligned, cu, {"GLUON": False}))
     odd = run(q_odd, cu)
-    assert triton_launch.launcher_count(kernel) == 2 and torch.equal(run(q_odd, cu), odd)
+    assert len(gluon_attention._LAUNCHERS) == 2 and torch.equal(run(q_odd, cu), odd)
     assert torch.equal(odd, run(q_odd, cu, {"GLUON": False}))
     one = cu[[0, 1]]  # num_seqs == 1: Triton specializes the integer
     assert torch.equal(run(q_aligned[:5], one), run(q_aligned[:5], one, {"GLUON": False}))
-    assert triton_launch.launcher_count(kernel) == 3
-    monkeypatch.setattr(triton_launch, "_LAUNCHERS", {})
-    monkeypatch.setattr(triton_launch, "_DIRECT", [False])
-    assert torch.equal(run(q_aligned, cu), first) and not triton_launch.launcher_count()
+    assert len(gluon_attention._LAUNCHERS) == 3
+    monkeypatch.setattr(gluon_attention, "_LAUNCHERS", {})
+    monkeypatch.setattr(gluon_attention, "_DIRECT", [False])
+    assert torch.equal(run(q_aligned, cu), first) and not gluon_attention._LAUNCHERS
 
 
 @pytest.mark.gpu

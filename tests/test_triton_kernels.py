@@ -243,38 +243,6 @@ def test_gpu_rms_norm(dtype: torch.dtype, h: int) -> None:
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_cached_launch_equals_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kernels launched through ``triton_launch.launch``: the first launch of a specialization is dispatched and
-    kept, later ones with the same key use the kept launcher and give the dispatch's bits (rms_norm forward and
-    backward, whose row count classes differ: M = 37, 53 and 48), and switching the cached launchers off gives the
-    same bits again."""
-    from rlexact.ops import triton_backward, triton_launch, triton_norm
-
-    g = torch.Generator(device="cuda").manual_seed(11)
-    w = (1 + 0.1 * torch.randn(2048, device=_dev(), generator=g)).to(torch.bfloat16)
-    xs = [torch.randn(m, 2048, device=_dev(), generator=g).to(torch.bfloat16) for m in (37, 53, 48)]
-
-    def run() -> list[torch.Tensor]:
-        outs = []
-        for x in xs:
-            outs.append(triton_norm.rms_norm(x, w, 1e-6))
-            outs.extend(triton_backward.rms_norm_backward(x, w, torch.ones_like(x), 1e-6))
-        return outs
-
-    monkeypatch.setattr(triton_launch, "_LAUNCHERS", {})
-    first = run()
-    kept = triton_launch.launcher_count()
-    assert kept >= 4  # the forward: one key for 37 and 53 (same classes), one for 48; the backward and column sum
-    second = run()
-    assert triton_launch.launcher_count() == kept
-    monkeypatch.setattr(triton_launch, "_DIRECT", [False])
-    third = run()
-    for a, b, c in zip(first, second, third):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_silu_mul(dtype: torch.dtype) -> None:
     from rlexact.ops import reference, triton_norm

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 
 import torch
 
@@ -30,8 +32,7 @@ except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
-from .triton_launch import launch
-from .triton_shared import cuda_props
+from .triton_shared import LAUNCHER_ERRORS, cuda_props, cuda_queries, direct_launch_ok, launch_hooks_installed
 
 __all__ = ["forward", "supported"]
 
@@ -251,8 +252,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
-    (``out`` holds dO). Call only where :func:`supported` holds. Launched through
-    :func:`rlexact.ops.triton_launch.launch` (a cached launcher after a specialization's first launch)."""
+    (``out`` holds dO). Call only where :func:`supported` holds.
+
+    The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
+    kernel's launcher directly (:func:`_launch`)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     num_seqs = cu.shape[0] - 1
@@ -261,8 +264,56 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without BWD_PREP
     grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
-    launch(
-        _fwd_kernel, grid, q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HP=hp, GROUP=hq // hkv, D=d,
-        BLOCK_N=BLOCK_N, SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
-    )  # fmt: skip
+    sq, so, sl = q.stride(), out.stride(), lse.stride()
+    args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
+            sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
+    # the integer arguments, and the descriptors' row count and row strides
+    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
+    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
+
+
+_CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
+"""How many of :func:`_fwd_kernel`'s parameters (the trailing ones) are constexprs."""
+
+_LAUNCHERS: dict = {}
+"""Specialization key (:func:`_launch`) -> ``(CompiledKernel.run, function, packed metadata)``."""
+
+_DIRECT = [os.environ.get("RLEXACT_GLUON_JIT_LAUNCH", "0") != "1"]
+"""False: every launch goes through Triton's JIT dispatch (``RLEXACT_GLUON_JIT_LAUNCH=1``, or set when a cached
+launcher raised, i.e. a Triton whose launcher API is not the one :func:`direct_launch_ok` recognises)."""
+
+
+def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
+    """Launch :func:`_fwd_kernel` with ``args`` (every parameter, constexprs included, in signature order).
+
+    The key is at least as fine as Triton's specialization of these arguments: the device, every constexpr, the
+    dtype and 16-byte alignment of each tensor (``tensors``: the pointer arguments and the descriptors' bases; the
+    descriptors' block shapes and layouts follow from the dtype), and for each of ``ints`` (the integer arguments and
+    the descriptors' shapes and strides) whether it is 1, divisible by 16 and inside int32. Equal keys therefore select
+    the same compiled kernel, which the first launch of a key compiled through Triton's JIT dispatch. A cached launch
+    does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no launch hooks
+    (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
+    dev = tensors[0].get_device()
+    n_const = _CONSTEXPRS
+    key = (
+        dev,
+        args[-n_const:],
+        tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
+        tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints),
+    )
+    entry = _LAUNCHERS.get(key) if _DIRECT[0] else None
+    if entry is not None and not launch_hooks_installed():
+        get_device, raw_stream, _ = cuda_queries()
+        if get_device() == dev:
+            run, function, meta = entry
+            try:
+                run(grid[0], grid[1], 1, raw_stream(dev), function, meta, None, None, None, *args)
+                return
+            except LAUNCHER_ERRORS as e:
+                _DIRECT[0] = False
+                warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
+    names = _fwd_kernel.arg_names
+    constexprs = dict(zip(names[-n_const:], args[-n_const:]))
+    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS)
+    if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
+        _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)

@@ -65,7 +65,6 @@ import triton.language as tl
 
 from . import gluon_attention
 from .backend import interpreter_enabled
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import num_sms
 
@@ -853,7 +852,7 @@ def _forward(
         if grid[0] * grid[1] * grid[2] <= DECODE_DEEP_MAX_PROGRAMS_PER_SM * num_sms(q.device):
             cfg = cfg | {"num_stages": DECODE_DEEP_STAGES}
     pdl = pdl_options(q.device)
-    launch(_attn_fwd_kernel, grid,
+    _attn_fwd_kernel[grid](
         q,
         k,
         v,
@@ -989,12 +988,12 @@ def attention_varlen_backward(
     qk_scale = float(scale) * _LOG2E
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())
     bm, bn, warps, stages = cfg["dkdv"]
-    launch(_attn_bwd_dkdv_kernel, (t // bn + num_seqs, hkv),
+    _attn_bwd_dkdv_kernel[(t // bn + num_seqs, hkv)](
         q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, *strides, *dk.stride()[:2],
         *dv.stride()[:2], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dq"]
-    launch(_attn_bwd_dq_kernel, (t // bm + num_seqs, hq),
+    _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
         q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], BLOCK_M=bm,
         BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
 from .triton_matmul import ensure_allocator
 from .triton_shared import (
     HAS_WS,
@@ -79,8 +78,7 @@ def _column_sum(part: torch.Tensor) -> torch.Tensor:
     flat = part.reshape(-1, p, d)
     out = torch.empty((flat.shape[0], d), dtype=torch.float32, device=part.device)
     for i in range(flat.shape[0]):
-        grid = (triton.cdiv(d, COLUMN_BLOCK),)
-        launch(_column_sum_kernel, grid, flat[i], out[i], p, d, BLOCK=COLUMN_BLOCK, num_warps=4)
+        _column_sum_kernel[(triton.cdiv(d, COLUMN_BLOCK),)](flat[i], out[i], p, d, BLOCK=COLUMN_BLOCK, num_warps=4)
     return out.reshape(*lead, d)
 
 
@@ -153,7 +151,7 @@ def rms_norm_backward(
     progs, per = _row_blocks(M, x.device)
     part = torch.empty((progs, H), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(H)
-    launch(_rms_norm_bwd_kernel, (progs,),
+    _rms_norm_bwd_kernel[(progs,)](
         x, w, dy, dx, part, M, H, float(H), float(eps), per,
         BLOCK=block, X_DTYPE=TL_DTYPE[x.dtype], RNE=rne_fix(x.dtype),
         num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
@@ -303,7 +301,7 @@ def qk_norm_rope_backward(
     part = torch.empty((2, progs, d), dtype=torch.float32, device=q.device)
     qw = q_weight.contiguous() if norm else q
     kw = k_weight.contiguous() if norm else k
-    launch(_qk_norm_rope_bwd_kernel, (progs, 2),
+    _qk_norm_rope_bwd_kernel[(progs, 2)](
         q, k, gq, gk, dq, dk, qw, kw, cos.contiguous(), sin.contiguous(), part,
         T, per, progs, hq, k.shape[1], d // 2, float(eps), float(d),
         BHQ=triton.next_power_of_2(hq), BHK=triton.next_power_of_2(k.shape[1]), BHALF=triton.next_power_of_2(d // 2),
@@ -344,7 +342,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) ->
     gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(gate)
     if M and n:
-        launch(_silu_mul_bwd_kernel, (M, triton.cdiv(n, SILU_BWD_BLOCK)),
+        _silu_mul_bwd_kernel[(M, triton.cdiv(n, SILU_BWD_BLOCK))](
             gate, up, dy, dg, du, n, BLOCK=SILU_BWD_BLOCK, DTYPE=TL_DTYPE[gate.dtype], RNE=rne_fix(gate.dtype),
             num_warps=4,
         )  # fmt: skip
@@ -513,7 +511,7 @@ def head_backward(
     for c0 in range(0, V, cw_max):  # fixed chunk width, ascending chunk order
         cw = min(cw_max, V - c0)
         grid = (triton.cdiv(T, cfg["BM"]) * triton.cdiv(cw, cfg["BV"]),)
-        launch(_head_dz_kernel, grid,
+        _head_dz_kernel[grid](
             hidden, w, targets, lse, ent, gl, ge, dz, T, H, c0, cw, dz.stride(0), float(temperature),
             BM=cfg["BM"], BV=cfg["BV"], BK=cfg["BK"], GROUP_M=8, HAS_GL=g_logp is not None, HAS_GE=g_ent is not None,
             SCALE=float(temperature) != 1.0, TMA=cfg["TMA"], **flags, DZ_DTYPE=TL_DTYPE[hidden.dtype],

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import TL_DTYPE, cast_out, rne_fix
 
@@ -107,7 +106,7 @@ def write_kv(
     block_d = triton.next_power_of_2(d)
     block_h = max(1, min(triton.next_power_of_2(hkv), MAX_KV_TILE // block_d))
     cast = k.dtype != k_cache.dtype
-    launch(_write_kv_kernel, (t, triton.cdiv(hkv, block_h)),
+    _write_kv_kernel[(t, triton.cdiv(hkv, block_h))](
         k,
         v,
         k_cache,

@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import HAS_WS, TensorDescriptor, aligned, cuda_props, device_key, dot_flags, tile_coords
 
@@ -305,7 +304,7 @@ def _run_head(
     tgt = targets.contiguous() if has_tgt else zt  # dummy pointer when absent
     grid = (triton.cdiv(T, cfg.BM) * n_split,)
     pdl = pdl_options(dev)
-    launch(_head_kernel, grid,
+    _head_kernel[grid](
         hidden,
         w,
         h_desc,
@@ -353,7 +352,7 @@ def merge_splits(
     ``z``) in ascending split order into ``lse``, ``ent`` and, with ``has_tgt``, ``logp = zt - lse`` (all ``[T]``
     fp32, written in place). ``unroll`` (benchmarks) only sets how many splits' partials one round trip loads."""
     n_split, T = part.shape[1], part.shape[2]
-    launch(_head_merge_kernel, (triton.cdiv(T, MERGE_BLOCK),),
+    _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
         part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=unroll, HAS_TGT=has_tgt, num_warps=4,
         **pdl_options(part.device),
     )  # fmt: skip

@@ -82,8 +82,8 @@ global). Where no launcher can be reused (unaligned pointers of the pointer kern
 device) the call goes through Triton's regular JIT dispatch, which compiles the same kernel for the same
 specialization (``RLEXACT_MATMUL_JIT_LAUNCH=1`` forces that path everywhere; a cached launcher that raises on an
 incompatible Triton warns and switches to it). A ``"split"`` plan (K-heavy shapes at M <= 64) launches its partials
-through the cached launcher too, plus a summing kernel through :func:`rlexact.ops.triton_launch.launch` (the other
-kernels' cached launcher): one more launch and its host time per call, which CUDA-graph decode steps do not repeat.
+through the cached launcher too, plus a summing kernel through Triton's JIT dispatch: one more launch and its host
+time per call, which CUDA-graph decode steps do not repeat.
 Eager vs CUDA-graph timings: ``benchmarks/matmul_launch.py`` and ``benchmarks/results/ops_h200.json``.
 """
 
@@ -100,7 +100,6 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
     LAUNCHER_ERRORS,
@@ -606,11 +605,8 @@ def _plan(
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 
 
-_RUNNER_BROKEN: list[bool] = [
-    os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") == "1" or os.environ.get("RLEXACT_JIT_LAUNCH", "0") == "1"
-]
-"""True: every launch goes through Triton's JIT dispatch (``RLEXACT_MATMUL_JIT_LAUNCH=1``, or
-``RLEXACT_JIT_LAUNCH=1`` for every kernel of the library, or set when a cached
+_RUNNER_BROKEN: list[bool] = [os.environ.get("RLEXACT_MATMUL_JIT_LAUNCH", "0") == "1"]
+"""True: every launch goes through Triton's JIT dispatch (``RLEXACT_MATMUL_JIT_LAUNCH=1``, or set when a cached
 launcher raised, i.e. an incompatible Triton)."""
 
 
@@ -625,7 +621,7 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=out.device)
     _launch_kernel(plan, x, w, ws)
     grid, kwargs = plan.sum_launch
-    launch(_split_sum_kernel, grid, ws, out, M * N, plan.grid[2], **kwargs)
+    _split_sum_kernel[grid](ws, out, M * N, plan.grid[2], **kwargs)
 
 
 def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

@@ -49,7 +49,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .backend import interpreter_enabled
-from .triton_launch import launch
 from .triton_matmul import USE_ROW_TILE_VARIANTS, ensure_allocator
 from .triton_norm import silu_mul
 from .triton_shared import TL_DTYPE, cast_out, cuda_props, device_key, dot_flags, rne_fix, tile_coords, tma_ok
@@ -422,7 +421,7 @@ def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[
     if t == 0:
         return weights, ids
     z = logits if logits.stride(-1) == 1 else logits.contiguous()
-    launch(_router_kernel, (t,),
+    _router_kernel[(t,)](
         z, weights, ids, e, z.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
         OUT_DTYPE=TL_DTYPE[weights.dtype], RNE_FIX=rne_fix(weights.dtype),
@@ -470,7 +469,7 @@ def grouped_matmul(
     elif w_load == "tma_device":
         ensure_allocator()
     tiles_n = triton.cdiv(n, cfg.BN)
-    launch(_grouped_mm_kernel, (tiles_m * tiles_n,),
+    _grouped_mm_kernel[(tiles_m * tiles_n,)](
         a, w_arg, out,
         gather if gather is not None else counts, scatter if scatter is not None else counts,  # unread if absent
         counts, e, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), tiles_m, tiles_n,
@@ -502,7 +501,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> t
     if t == 0 or h == 0:
         return out
     block = min(COMBINE_BLOCK, triton.next_power_of_2(h))
-    launch(_combine_kernel, (t, triton.cdiv(h, block)),
+    _combine_kernel[(t, triton.cdiv(h, block))](
         y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=TL_DTYPE[out_dtype],
         RNE_FIX=rne_fix(out_dtype),
     )  # fmt: skip
@@ -532,7 +531,7 @@ def grouped_wgrad(
     tiles_k = triton.cdiv(k, bk)
     g = g if g.stride(-1) == 1 else g.contiguous()
     a = a if a.stride(-1) == 1 else a.contiguous()
-    launch(_grouped_wgrad_kernel, (e, triton.cdiv(n, bn) * tiles_k),
+    _grouped_wgrad_kernel[(e, triton.cdiv(n, bn) * tiles_k)](
         g, a, out, gather if gather is not None else counts, counts, e, n, k, g.stride(0), a.stride(0), tiles_k,
         BR=br, BN=bn, BK=bk, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None, GATHER_DIV=gather_div,
         RNE_FIX=rne_fix(out.dtype), num_warps=8 if not interp else 4, num_stages=3 if not interp else 1,

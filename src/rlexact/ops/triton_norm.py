@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import TL_DTYPE, cast_out, rne_fix, silu_times
 
@@ -145,7 +144,7 @@ def _launch_norm(
         return out, summed
     block, single, warps = _norm_launch_params(H)
     r, s = (x, out) if residual is None else (residual, summed)  # unused pointers when there is no residual
-    launch(_rms_norm_kernel, (M,),
+    _rms_norm_kernel[(M,)](
         x,
         r,
         w,
@@ -205,7 +204,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if M == 0 or n == 0:
         return out
     grid = (M, triton.cdiv(n, SILU_BLOCK))
-    launch(_silu_mul_kernel, grid,
+    _silu_mul_kernel[grid](
         gate,
         up,
         out,

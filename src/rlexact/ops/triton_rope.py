@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .triton_kv import check_kv_write, write_kv
-from .triton_launch import launch
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import TL_DTYPE, cast_out, rne_fix
 
@@ -209,7 +208,7 @@ def _launch(
     norm = q_weight is not None
     qw = q_weight.contiguous() if norm else q
     kw = k_weight.contiguous() if norm else k
-    launch(_qk_norm_rope_kernel, (T, 2),
+    _qk_norm_rope_kernel[(T, 2)](
         q,
         k,
         qo,
