@@ -5,8 +5,10 @@ Importing this module puts ``<repo>/src`` first on ``sys.path``, so the scripts 
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +104,18 @@ def best_summary(entry: dict) -> str:
     best = entry.get("best", {})
     current_us = entry["current_result"].get("graph_ms", float("nan")) * 1e3
     return f"current {current_us:.1f} us, best {best.get('graph_ms', float('nan')) * 1e3:.1f} us {best.get('config')}"
+
+
+def run_cases(result: dict, section: str, names: Iterable[str], measure: Callable[[str], object], out: str) -> int:
+    """``result[section][name] = measure(name)`` for each name, a failing case's traceback going to
+    ``result["errors"][name]`` instead; ``out`` is rewritten after every case, so a crash keeps the cases before it.
+    Returns the exit code: 0 when no case failed."""
+    result.setdefault(section, {})
+    result.setdefault("errors", {})
+    for name in names:
+        try:
+            result[section][name] = measure(name)
+        except Exception:  # noqa: BLE001 - a failing case is recorded in the result, and fails the exit code
+            result["errors"][name] = traceback.format_exc()
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if not result["errors"] else 1

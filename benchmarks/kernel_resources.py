@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-import traceback
-from pathlib import Path
 
-from common import ROOT, header
+from common import ROOT, header, run_cases
 
 sys.path.insert(0, str(ROOT / "tests"))  # the sm_90 host compile helper the generated-code tests use
 
@@ -159,22 +156,19 @@ def main() -> int:
     result: dict = header("kernel_resources", "triton") | {
         "target": "sm_90 (H100 / H200), compiled on the host",
         "limits_per_sm": dict(registers=REGS_PER_SM, shared_bytes=SMEM_PER_SM, threads=THREADS_PER_SM),
-        "cases": {},
-        "errors": {},
     }
-    for name in names:
+
+    def measure_case(name: str) -> dict:
         kernel, kargs, const, launch = table[name]
-        try:
-            result["cases"][name] = entry = measure(kernel, kargs, const, launch)
-            if name.startswith(("mm", "gated")):
-                entry["config"] = repr(launch)
-            print(f"[kernel_resources] {name}: {entry['registers_per_thread']} registers, stack "
-                  f"{entry['stack_bytes']} B, shared {entry['shared_bytes']} B, {entry['warps_per_sm']} warps per SM "
-                  f"({entry['programs_per_sm']})", flush=True)  # fmt: skip
-        except Exception:  # noqa: BLE001
-            result["errors"][name] = traceback.format_exc()
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if not result["errors"] else 1
+        entry = measure(kernel, kargs, const, launch)
+        if name.startswith(("mm", "gated")):
+            entry["config"] = repr(launch)
+        print(f"[kernel_resources] {name}: {entry['registers_per_thread']} registers, stack "
+              f"{entry['stack_bytes']} B, shared {entry['shared_bytes']} B, {entry['warps_per_sm']} warps per SM "
+              f"({entry['programs_per_sm']})", flush=True)  # fmt: skip
+        return entry
+
+    return run_cases(result, "cases", names, measure_case, args.out)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import traceback
-from pathlib import Path
 
 import torch
 
-from common import L2_BYTES, ROOT, best_summary, graph_ms_over, header, pick_best, try_candidate, weight_copies
+from common import (
+    L2_BYTES,
+    ROOT,
+    best_summary,
+    graph_ms_over,
+    header,
+    pick_best,
+    run_cases,
+    try_candidate,
+    weight_copies,
+)
 from rlexact.ops.triton_matmul import MatmulConfig, config_for, matmul_with_config, static_config, warp_specialized
 
 MS = [1, 16, 64, 128, 256]
@@ -63,9 +70,7 @@ def candidates(m: int, lite: bool = False, ws: bool = False) -> list[MatmulConfi
     return out
 
 
-def sweep_shape(
-    n: int, k: int, ms: list[int], cold: bool = False, lite: bool = False, ws: bool = False
-) -> list[dict]:
+def sweep_shape(n: int, k: int, ms: list[int], cold: bool = False, lite: bool = False, ws: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     ws = weight_copies(w, cold)
@@ -103,15 +108,12 @@ def main() -> int:
     timing = "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)"
     if args.cold:
         timing += f"; per call over weight copies totalling >= {4 * L2_BYTES >> 20} MiB (weights read from HBM)"
-    result: dict = header("matmul_variants", "triton") | {"timing": timing, "shapes": {}, "errors": {}}
-    for name in args.shapes:
-        n, k = SHAPES[name]
-        try:
-            result["shapes"][name] = sweep_shape(n, k, args.ms, args.cold, args.lite, args.ws)
-        except Exception:  # noqa: BLE001
-            result["errors"][name] = traceback.format_exc()
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if not result["errors"] else 1
+    result: dict = header("matmul_variants", "triton") | {"timing": timing}
+
+    def measure(name: str) -> dict:
+        return sweep_shape(*SHAPES[name], args.ms, args.cold, args.lite, args.ws)
+
+    return run_cases(result, "shapes", args.shapes, measure, args.out)
 
 
 if __name__ == "__main__":

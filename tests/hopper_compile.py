@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 
-def compile_for_hopper(fn, args: dict, const: dict, **options: object):  # noqa: ANN001, ANN201 - a compiled kernel
-    """``args`` maps runtime argument names to Triton types, all taken as 16-divisible (what the launcher sees for
-    aligned tensors and model-sized integers); ``const`` the constexprs; ``options`` compile options
-    (``num_warps``, ``num_stages``, ``launch_pdl``)."""
+def compile_for_hopper(fn, args: dict, const: dict, pin: bool = True, **options: object):  # noqa: ANN001, ANN201
+    """The compiled kernel. ``args`` maps runtime argument names to Triton types, all taken as 16-divisible (what the
+    launcher sees for aligned tensors and model-sized integers); ``const`` the constexprs; ``options`` compile options
+    (``num_warps``, ``num_stages``, ``launch_pdl``), on top of the library's ``COMPILE_OPTIONS`` (the machine code
+    the library's launches compile) unless ``pin`` is False (the installed Triton's defaults)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from rlexact.ops.triton_shared import COMPILE_OPTIONS
+
     sig = {**args, **dict.fromkeys(const, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(args))}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    opts = {**COMPILE_OPTIONS, **options} if pin else options
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

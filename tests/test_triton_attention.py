@@ -69,6 +69,7 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         cu = torch.arange(0, num_seqs * queries + 1, queries, dtype=torch.int32)
         lens = torch.full((num_seqs,), keys, dtype=torch.int32)
         ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), cfg=cfg, max_seqlen_q=queries)
+        assert fwd.calls[-1][1]["enable_fp_fusion"] is True  # triton_shared.COMPILE_OPTIONS reaches the launch
         return fwd.calls[-1][1]["num_stages"]
 
     swept = ta.DECODE_LAUNCH_16BIT["num_stages"]

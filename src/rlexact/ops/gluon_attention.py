@@ -32,7 +32,14 @@ except ImportError:  # pragma: no cover - old triton
     gluon = None
 
 from .backend import interpreter_enabled
-from .triton_shared import LAUNCHER_ERRORS, cuda_props, cuda_queries, direct_launch_ok, launch_hooks_installed
+from .triton_shared import (
+    COMPILE_OPTIONS,
+    LAUNCHER_ERRORS,
+    cuda_props,
+    cuda_queries,
+    direct_launch_ok,
+    launch_hooks_installed,
+)
 
 __all__ = ["forward", "supported"]
 
@@ -314,6 +321,6 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
     names = _fwd_kernel.arg_names
     constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS)
+    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)

@@ -66,7 +66,7 @@ import triton.language as tl
 from . import gluon_attention
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import num_sms
+from .triton_shared import COMPILE_OPTIONS, num_sms
 
 __all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
 
@@ -898,6 +898,7 @@ def _forward(
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
         **pdl,
+        **COMPILE_OPTIONS,
     )
 
 
@@ -991,10 +992,12 @@ def attention_varlen_backward(
     _attn_bwd_dkdv_kernel[(t // bn + num_seqs, hkv)](
         q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, *strides, *dk.stride()[:2],
         *dv.stride()[:2], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dq"]
     _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
         q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], BLOCK_M=bm,
         BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return dq, dk, dv

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .triton_matmul import ensure_allocator
 from .triton_shared import (
+    COMPILE_OPTIONS,
     HAS_WS,
     TL_DTYPE,
     aligned,
@@ -78,7 +79,9 @@ def _column_sum(part: torch.Tensor) -> torch.Tensor:
     flat = part.reshape(-1, p, d)
     out = torch.empty((flat.shape[0], d), dtype=torch.float32, device=part.device)
     for i in range(flat.shape[0]):
-        _column_sum_kernel[(triton.cdiv(d, COLUMN_BLOCK),)](flat[i], out[i], p, d, BLOCK=COLUMN_BLOCK, num_warps=4)
+        _column_sum_kernel[(triton.cdiv(d, COLUMN_BLOCK),)](
+            flat[i], out[i], p, d, BLOCK=COLUMN_BLOCK, num_warps=4, **COMPILE_OPTIONS
+        )
     return out.reshape(*lead, d)
 
 
@@ -155,6 +158,7 @@ def rms_norm_backward(
         x, w, dy, dx, part, M, H, float(H), float(eps), per,
         BLOCK=block, X_DTYPE=TL_DTYPE[x.dtype], RNE=rne_fix(x.dtype),
         num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return dx, _column_sum(part).to(w.dtype)
 
@@ -306,6 +310,7 @@ def qk_norm_rope_backward(
         T, per, progs, hq, k.shape[1], d // 2, float(eps), float(d),
         BHQ=triton.next_power_of_2(hq), BHK=triton.next_power_of_2(k.shape[1]), BHALF=triton.next_power_of_2(d // 2),
         NORM=norm, DTYPE=TL_DTYPE[q.dtype], RNE=rne_fix(q.dtype), num_warps=4,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     if not norm:
         return dq, dk, None, None
@@ -345,6 +350,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) ->
         _silu_mul_bwd_kernel[(M, triton.cdiv(n, SILU_BWD_BLOCK))](
             gate, up, dy, dg, du, n, BLOCK=SILU_BWD_BLOCK, DTYPE=TL_DTYPE[gate.dtype], RNE=rne_fix(gate.dtype),
             num_warps=4,
+            **COMPILE_OPTIONS,
         )  # fmt: skip
     return dg, du
 
@@ -516,6 +522,7 @@ def head_backward(
             BM=cfg["BM"], BV=cfg["BV"], BK=cfg["BK"], GROUP_M=8, HAS_GL=g_logp is not None, HAS_GE=g_ent is not None,
             SCALE=float(temperature) != 1.0, TMA=cfg["TMA"], **flags, DZ_DTYPE=TL_DTYPE[hidden.dtype],
             RNE=rne_fix(hidden.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **COMPILE_OPTIONS,
         )  # fmt: skip
         dzc = dz[:, :cw]
         if gw is not None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import TL_DTYPE, cast_out, rne_fix
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, rne_fix
 
 MAX_KV_TILE = 4096
 """Elements of a ``[heads, head_dim]`` tile one program copies (heads are split across programs beyond it)."""
@@ -126,4 +126,5 @@ def write_kv(
         RNE=cast and rne_fix(k_cache.dtype),
         num_warps=4 if block_h * block_d >= 1024 else 1,
         **pdl_options(k.device),
+        **COMPILE_OPTIONS,
     )

@@ -37,7 +37,16 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import HAS_WS, TensorDescriptor, aligned, cuda_props, device_key, dot_flags, tile_coords
+from .triton_shared import (
+    COMPILE_OPTIONS,
+    HAS_WS,
+    TensorDescriptor,
+    aligned,
+    cuda_props,
+    device_key,
+    dot_flags,
+    tile_coords,
+)
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,7 @@ def _run_head(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
+        **COMPILE_OPTIONS,
     )
     merge_splits(part, zt, has_tgt, logp, ent, lse)
     return z, logp, ent, lse
@@ -355,6 +365,7 @@ def merge_splits(
     _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
         part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=unroll, HAS_TGT=has_tgt, num_warps=4,
         **pdl_options(part.device),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
 
 

@@ -102,6 +102,7 @@ import triton.language as tl
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
+    COMPILE_OPTIONS,
     LAUNCHER_ERRORS,
     TL_DTYPE,
     TensorDescriptor,
@@ -621,7 +622,7 @@ def _launch(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) 
     ws = torch.empty((plan.grid[2], M, N), dtype=torch.float32, device=out.device)
     _launch_kernel(plan, x, w, ws)
     grid, kwargs = plan.sum_launch
-    _split_sum_kernel[grid](ws, out, M * N, plan.grid[2], **kwargs)
+    _split_sum_kernel[grid](ws, out, M * N, plan.grid[2], **kwargs, **COMPILE_OPTIONS)
 
 
 def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -656,14 +657,14 @@ def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.T
         ensure_allocator()
         args = (x, w, out, *plan.ints)
     try:
-        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
+        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     except Exception:
         if not plan.constexprs.get("WS"):
             raise
         # the tile without warp specialization (only configurations that ask for it get here; none of the library's)
         _WS_BROKEN.add(cfg)
         plan.constexprs["WS"] = False
-        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options)
+        compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     _keep_runner(plan, compiled, x, w, out)
 
 

@@ -51,7 +51,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .backend import interpreter_enabled
 from .triton_matmul import USE_ROW_TILE_VARIANTS, ensure_allocator
 from .triton_norm import silu_mul
-from .triton_shared import TL_DTYPE, cast_out, cuda_props, device_key, dot_flags, rne_fix, tile_coords, tma_ok
+from .triton_shared import (
+    COMPILE_OPTIONS,
+    TL_DTYPE,
+    cast_out,
+    cuda_props,
+    device_key,
+    dot_flags,
+    rne_fix,
+    tile_coords,
+    tma_ok,
+)
 
 _INTERPRET = interpreter_enabled()
 
@@ -425,6 +435,7 @@ def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[
         z, weights, ids, e, z.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
         OUT_DTYPE=TL_DTYPE[weights.dtype], RNE_FIX=rne_fix(weights.dtype),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return weights, ids
 
@@ -478,6 +489,7 @@ def grouped_matmul(
         GATHER_DIV=gather_div, SCATTER=scatter is not None,
         RNE_FIX=rne_fix(out.dtype), ROWWISE=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dot_flags(a.dtype),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -504,6 +516,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> t
     _combine_kernel[(t, triton.cdiv(h, block))](
         y.contiguous(), weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block, OUT_DTYPE=TL_DTYPE[out_dtype],
         RNE_FIX=rne_fix(out_dtype),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -536,5 +549,6 @@ def grouped_wgrad(
         BR=br, BN=bn, BK=bk, BLOCK_E=triton.next_power_of_2(e), GATHER=gather is not None, GATHER_DIV=gather_div,
         RNE_FIX=rne_fix(out.dtype), num_warps=8 if not interp else 4, num_stages=3 if not interp else 1,
         **dot_flags(g.dtype),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return out

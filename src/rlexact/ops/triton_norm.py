@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import TL_DTYPE, cast_out, rne_fix, silu_times
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, rne_fix, silu_times
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
@@ -166,6 +166,7 @@ def _launch_norm(
         RNE_O=rne_fix(out_dtype),
         num_warps=warps,
         **pdl_options(x.device),
+        **COMPILE_OPTIONS,
     )
     return out, summed
 
@@ -217,5 +218,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         RNE_O=rne_fix(gate.dtype),
         num_warps=4,
         **pdl_options(gate.device),
+        **COMPILE_OPTIONS,
     )
     return out

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .triton_kv import check_kv_write, write_kv
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import TL_DTYPE, cast_out, rne_fix
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, rne_fix
 
 
 @triton.jit
@@ -234,6 +234,7 @@ def _launch(
         WRITE_KV=kv is not None,
         num_warps=4,
         **pdl_options(q.device),
+        **COMPILE_OPTIONS,
     )
     return qo, ko
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -13,6 +15,7 @@ import triton.language as tl
 from .backend import interpreter_enabled
 
 __all__ = [
+    "COMPILE_OPTIONS",
     "HAS_WS",
     "LAUNCHER_ERRORS",
     "TL_DTYPE",
@@ -39,6 +42,12 @@ except ImportError:  # pragma: no cover - old triton
 
 
 _INTERPRET = interpreter_enabled()
+COMPILE_OPTIONS: Mapping[str, bool] = MappingProxyType({"enable_fp_fusion": True})
+"""Compile options every exact kernel is launched with (spread into each launch; read-only). ``enable_fp_fusion``
+lets the compiler contract a multiply and an add into one FMA, as every Triton up to 3.9 does by default and as the
+GPU exactness tests and benchmarks were run; Triton 3.10 turns that default off. Pinned here so the machine code,
+and with it the bits every result in ``benchmarks/results`` records, do not change with the installed Triton. The
+operations whose rounding the bit contract names are explicit ``fma`` calls either way (docs/design.md §2)."""
 HAS_WS = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 """Whether ``tl.range`` takes ``warp_specialize`` (Triton >= 3.4): also the gate of the TMA kernels."""
 

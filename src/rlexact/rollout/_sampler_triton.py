@@ -23,7 +23,7 @@ import triton.language as tl
 
 from rlexact.ops.backend import interpreter_enabled
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
-from rlexact.ops.triton_shared import num_sms
+from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
 from rlexact.rollout.keyed_hash import C1, C2, MASK32, ROW_SALT
 
 __all__ = ["gumbel_argmax_triton", "vocab_splits"]
@@ -233,6 +233,7 @@ def gumbel_argmax_triton(
         FAST_LOG=(z.is_cuda and not interpreter_enabled()) if fast_log is None else fast_log,
         num_warps=8,
         **pdl,
+        **COMPILE_OPTIONS,
     )
     lse_arg = lse.reshape(b).contiguous().float() if lse is not None else best
     _argmax_merge_kernel[(b,)](
@@ -249,5 +250,6 @@ def gumbel_argmax_triton(
         LOGP=lse is not None,
         num_warps=1,
         **pdl,
+        **COMPILE_OPTIONS,
     )
     return out, logp
