@@ -24,6 +24,7 @@ import triton.language as tl
 from attention_configs import DT, HKV, SHAPE, D, decode_case, run
 from common import ROOT, bench_graph, header
 from rlexact.ops import triton_attention as ta
+from rlexact.ops.triton_shared import COMPILE_OPTIONS
 
 BATCHES = (32, 64, 128, 256, 512)
 CONTEXTS = (16, 64, 160, 256, 384, 512)
@@ -54,7 +55,7 @@ def main() -> int:
         "shape": SHAPE,
         "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
         "timing": "median of do_bench_cudagraph (GPU time), microseconds",
-        "empty_kernel_us": bench_graph(lambda: _empty_kernel[(1,)](buf)) * 1e3,
+        "empty_kernel_us": bench_graph(lambda: _empty_kernel[(1,)](buf, **COMPILE_OPTIONS)) * 1e3,
         "batches": {},
     }
     for b in BATCHES:

@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from common import ROOT, bench_graph, header
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, zero_tail_rows
-from rlexact.ops.triton_shared import num_sms
+from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
 
 HQ, HKV, D = 16, 8, 128
 HP = HQ // HKV
@@ -262,6 +262,7 @@ def persistent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
         q, out, lse, delta, k_desc, v_desc, cu, ticket, num_seqs, n_slots, scale * math.log2(math.e), q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HP=hp, GROUP=hq // hkv, NHG=hq // hp,
         D=d, BLOCK_N=BLOCK_N, SPLIT=split, BWD_PREP=lse_delta is not None, SCAN=SCAN, W=WARPS, num_warps=WARPS,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
