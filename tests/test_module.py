@@ -508,6 +508,26 @@ def test_autocast_precision_is_rejected() -> None:
         fit(module, 1, precision="bf16-mixed")
 
 
+@pytest.mark.parametrize(
+    ("option", "fix"),
+    [
+        ({"gradient_clip_val": 0.5}, r"OptimConfig\(grad_clip=0.5\)"),
+        ({"accumulate_grad_batches": 2}, "micro_batch_size"),
+    ],
+)
+def test_trainer_clipping_and_accumulation_name_the_module_setting(option: dict, fix: str) -> None:
+    """Lightning's own error for these options tells a manual-optimization module to switch to automatic
+    optimization; RLModule's names its own setting. Negative control: the defaults and a zero clip pass."""
+    from types import SimpleNamespace
+
+    from rlexact.trainer.policy import check_trainer_options
+
+    with pytest.raises(ValueError, match=fix):
+        fit(make_module(), 1, **option)
+    check_trainer_options(SimpleNamespace(gradient_clip_val=None, accumulate_grad_batches=1))
+    check_trainer_options(SimpleNamespace(gradient_clip_val=0.0, accumulate_grad_batches=1))
+
+
 def test_model_object_and_path(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

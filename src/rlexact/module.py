@@ -256,10 +256,15 @@ class RLModule(L.LightningModule):
     def configure_callbacks(self) -> list[Callback]:
         """A :class:`rlexact.callbacks.SampleLogger` (prompts and completions as TensorBoard text every 10 rollout
         steps) unless the trainer has one. For a fit whose datamodule has no validation data the module also presents
-        no ``validation_step`` until teardown (Lightning would warn that there is no ``val_dataloader``)."""
+        no ``validation_step`` until teardown (Lightning would warn that there is no ``val_dataloader``). Lightning
+        calls this hook before it validates the loop configuration, so Trainer options that RLModule replaces
+        (gradient clipping and accumulation) are rejected here with the setting to use instead."""
         trainer = self.trainer
+        fitting = trainer.state.fn == "fit"
+        if fitting:
+            policy.check_trainer_options(trainer)
         data = trainer.datamodule
-        if trainer.state.fn == "fit" and data is not None and not is_overridden("val_dataloader", data):
+        if fitting and data is not None and not is_overridden("val_dataloader", data):
             self.validation_step = L.LightningModule.validation_step.__get__(self)
         if any(isinstance(cb, SampleLogger) for cb in trainer.callbacks):
             return []

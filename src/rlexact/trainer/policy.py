@@ -26,6 +26,7 @@ __all__ = [
     "build_model",
     "check_model_source",
     "check_precision",
+    "check_trainer_options",
     "enable_activation_checkpointing",
     "make_reference",
     "restore_fp32_rope",
@@ -172,6 +173,27 @@ def check_precision(trainer: Any) -> None:
             f"Trainer(precision={precision!r}) runs the step under autocast, which changes the kernels of the "
             "trainer forward and breaks rollout/trainer exactness; set RLModule(dtype='bfloat16') (or "
             "fsdp.param_dtype with ModelParallelStrategy) and leave the Trainer precision at '32-true'"
+        )
+
+
+def check_trainer_options(trainer: Any) -> None:
+    """Reject the Trainer's automatic gradient accumulation and clipping, naming the RLModule settings that do each
+    (Lightning's own error for a manual-optimization module suggests switching to automatic optimization, which
+    RLModule cannot do)."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip is not None and clip > 0:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={clip}) is not applied by RLModule, which clips the global gradient norm "
+            f"itself: remove it from the Trainer and set OptimConfig(grad_clip={clip}) (RLModule(optim=...); "
+            "--model.init_args.optim.grad_clip on the CLI)"
+        )
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate}) is not applied by RLModule, which accumulates gradients "
+            "over the micro-batches of each mini-batch itself: remove it from the Trainer and set "
+            "AlgorithmConfig(mini_batch_size=..., micro_batch_size=...) (sequences per optimizer step and per "
+            "forward/backward on one rank)"
         )
 
 
