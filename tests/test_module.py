@@ -19,6 +19,7 @@ from rlexact import algorithms as alg
 from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
 from rlexact.char_tokenizer import build_char_tokenizer
+from rlexact.config import AlgorithmConfig, RolloutConfig
 from rlexact.data import ResumableDataLoader, ResumableSampler
 from rlexact.module import RLModule
 from rlexact.trainer.batching import batch_logprobs, chunks, seq_valid
@@ -476,7 +477,7 @@ def test_empty_dataset() -> None:
 
 
 def test_config_validation() -> None:
-    from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+    from rlexact.config import OptimConfig
 
     with pytest.raises(ValueError, match="old_logprob_mode='exact' needs rollout.kernels='exact'"):
         make_module(rollout={"kernels": "native"})
@@ -486,6 +487,10 @@ def test_config_validation() -> None:
         AlgorithmConfig(objective="reinforce", ppo_epochs=2)
     with pytest.raises(ValueError, match="clip_low must be in"):
         AlgorithmConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match=r"micro_batch_size \(8\) exceeds mini_batch_size \(4\)"):
+        AlgorithmConfig(mini_batch_size=4, micro_batch_size=8)
+    AlgorithmConfig(mini_batch_size=4, micro_batch_size=4)
+    AlgorithmConfig(micro_batch_size=8)
     with pytest.raises(ValueError, match="temperature"):
         RolloutConfig(temperature=0.0)
     with pytest.raises(ValueError, match="unknown rollout.generator keys"):
@@ -526,6 +531,41 @@ def test_trainer_clipping_and_accumulation_name_the_module_setting(option: dict,
         fit(make_module(), 1, **option)
     check_trainer_options(SimpleNamespace(gradient_clip_val=None, accumulate_grad_batches=1))
     check_trainer_options(SimpleNamespace(gradient_clip_val=0.0, accumulate_grad_batches=1))
+
+
+def test_minibatch_mismatch_names_the_optimizer_steps() -> None:
+    from rlexact.trainer.data_checks import minibatch_mismatch
+
+    assert minibatch_mismatch(8, None) is None
+    assert minibatch_mismatch(8, 4) is None
+    assert minibatch_mismatch(8, 8) is None
+    assert "3 optimizer steps of 3, 3, 2 sequences" in minibatch_mismatch(8, 3)
+    assert "every optimizer step takes all 8" in minibatch_mismatch(8, 64)
+
+
+@pytest.mark.parametrize(("mini", "warned"), [(3, True), (4, False)])
+def test_fit_warns_when_mini_batches_do_not_tile_the_rollout(mini: int, warned: bool) -> None:
+    """A datamodule's ``batch_size`` x ``rollout.n`` sequences per rollout step against ``mini_batch_size``; the
+    divisible setting is the negative control."""
+    from rlexact import PromptDataModule
+    from rlexact.demo.run import checkpoint_path
+
+    path = checkpoint_path()
+    module = RLModule(
+        model_path=path,
+        reward="arithmetic",
+        rollout=RolloutConfig(n=2, max_new_tokens=2),
+        algorithm=AlgorithmConfig(mini_batch_size=mini),
+    )
+    data = PromptDataModule("rlexact://demo/data/train.jsonl", tokenizer=path, batch_size=4)
+    trainer = L.Trainer(
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=data)
+    messages = [str(w.message) for w in caught if "does not divide the 8 sequences" in str(w.message)]
+    assert bool(messages) == warned, messages
 
 
 def test_model_object_and_path(tmp_path: Path) -> None:

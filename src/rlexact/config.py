@@ -197,11 +197,13 @@ class AlgorithmConfig:
     """Passes over each rollout batch."""
     mini_batch_size: int | None = None
     """Sequences per optimizer step on one rank (a mini-batch; ``prompts x n``); None = the whole rollout batch
-    (one step per epoch). Sequences are shuffled with a generator seeded by ``(shuffle_seed, rollout_step, epoch)``."""
+    (one step per epoch). Sequences are shuffled with a generator seeded by ``(shuffle_seed, rollout_step, epoch)``.
+    A size that does not divide a rollout step's sequences (``data.batch_size x rollout.n``) makes a smaller last
+    step; RLModule warns at fit start."""
     micro_batch_size: int | None = None
-    """Sequences per forward/backward inside a mini-batch (gradient accumulation to bound memory); None = the whole
-    mini-batch in one packed forward. The loss is normalized over the whole mini-batch, so the gradient does not
-    depend on this setting."""
+    """Sequences per forward/backward inside a mini-batch (gradient accumulation to bound memory), at most
+    ``mini_batch_size``; None = the whole mini-batch in one packed forward. The loss is normalized over the whole
+    mini-batch, so the gradient does not depend on this setting."""
     shuffle: bool = True
     """Shuffle sequences before splitting into mini-batches."""
     shuffle_seed: int = 0
@@ -241,6 +243,12 @@ class AlgorithmConfig:
         _positive_int("algorithm.ppo_epochs", self.ppo_epochs)
         _positive_int("algorithm.mini_batch_size", self.mini_batch_size, allow_none=True)
         _positive_int("algorithm.micro_batch_size", self.micro_batch_size, allow_none=True)
+        if self.mini_batch_size is not None and (self.micro_batch_size or 0) > self.mini_batch_size:
+            raise ValueError(
+                f"algorithm.micro_batch_size ({self.micro_batch_size}) exceeds mini_batch_size "
+                f"({self.mini_batch_size}): a micro-batch is a part of a mini-batch; set micro_batch_size <= "
+                "mini_batch_size (or None for the whole mini-batch in one forward)"
+            )
         _finite("algorithm.kl_coef", self.kl_coef, low=0.0)
         _finite("algorithm.entropy_coef", self.entropy_coef)
         if self.objective == "reinforce":

@@ -284,6 +284,11 @@ class RLModule(L.LightningModule):
                 "run may write none); set Trainer(log_every_n_steps=1)"
             )
         data = self.trainer.datamodule
+        batch_size = getattr(data, "batch_size", None)
+        if isinstance(batch_size, int) and not self.algo.dynamic_sampling:  # dynamic sampling varies the count
+            message = data_checks.minibatch_mismatch(batch_size * self.rollout_cfg.n, self.algo.mini_batch_size)
+            if message is not None:
+                rank_zero_warn(message)
         dataset = getattr(data, "train_dataset", None)
         if isinstance(dataset, PromptDataset) and len(dataset):  # prompt problems surface now, not at their batch
             data_checks.check_token_ids(dataset.max_token_id, int(self.model.config.vocab_size), data.path)

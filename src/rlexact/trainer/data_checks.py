@@ -1,7 +1,9 @@
 """Checks of the prompt data against the policy, run once before training (``RLModule.setup`` / ``on_fit_start``).
 
 A mismatch is found before the first rollout, not hours into a run: the data's tokenizer must be the module's, every
-prompt token id must fit the model's vocabulary, and the longest prompt must leave room for ``max_new_tokens``.
+prompt token id must fit the model's vocabulary, and the longest prompt must leave room for ``max_new_tokens``. The
+mini-batch size is checked against the sequences a rollout step makes (a warning: the run is valid, but its optimizer
+steps are not what the setting says).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from rlexact.data import describe_source
 
-__all__ = ["check_prompt_lengths", "check_token_ids", "same_tokenizer"]
+__all__ = ["check_prompt_lengths", "check_token_ids", "minibatch_mismatch", "same_tokenizer"]
 
 
 def same_tokenizer(module_source: Any, module_tok: Any, data_source: Any, data_tok: Any) -> bool:
@@ -57,3 +59,22 @@ def check_prompt_lengths(longest: int, row: int, max_context: int, max_new_token
             f"set PromptDataModule(max_prompt_length={max(budget, 1)}) to filter longer prompts out, or lower "
             "rollout.max_new_tokens"
         )
+
+
+def minibatch_mismatch(sequences: int, mini_batch_size: int | None) -> str | None:
+    """Why ``mini_batch_size`` does not tile a rollout step's ``sequences`` (on one rank) into equal optimizer steps,
+    or None when it does (or is None: one step on the whole batch)."""
+    if mini_batch_size is None or sequences % mini_batch_size == 0:
+        return None
+    if mini_batch_size > sequences:
+        return (
+            f"algorithm.mini_batch_size={mini_batch_size} exceeds the {sequences} sequences a rollout step makes on "
+            f"this rank (data.batch_size x rollout.n): every optimizer step takes all {sequences}; lower "
+            "mini_batch_size or raise data.batch_size"
+        )
+    sizes = [mini_batch_size] * (sequences // mini_batch_size) + [sequences % mini_batch_size]
+    return (
+        f"algorithm.mini_batch_size={mini_batch_size} does not divide the {sequences} sequences a rollout step makes "
+        f"on this rank (data.batch_size x rollout.n): each rollout step makes {len(sizes)} optimizer steps of "
+        f"{', '.join(map(str, sizes))} sequences; choose a divisor of {sequences} for equal steps"
+    )
