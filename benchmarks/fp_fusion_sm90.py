@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+
 from common import ROOT, header, run_cases
 from kernel_resources import cases, compile_for_hopper
+from rlexact.ops.triton_shared import COMPILE_OPTIONS
 
 
 def _digest(kernel, args: dict, const: dict, launch, pin: bool, **options: object) -> str:  # noqa: ANN001
@@ -31,11 +35,6 @@ def _digest(kernel, args: dict, const: dict, launch, pin: bool, **options: objec
 def _options() -> dict:
     """Whether the pinned options parse to the installed Triton's default options for sm_90: when they do, every
     kernel (not only the cases compiled here) gets the machine code it got before the pin."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    from rlexact.ops.triton_shared import COMPILE_OPTIONS
-
     backend = CUDABackend(GPUTarget("cuda", 90, 32))
     default, pinned = backend.parse_options({}), backend.parse_options(dict(COMPILE_OPTIONS))
     return {
