@@ -201,8 +201,8 @@ def test_committed_demo_result():
 
 
 RECORD_KEYS = (
-    "command", "commit", "date", "device", "cpu_count", "versions", "reward_before", "reward_after", "reward_rise",
-    "wall_seconds", "train_rollout_tokens_differing", "config", "notes",
+    "command", "commit", "date", "device", "host_cpu", "cpu_count", "versions", "reward_before", "reward_after",
+    "reward_rise", "wall_seconds", "train_rollout_tokens_differing", "config", "notes",
 )  # fmt: skip
 
 

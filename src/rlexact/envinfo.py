@@ -55,16 +55,30 @@ def device_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def host_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The host CPU's model name (the first ``model name`` of ``cpuinfo`` on Linux), else ``platform.processor()``,
+    else ``"unknown"``. Host-bound timings (eager launches, the trainer's update) move with it."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def result_header(name: str, *libraries: str) -> dict:
     """The provenance block every committed result starts with: ``benchmark`` name, ``command`` line, git
-    ``commit``, UTC ``date``, ``device``, CPU count, library ``versions`` and the ``RLEXACT_*`` environment
-    variables that change how kernels are chosen or launched."""
+    ``commit``, UTC ``date``, ``device``, the host's CPU model and count, library ``versions`` and the ``RLEXACT_*``
+    environment variables that change how kernels are chosen or launched."""
     return {
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
+        "host_cpu": host_cpu(),
         "cpu_count": os.cpu_count(),
         "versions": library_versions(*libraries),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLEXACT_") and k != COMMIT_ENV},
