@@ -54,6 +54,24 @@ def bench_stream(fn: Callable[[], object], calls: int = 200, rounds: int = 10) -
     return float(sorted(times)[len(times) // 2])
 
 
+def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+    """Median host microseconds per call of ``fn`` issued ``calls`` times back to back without synchronizing (the
+    host's own cost of the launches while the GPU queue has room), over ``rounds``."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return float(sorted(times)[len(times) // 2])
+
+
 L2_BYTES = 50 * 2**20
 """L2 cache of an H100 / H200."""
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header
+from common import ROOT, bench, bench_graph, bench_stream, header, host_us
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -201,15 +201,7 @@ def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
 
         call()
         outs[name] = out
-        host = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                call()
-            host.append((time.perf_counter() - t0) / 50 * 1e6)
-        torch.cuda.synchronize()
-        res[name] = {"graph_ms": bench_graph(call), "eager_ms": bench_stream(call), "host_us": sorted(host)[2],
+        res[name] = {"graph_ms": bench_graph(call), "eager_ms": bench_stream(call), "host_us": host_us(call),
                      "host_top_us": _host_profile(call)}
     res["bitwise_equal"] = bool(torch.equal(outs["default"], outs["tl"]))
     return res
