@@ -148,7 +148,7 @@ if gluon is not None:
     def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
                     D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
-                    SCAN: gl.constexpr, W: gl.constexpr, Q_REG: gl.constexpr, ONE_SPLIT: gl.constexpr):  # fmt: skip
+                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
         TPS: gl.constexpr = SPLIT // BLOCK_N
@@ -175,11 +175,8 @@ if gluon is not None:
         qi = tile * P + rows // HP
         q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
         q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
-        if Q_REG:  # the score wgmma's A operand from registers: only K tiles are read from shared memory
-            q_op = gl.convert_layout(q, gl.DotOperandLayout(0, s_layout, 2))
-        else:
-            q_op = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
-            q_op.store(q)
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        q_smem.store(q)
         ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
         ones_smem = gl.allocate_shared_memory(dt, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
                                                                                                       dt))
@@ -214,7 +211,7 @@ if gluon is not None:
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
         mbarrier.wait(bars.index(0), 0)
-        s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
         for j in range(n_tiles):
             buf = j % 2
             if j + 1 < n_tiles:  # the next tile's K/V into the other buffer (tile j - 1's MMAs are done)
@@ -223,7 +220,7 @@ if gluon is not None:
                                                 k_smem.index(1 - buf))  # fmt: skip
                 tma.async_copy_global_to_shared(v_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
                                                 v_smem.index(1 - buf))  # fmt: skip
-            if (j % TPS == 0) & (not ONE_SPLIT):  # a split starts from the empty state
+            if j % TPS == 0:  # a split starts from the empty state
                 m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
                 l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
                 acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
@@ -240,16 +237,13 @@ if gluon is not None:
             acc_s = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, o_layout, 2)), v_smem.index(buf),
                                   acc_s)  # fmt: skip
             m_s = m_new
-            if not ONE_SPLIT:
-                if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in
-                    m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
+            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in
+                m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
             if j + 1 < n_tiles:
                 mbarrier.wait(bars.index(1 - buf), ((j + 1) // 2) & 1)
-                s = warpgroup_mma(q_op, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
+                s = warpgroup_mma(q_smem, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
-        if ONE_SPLIT:  # every key tile lies in split 0: the fold the loop does at its last tile, after the loop
-            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
 
         store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
                    stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
@@ -262,14 +256,10 @@ def _kv_layout(fp16: bool) -> object:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None, *, q_reg: bool = False,
-            one_split: bool = False, maxnreg: int | None = None) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
-    (``out`` holds dO). Call only where :func:`supported` holds. ``q_reg``: the query tile stays in registers as the
-    score wgmma's A operand; ``one_split``: the caller guarantees that no sequence is longer than ``split``, so the
-    kernel keeps one accumulator (the same operations: the split's fold from the empty state runs after the loop).
-    Neither changes a row's bits, nor does ``maxnreg`` (a register cap per thread for ptxas).
+    (``out`` holds dO). Call only where :func:`supported` holds.
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
     kernel's launcher directly (:func:`_launch`)."""
@@ -283,11 +273,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
     sq, so, sl = q.stride(), out.stride(), lse.stride()
     args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS, q_reg,
-            one_split)  # fmt: skip
+            sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
     ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints, maxnreg)
+    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
 
 
 _CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
@@ -301,8 +290,7 @@ _DIRECT = [os.environ.get("RLEXACT_GLUON_JIT_LAUNCH", "0") != "1"]
 launcher raised, i.e. a Triton whose launcher API is not the one :func:`direct_launch_ok` recognises)."""
 
 
-def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...],
-            maxnreg: int | None = None) -> None:  # fmt: skip
+def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
     """Launch :func:`_fwd_kernel` with ``args`` (every parameter, constexprs included, in signature order).
 
     The key is at least as fine as Triton's specialization of these arguments: the device, every constexpr, the
@@ -319,7 +307,6 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
         args[-n_const:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
         tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints),
-        maxnreg,
     )
     entry = _LAUNCHERS.get(key) if _DIRECT[0] else None
     if entry is not None and not launch_hooks_installed():
@@ -334,7 +321,6 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
     names = _fwd_kernel.arg_names
     constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    cap = {} if maxnreg is None else {"maxnreg": maxnreg}
-    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **cap, **COMPILE_OPTIONS)
+    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)
