@@ -54,7 +54,7 @@ import torch
 
 import rlexact
 from common import ROOT, header
-from rlexact.rollout import Generator, SamplingParams
+from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
 
@@ -199,7 +199,7 @@ def make_generator(
         model,
         kernels=kernels,
         max_num_seqs=batch,
-        max_num_batched_tokens=args.batched_tokens or max(8192, 2 * batch),
+        max_num_batched_tokens=args.batched_tokens or max(GeneratorConfig.max_num_batched_tokens, 2 * batch),
         cuda_graphs=not args.no_graphs,
         share_prompt_blocks=share,
         prefix_caching=share,
@@ -407,7 +407,7 @@ def main() -> int:
     )
     ap.add_argument("--profile", type=int, default=0, help="profile an exact generate of N new tokens per batch")
     ap.add_argument(
-        "--batched-tokens", type=int, default=0, help="max_num_batched_tokens (default: max(8192, 2 * batch))"
+        "--batched-tokens", type=int, default=0, help="max_num_batched_tokens (default: the library's or 2 * batch)"
     )
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
@@ -438,7 +438,7 @@ def main() -> int:
             "batches": "grpo" if args.grpo else args.batches,
             "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
             "cuda_graphs": not args.no_graphs,
-            "max_num_batched_tokens": args.batched_tokens or "max(8192, 2 * batch)",
+            "max_num_batched_tokens": args.batched_tokens or "max(GeneratorConfig default, 2 * batch)",
             "profile_new_tokens": args.profile,
         },
         "results": {},

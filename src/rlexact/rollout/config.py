@@ -23,8 +23,10 @@ class GeneratorConfig:
     under :func:`rlexact.use_kernels` ``"native"`` (stock cuBLAS/SDPA/torch) — the controlled mismatch baseline."""
     max_num_seqs: int = 256
     """Sequences running concurrently at most (also the largest CUDA-graph batch)."""
-    max_num_batched_tokens: int = 8192
-    """Tokens per packed forward at most (decodes + prefill chunks); also the chunk size of :meth:`Generator.score`."""
+    max_num_batched_tokens: int = 16384
+    """Tokens per packed forward at most (decodes + prefill chunks); also the chunk size of :meth:`Generator.score`.
+    An eager forward's host launch cost hardly depends on its token count, so small budgets leave the GPU waiting on
+    the host during prefill (``benchmarks/results/prefill_chunks_h200.json``)."""
     chunked_prefill: bool = True
     """Split prompts into chunks that fit the token budget (mixed with decodes). If ``False`` a prompt is prefilled in
     one step, so ``prompt + max_new_tokens`` (the recompute length) must fit ``max_num_batched_tokens``."""
