@@ -26,7 +26,13 @@ import torch
 try:  # triton >= 3.5 with Gluon's Hopper language
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # pragma: no cover - old triton
     gluon = None
@@ -100,6 +106,15 @@ if gluon is not None:
         m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
+
+    @gluon.jit
+    def mask_scores(s, j, n_full, pos, offs_n, nq, BLOCK_N: gl.constexpr):
+        """Key tile ``j``'s scores with keys past a row's position or past the sequence at ``-inf`` (tiles below
+        ``n_full`` are visible to every row and returned as they are)."""
+        if j >= n_full:
+            kpos = j * BLOCK_N + offs_n
+            s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
+        return s
 
     @gluon.jit
     def zero_tail_rows(v_buf, row0, n, BLOCK_N: gl.constexpr, blk: gl.constexpr):
@@ -249,6 +264,127 @@ if gluon is not None:
                    stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
 
 
+if gluon is not None:
+
+    @gluon.jit
+    def load_tile(k_desc, v_desc, k_smem, v_smem, bars, x, q_begin, kv_col, BLOCK_N: gl.constexpr,
+                  nbytes: gl.constexpr):  # fmt: skip
+        """Start the TMA copies of key tile ``x``'s K and V rows into ring slot ``x % 2``."""
+        slot = x % 2
+        mbarrier.expect(bars.index(slot), nbytes)
+        tma.async_copy_global_to_shared(k_desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _fwd_pipe_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
+                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
+                         D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+                         SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+        BLOCK_M: gl.constexpr = 16 * W
+        P: gl.constexpr = BLOCK_M // HP
+        TPS: gl.constexpr = SPLIT // BLOCK_N
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        hgroup = gl.program_id(1)
+        kv_col = (hgroup * HP) // GROUP * D
+        b, q_begin, tile = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
+        nq = gl.load(cu_ptr + b + 1) - q_begin
+        if tile * P >= nq:
+            return
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                           instr_shape=[16, 16, 16])  # fmt: skip
+        r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
+        pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        qi = tile * P + rows // HP
+        q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        q_smem.store(q)
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dt, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
+                                                                                                      dt))
+        ones_smem.store(gl.full([BLOCK_N, 16], 1.0, dt, layout=ones_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        k_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
+
+        last_pos = gl.minimum(tile * P + P, nq) - 1
+        n_tiles = last_pos // BLOCK_N + 1
+        n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
+        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
+        load_tile(k_desc, v_desc, k_smem, v_smem, bars, 0, q_begin, kv_col, BLOCK_N, nbytes)
+        if n_tiles > 1:
+            load_tile(k_desc, v_desc, k_smem, v_smem, bars, 1, q_begin, kv_col, BLOCK_N, nbytes)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
+
+        # Key tile x sits in ring slot x % 2 (phase (x // 2) & 1); tile x + 2 is copied once tile x's P @ V is done.
+        # Inside a split, tile j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight; no
+        # MMA is in flight across a loop edge. Every row sees the operations of the library kernel in its order.
+        for t0 in range(0, n_tiles, TPS):
+            t1 = gl.minimum(t0 + TPS, n_tiles)
+            m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the split's partial
+            l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+            mbarrier.wait(bars.index(t0 % 2), (t0 // 2) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(t0 % 2).permute((1, 0)), s_zero, use_acc=False)
+            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale, dt)
+            rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            p_op = gl.convert_layout(p, pv_op)
+            for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
+                slot = j % 2
+                mbarrier.wait(bars.index(1 - slot), ((j + 1) // 2) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(1 - slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)  # fmt: skip
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                acc_tok = warpgroup_mma(p_op, v_smem.index(slot), acc_s, is_async=True)
+                s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
+                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
+                                             dt)  # fmt: skip
+                r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
+                rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
+                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                p_op = gl.convert_layout(p, pv_op)
+                if j + 2 < n_tiles:
+                    load_tile(k_desc, v_desc, k_smem, v_smem, bars, j + 2, q_begin, kv_col, BLOCK_N, nbytes)
+            jl = t1 - 1  # the split's last tile: its P @ V, then the fold
+            slot = jl % 2
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            if (jl + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
+                zero_tail_rows(v_smem.index(slot), jl * BLOCK_N, nq, BLOCK_N, blk)
+            acc_s = warpgroup_mma(p_op, v_smem.index(slot), acc_s)
+            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
+            if jl + 2 < n_tiles:
+                load_tile(k_desc, v_desc, k_smem, v_smem, bars, jl + 2, q_begin, kv_col, BLOCK_N, nbytes)
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+        store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
+                   stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+
+
 @functools.cache
 def _kv_layout(fp16: bool) -> object:
     """The shared-memory layout of a K/V tile (built once: the launch is on the host's critical path)."""
@@ -256,7 +392,8 @@ def _kv_layout(fp16: bool) -> object:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+            pipelined: bool = False) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
     (``out`` holds dO). Call only where :func:`supported` holds.
@@ -276,7 +413,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
     ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
+    _launch(_fwd_pipe_kernel if pipelined else _fwd_kernel, grid, args, (q, out, lse, delta, cu, k, v), ints)
 
 
 _CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
@@ -290,7 +427,8 @@ _DIRECT = [os.environ.get("RLEXACT_GLUON_JIT_LAUNCH", "0") != "1"]
 launcher raised, i.e. a Triton whose launcher API is not the one :func:`direct_launch_ok` recognises)."""
 
 
-def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
+def _launch(kernel, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...],  # noqa: ANN001
+            ints: tuple[int, ...]) -> None:  # fmt: skip
     """Launch :func:`_fwd_kernel` with ``args`` (every parameter, constexprs included, in signature order).
 
     The key is at least as fine as Triton's specialization of these arguments: the device, every constexpr, the
@@ -303,6 +441,7 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
     dev = tensors[0].get_device()
     n_const = _CONSTEXPRS
     key = (
+        kernel,
         dev,
         args[-n_const:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
@@ -319,8 +458,8 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
             except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
-    names = _fwd_kernel.arg_names
+    names = kernel.arg_names
     constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
+    compiled = kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)
