@@ -267,13 +267,12 @@ if gluon is not None:
 if gluon is not None:
 
     @gluon.jit
-    def load_tile(k_desc, v_desc, k_smem, v_smem, bars, x, q_begin, kv_col, BLOCK_N: gl.constexpr,
+    def load_rows(desc, smem, bars, x, q_begin, kv_col, SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
                   nbytes: gl.constexpr):  # fmt: skip
-        """Start the TMA copies of key tile ``x``'s K and V rows into ring slot ``x % 2``."""
-        slot = x % 2
+        """Start the TMA copy of key tile ``x``'s rows of ``desc`` into ring slot ``x % SLOTS``."""
+        slot = x % SLOTS
         mbarrier.expect(bars.index(slot), nbytes)
-        tma.async_copy_global_to_shared(k_desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
 
     @gluon.jit
     def _fwd_pipe_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
@@ -317,21 +316,27 @@ if gluon is not None:
         fence_async_shared()
         gl.thread_barrier()
 
-        k_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], k_desc.layout)
+        k_smem = gl.allocate_shared_memory(dt, [3, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(0), count=1)
-        mbarrier.init(bars.index(1), count=1)
+        k_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(3):
+            mbarrier.init(k_bars.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(v_bars.index(i), count=1)
 
         last_pos = gl.minimum(tile * P + P, nq) - 1
         n_tiles = last_pos // BLOCK_N + 1
         n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
         pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
-        load_tile(k_desc, v_desc, k_smem, v_smem, bars, 0, q_begin, kv_col, BLOCK_N, nbytes)
-        if n_tiles > 1:
-            load_tile(k_desc, v_desc, k_smem, v_smem, bars, 1, q_begin, kv_col, BLOCK_N, nbytes)
+        nbytes: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
+        for x in gl.static_range(3):
+            if x < n_tiles:
+                load_rows(k_desc, k_smem, k_bars, x, q_begin, kv_col, 3, BLOCK_N, nbytes)
+        for x in gl.static_range(2):
+            if x < n_tiles:
+                load_rows(v_desc, v_smem, v_bars, x, q_begin, kv_col, 2, BLOCK_N, nbytes)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -339,28 +344,33 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
-        # Key tile x sits in ring slot x % 2 (phase (x // 2) & 1); tile x + 2 is copied once tile x's P @ V is done.
-        # Inside a split, tile j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight; no
-        # MMA is in flight across a loop edge. Every row sees the operations of the library kernel in its order.
+        # K tile x sits in slot x % 3 of a three-deep ring (K tile x + 3 is copied once tile x's scores are done), V
+        # tile x in slot x % 2 of a two-deep ring (V tile x + 2 is copied once tile x's P @ V is done). Inside a
+        # split, tile j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight; no MMA is in
+        # flight across a loop edge. Every row sees the operations of the library kernel in its order.
         for t0 in range(0, n_tiles, TPS):
             t1 = gl.minimum(t0 + TPS, n_tiles)
             m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the split's partial
             l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            mbarrier.wait(bars.index(t0 % 2), (t0 // 2) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(t0 % 2).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.wait(k_bars.index(t0 % 3), (t0 // 3) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(t0 % 3).permute((1, 0)), s_zero, use_acc=False)
+            if t0 + 3 < n_tiles:
+                load_rows(k_desc, k_smem, k_bars, t0 + 3, q_begin, kv_col, 3, BLOCK_N, nbytes)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
             l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             p_op = gl.convert_layout(p, pv_op)
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
-                slot = j % 2
-                mbarrier.wait(bars.index(1 - slot), ((j + 1) // 2) & 1)
-                s_tok = warpgroup_mma(q_smem, k_smem.index(1 - slot).permute((1, 0)), s_zero, use_acc=False,
+                mbarrier.wait(k_bars.index((j + 1) % 3), ((j + 1) // 3) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % 3).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)  # fmt: skip
                 acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                acc_tok = warpgroup_mma(p_op, v_smem.index(slot), acc_s, is_async=True)
+                mbarrier.wait(v_bars.index(j % 2), (j // 2) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(j % 2), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
+                if j + 4 < n_tiles:
+                    load_rows(k_desc, k_smem, k_bars, j + 4, q_begin, kv_col, 3, BLOCK_N, nbytes)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
                                              dt)  # fmt: skip
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
@@ -368,18 +378,20 @@ if gluon is not None:
                 l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
                 p_op = gl.convert_layout(p, pv_op)
                 if j + 2 < n_tiles:
-                    load_tile(k_desc, v_desc, k_smem, v_smem, bars, j + 2, q_begin, kv_col, BLOCK_N, nbytes)
+                    load_rows(v_desc, v_smem, v_bars, j + 2, q_begin, kv_col, 2, BLOCK_N, nbytes)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
-            slot = jl % 2
             acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(v_bars.index(jl % 2), (jl // 2) & 1)
             if (jl + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
-                zero_tail_rows(v_smem.index(slot), jl * BLOCK_N, nq, BLOCK_N, blk)
-            acc_s = warpgroup_mma(p_op, v_smem.index(slot), acc_s)
+                zero_tail_rows(v_smem.index(jl % 2), jl * BLOCK_N, nq, BLOCK_N, blk)
+            acc_s = warpgroup_mma(p_op, v_smem.index(jl % 2), acc_s)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
             if jl + 2 < n_tiles:
-                load_tile(k_desc, v_desc, k_smem, v_smem, bars, jl + 2, q_begin, kv_col, BLOCK_N, nbytes)
-        mbarrier.invalidate(bars.index(0))
-        mbarrier.invalidate(bars.index(1))
+                load_rows(v_desc, v_smem, v_bars, jl + 2, q_begin, kv_col, 2, BLOCK_N, nbytes)
+        for i in gl.static_range(3):
+            mbarrier.invalidate(k_bars.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(v_bars.index(i))
 
         store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
                    stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
