@@ -5,8 +5,11 @@ same key tiles (``BLOCK_N`` anchored at 0) and KV splits (``SPLIT`` keys, partia
 empty state), the same per-row operations in the same order (scores, ``-inf`` mask, ``exp2(fma(s, scale, -m))``, the
 row sum as a dot with a ones tile, ``fma`` updates, P @ V in the MMA's K chain, the fold's explicit FMAs), so a row
 does not depend on which kernel computed it; decode keeps the ``tl`` kernel. What differs is only how the work is
-carried: Q in shared memory, K/V tiles through a two-deep TMA ring with mbarriers, the three wgmmas per key tile
-explicit, the ones tile stored once per program, 16 query rows per warp. Keys past a sequence arrive through TMA
+carried: Q in shared memory, K tiles through a three-deep and V tiles through a two-deep TMA ring with mbarriers,
+the three wgmmas per key tile explicit, the ones tile stored once per program, 16 query rows per warp. Inside a KV
+split the wgmmas of neighbouring tiles overlap: tile ``j + 1``'s scores and tile ``j``'s P @ V are issued together,
+and tile ``j + 1``'s softmax runs while that P @ V is in flight; no wgmma is in flight across a loop edge (``ptxas``
+keeps them asynchronous). Keys past a sequence arrive through TMA
 (the next sequence's rows or zero fill): their scores are masked and their V rows zeroed, so nothing of another
 sequence enters a row.
 
@@ -160,113 +163,6 @@ if gluon is not None:
             gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_ok[:, None])
 
     @gluon.jit
-    def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
-                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
-                    D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
-                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
-        BLOCK_M: gl.constexpr = 16 * W
-        P: gl.constexpr = BLOCK_M // HP
-        TPS: gl.constexpr = SPLIT // BLOCK_N
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        hgroup = gl.program_id(1)
-        kvh = (hgroup * HP) // GROUP
-        b, q_begin, tile = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), P, SCAN, W)
-        nq = gl.load(cu_ptr + b + 1) - q_begin
-        if tile * P >= nq:
-            return
-
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, 16, 16])  # fmt: skip
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        qi = tile * P + rows // HP
-        q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
-        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
-        q_smem.store(q)
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
-        ones_smem = gl.allocate_shared_memory(dt, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
-                                                                                                      dt))
-        ones_smem.store(gl.full([BLOCK_N, 16], 1.0, dt, layout=ones_layout))
-        fence_async_shared()
-        gl.thread_barrier()
-
-        k_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(0), count=1)
-        mbarrier.init(bars.index(1), count=1)
-
-        last_pos = gl.minimum(tile * P + P, nq) - 1
-        n_tiles = last_pos // BLOCK_N + 1
-        n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
-        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        nbytes: gl.constexpr = 2 * BLOCK_N * D * dt.primitive_bitwidth // 8
-
-        mbarrier.expect(bars.index(0), nbytes)
-        tma.async_copy_global_to_shared(k_desc, [q_begin, kvh * D], bars.index(0), k_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [q_begin, kvh * D], bars.index(0), v_smem.index(0))
-
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-        m_s = m_i  # the current split's partial
-        l_s = l_i
-        acc_s = acc
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
-
-        mbarrier.wait(bars.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
-        for j in range(n_tiles):
-            buf = j % 2
-            if j + 1 < n_tiles:  # the next tile's K/V into the other buffer (tile j - 1's MMAs are done)
-                mbarrier.expect(bars.index(1 - buf), nbytes)
-                tma.async_copy_global_to_shared(k_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
-                                                k_smem.index(1 - buf))  # fmt: skip
-                tma.async_copy_global_to_shared(v_desc, [q_begin + (j + 1) * BLOCK_N, kvh * D], bars.index(1 - buf),
-                                                v_smem.index(1 - buf))  # fmt: skip
-            if j % TPS == 0:  # a split starts from the empty state
-                m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-                l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-                acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            if j >= n_full:
-                kpos = j * BLOCK_N + offs_n
-                s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
-                if (j + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
-                    zero_tail_rows(v_smem.index(buf), j * BLOCK_N, nq, BLOCK_N, blk)
-            m_new, alpha, pv = tile_softmax(s, m_s, qk_scale, dt)
-            rsum = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, r_layout, 2)), ones_smem, r_zero,
-                                 use_acc=False)  # fmt: skip
-            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-            acc_s = warpgroup_mma(gl.convert_layout(pv, gl.DotOperandLayout(0, o_layout, 2)), v_smem.index(buf),
-                                  acc_s)  # fmt: skip
-            m_s = m_new
-            if (j % TPS == TPS - 1) | (j == n_tiles - 1):  # fold the split in
-                m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-            if j + 1 < n_tiles:
-                mbarrier.wait(bars.index(1 - buf), ((j + 1) // 2) & 1)
-                s = warpgroup_mma(q_smem, k_smem.index(1 - buf).permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.invalidate(bars.index(0))
-        mbarrier.invalidate(bars.index(1))
-
-        store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
-                   stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
-
-
-if gluon is not None:
-
-    @gluon.jit
     def load_rows(desc, smem, bars, x, q_begin, kv_col, SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
                   nbytes: gl.constexpr):  # fmt: skip
         """Start the TMA copy of key tile ``x``'s rows of ``desc`` into ring slot ``x % SLOTS``."""
@@ -275,10 +171,10 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
 
     @gluon.jit
-    def _fwd_pipe_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
-                         stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
-                         D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
-                         SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+    def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
+                    D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
         TPS: gl.constexpr = SPLIT // BLOCK_N
@@ -404,8 +300,7 @@ def _kv_layout(fp16: bool) -> object:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-            pipelined: bool = False) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
     (``out`` holds dO). Call only where :func:`supported` holds.
@@ -425,7 +320,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
     ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    _launch(_fwd_pipe_kernel if pipelined else _fwd_kernel, grid, args, (q, out, lse, delta, cu, k, v), ints)
+    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
 
 
 _CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
@@ -439,8 +334,7 @@ _DIRECT = [os.environ.get("RLEXACT_GLUON_JIT_LAUNCH", "0") != "1"]
 launcher raised, i.e. a Triton whose launcher API is not the one :func:`direct_launch_ok` recognises)."""
 
 
-def _launch(kernel, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...],  # noqa: ANN001
-            ints: tuple[int, ...]) -> None:  # fmt: skip
+def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
     """Launch :func:`_fwd_kernel` with ``args`` (every parameter, constexprs included, in signature order).
 
     The key is at least as fine as Triton's specialization of these arguments: the device, every constexpr, the
@@ -453,7 +347,6 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Ten
     dev = tensors[0].get_device()
     n_const = _CONSTEXPRS
     key = (
-        kernel,
         dev,
         args[-n_const:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
@@ -470,8 +363,8 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Ten
             except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
-    names = kernel.arg_names
+    names = _fwd_kernel.arg_names
     constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    compiled = kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
+    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)
