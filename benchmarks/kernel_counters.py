@@ -9,8 +9,9 @@ each kernel once per counter pass with the caches flushed before each pass (its 
 weights and K/V come from HBM, as in a decode step; unlike a decode step, so do the activations.
 
 Cases: ``attn_b{B}_ctx{C}``: exact paged decode attention (16 query / 8 KV heads, head dim 128, 16-token pages in a
-shuffled order) of ``B`` sequences with ``C`` keys; ``attn_prefill_64x512`` and ``sdpa_prefill_64x512``: the exact
-packed causal forward of 64 x 512 tokens and SDPA's default backend on the same shape; ``mm{M}_{shape}`` and
+shuffled order) of ``B`` sequences with ``C`` keys; ``attn_prefill_{B}x{S}`` and ``sdpa_prefill_{B}x{S}`` (in the
+default list: ``64x512``): the exact packed causal forward of ``B`` sequences of ``S`` tokens and SDPA's default
+backend on the same shape; ``mm{M}_{shape}`` and
 ``mm{M}_{shape}_torch``: the exact matmul (the library's tile for ``M``) and ``torch.mm`` (cuBLAS) of the projections
 as the exactified model calls them; ``head256``: the exact lm head + log-softmax of 256 rows.
 
@@ -115,8 +116,8 @@ def build(case: str) -> Callable[[], object]:
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         counters = torch.zeros(b * HKV * 4, device=dev, dtype=torch.int32)
         return lambda: ta.attention_paged(q, kc, vc, tables, cu, lens, scale, max_seqlen_q=1, split_counters=counters)
-    if case.endswith("prefill_64x512"):
-        b, s = 64, 512
+    if "_prefill_" in case:
+        b, s = (int(x) for x in case.rsplit("_", 1)[1].split("x"))
         if case.startswith("sdpa"):
             import torch.nn.functional as F
 
