@@ -72,6 +72,29 @@ def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float
     return float(sorted(times)[len(times) // 2])
 
 
+def packed_attention_inputs(lens: list[int], hq: int, hkv: int, d: int) -> tuple:
+    """``(q [T, hq, d], k, v [T, hkv, d], cu [B + 1] int32)``: seeded bf16 CUDA tensors for sequences of ``lens``
+    tokens packed back to back, k and v strided views of one q|k|v buffer as a fused projection gives them."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(sum(lens), hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    return qkv[:, :hq].contiguous(), qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], cu
+
+
+def sdpa_causal_us(q, k, v, b: int, s_len: int, scale: float) -> float:  # noqa: ANN001 - torch.Tensors
+    """Microseconds (CUDA-graph replays) of SDPA's default backend on ``b`` sequences of ``s_len`` tokens packed as
+    :func:`packed_attention_inputs` gives them, K/V expanded to every query head."""
+    import torch.nn.functional as F
+
+    d = q.shape[-1]
+    qs, ks, vs = (x.reshape(b, s_len, -1, d).transpose(1, 2) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+    return bench_graph(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)) * 1e3
+
+
 L2_BYTES = 50 * 2**20
 """L2 cache of an H100 / H200."""
 

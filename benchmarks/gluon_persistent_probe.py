@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_causal_us
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, zero_tail_rows
 from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
@@ -267,11 +267,7 @@ def persistent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
 
 
 def _inputs(lens: list[int]) -> tuple:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    t = sum(lens)
-    qkv = torch.randn(t, HQ + 2 * HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    return qkv[:, :HQ].contiguous(), qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :], cu
+    return packed_attention_inputs(lens, HQ, HKV, D)
 
 
 def _run(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
@@ -296,17 +292,12 @@ def check(lens: list[int]) -> dict:
 
 def measure(b: int, s_len: int) -> dict:
     """One timing shape (``b`` sequences of ``s_len`` tokens), microseconds."""
-    import torch.nn.functional as F
-
     q, k, v, cu = _inputs([s_len] * b)
     ref = _run("library", q, k, v, cu)
     row: dict = {"probe_bitwise_equal_library": bool(torch.equal(_run("probe", q, k, v, cu), ref))}
     for kind in ("library", "tl", "probe"):
         row[f"{kind}_us"] = bench_graph(lambda kind=kind: _run(kind, q, k, v, cu)) * 1e3
-    qs, ks, vs = (x.reshape(b, s_len, -1, D).transpose(1, 2) for x in (q, k, v))
-    ks, vs = ks.repeat_interleave(HP, 1), vs.repeat_interleave(HP, 1)
-    sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE)  # noqa: E731
-    row["sdpa_default_us"] = bench_graph(sdpa) * 1e3
+    row["sdpa_default_us"] = sdpa_causal_us(q, k, v, b, s_len, SCALE)
     return row
 
 
