@@ -54,6 +54,20 @@ def test_rollout_host_stub(tmp_path: Path) -> None:
     assert set(row["gc_per_step"]) == {"gen0", "gen1", "gen2"}
 
 
+def test_prefill_chunks_tiny(tmp_path: Path) -> None:
+    """Two token budgets on the tiny CPU model: both run, chunk the prompts into different numbers of eager steps,
+    and give the same completions bitwise (the script's row-invariance check)."""
+    out = tmp_path / "chunks.json"
+    _run("prefill_chunks.py", "--tiny", "--batch", "8", "--prompt-len", "16", "--new-tokens", "4", "--budgets", "32",
+         "128", "--reps", "1", "--top", "3", "--out", str(out))  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["errors"] == {}
+    small, large = res["budgets"]["32"], res["budgets"]["128"]
+    assert small["eager_steps"] > large["eager_steps"]
+    assert small["same_as_first_budget"] is True and large["same_as_first_budget"] is True
+    assert len(large["cprofile_top_own_time"]) == 3
+
+
 def test_kernel_counters_parses_ncu_raw_csv() -> None:
     """``kernel_counters.parse`` reads ncu's raw CSV (a units row, quoted numbers with thousands separators): the
     summary takes the first metric name present, the stalls are ranked, and a kernel row of the wrong width is
