@@ -448,3 +448,27 @@ def test_every_stats_key_is_documented(qwen):
     assert documented - set(gen.stats) == {"capture_ahead_failed"}
     gen.score([[5, 6, 7, 8]])
     assert set(gen.stats) <= documented, set(gen.stats) - documented
+
+
+def test_native_score_slices_the_head(qwen, monkeypatch):
+    """Native scoring materializes ``[rows, vocab]`` fp32 logits, so a step's scored rows go through the head in
+    slices of at most ``NATIVE_SCORE_LOGITS`` elements; the log-probs match one unsliced call (the native path makes
+    no bitwise promise across shapes, so within fp32 rounding)."""
+    from rlexact.rollout import runner as runner_mod
+
+    seqs = [p + [3, 4, 5] for p in prompts_for(4, 97, lo=5, hi=12, seed=7)]
+    whole = Generator(qwen, kernels="native").score(seqs)
+    rows: list[int] = []
+    real = runner_mod.head_logprobs
+
+    def counting(model, hidden, *args, **kwargs):  # noqa: ANN001, ANN202
+        rows.append(hidden.shape[0])
+        return real(model, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "head_logprobs", counting)
+    vocab = rlexact.models.lm_head_weight(qwen).shape[0]
+    monkeypatch.setattr(runner_mod, "NATIVE_SCORE_LOGITS", 3 * vocab)
+    sliced = Generator(qwen, kernels="native").score(seqs)
+    assert len(rows) > 1 and max(rows) <= 3 and sum(rows) == sum(len(s) - 1 for s in seqs)
+    for a, b in zip(sliced, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

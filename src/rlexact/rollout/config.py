@@ -26,9 +26,9 @@ class GeneratorConfig:
     max_num_batched_tokens: int = 16384
     """Tokens per packed forward at most (decodes + prefill chunks); also the chunk size of :meth:`Generator.score`.
     An eager forward's host launch cost hardly depends on its token count, so small budgets leave the GPU waiting on
-    the host during prefill (``benchmarks/results/prefill_chunks_h200.json``). Native-mode and truncated
-    (``top_k`` / ``top_p``) scoring materialize fp32 logits of every scored token of a chunk, ``budget x vocab``:
-    lower the budget where that does not fit."""
+    the host during prefill (``benchmarks/results/prefill_chunks_h200.json``). Scoring's logits do not grow with
+    it: native-mode scoring runs the head in bounded row slices (``rollout.runner.NATIVE_SCORE_LOGITS``), the exact
+    head never materializes them."""
     chunked_prefill: bool = True
     """Split prompts into chunks that fit the token budget (mixed with decodes). If ``False`` a prompt is prefilled in
     one step, so ``prompt + max_new_tokens`` (the recompute length) must fit ``max_num_batched_tokens``."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
@@ -139,6 +139,12 @@ class DecodeLaunch:
     batch: ScheduledBatch
     host_out: torch.Tensor  # pinned [2, max_bs] float64 the step's outputs are copied into
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU, where the copy is synchronous)
+
+
+NATIVE_SCORE_LOGITS = 2**28
+"""Logits (rows x vocabulary, fp32: 1 GiB) the native head materializes per call in :meth:`ModelRunner.score_step`;
+the scored rows of a step go through it in slices of at most this size. The exact head does not materialize them, and
+truncated log-probs are computed in row chunks already (:mod:`rlexact.models.truncation`)."""
 
 
 @dataclass
@@ -714,11 +720,15 @@ class ModelRunner:
             s.num_computed += n
         if not spans:
             return
-        row_t, target_t = torch.cat(rows), torch.tensor(targets, dtype=torch.long)
-        logp, _ = head_logprobs(
-            self.model, hidden[self._to_device(row_t)], self._to_device(target_t), temperature, top_k=top_k, top_p=top_p
-        )
-        logp = logp.float().cpu()
+        idx, tgt = self._to_device(torch.cat(rows)), self._to_device(torch.tensor(targets, dtype=torch.long))
+        # the native head materializes [rows, vocab] fp32 logits: bound them whatever the token budget
+        step = max(1, NATIVE_SCORE_LOGITS // lm_head_weight(self.model).shape[0]) if self.native else len(targets)
+        parts = [
+            head_logprobs(self.model, hidden[idx[i : i + step]], tgt[i : i + step], temperature, top_k=top_k,
+                          top_p=top_p)[0]
+            for i in range(0, len(targets), step)
+        ]  # fmt: skip
+        logp = torch.cat(parts).float().cpu()
         offset = 0
         for s, start, k in spans:
             assert s.score_logprobs is not None
