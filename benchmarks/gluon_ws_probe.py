@@ -35,7 +35,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -44,7 +43,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_causal_us
 from rlexact.ops import gluon_attention as ga
 from rlexact.ops import triton_attention as ta
-from rlexact.ops.gluon_attention import fold, locate, mask_scores, store_rows, tile_softmax, zero_tail_rows
+from rlexact.ops.gluon_attention import (
+    fold,
+    load_rows,
+    locate,
+    mask_scores,
+    store_rows,
+    tile_softmax,
+    zero_tail_rows,
+)
 from rlexact.ops.triton_shared import COMPILE_OPTIONS
 
 HQ, HKV, D = 16, 8, 128
@@ -84,13 +91,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
         slot = x % SLOTS
         phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
         mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [q_begin + x * TILE_N, kv_col], k_ready.index(slot),
-                                        k_smem.index(slot))  # fmt: skip
+        load_rows(k_desc, k_smem, k_ready, x, q_begin, kv_col, SLOTS, TILE_N, k_desc.block_type.nbytes)
         mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [q_begin + x * TILE_N, kv_col], v_ready.index(slot),
-                                        v_smem.index(slot))  # fmt: skip
+        load_rows(v_desc, v_smem, v_ready, x, q_begin, kv_col, SLOTS, TILE_N, v_desc.block_type.nbytes)
 
 
 @gluon.jit

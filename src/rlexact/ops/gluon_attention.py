@@ -86,6 +86,10 @@ def _sm90(index: int) -> bool:
 
 
 if gluon is not None:
+    K_SLOTS = gl.constexpr(3)
+    """Depth of the K tile ring: K tile ``x + 3`` is copied once tile ``x``'s scores are done."""
+    V_SLOTS = gl.constexpr(2)
+    """Depth of the V tile ring: V tile ``x + 2`` is copied once tile ``x``'s P @ V is done."""
 
     @gluon.jit
     def locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
@@ -175,6 +179,8 @@ if gluon is not None:
                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
                     D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
                     SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+        KS: gl.constexpr = K_SLOTS
+        VS: gl.constexpr = V_SLOTS
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
         TPS: gl.constexpr = SPLIT // BLOCK_N
@@ -212,13 +218,13 @@ if gluon is not None:
         fence_async_shared()
         gl.thread_barrier()
 
-        k_smem = gl.allocate_shared_memory(dt, [3, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [2, BLOCK_N, D], v_desc.layout)
-        k_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(3):
+        k_smem = gl.allocate_shared_memory(dt, [KS, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [VS, BLOCK_N, D], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(KS):
             mbarrier.init(k_bars.index(i), count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(VS):
             mbarrier.init(v_bars.index(i), count=1)
 
         last_pos = gl.minimum(tile * P + P, nq) - 1
@@ -227,12 +233,12 @@ if gluon is not None:
         pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         nbytes: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
-        for x in gl.static_range(3):
+        for x in gl.static_range(KS):
             if x < n_tiles:
-                load_rows(k_desc, k_smem, k_bars, x, q_begin, kv_col, 3, BLOCK_N, nbytes)
-        for x in gl.static_range(2):
+                load_rows(k_desc, k_smem, k_bars, x, q_begin, kv_col, KS, BLOCK_N, nbytes)
+        for x in gl.static_range(VS):
             if x < n_tiles:
-                load_rows(v_desc, v_smem, v_bars, x, q_begin, kv_col, 2, BLOCK_N, nbytes)
+                load_rows(v_desc, v_smem, v_bars, x, q_begin, kv_col, VS, BLOCK_N, nbytes)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -240,8 +246,8 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
-        # K tile x sits in slot x % 3 of a three-deep ring (K tile x + 3 is copied once tile x's scores are done), V
-        # tile x in slot x % 2 of a two-deep ring (V tile x + 2 is copied once tile x's P @ V is done). Inside a
+        # K tile x sits in slot x % KS of its ring (K tile x + KS is copied once tile x's scores are done), V tile x
+        # in slot x % VS of its ring (V tile x + VS is copied once tile x's P @ V is done). Inside a
         # split, tile j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight; no MMA is in
         # flight across a loop edge. Every row sees the operations of the library kernel in its order.
         for t0 in range(0, n_tiles, TPS):
@@ -249,44 +255,44 @@ if gluon is not None:
             m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the split's partial
             l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            mbarrier.wait(k_bars.index(t0 % 3), (t0 // 3) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(t0 % 3).permute((1, 0)), s_zero, use_acc=False)
-            if t0 + 3 < n_tiles:
-                load_rows(k_desc, k_smem, k_bars, t0 + 3, q_begin, kv_col, 3, BLOCK_N, nbytes)
+            mbarrier.wait(k_bars.index(t0 % KS), (t0 // KS) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(t0 % KS).permute((1, 0)), s_zero, use_acc=False)
+            if t0 + KS < n_tiles:
+                load_rows(k_desc, k_smem, k_bars, t0 + KS, q_begin, kv_col, KS, BLOCK_N, nbytes)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
             l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             p_op = gl.convert_layout(p, pv_op)
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
-                mbarrier.wait(k_bars.index((j + 1) % 3), ((j + 1) // 3) & 1)
-                s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % 3).permute((1, 0)), s_zero, use_acc=False,
+                mbarrier.wait(k_bars.index((j + 1) % KS), ((j + 1) // KS) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % KS).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)  # fmt: skip
                 acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.wait(v_bars.index(j % 2), (j // 2) & 1)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(j % 2), acc_s, is_async=True)
+                mbarrier.wait(v_bars.index(j % VS), (j // VS) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(j % VS), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
-                if j + 4 < n_tiles:
-                    load_rows(k_desc, k_smem, k_bars, j + 4, q_begin, kv_col, 3, BLOCK_N, nbytes)
+                if j + 1 + KS < n_tiles:
+                    load_rows(k_desc, k_smem, k_bars, j + 1 + KS, q_begin, kv_col, KS, BLOCK_N, nbytes)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
                                              dt)  # fmt: skip
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
                 rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
                 l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
                 p_op = gl.convert_layout(p, pv_op)
-                if j + 2 < n_tiles:
-                    load_rows(v_desc, v_smem, v_bars, j + 2, q_begin, kv_col, 2, BLOCK_N, nbytes)
+                if j + VS < n_tiles:
+                    load_rows(v_desc, v_smem, v_bars, j + VS, q_begin, kv_col, VS, BLOCK_N, nbytes)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-            mbarrier.wait(v_bars.index(jl % 2), (jl // 2) & 1)
+            mbarrier.wait(v_bars.index(jl % VS), (jl // VS) & 1)
             if (jl + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
-                zero_tail_rows(v_smem.index(jl % 2), jl * BLOCK_N, nq, BLOCK_N, blk)
-            acc_s = warpgroup_mma(p_op, v_smem.index(jl % 2), acc_s)
+                zero_tail_rows(v_smem.index(jl % VS), jl * BLOCK_N, nq, BLOCK_N, blk)
+            acc_s = warpgroup_mma(p_op, v_smem.index(jl % VS), acc_s)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-            if jl + 2 < n_tiles:
-                load_rows(v_desc, v_smem, v_bars, jl + 2, q_begin, kv_col, 2, BLOCK_N, nbytes)
-        for i in gl.static_range(3):
+            if jl + VS < n_tiles:
+                load_rows(v_desc, v_smem, v_bars, jl + VS, q_begin, kv_col, VS, BLOCK_N, nbytes)
+        for i in gl.static_range(KS):
             mbarrier.invalidate(k_bars.index(i))
-        for i in gl.static_range(2):
+        for i in gl.static_range(VS):
             mbarrier.invalidate(v_bars.index(i))
 
         store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
