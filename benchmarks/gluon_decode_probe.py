@@ -208,8 +208,8 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     grid = (min(n_items, per_sm * num_sms(q.device)),)
     _decode_kernel[grid](
         q, out, k_desc, v_desc, tables, lens, n_items, hq // hp, hp, hq // hkv, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), tables.shape[1], nb * page, HP=hp, D=d,
-        num_warps=W.value, maxnreg=MAXNREG, **COMPILE_OPTIONS,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), tables.shape[1], nb * page, HP=hp,
+        D=d, num_warps=W.value, maxnreg=MAXNREG, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
