@@ -359,7 +359,7 @@ def ws_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
     hkv = k.shape[1]
     hp = hq // hkv
     num_seqs = cu.shape[0] - 1
-    layout = ga._kv_layout(q.dtype == torch.float16)
+    layout = ga.kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [ga.BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [ga.BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)

@@ -226,6 +226,62 @@ def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
+def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_90 a decode step whose contexts fit one KV split runs the persistent Gluon kernel
+    (``rlexact.ops.gluon_decode``): its rows equal the ``tl`` decode launch's bitwise, with pages shuffled across
+    sequences, lengths at and around every page and tile edge up to the split, NaN in every cache slot past a
+    sequence and in the table entries past it, one and two programs per SM. A table wider than one split keeps the
+    ``tl`` launch. Negative control: a perturbed key changes its sequence's rows and no other."""
+    from rlexact.ops import gluon_decode
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = heads
+    page, split = gluon_decode.PAGE, ta.SPLIT_KEYS_16BIT
+    lens = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 1000, 1023, split, *range(3, split, 97)]
+    nblk = [-(-n // page) for n in lens]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    if not gluon_decode.supported(q, kc, vc, 64, split):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    perm = torch.randperm(sum(nblk) + 1, device="cuda", generator=g).to(torch.int32)
+    tables = torch.full((len(lens), max(nblk)), int(perm[-1]), device="cuda", dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        tables[i, : nblk[i]] = perm[used : used + nblk[i]]
+        for cache in (kc, vc):
+            cache[int(perm[used + nblk[i] - 1]), n - (nblk[i] - 1) * page :] = float("nan")
+        used += nblk[i]
+    kc[int(perm[-1])] = vc[int(perm[-1])] = float("nan")
+    cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    calls = []
+    real = gluon_decode.forward
+    monkeypatch.setattr(gluon_decode, "forward", lambda *a: calls.append(1) or real(*a))
+
+    def run(cfg: dict | None, k: torch.Tensor = kc, bt: torch.Tensor = tables) -> torch.Tensor:
+        out = torch.empty_like(q)
+        ta._forward(q, k, vc, cu, seqlens, bt, d**-0.5, out, cfg=cfg, max_seqlen_q=1)
+        return out
+
+    ref = run({"GLUON": False})
+    assert torch.isfinite(ref).all() and not calls
+    assert torch.equal(run(None), ref) and len(calls) == 1
+    monkeypatch.setattr(gluon_decode, "PROGRAMS_PER_SM", 1)
+    assert torch.equal(run(None), ref) and len(calls) == 2
+    wide = torch.cat([tables, tables[:, :1]], dim=1)  # one entry past a split: the tl launch
+    assert torch.equal(run(None, bt=wide), ref) and len(calls) == 2
+    k2 = kc.clone()
+    k2[int(tables[5, 0]), 0] += 1.0  # sequence 5's first key
+    out = run(None, k=k2)
+    assert not torch.equal(out[5], ref[5])
+    others = torch.arange(len(lens), device="cuda") != 5
+    assert torch.equal(out[others], ref[others])
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_negative_control(checks, dtype) -> None:
     checks.check_negative_control(GPU_LENS, *QWEN3, dtype=dtype, device="cuda")

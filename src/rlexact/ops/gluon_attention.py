@@ -50,7 +50,7 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["forward", "supported"]
+__all__ = ["forward", "kv_layout", "launch", "supported"]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -300,7 +300,7 @@ if gluon is not None:
 
 
 @functools.cache
-def _kv_layout(fp16: bool) -> object:
+def kv_layout(fp16: bool) -> object:
     """The shared-memory layout of a K/V tile (built once: the launch is on the host's critical path)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16 if fp16 else gl.bfloat16)
 
@@ -312,11 +312,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     (``out`` holds dO). Call only where :func:`supported` holds.
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
-    kernel's launcher directly (:func:`_launch`)."""
+    kernel's launcher directly (:func:`launch`)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     num_seqs = cu.shape[0] - 1
-    layout = _kv_layout(q.dtype == torch.float16)
+    layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without BWD_PREP
@@ -326,33 +326,39 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
     ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    _launch(grid, args, (q, out, lse, delta, cu, k, v), ints)
+    launch(_fwd_kernel, grid, args, (q, out, lse, delta, cu, k, v), ints, {"num_warps": WARPS})
 
-
-_CONSTEXPRS = sum(p.is_constexpr for p in _fwd_kernel.params) if gluon is not None else 0
-"""How many of :func:`_fwd_kernel`'s parameters (the trailing ones) are constexprs."""
 
 _LAUNCHERS: dict = {}
-"""Specialization key (:func:`_launch`) -> ``(CompiledKernel.run, function, packed metadata)``."""
+"""Specialization key (:func:`launch`) -> ``(CompiledKernel.run, function, packed metadata)``."""
 
 _DIRECT = [os.environ.get("RLEXACT_GLUON_JIT_LAUNCH", "0") != "1"]
 """False: every launch goes through Triton's JIT dispatch (``RLEXACT_GLUON_JIT_LAUNCH=1``, or set when a cached
 launcher raised, i.e. a Triton whose launcher API is not the one :func:`direct_launch_ok` recognises)."""
 
 
-def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
-    """Launch :func:`_fwd_kernel` with ``args`` (every parameter, constexprs included, in signature order).
+@functools.cache
+def _constexpr_count(kernel: object) -> int:
+    """How many of ``kernel``'s parameters (the trailing ones) are constexprs."""
+    return sum(p.is_constexpr for p in kernel.params)
 
-    The key is at least as fine as Triton's specialization of these arguments: the device, every constexpr, the
-    dtype and 16-byte alignment of each tensor (``tensors``: the pointer arguments and the descriptors' bases; the
-    descriptors' block shapes and layouts follow from the dtype), and for each of ``ints`` (the integer arguments and
-    the descriptors' shapes and strides) whether it is 1, divisible by 16 and inside int32. Equal keys therefore select
-    the same compiled kernel, which the first launch of a key compiled through Triton's JIT dispatch. A cached launch
-    does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no launch hooks
-    (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
+
+def launch(kernel: object, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...],
+           ints: tuple[int, ...], options: dict[str, int]) -> None:  # fmt: skip
+    """Launch the Gluon ``kernel`` with ``args`` (every parameter, constexprs included, in signature order) and the
+    compile ``options`` it always gets (``num_warps``, ...).
+
+    The key is at least as fine as Triton's specialization of these arguments: the kernel, the device, every
+    constexpr, the dtype and 16-byte alignment of each tensor (``tensors``: the pointer arguments and the descriptors'
+    bases; the descriptors' block shapes and layouts follow from the dtype), and for each of ``ints`` (the integer
+    arguments and the descriptors' shapes and strides) whether it is 1, divisible by 16 and inside int32. Equal keys
+    therefore select the same compiled kernel, which the first launch of a key compiled through Triton's JIT dispatch.
+    A cached launch does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no
+    launch hooks (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
     dev = tensors[0].get_device()
-    n_const = _CONSTEXPRS
+    n_const = _constexpr_count(kernel)
     key = (
+        id(kernel),
         dev,
         args[-n_const:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
@@ -369,8 +375,8 @@ def _launch(grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...
             except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
-    names = _fwd_kernel.arg_names
+    names = kernel.arg_names
     constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    compiled = _fwd_kernel[grid](*args[:-n_const], **constexprs, num_warps=WARPS, **COMPILE_OPTIONS)
+    compiled = kernel[grid](*args[:-n_const], **constexprs, **options, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)

@@ -30,6 +30,9 @@ same launch). Other launches loop over the splits in one program and fold in reg
 with the same function in the same order, so a query row is bitwise equal whether it is computed in a training batch,
 in a prefill chunk of any size, or in decode. (One online softmax across all tiles would give other bits than
 split-then-merge; what matters is that every path uses the same splits.)
+On sm_90 two Gluon kernels carry some of these launches with the same tiles, splits and per-row operations, so the
+same bits: packed launches (:mod:`rlexact.ops.gluon_attention`) and decode steps whose contexts fit one split
+(:mod:`rlexact.ops.gluon_decode`, persistent over the (sequence, head group) items).
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -63,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gluon_attention
+from . import gluon_attention, gluon_decode
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
@@ -796,8 +799,9 @@ def _forward(
 
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
-    overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a packed launch
-    on the ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` would take it). ``max_seqlen_q``: an upper bound of
+    overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a launch on the
+    ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed) or :mod:`rlexact.ops.gluon_decode` (a decode step
+    within one KV split) would take it). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
     does not read it (``ONE_Q``).
@@ -838,6 +842,18 @@ def _forward(
         max_keys = tq
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
+    if (
+        paged
+        and decode
+        and max_seqlen_q == 1
+        and n_split == 1
+        and lse is None
+        and block_tables.stride(1) == 1
+        and cfg.get("GLUON", True)
+        and gluon_decode.supported(q, k, v, cfg["BLOCK_N"], split)
+    ):
+        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, _heads_per_tile(hq, hkv, 64))
+        return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
