@@ -170,7 +170,7 @@ if gluon is not None:
                        0, 0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
-    def _decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
+    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows,
                        HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
         dt: gl.constexpr = q_ptr.dtype.element_ty
@@ -234,5 +234,5 @@ def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     args = (q, out, k_desc, v_desc, block_tables, seqlens_k, n_items, hq // hp, hp, hq // hkv,
             scale * math.log2(math.e), sq[0], sq[1], so[0], so[1], sb, width, nb * page, hp, HEAD_DIM)  # fmt: skip
     ints = (n_items, hq // hp, hp, hq // hkv, sq[0], sq[1], so[0], so[1], sb, width, nb * page, hkv * d)
-    launch(_decode_kernel, grid, args, (q, out, block_tables, seqlens_k, k_cache, v_cache), ints,
+    launch(_attn_decode_kernel, grid, args, (q, out, block_tables, seqlens_k, k_cache, v_cache), ints,
            {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
