@@ -228,19 +228,17 @@ def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 @gpu
 @pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
 def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm_90 a decode step runs the persistent Gluon kernel (``rlexact.ops.gluon_decode``): its rows equal the
-    ``tl`` decode launch's bitwise, with pages shuffled across sequences, lengths at and around every page, tile and
-    split edge, NaN in every cache slot past a sequence and in the table entries past it, one and two programs per
-    SM, contexts of one split and of several (each split an item, the partials folded by the last one to finish; the
-    ticket counters are left zeroed for the next launch). Negative control: a perturbed key changes its sequence's
-    rows and no other."""
+    """On sm_90 a decode step whose contexts fit one KV split runs the persistent Gluon kernel
+    (``rlexact.ops.gluon_decode``): its rows equal the ``tl`` decode launch's bitwise, with pages shuffled across
+    sequences, lengths at and around every page and tile edge up to the split, NaN in every cache slot past a
+    sequence and in the table entries past it, one and two programs per SM. A table wider than one split keeps the
+    ``tl`` launch. Negative control: a perturbed key changes its sequence's rows and no other."""
     from rlexact.ops import gluon_decode
     from rlexact.ops import triton_attention as ta
 
     hq, hkv, d = heads
     page, split = gluon_decode.PAGE, ta.SPLIT_KEYS_16BIT
-    short = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 1000, 1023, split, *range(3, split, 97)]
-    lens = [*short, split + 1, 2 * split, 2 * split + 63, 3000, 5000]
+    lens = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 1000, 1023, split, *range(3, split, 97)]
     nblk = [-(-n // page) for n in lens]
     g = torch.Generator(device="cuda").manual_seed(0)
     kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
@@ -262,29 +260,24 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     real = gluon_decode.forward
     monkeypatch.setattr(gluon_decode, "forward", lambda *a: calls.append(1) or real(*a))
 
-    counters = torch.zeros(len(lens) * hq, device="cuda", dtype=torch.int32)
-
-    def run(cfg: dict | None, k: torch.Tensor = kc, n: int = len(lens)) -> torch.Tensor:
-        out = torch.empty_like(q[:n])
-        ta._forward(q[:n], k, vc, cu[: n + 1], seqlens[:n], tables[:n, : max(nblk[:n])], d**-0.5, out, cfg=cfg,
-                    max_seqlen_q=1, counters=counters)  # fmt: skip
+    def run(cfg: dict | None, k: torch.Tensor = kc, bt: torch.Tensor = tables) -> torch.Tensor:
+        out = torch.empty_like(q)
+        ta._forward(q, k, vc, cu, seqlens, bt, d**-0.5, out, cfg=cfg, max_seqlen_q=1)
         return out
 
     ref = run({"GLUON": False})
     assert torch.isfinite(ref).all() and not calls
-    assert torch.equal(run(None), ref) and len(calls) == 1 and not counters.any()
-    assert torch.equal(run(None, n=len(short)), ref[: len(short)]) and len(calls) == 2  # one split
+    assert torch.equal(run(None), ref) and len(calls) == 1
     monkeypatch.setattr(gluon_decode, "PROGRAMS_PER_SM", 1)
-    assert torch.equal(run(None), ref) and len(calls) == 3 and not counters.any()
+    assert torch.equal(run(None), ref) and len(calls) == 2
+    wide = torch.cat([tables, tables[:, :1]], dim=1)  # one entry past a split: the tl launch
+    assert torch.equal(run(None, bt=wide), ref) and len(calls) == 2
     k2 = kc.clone()
     k2[int(tables[5, 0]), 0] += 1.0  # sequence 5's first key
     out = run(None, k=k2)
     assert not torch.equal(out[5], ref[5])
     others = torch.arange(len(lens), device="cuda") != 5
     assert torch.equal(out[others], ref[others])
-    k2 = kc.clone()
-    k2[int(tables[-1, -1]), 0] += 1.0  # the 5,000-key sequence's key 4,992, in its fifth split
-    assert not torch.equal(run(None, k=k2)[-1], ref[-1])
 
 
 @pytest.mark.gpu

@@ -1,23 +1,20 @@
 """The exact paged decode attention in Triton's Gluon dialect, for Hopper: persistent and warp-specialized.
 
 Bitwise the rows of :func:`rlexact.ops.triton_attention.attention_paged`'s ``tl`` kernel for a decode step (one query
-per sequence; docs/design.md §2.4): the same 64-key tiles anchored at position 0, visited in ascending order inside
-each KV split from the empty state, the same per-row operations in the same order (scores, the ``-inf`` mask of keys
-past the sequence, ``exp2(fma(s, scale, -m))``, the row sum as a dot with a ones tile, ``fma`` updates, P @ V in the
-MMA's K chain), and a context of several splits folds its fp32 split partials in ascending order from the empty
-state with the same explicit FMAs, so a row does not depend on which kernel computed it.
+per sequence) whose contexts fit one KV split (docs/design.md §2.4): the same 64-key tiles anchored at position 0,
+visited in ascending order from the empty state, and the same per-row operations in the same order (scores, the
+``-inf`` mask of keys past the sequence, ``exp2(fma(s, scale, -m))``, the row sum as a dot with a ones tile, ``fma``
+updates, P @ V in the MMA's K chain), so a row does not depend on which kernel computed it. Contexts past one split
+keep the ``tl`` kernel (its split-parallel launch).
 
-What differs is how the work is carried. The ``tl`` launch runs one program per (sequence, KV head group[, split]),
-several waves of them at large batches, and each program's dependent loads (length, block table, first tile) are
-exposed once per program. Here a grid of two programs per SM walks the items, one per (sequence, head group, KV
-split), in turn. In each program a producer warp reads an item's length and its split's block-table entries and
-copies its key tiles page by page (one 16-key TMA box per page; pages past the sequence are read from past the
-cache's last row, which TMA fills with zeros) through a K ring and a V ring that run ahead across item boundaries; a
-4-warp consumer partition computes one item at a time (64-row wgmma tiles of which the item's query heads use
-``HP``) and prefetches the next item's query rows and length while it does. V rows past the sequence are zeroed
-before their P @ V, so stale cache contents never enter a row. A context of one split stores its rows; one of
-several stores each split's partial in a workspace and takes a ticket, and the item that draws the last ticket folds
-the partials (the ``tl`` launch's split-parallel scheme, with its counters).
+What differs is how the work is carried. The ``tl`` launch runs one program per (sequence, KV head group), several
+waves of them at large batches, and each program's dependent loads (length, block table, first tile) are exposed
+once per program. Here a grid of two programs per SM walks the (sequence, head group) items in turn. In each program
+a producer warp reads an item's length and block-table row and copies its key tiles page by page (one 16-key TMA box
+per page; pages past the sequence are read from past the cache's last row, which TMA fills with zeros) through a K
+ring and a V ring that run ahead across item boundaries; a 4-warp consumer partition computes one item at a time
+(64-row wgmma tiles of which the item's query heads use ``HP``) and prefetches the next item's query rows and length
+while it does. V rows past the sequence are zeroed before their P @ V, so stale cache contents never enter a row.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .gluon_attention import BLOCK_N, HEAD_DIM, fold, kv_layout, launch, store_rows, tile_softmax, zero_tail_rows
+    from .gluon_attention import BLOCK_N, HEAD_DIM, kv_layout, launch, store_rows, tile_softmax, zero_tail_rows
     from .gluon_attention import supported as packed_supported
 
 __all__ = ["PAGE", "PROGRAMS_PER_SM", "forward", "supported"]
@@ -57,10 +54,6 @@ if gluon is not None:
     PAGE_N = gl.constexpr(PAGE)
     PAGES = gl.constexpr(BLOCK_N // PAGE)
     """Pages per key tile."""
-    SPLIT_PAGES = gl.constexpr(64)
-    """Pages per KV split (the split is ``SPLIT_PAGES * PAGE`` keys: :func:`supported` checks it)."""
-    TPS = gl.constexpr(64 * PAGE // BLOCK_N)
-    """Key tiles per KV split."""
     PRODUCER_REGS = gl.constexpr(40)
 
     @gluon.jit
@@ -80,37 +73,23 @@ if gluon is not None:
         return gl.where(page >= 0, gl.sum(gl.where(idx == page, blocks, 0), axis=0) * PAGE_N, n_rows)
 
     @gluon.jit
-    def _item(it, n_groups, n_split):
-        """Item ``it``'s ``(sequence, head group, KV split)``: items run over the splits, then the head groups, then
-        the sequences."""
-        return it // (n_groups * n_split), (it // n_split) % n_groups, it % n_split
-
-    @gluon.jit
-    def _tiles(seqlen, sp):
-        """The key tiles ``[lo, hi)`` of split ``sp`` of a ``seqlen``-key context (empty past its last split)."""
-        lo = sp * TPS
-        return lo, gl.minimum(lo + TPS, (seqlen + TILE_N - 1) // TILE_N)
-
-    @gluon.jit
     def _producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
-                  n_groups, n_split, hp, group, stride_bt, width, n_rows):  # fmt: skip
+                  n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
         """Copy every item's key tiles (K, then V) into the rings, each slot once the consumer released it."""
-        lay: gl.constexpr = gl.BlockedLayout([SPLIT_PAGES // 32], [32], [1], [0])
-        idx = gl.arange(0, SPLIT_PAGES, layout=lay)
+        lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        idx = gl.arange(0, 64, layout=lay)
         d: gl.constexpr = k_desc.block_type.shape[1]
         x = 0
         for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b, hg, sp = _item(it, n_groups, n_split)
-            kv_col = (hg * hp) // group * d
+            b = it // n_groups
+            kv_col = ((it % n_groups) * hp) // group * d
             seqlen = gl.load(seqlens_ptr + b)
-            first = sp * SPLIT_PAGES  # the split's first block-table entry
-            blocks = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + first + idx, mask=first + idx < width, other=0)
-            lo, hi = _tiles(seqlen, sp)
-            for j in range(lo, hi):
+            blocks = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + idx, mask=idx < width, other=0)
+            for j in range(0, (seqlen + TILE_N - 1) // TILE_N):
                 slot = x % SLOTS
                 phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
                 n_pg = gl.minimum((seqlen - j * TILE_N + PAGE_N - 1) // PAGE_N, PAGES)
-                p0 = (j - lo) * PAGES
+                p0 = j * PAGES
                 rows0 = _page_row(blocks, idx, p0, n_rows)
                 rows1 = _page_row(blocks, idx, gl.where(n_pg > 1, p0 + 1, -1), n_rows)
                 rows2 = _page_row(blocks, idx, gl.where(n_pg > 2, p0 + 2, -1), n_rows)
@@ -122,58 +101,22 @@ if gluon is not None:
                 x += 1
 
     @gluon.jit
-    def _query(q_ptr, seqlens_ptr, it, n_items, n_groups, n_split, stride_qt, stride_qh, HP: gl.constexpr,
-               D: gl.constexpr, blk: gl.constexpr):  # fmt: skip
+    def _query(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr, D: gl.constexpr,
+               blk: gl.constexpr):  # fmt: skip
         """Item ``it``'s query rows (``HP`` heads of one sequence, zero rows after them) and its key count; an index
         past the last item reads the last item again (a prefetch nobody uses)."""
-        b, hg, sp = _item(gl.minimum(it, n_items - 1), n_groups, n_split)
+        it = gl.minimum(it, n_items - 1)
+        b = it // n_groups
         rows = gl.arange(0, 16 * W, layout=gl.SliceLayout(1, blk))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        q_rows = b.to(gl.int64) * stride_qt + (hg * HP + rows) * stride_qh
+        q_rows = b.to(gl.int64) * stride_qt + ((it % n_groups) * HP + rows) * stride_qh
         q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(rows < HP)[:, None], other=0.0)
         return q, gl.load(seqlens_ptr + b)
 
     @gluon.jit
-    def _store_partial(pml_ptr, pacc_ptr, m_i, l_i, acc, prow0, sp, n_split, HP: gl.constexpr, D: gl.constexpr,
-                       o_layout: gl.constexpr):  # fmt: skip
-        """Store split ``sp``'s fp32 partial ``(m, l, acc)`` of the item's ``HP`` rows (row ``r``'s partials start at
-        ``prow0 + r * n_split``)."""
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        rows = gl.arange(0, 16 * W, layout=row_o)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        prow = prow0 + rows.to(gl.int64) * n_split + sp
-        ok = rows < HP
-        gl.store(pml_ptr + prow * 2, gl.convert_layout(m_i, row_o), mask=ok)
-        gl.store(pml_ptr + prow * 2 + 1, gl.convert_layout(l_i, row_o), mask=ok)
-        gl.store(pacc_ptr + prow[:, None] * D + cols[None, :], acc, mask=ok[:, None])
-
-    @gluon.jit
-    def _fold_partials(pml_ptr, pacc_ptr, prow0, n_splits, n_split, HP: gl.constexpr, D: gl.constexpr,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """The stored partials of splits ``0 .. n_splits - 1`` folded in ascending order from the empty state (the
-        ``tl`` launch's fold); the loads bypass L1, since other programs wrote them."""
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        rows_s = gl.arange(0, 16 * W, layout=row_s)
-        rows_o = gl.arange(0, 16 * W, layout=row_o)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        m_i = gl.full([16 * W], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([16 * W], gl.float32, layout=row_s)
-        acc = gl.zeros([16 * W, D], gl.float32, layout=o_layout)
-        for sp in range(0, n_splits):
-            ps = prow0 + rows_s.to(gl.int64) * n_split + sp
-            po = prow0 + rows_o.to(gl.int64) * n_split + sp
-            m_s = gl.load(pml_ptr + ps * 2, mask=rows_s < HP, other=float("-inf"), cache_modifier=".cg")
-            l_s = gl.load(pml_ptr + ps * 2 + 1, mask=rows_s < HP, other=0.0, cache_modifier=".cg")
-            acc_s = gl.load(pacc_ptr + po[:, None] * D + cols[None, :], mask=(rows_o < HP)[:, None], other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-        return m_i, l_i, acc
-
-    @gluon.jit
-    def _consumer(q_ptr, o_ptr, seqlens_ptr, pml_ptr, pacc_ptr, cnt_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty,
-                  v_ready, v_empty, n_items, n_groups, n_split, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                  HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    def _consumer(q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
+                  n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP: gl.constexpr,
+                  D: gl.constexpr):  # fmt: skip
         """Every item of this program, one at a time: its key tiles from the rings, then its rows' output."""
         BLOCK_M: gl.constexpr = 16 * W
         dt: gl.constexpr = q_ptr.dtype.element_ty
@@ -193,21 +136,19 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
-        q_next, len_next = _query(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, n_split, stride_qt,
-                                  stride_qh, HP, D, blk)  # fmt: skip
+        q_next, len_next = _query(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, HP,
+                                  D, blk)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
-            q_next, len_next = _query(q_ptr, seqlens_ptr, it + step, n_items, n_groups, n_split, stride_qt, stride_qh,
-                                      HP, D, blk)  # fmt: skip
-            b, hg, sp = _item(it, n_groups, n_split)
-            lo, hi = _tiles(seqlen, sp)
+            q_next, len_next = _query(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP, D,
+                                      blk)  # fmt: skip
             n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            for j in range(lo, hi):
+            for j in range(0, (seqlen + TILE_N - 1) // TILE_N):
                 slot = x % SLOTS
                 phase = (x // SLOTS) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
@@ -225,28 +166,13 @@ if gluon is not None:
                 acc = warpgroup_mma(gl.convert_layout(p, pv_op), v_smem.index(slot), acc)
                 mbarrier.arrive(v_empty.index(slot), count=1)
                 x += 1
-            n_splits = (seqlen - 1) // (TPS * TILE_N) + 1
-            if n_splits == 1:
-                if sp == 0:
-                    store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, b, 1, 0, hg, stride_ot, stride_oh, 0, 0, HP,
-                               BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
-            elif sp < n_splits:  # store the split's partial; the item's last split to finish folds them all
-                prow0 = (b.to(gl.int64) * n_groups * HP + hg * HP) * n_split
-                _store_partial(pml_ptr, pacc_ptr, m_i, l_i, acc, prow0, sp, n_split, HP, D, o_layout)
-                gl.thread_barrier()  # every row's partial is stored before the ticket (released at GPU scope)
-                cnt = cnt_ptr + b * n_groups + hg
-                ticket = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                if ticket == n_splits - 1:
-                    m_i, l_i, acc = _fold_partials(pml_ptr, pacc_ptr, prow0, n_splits, n_split, HP, D, s_layout,
-                                                   o_layout)  # fmt: skip
-                    store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, b, 1, 0, hg, stride_ot, stride_oh, 0, 0, HP,
-                               BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
-                    gl.store(cnt, 0)  # the counter is zero again for the next launch that uses it
+            store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, it // n_groups, 1, 0, it % n_groups, stride_ot, stride_oh,
+                       0, 0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
-    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, pml_ptr, pacc_ptr, cnt_ptr, n_items,
-                            n_groups, n_split, hp, group, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_bt, width, n_rows, HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows,
+                       HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
         dt: gl.constexpr = q_ptr.dtype.element_ty
         ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
         ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
@@ -267,27 +193,23 @@ if gluon is not None:
         gl.thread_barrier()
         gl.warp_specialize(
             [
-                (_consumer, (q_ptr, o_ptr, seqlens_ptr, pml_ptr, pacc_ptr, cnt_ptr, ones_smem, k_smem, v_smem, k_ready,
-                             k_empty, v_ready, v_empty, n_items, n_groups, n_split, qk_scale, stride_qt, stride_qh,
-                             stride_ot, stride_oh, HP, D)),
+                (_consumer, (q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                             n_items, n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP, D)),
                 (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                             n_items, n_groups, n_split, hp, group, stride_bt, width, n_rows)),
+                             n_items, n_groups, hp, group, stride_bt, width, n_rows)),
             ],
             [1],
             [PRODUCER_REGS],
         )  # fmt: skip
 
 
-SPLIT = 64 * PAGE
-"""The KV split (keys) this kernel computes: 64 pages, the block-table entries the producer holds per item."""
-
-
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, split: int) -> bool:
     """Whether :func:`forward` runs this paged decode launch: what the packed Gluon forward needs
     (:func:`rlexact.ops.gluon_attention.supported`: Gluon's Hopper language, sm_90, 16-bit, head dim 128, key
-    tiles of ``BLOCK_N``), caches of :data:`PAGE`-token pages laid out densely (``[NB, PAGE, Hkv, 128]``), and KV
-    splits of :data:`SPLIT` keys."""
-    if k_cache.dim() != 4 or k_cache.shape[1] != PAGE or split != SPLIT or not k_cache.is_contiguous():
+    tiles of ``BLOCK_N``), caches of :data:`PAGE`-token pages laid out densely (``[NB, PAGE, Hkv, 128]``), and a
+    split of at most 64 pages (the block-table entries the producer holds of a sequence: a table of at most one
+    split is the caller's condition)."""
+    if k_cache.dim() != 4 or k_cache.shape[1] != PAGE or split > 64 * PAGE or not k_cache.is_contiguous():
         return False
     if v_cache.stride() != k_cache.stride():
         return False
@@ -296,36 +218,21 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
 
 
 def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int,
-            counters: torch.Tensor | None = None) -> None:  # fmt: skip
+            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
     """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
-    with ``block_tables [B, width]`` (int32, rows dense) and ``seqlens_k [B]`` (int32), into ``out``; ``hp`` query
-    heads per item. Each item is one KV split of one (sequence, head group); a context of several splits stores each
-    split's fp32 partial in a workspace and the last of its items to finish (a ticket from ``counters``, int32 zeros
-    of at least ``B * Hq / hp`` entries, allocated here when None or too small, left zeroed) folds them in ascending
-    order. Call only where :func:`supported` holds."""
+    with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
+    (int32), into ``out``; ``hp`` query heads per item. Call only where :func:`supported` holds."""
     b, hq, d = q.shape
     nb, page, hkv, _ = k_cache.shape
     layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
     v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
-    width = block_tables.shape[1]
-    n_split = -(-width * page // SPLIT)
-    n_groups = hq // hp
-    if n_split > 1:
-        pml = torch.empty((b, hq, n_split, 2), dtype=torch.float32, device=q.device)
-        pacc = torch.empty((b, hq, n_split, d), dtype=torch.float32, device=q.device)
-        if counters is None or counters.numel() < b * n_groups:
-            counters = torch.zeros(b * n_groups, dtype=torch.int32, device=q.device)
-    else:  # unread with one split
-        pml = pacc = torch.empty(0, dtype=torch.float32, device=q.device)
-        counters = seqlens_k
-    n_items = b * n_groups * n_split
+    n_items = b * (hq // hp)
     grid = (min(n_items, PROGRAMS_PER_SM * num_sms(q.device)), 1)
     sq, so, sb = q.stride(), out.stride(), block_tables.stride(0)
-    args = (q, out, k_desc, v_desc, block_tables, seqlens_k, pml, pacc, counters, n_items, n_groups, n_split, hp,
-            hq // hkv, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1], sb, width, nb * page, hp,
-            HEAD_DIM)  # fmt: skip
-    ints = (n_items, n_groups, n_split, hp, hq // hkv, sq[0], sq[1], so[0], so[1], sb, width, nb * page, hkv * d)
-    tensors = (q, out, block_tables, seqlens_k, pml, pacc, counters, k_cache, v_cache)
-    launch(_attn_decode_kernel, grid, args, tensors, ints, {"num_warps": WARPS, "maxnreg": MAXNREG})
+    width = block_tables.shape[1]
+    args = (q, out, k_desc, v_desc, block_tables, seqlens_k, n_items, hq // hp, hp, hq // hkv,
+            scale * math.log2(math.e), sq[0], sq[1], so[0], so[1], sb, width, nb * page, hp, HEAD_DIM)  # fmt: skip
+    ints = (n_items, hq // hp, hp, hq // hkv, sq[0], sq[1], so[0], so[1], sb, width, nb * page, hkv * d)
+    launch(_attn_decode_kernel, grid, args, (q, out, block_tables, seqlens_k, k_cache, v_cache), ints,
+           {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip

@@ -842,19 +842,19 @@ def _forward(
         max_keys = tq
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
-    par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     if (
         paged
         and decode
         and max_seqlen_q == 1
-        and (n_split == 1 or par)
+        and n_split == 1
         and lse is None
         and block_tables.stride(1) == 1
         and cfg.get("GLUON", True)
         and gluon_decode.supported(q, k, v, cfg["BLOCK_N"], split)
     ):
-        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, _heads_per_tile(hq, hkv, 64), counters)
+        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, _heads_per_tile(hq, hkv, 64))
         return
+    par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
     if par:
