@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 
 from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_causal_us
 from rlexact.ops import triton_attention as ta
-from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, zero_tail_rows
+from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, wgmma_layout, zero_tail_rows
 from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
 
 HQ, HKV, D = 16, 8, 128
@@ -113,12 +113,9 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
     nprog = gl.num_programs(0)
     n_work = n_slots * NHG
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, D, 16])  # fmt: skip
-    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, 16, 16])  # fmt: skip
+    s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(W, D)
+    r_layout: gl.constexpr = wgmma_layout(W, 16)
     pv_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)

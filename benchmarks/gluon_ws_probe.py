@@ -50,6 +50,7 @@ from rlexact.ops.gluon_attention import (
     mask_scores,
     store_rows,
     tile_softmax,
+    wgmma_layout,
     zero_tail_rows,
 )
 from rlexact.ops.triton_shared import COMPILE_OPTIONS
@@ -109,12 +110,9 @@ def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready,
     BLOCK_N: gl.constexpr = TILE_N
     P: gl.constexpr = BLOCK_M // HP
     TPS: gl.constexpr = SPLIT // BLOCK_N
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, D, 16])  # fmt: skip
-    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, 16, 16])  # fmt: skip
+    s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(W, D)
+    r_layout: gl.constexpr = wgmma_layout(W, 16)
     r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
     pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])

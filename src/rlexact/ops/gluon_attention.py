@@ -50,7 +50,7 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["forward", "kv_layout", "launch", "supported"]
+__all__ = ["forward", "kv_layout", "launch", "supported", "wgmma_layout"]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -90,6 +90,11 @@ if gluon is not None:
     """Depth of the K tile ring: K tile ``x + 3`` is copied once tile ``x``'s scores are done."""
     V_SLOTS = gl.constexpr(2)
     """Depth of the V tile ring: V tile ``x + 2`` is copied once tile ``x``'s P @ V is done."""
+
+    @gluon.constexpr_function
+    def wgmma_layout(warps: int, n: int) -> object:
+        """The accumulator layout of a ``warps``-warp wgmma with ``n`` columns (16 rows per warp)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
     def locate(cu_ptr, num_seqs, slot, P: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr):
@@ -192,12 +197,9 @@ if gluon is not None:
         if tile * P >= nq:
             return
 
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, 16, 16])  # fmt: skip
+        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
+        o_layout: gl.constexpr = wgmma_layout(W, D)
+        r_layout: gl.constexpr = wgmma_layout(W, 16)
         r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
         pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])

@@ -31,7 +31,16 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .gluon_attention import BLOCK_N, HEAD_DIM, kv_layout, launch, store_rows, tile_softmax, zero_tail_rows
+    from .gluon_attention import (
+        BLOCK_N,
+        HEAD_DIM,
+        kv_layout,
+        launch,
+        store_rows,
+        tile_softmax,
+        wgmma_layout,
+        zero_tail_rows,
+    )
     from .gluon_attention import supported as packed_supported
 
 __all__ = ["PAGE", "PROGRAMS_PER_SM", "forward", "supported"]
@@ -120,12 +129,9 @@ if gluon is not None:
         """Every item of this program, one at a time: its key tiles from the rings, then its rows' output."""
         BLOCK_M: gl.constexpr = 16 * W
         dt: gl.constexpr = q_ptr.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, TILE_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, D, 16])  # fmt: skip
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                           instr_shape=[16, 16, 16])  # fmt: skip
+        s_layout: gl.constexpr = wgmma_layout(W, TILE_N)
+        o_layout: gl.constexpr = wgmma_layout(W, D)
+        r_layout: gl.constexpr = wgmma_layout(W, 16)
         q_op: gl.constexpr = gl.DotOperandLayout(0, s_layout, 2)
         r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
         pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
