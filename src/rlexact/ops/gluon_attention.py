@@ -4,7 +4,8 @@ Bitwise the rows of :func:`rlexact.ops.triton_attention.attention_varlen`'s ``tl
 same key tiles (``BLOCK_N`` anchored at 0) and KV splits (``SPLIT`` keys, partials folded in ascending order from the
 empty state), the same per-row operations in the same order (scores, ``-inf`` mask, ``exp2(fma(s, scale, -m))``, the
 row sum as a dot with a ones tile, ``fma`` updates, P @ V in the MMA's K chain, the fold's explicit FMAs), so a row
-does not depend on which kernel computed it; decode keeps the ``tl`` kernel. What differs is only how the work is
+does not depend on which kernel computed it; paged launches keep the ``tl`` kernel or, for a decode step within one KV
+split, :mod:`rlexact.ops.gluon_decode`. What differs is only how the work is
 carried: Q in shared memory, K tiles through a three-deep and V tiles through a two-deep TMA ring with mbarriers,
 the three wgmmas per key tile explicit, the ones tile stored once per program, 16 query rows per warp. Inside a KV
 split the wgmmas of neighbouring tiles overlap: tile ``j + 1``'s scores and tile ``j``'s P @ V are issued together,
