@@ -9,11 +9,12 @@ each kernel once per counter pass with the caches flushed before each pass (its 
 weights and K/V come from HBM, as in a decode step; unlike a decode step, so do the activations.
 
 Cases: ``attn_b{B}_ctx{C}``: exact paged decode attention (16 query / 8 KV heads, head dim 128, 16-token pages in a
-shuffled order) of ``B`` sequences with ``C`` keys; ``attn_prefill_{B}x{S}`` and ``sdpa_prefill_{B}x{S}`` (in the
-default list: ``64x512``): the exact packed causal forward of ``B`` sequences of ``S`` tokens and SDPA's default
-backend on the same shape; ``mm{M}_{shape}`` and
-``mm{M}_{shape}_torch``: the exact matmul (the library's tile for ``M``) and ``torch.mm`` (cuBLAS) of the projections
-as the exactified model calls them; ``head256``: the exact lm head + log-softmax of 256 rows.
+shuffled order) of ``B`` sequences with ``C`` keys, as the library launches it (on sm_90 within one KV split: the
+Gluon decode kernel), and ``attn_b{B}_ctx{C}_tl`` on the ``tl`` kernel; ``attn_prefill_{B}x{S}`` and
+``sdpa_prefill_{B}x{S}`` (in the default list: ``64x512``): the exact packed causal forward of ``B`` sequences of
+``S`` tokens and SDPA's default backend on the same shape; ``mm{M}_{shape}`` and ``mm{M}_{shape}_torch``: the
+exact matmul (the library's tile for ``M``) and ``torch.mm`` (cuBLAS) of the projections as the exactified model
+calls them; ``head256``: the exact lm head + log-softmax of 256 rows.
 
 ``--source`` collects per-instruction warp-stall samples instead (``SourceCounters``, ncu's ``source`` page with the
 SASS): per kernel the instructions with the most samples, each with its address, SASS text and every stall column
@@ -47,7 +48,9 @@ HIDDEN, VOCAB = 2048, 151936
 MM_SHAPES = {"gate_up": (12288, 2048), "qkv": (4096, 2048), "o": (2048, 2048), "down": (2048, 6144)}
 CASES = [
     "attn_b256_ctx160",
+    "attn_b256_ctx160_tl",
     "attn_b256_ctx384",
+    "attn_b256_ctx384_tl",
     "attn_b4_ctx8192",
     "attn_b32_ctx8192",
     "attn_prefill_64x512",
@@ -107,7 +110,7 @@ def build(case: str) -> Callable[[], object]:
         return torch.randn(*shape, device=dev, generator=g).to(dt)
 
     if case.startswith("attn_b"):
-        b, ctx = (int(x) for x in case.removeprefix("attn_b").split("_ctx"))
+        b, ctx = (int(x) for x in case.removeprefix("attn_b").removesuffix("_tl").split("_ctx"))
         nblk = math.ceil(ctx / PAGE)
         kc, vc = randn(b * nblk, PAGE, HKV, D), randn(b * nblk, PAGE, HKV, D)
         tables = torch.randperm(b * nblk, device=dev, generator=g).to(torch.int32).view(b, nblk)
@@ -115,6 +118,10 @@ def build(case: str) -> Callable[[], object]:
         cu = torch.arange(b + 1, device=dev, dtype=torch.int32)
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         counters = torch.zeros(b * HKV * 4, device=dev, dtype=torch.int32)
+        if case.endswith("_tl"):
+            out = torch.empty_like(q)
+            return lambda: ta._forward(q, kc, vc, cu, lens, tables, scale, out, cfg={"GLUON": False}, max_seqlen_q=1,
+                                       counters=counters)  # fmt: skip
         return lambda: ta.attention_paged(q, kc, vc, tables, cu, lens, scale, max_seqlen_q=1, split_counters=counters)
     if "_prefill_" in case:
         b, s = (int(x) for x in case.rsplit("_", 1)[1].split("x"))
