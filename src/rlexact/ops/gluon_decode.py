@@ -82,7 +82,7 @@ if gluon is not None:
         return gl.where(page >= 0, gl.sum(gl.where(idx == page, blocks, 0), axis=0) * PAGE_N, n_rows)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
+    def producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
                   n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
         """Copy every item's key tiles (K, then V) into the rings, each slot once the consumer released it."""
         lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
@@ -110,7 +110,7 @@ if gluon is not None:
                 x += 1
 
     @gluon.jit
-    def _query(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr, D: gl.constexpr,
+    def query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr, D: gl.constexpr,
                blk: gl.constexpr):  # fmt: skip
         """Item ``it``'s query rows (``HP`` heads of one sequence, zero rows after them) and its key count; an index
         past the last item reads the last item again (a prefetch nobody uses)."""
@@ -142,13 +142,13 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
-        q_next, len_next = _query(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, HP,
+        q_next, len_next = query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, HP,
                                   D, blk)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
-            q_next, len_next = _query(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP, D,
+            q_next, len_next = query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP, D,
                                       blk)  # fmt: skip
             n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -176,16 +176,17 @@ if gluon is not None:
                        0, 0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
-    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
-                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows,
-                       HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
-        dt: gl.constexpr = q_ptr.dtype.element_ty
+    def rings(k_desc, v_desc):
+        """The ones tile of the row-sum dot and the K and V rings with their ready / empty barriers, initialized and
+        visible to every partition."""
+        dt: gl.constexpr = k_desc.dtype
+        d: gl.constexpr = k_desc.block_type.shape[1]
         ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
         ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
                                                                                                      dt))  # fmt: skip
         ones_smem.store(gl.full([TILE_N, 16], 1.0, dt, layout=ones_layout))
-        k_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, d], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, d], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -197,11 +198,18 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=1)
         fence_async_shared()
         gl.thread_barrier()
+        return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
+
+    @gluon.jit
+    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows,
+                       HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc)
         gl.warp_specialize(
             [
                 (_consumer, (q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                              n_items, n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP, D)),
-                (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                (producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                              n_items, n_groups, hp, group, stride_bt, width, n_rows)),
             ],
             [1],
