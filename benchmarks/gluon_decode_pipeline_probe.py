@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -25,15 +24,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from attention_configs import DT, HKV, HQ, PAGE, SCALE, D, decode_case, run
 from common import ROOT, bench_graph, header
 from gluon_decode_probe import CHECK_LENS, mixed_case
 from rlexact.ops import gluon_decode as gd
 from rlexact.ops import triton_attention as ta
-from rlexact.ops.gluon_attention import kv_layout, store_rows, tile_softmax, wgmma_layout, zero_tail_rows
-from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
+from rlexact.ops.gluon_attention import launch, store_rows, tile_softmax, wgmma_layout, zero_tail_rows
 
 TL = {"GLUON": False}
 
@@ -137,19 +134,8 @@ def pipelined(case: tuple, per_sm: int = gd.PROGRAMS_PER_SM) -> torch.Tensor:
     """One decode step of ``case`` (contexts within one KV split) through the pipelined kernel."""
     q, k_cache, v_cache, _, lens, tables = case
     out = torch.empty_like(q)
-    b, hq, d = q.shape
-    nb, page, hkv, _ = k_cache.shape
-    hp = hq // hkv
-    layout = kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
-    v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
-    n_items = b * (hq // hp)
-    grid = (min(n_items, per_sm * num_sms(q.device)),)
-    _pipelined_kernel[grid](
-        q, out, k_desc, v_desc, tables, lens, n_items, hq // hp, hp, hq // hkv, SCALE * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), tables.shape[1], nb * page, HP=hp,
-        D=d, num_warps=gd.WARPS, maxnreg=gd.MAXNREG, **COMPILE_OPTIONS,
-    )  # fmt: skip
+    plan = gd.launch_plan(q, k_cache, v_cache, tables, lens, SCALE, out, HQ // HKV, per_sm)
+    launch(_pipelined_kernel, *plan, gd.LAUNCH_OPTIONS)
     return out
 
 

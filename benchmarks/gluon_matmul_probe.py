@@ -57,7 +57,7 @@ def _coords(tile, num_pid_m, num_pid_n, group_m):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m):
+def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, M, N, K, group_m):
     """Copy every tile's K slices of ``x`` and ``w`` into the ring, each slot once the consumer released it."""
     bm: gl.constexpr = x_desc.block_type.shape[0]
     bk: gl.constexpr = x_desc.block_type.shape[1]
@@ -78,8 +78,8 @@ def _producer(x_desc, w_desc, out_ptr, a_smem, b_smem, ready, empty, M, N, K, st
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):  # fmt: skip
+def _consumer(out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr):  # fmt: skip
     """Every tile of this program: the wgmma chain over its K slices, then the bf16 store of its rows."""
     CW: gl.constexpr = BM // 16
     acc_layout: gl.constexpr = wgmma_layout(CW, BN)
@@ -123,9 +123,8 @@ def _ws_mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.c
     gl.thread_barrier()
     gl.warp_specialize(
         [
-            (_consumer, (x_desc, w_desc, out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
-                         BK)),
-            (_producer, (x_desc, w_desc, out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m)),
+            (_consumer, (out_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN, BK)),
+            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, M, N, K, group_m)),
         ],
         [1],
         [PRODUCER_REGS],

@@ -24,6 +24,7 @@ import functools
 import math
 import os
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -347,7 +348,7 @@ def _constexpr_count(kernel: object) -> int:
 
 
 def launch(kernel: object, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...],
-           ints: tuple[int, ...], options: dict[str, int]) -> None:  # fmt: skip
+           ints: tuple[int, ...], options: Mapping[str, int]) -> None:  # fmt: skip
     """Launch the Gluon ``kernel`` with ``args`` (every parameter, constexprs included, in signature order) and the
     compile ``options`` it always gets (``num_warps``, ...).
 

@@ -20,6 +20,8 @@ while it does. V rows past the sequence are zeroed before their P @ V, so stale 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -43,7 +45,7 @@ if gluon is not None:
     )
     from .gluon_attention import supported as packed_supported
 
-__all__ = ["PAGE", "PROGRAMS_PER_SM", "forward", "supported"]
+__all__ = ["LAUNCH_OPTIONS", "PAGE", "PROGRAMS_PER_SM", "forward", "launch_plan", "supported"]
 
 PAGE = 16
 """The cache page size (tokens per block) this kernel reads: one TMA box per page."""
@@ -53,6 +55,8 @@ Measured against one in ``benchmarks/results/gluon_decode_probe_h200.json``."""
 WARPS = 4
 MAXNREG = 128
 """Registers per thread at launch (the producer's warp group gives most of its share to the consumer's)."""
+LAUNCH_OPTIONS: Mapping[str, int] = MappingProxyType({"num_warps": WARPS, "maxnreg": MAXNREG})
+"""The compile options of every launch of the kernel (and of a probe's kernel with its signature)."""
 
 if gluon is not None:
     W = gl.constexpr(WARPS)
@@ -83,7 +87,7 @@ if gluon is not None:
 
     @gluon.jit
     def producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
-                  n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
+                 n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
         """Copy every item's key tiles (K, then V) into the rings, each slot once the consumer released it."""
         lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         idx = gl.arange(0, 64, layout=lay)
@@ -110,8 +114,8 @@ if gluon is not None:
                 x += 1
 
     @gluon.jit
-    def query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr, D: gl.constexpr,
-               blk: gl.constexpr):  # fmt: skip
+    def query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr,
+                   D: gl.constexpr, blk: gl.constexpr):  # fmt: skip
         """Item ``it``'s query rows (``HP`` heads of one sequence, zero rows after them) and its key count; an index
         past the last item reads the last item again (a prefetch nobody uses)."""
         it = gl.minimum(it, n_items - 1)
@@ -142,14 +146,14 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
-        q_next, len_next = query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, HP,
-                                  D, blk)  # fmt: skip
+        q_next, len_next = query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh,
+                                      HP, D, blk)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
-            q_next, len_next = query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP, D,
-                                      blk)  # fmt: skip
+            q_next, len_next = query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP,
+                                          D, blk)  # fmt: skip
             n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -202,8 +206,8 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
-                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows,
-                       HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                            stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows, HP: gl.constexpr,
+                            D: gl.constexpr):  # fmt: skip
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc)
         gl.warp_specialize(
             [
@@ -231,22 +235,34 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     return gluon is not None and packed_supported(q, rows, v_cache.view(rows.shape), block_n)
 
 
-def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
-    """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
-    with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
-    (int32), into ``out``; ``hp`` query heads per item. Call only where :func:`supported` holds."""
+def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int,
+                per_sm: int = PROGRAMS_PER_SM) -> tuple:  # fmt: skip
+    """``(grid, args, tensors, ints)`` of :func:`rlexact.ops.gluon_attention.launch` for one decode step (the
+    arguments of :func:`forward`) on a grid of ``per_sm`` programs per SM: the decode kernel's, and those of any
+    kernel with its signature."""
     b, hq, d = q.shape
     nb, page, hkv, _ = k_cache.shape
     layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
     v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
-    n_items = b * (hq // hp)
-    grid = (min(n_items, PROGRAMS_PER_SM * num_sms(q.device)), 1)
+    n_groups, group = hq // hp, hq // hkv
+    n_items = b * n_groups
+    grid = (min(n_items, per_sm * num_sms(q.device)), 1)
     sq, so, sb = q.stride(), out.stride(), block_tables.stride(0)
     width = block_tables.shape[1]
-    args = (q, out, k_desc, v_desc, block_tables, seqlens_k, n_items, hq // hp, hp, hq // hkv,
-            scale * math.log2(math.e), sq[0], sq[1], so[0], so[1], sb, width, nb * page, hp, HEAD_DIM)  # fmt: skip
-    ints = (n_items, hq // hp, hp, hq // hkv, sq[0], sq[1], so[0], so[1], sb, width, nb * page, hkv * d)
-    launch(_attn_decode_kernel, grid, args, (q, out, block_tables, seqlens_k, k_cache, v_cache), ints,
-           {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
+    scalars = (n_items, n_groups, hp, group)
+    strides = (sq[0], sq[1], so[0], so[1], sb, width, nb * page)
+    args = (q, out, k_desc, v_desc, block_tables, seqlens_k, *scalars, scale * math.log2(math.e), *strides, hp,
+            HEAD_DIM)  # fmt: skip
+    tensors = (q, out, block_tables, seqlens_k, k_cache, v_cache)
+    return grid, args, tensors, (*scalars, *strides, hkv * d)
+
+
+def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
+    """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
+    with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
+    (int32), into ``out``; ``hp`` query heads per item. Call only where :func:`supported` holds."""
+    plan = launch_plan(q, k_cache, v_cache, block_tables, seqlens_k, scale, out, hp, PROGRAMS_PER_SM)
+    launch(_attn_decode_kernel, *plan, LAUNCH_OPTIONS)
