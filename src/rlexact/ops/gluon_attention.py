@@ -52,7 +52,7 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["forward", "kv_layout", "launch", "supported", "wgmma_layout"]
+__all__ = ["forward", "kv_layout", "launch", "sm90", "supported", "wgmma_layout"]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -79,11 +79,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -
         return False  # TMA reads K/V rows as [T, Hkv * D] with a 16-byte-aligned row stride (8 16-bit elements)
     if v.stride() != ks or k.data_ptr() % 16 or v.data_ptr() % 16:
         return False
-    return _sm90(q.get_device())
+    return sm90(q.get_device())
 
 
 @functools.cache
-def _sm90(index: int) -> bool:
+def sm90(index: int) -> bool:
+    """Whether CUDA device ``index`` is an sm_90 (Hopper) GPU."""
     return cuda_props(index)[0] == 9
 
 

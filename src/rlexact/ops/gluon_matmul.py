@@ -1,0 +1,237 @@
+"""The exact matmul in Triton's Gluon dialect, for Hopper: persistent, warp-specialized, plain or SiLU-gated.
+
+Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated_matmul``) for shapes without fixed
+K splits: every output element is the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column
+K tile in ascending order, carried through the wgmma accumulator (k16 steps, ascending), rounded once to the output
+dtype. The gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles, rounds both to
+the output dtype and stores ``silu(gate) * up`` with the library's formula (``div_rn(g, 1 + exp(-g)) * u`` in fp32,
+rounded once). Tile shapes do not enter a row's arithmetic (the wgmma instruction's N width and the number of
+warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s module docstring), so this kernel
+and the ``tl`` tiles give the same bits; the GPU tests check it.
+
+What differs is how the operands reach the tensor cores. A producer warp streams each tile's ``x`` and ``w`` K slices
+through a ``STAGES``-deep TMA ring that runs ahead across tiles; a consumer partition of ``BM / 16`` warps chains
+asynchronous wgmmas and releases each slot once the wgmma after it is issued and the one that read it is done, so
+the loads of the next slices and of the next tile overlap the MMAs and the epilogue.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from .gluon_attention import gluon, launch, sm90
+from .triton_shared import num_sms
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .gluon_attention import wgmma_layout
+
+__all__ = ["BK", "GluonMatmulConfig", "forward", "supported"]
+
+BK = 64
+"""K columns per ring slot (the chain's k16 steps do not depend on it)."""
+
+
+@dataclass(frozen=True)
+class GluonMatmulConfig:
+    """One launch shape: ``BM x BN`` output tiles (``BN`` columns of the gate and of the up product when gated),
+    ``BM / 16`` consumer warps, ``per_sm`` persistent programs per SM, ``maxnreg`` registers per thread."""
+
+    BM: int
+    BN: int
+    per_sm: int = 1
+    maxnreg: int = 168
+
+    def __post_init__(self) -> None:
+        if self.BM not in (64, 128) or self.BN not in (64, 128, 256) or self.per_sm not in (1, 2):
+            raise ValueError(f"GluonMatmulConfig: BM={self.BM} (64 or 128), BN={self.BN} (64, 128 or 256) and "
+                             f"per_sm={self.per_sm} (1 or 2) are the supported tiles")  # fmt: skip
+
+
+if gluon is not None:
+    STAGES = gl.constexpr(4)
+    """Depth of the operand ring."""
+    PRODUCER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _coords(tile, num_pid_m, num_pid_n, group_m):
+        """Grouped tile order (the ``tl`` kernel's; an order does not change a bit)."""
+        in_group = group_m * num_pid_n
+        first_m = (tile // in_group) * group_m
+        size_m = gl.minimum(num_pid_m - first_m, group_m)
+        return first_m + tile % size_m, (tile % in_group) // size_m
+
+    @gluon.jit
+    def _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, GATED: gl.constexpr):
+        """Copy every tile's K slices of ``x`` and of ``w``'s rows (gate rows ``n``, up rows ``N + n`` when
+        ``GATED``) into the ring, each slot once the consumer has released it."""
+        bm: gl.constexpr = x_desc.block_type.shape[0]
+        bk: gl.constexpr = x_desc.block_type.shape[1]
+        bn: gl.constexpr = w_desc.block_type.shape[0]
+        w_tiles: gl.constexpr = 2 if GATED else 1
+        nbytes: gl.constexpr = (bm + w_tiles * bn) * bk * x_desc.dtype.primitive_bitwidth // 8
+        num_pid_m = gl.cdiv(M, bm)
+        num_pid_n = gl.cdiv(N, bn)
+        c = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
+            for ki in range(0, gl.cdiv(K, bk)):
+                slot = c % STAGES
+                mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+                mbarrier.expect(ready.index(slot), nbytes)
+                tma.async_copy_global_to_shared(x_desc, [pid_m * bm, ki * bk], ready.index(slot), a_smem.index(slot))
+                tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], ready.index(slot), b_smem.index(slot))
+                if GATED:
+                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], ready.index(slot),
+                                                    u_smem.index(slot))  # fmt: skip
+                c += 1
+
+    @gluon.jit
+    def _producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
+        _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, False)
+
+    @gluon.jit
+    def _gated_producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
+        _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, True)
+
+    @gluon.jit
+    def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
+                  BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+        """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows."""
+        CW: gl.constexpr = BM // 16
+        bk: gl.constexpr = a_smem.type.shape[2]
+        acc_layout: gl.constexpr = wgmma_layout(CW, BN)
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CW, 1], [1, 0])
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        k_tiles = gl.cdiv(K, bk)
+        c = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
+            acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+            acc_up = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+            for ki in range(0, k_tiles):  # ascending K, one accumulator per chain
+                slot = c % STAGES
+                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+                acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+                if GATED:
+                    acc_up = warpgroup_mma(a_smem.index(slot), u_smem.index(slot).permute((1, 0)), acc_up,
+                                           is_async=True)  # fmt: skip
+                    acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))  # the previous slot's pair is done
+                else:
+                    acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous slot's wgmma is done
+                if ki > 0:
+                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+                c += 1
+            if GATED:
+                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            dt: gl.constexpr = out_ptr.dtype.element_ty
+            if GATED:  # both chains rounded as stored products, then the exact SiLU gate in fp32
+                gate = acc.to(dt).to(gl.float32)
+                acc = gl.div_rn(gate, 1.0 + gl.exp(-gate)) * acc_up.to(dt).to(gl.float32)
+            rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            out = gl.convert_layout(acc.to(dt), out_layout)
+            gl.store(ptrs, out, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @gluon.jit
+    def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
+                   GATED: gl.constexpr):  # fmt: skip
+        dt: gl.constexpr = x_desc.dtype
+        bk: gl.constexpr = x_desc.block_type.shape[1]
+        up_rows: gl.constexpr = BN if GATED else 8  # an unused slot when not gated
+        a_smem = gl.allocate_shared_memory(dt, [STAGES, BM, bk], x_desc.layout)
+        b_smem = gl.allocate_shared_memory(dt, [STAGES, BN, bk], w_desc.layout)
+        u_smem = gl.allocate_shared_memory(dt, [STAGES, up_rows, bk], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        if GATED:  # the argument tuples are written out: a tuple bound to a name loses its constexprs
+            gl.warp_specialize(
+                [
+                    (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
+                                 True)),
+                    (_gated_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
+                ],
+                [1],
+                [PRODUCER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
+                                 False)),
+                    (_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
+                ],
+                [1],
+                [PRODUCER_REGS],
+            )  # fmt: skip
+
+    @functools.cache
+    def _smem_layout(rows: int, fp16: bool) -> object:
+        return gl.NVMMASharedLayout.get_default_for([rows, BK], gl.float16 if fp16 else gl.bfloat16)
+
+
+GROUP_M = 8
+
+
+def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`forward` can run ``x [M, K] @ w [N', K].T``: Gluon's Hopper language on an sm_90 device, 16-bit
+    contiguous operands of one dtype, and rows whose byte length TMA can stride (K a multiple of 8)."""
+    return (
+        gluon is not None
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and x.shape[1] % 8 == 0
+        and sm90(x.get_device())
+    )
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> None:
+    """``out [M, N] = x [M, K] @ w [N, K].T``, or with ``gated`` (``w [2N, K]``, gate rows then up rows)
+    ``silu(x @ w[:N].T) * (x @ w[N:].T)``, in ``cfg``'s tiles. Call only where :func:`supported` holds."""
+    m, k = x.shape
+    n_rows = w.shape[0]
+    n = out.shape[1]
+    fp16 = x.dtype == torch.float16
+    x_desc = GluonDescriptor(x, [m, k], [k, 1], [cfg.BM, BK], _smem_layout(cfg.BM, fp16))
+    w_desc = GluonDescriptor(w, [n_rows, k], [k, 1], [cfg.BN, BK], _smem_layout(cfg.BN, fp16))
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
+    stride = out.stride(0)
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, gated)
+    options = options_for(cfg)
+    launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
+
+
+@functools.cache
+def options_for(cfg: GluonMatmulConfig) -> Mapping[str, int]:
+    """The compile options of a launch in ``cfg``'s tiles."""
+    return MappingProxyType({"num_warps": cfg.BM // 16, "maxnreg": cfg.maxnreg})
