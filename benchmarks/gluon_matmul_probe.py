@@ -22,10 +22,11 @@ import torch
 
 from common import ROOT, graph_ms_over, header, weight_copies
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
-from rlexact.ops.triton_matmul import gated_matmul, matmul
+from rlexact.ops.triton_matmul import chain_splits, gated_matmul, matmul
 
-SHAPES = {"gate_up_fused": (12288, 2048), "qkv_fused": (4096, 2048), "o": (2048, 2048)}
-"""Plain products ``[N, K]``; ``gate_up_fused`` also runs gated (``[2N, K]`` gate rows then up rows)."""
+SHAPES = {"gate_up_fused": (12288, 2048), "qkv_fused": (4096, 2048), "o": (2048, 2048), "down": (2048, 6144)}
+"""Plain products ``[N, K]`` (``down`` with the library's fixed K splits); ``gate_up_fused`` also runs gated
+(``[2N, K]`` gate rows then up rows)."""
 CONFIGS = (
     GluonMatmulConfig(128, 256),
     GluonMatmulConfig(128, 128),
@@ -42,10 +43,11 @@ CHECK_ROWS = (37, 256, 1000)
 
 
 def run(x: torch.Tensor, w: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> torch.Tensor:
-    """One launch of the library's Gluon matmul in ``cfg``'s tiles."""
+    """One launch of the library's Gluon matmul in ``cfg``'s tiles, with the library's K splits of the shape."""
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
-    forward(x, w, out, cfg, gated)
+    ks = 0 if gated else chain_splits(n, x.shape[1], x.dtype, x.device)
+    forward(x, w, out, cfg, gated, ks)
     return out
 
 
@@ -69,7 +71,8 @@ def measure(name: str, rows: tuple[int, ...], gated: bool) -> dict:
     w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
     ws = weight_copies(w)
     lib = gated_matmul if gated else matmul
-    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {}}
+    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {},
+                   "k_split": 0 if gated else chain_splits(n, k, w.dtype, w.device)}  # fmt: skip
     checks = {m: torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for m in CHECK_ROWS}
     refs = {m: lib(x, w) for m, x in checks.items()}
     for m in rows:
@@ -90,15 +93,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gluon_matmul_probe_h200.json"))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=[256, 4096])
-    ap.add_argument("--gated-rows", nargs="+", type=int, default=[64, 128, 256, 4096])
+    ap.add_argument("--gated-rows", nargs="*", type=int, default=[64, 128, 256, 4096], help="none: no gated runs")
     args = ap.parse_args()
     t0 = time.time()
     result: dict = header("gluon_matmul_probe", "triton") | {
         "dtype": "bfloat16",
         "timing": "microseconds per call, CUDA-graph replays over weight copies exceeding L2 four times",
         "shapes": {name: measure(name, tuple(args.rows), False) for name in args.shapes},
-        "gated": measure("gate_up_fused", tuple(args.gated_rows), True),
     }
+    if args.gated_rows:
+        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True)
     result["elapsed_s"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

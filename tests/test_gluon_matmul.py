@@ -24,23 +24,28 @@ def _configs():  # noqa: ANN202 - the module imports Triton's Gluon, only on a G
 
 
 def test_config_rejects_unsupported_tiles() -> None:
-    from rlexact.ops.gluon_matmul import GluonMatmulConfig
+    from rlexact.ops.gluon_matmul import SMEM_LIMIT, GluonMatmulConfig
 
     with pytest.raises(ValueError, match="BM=96"):
         GluonMatmulConfig(96, 128)
     with pytest.raises(ValueError, match="per_sm=3"):
         GluonMatmulConfig(64, 64, per_sm=3)
+    assert GluonMatmulConfig(128, 256).ring_bytes(gated=False) <= SMEM_LIMIT
+    assert GluonMatmulConfig(128, 256).ring_bytes(gated=True) > SMEM_LIMIT
+    assert GluonMatmulConfig(128, 128).ring_bytes(gated=True) <= SMEM_LIMIT
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("nk", [(2048, 2048), (300, 2048), (6144, 2048), (200, 72)], ids=str)
+@pytest.mark.parametrize("nk", [(2048, 2048), (300, 2048), (6144, 2048), (200, 72), (2048, 6144), (300, 4160)],
+                         ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype: torch.dtype) -> None:
     """Every tile shape, at row counts around and across its tiles and for column counts that end mid-tile, gives
-    the rows of the library's ``matmul`` (plain) or ``gated_matmul`` (``w [2N, K]``) bitwise, and agrees with an fp32
-    reference. Negative control: a perturbed ``x`` row changes that row and no other."""
+    the rows of the library's ``matmul`` (plain, with the shape's fixed K splits where it has them) or
+    ``gated_matmul`` (``w [2N, K]``) bitwise, and agrees with an fp32 reference. Negative control: a perturbed ``x``
+    row changes that row and no other."""
     from rlexact.ops import gluon_matmul
     from rlexact.ops import triton_matmul as tmm
 
@@ -52,6 +57,8 @@ def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype
     if gated and tmm.gated_config_for(256, n, k, dtype, w.device) is None:
         pytest.skip("the library runs no gated kernel for this shape")
     lib = tmm.gated_matmul if gated else tmm.matmul
+    ks = 0 if gated else tmm.chain_splits(n, k, dtype, w.device)
+    assert ks or k < 4096
     for m in ROWS:
         x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
         ref = lib(x, w)
@@ -60,13 +67,45 @@ def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype
             full = torch.nn.functional.silu(full[:, :n]) * full[:, n:]
         torch.testing.assert_close(ref.float(), full, atol=3e-2, rtol=3e-2)
         for cfg in _configs():
+            if cfg.ring_bytes(gated) > gluon_matmul.SMEM_LIMIT:
+                with pytest.raises(ValueError, match="shared memory"):
+                    gluon_matmul.forward(x, w, torch.empty_like(ref), cfg, gated, ks)
+                continue
             out = torch.full_like(ref, float("nan"))
-            gluon_matmul.forward(x, w, out, cfg, gated)
+            gluon_matmul.forward(x, w, out, cfg, gated, ks)
             assert torch.equal(out, ref), (m, cfg)
     x2 = x.clone()
     x2[3, 0] += 1.0
     out = torch.empty_like(ref)
-    gluon_matmul.forward(x2, w, out, _configs()[0], gated)
+    gluon_matmul.forward(x2, w, out, _configs()[1], gated, ks)
     assert not torch.equal(out[3], ref[3])
     others = torch.arange(x.shape[0], device="cuda") != 3
     assert torch.equal(out[others], ref[others])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gated_matmul_dispatches_gluon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_90 ``gated_matmul`` runs the Gluon kernel at the row counts ``GLUON_GATED_VARIANTS`` gives it and the
+    ``tl`` tiles elsewhere; both give the ``tl`` tiles' rows bitwise (the Qwen3-1.7B MLP's gate and up)."""
+    from rlexact.ops import gluon_matmul
+    from rlexact.ops import triton_matmul as tmm
+
+    n, k = 6144, 2048
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    if not gluon_matmul.supported(torch.empty(1, k, device="cuda", dtype=w.dtype), w):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    calls: list = []
+    real = gluon_matmul.forward
+    monkeypatch.setattr(gluon_matmul, "forward", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    for m in (1, 64, 65, 128, 200, 256, 2048):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        tl_cfg = tmm.gated_config_for(m, n, k, x.dtype, x.device)
+        ref = tmm.matmul_with_config(x, w, tl_cfg, gated=True)
+        before = len(calls)
+        out = tmm.gated_matmul(x.view(1, m, k), w)
+        assert out.shape == (1, m, n) and torch.equal(out[0], ref), m
+        want = tmm.gluon_gated_config(m, n, k, x.dtype, x.device)
+        assert (want is None) == (m <= 64)
+        assert calls[before:] == ([want] if want is not None else []), m

@@ -99,6 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_matmul
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
@@ -779,6 +780,27 @@ The fastest bitwise-equal candidates of ``benchmarks/results/matmul_gated_h200.j
 from HBM) at M = 1 / 16, 64, 128 and 256 / 2,048 / 8,192."""
 
 
+GLUON_GATED_VARIANTS: tuple = (
+    (64, None),
+    (128, gluon_matmul.GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128)),
+    (None, gluon_matmul.GluonMatmulConfig(128, 128)),
+)
+"""``((max_M or None, config or None), ...)``: the row counts at which :func:`gated_matmul` runs the
+warp-specialized Gluon kernel (:mod:`rlexact.ops.gluon_matmul`, same bits as the ``tl`` tiles) on an sm_90 GPU, and
+its tiles; ``None`` keeps :data:`GATED_VARIANTS`. The fastest bitwise-equal candidates of
+``benchmarks/results/gluon_matmul_probe_h200.json`` (the ``tl`` tiles won at 64 rows)."""
+
+
+def gluon_gated_config(M: int, N: int, K: int, dtype: torch.dtype,
+                       device: torch.device) -> gluon_matmul.GluonMatmulConfig | None:  # fmt: skip
+    """The Gluon tiles :func:`gated_matmul` runs for ``M`` rows of an ``[M, K] @ [2N, K].T`` gated product, or
+    ``None`` where it runs the ``tl`` tiles (no gated kernel for the shape, another GPU, or :data:`GLUON_GATED_VARIANTS`
+    keeps them at ``M``)."""
+    if device.type != "cuda" or gated_config_for(M, N, K, dtype, device) is None:
+        return None
+    return next(cfg for max_m, cfg in GLUON_GATED_VARIANTS if max_m is None or M <= max_m)
+
+
 @functools.cache
 def gated_supported(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`gated_matmul` runs ``[M, K] @ [2N, K].T`` gated products (any M) on ``device``: on Hopper-class
@@ -808,6 +830,13 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x, w = x.contiguous(), w.contiguous()
     (N2, K), shape = w.shape, x.shape
     N, M = N2 // 2, math.prod(shape[:-1])
+    gcfg = gluon_gated_config(M, N, K, x.dtype, x.device) if M and N and K else None
+    if gcfg is not None:
+        x2 = x.view(M, K)
+        if gluon_matmul.supported(x2, w):
+            out = torch.empty((*shape[:-1], N), dtype=x.dtype, device=x.device)
+            gluon_matmul.forward(x2, w, out.view(M, N), gcfg, gated=True)
+            return out
     key = (M, N, K, x.dtype, x.get_device(), "gated")
     plan = _LAUNCHES.get(key)
     if plan is None:
