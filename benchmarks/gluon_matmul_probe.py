@@ -22,11 +22,11 @@ import torch
 
 from common import ROOT, graph_ms_over, header, weight_copies
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
-from rlexact.ops.triton_matmul import chain_splits, gated_matmul, matmul
+from rlexact.ops.triton_matmul import gated_matmul, matmul
 
-SHAPES = {"gate_up_fused": (12288, 2048), "qkv_fused": (4096, 2048), "o": (2048, 2048), "down": (2048, 6144)}
-"""Plain products ``[N, K]`` (``down`` with the library's fixed K splits); ``gate_up_fused`` also runs gated
-(``[2N, K]`` gate rows then up rows)."""
+SHAPES = {"gate_up_fused": (12288, 2048), "qkv_fused": (4096, 2048), "o": (2048, 2048)}
+"""Plain products ``[N, K]`` (none with fixed K splits); ``gate_up_fused`` also runs gated (``[2N, K]`` gate rows then
+up rows)."""
 CONFIGS = (
     GluonMatmulConfig(128, 256),
     GluonMatmulConfig(128, 128),
@@ -43,11 +43,10 @@ CHECK_ROWS = (37, 256, 1000)
 
 
 def run(x: torch.Tensor, w: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> torch.Tensor:
-    """One launch of the library's Gluon matmul in ``cfg``'s tiles, with the library's K splits of the shape."""
+    """One launch of the library's Gluon matmul in ``cfg``'s tiles."""
     n = w.shape[0] // 2 if gated else w.shape[0]
     out = torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
-    ks = 0 if gated else chain_splits(n, x.shape[1], x.dtype, x.device)
-    forward(x, w, out, cfg, gated, ks)
+    forward(x, w, out, cfg, gated)
     return out
 
 
@@ -71,8 +70,7 @@ def measure(name: str, rows: tuple[int, ...], gated: bool) -> dict:
     w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
     ws = weight_copies(w)
     lib = gated_matmul if gated else matmul
-    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {},
-                   "k_split": 0 if gated else chain_splits(n, k, w.dtype, w.device)}  # fmt: skip
+    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {}}
     checks = {m: torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for m in CHECK_ROWS}
     refs = {m: lib(x, w) for m, x in checks.items()}
     for m in rows:

@@ -1,15 +1,15 @@
 """The exact matmul in Triton's Gluon dialect, for Hopper: persistent, warp-specialized, plain or SiLU-gated.
 
-Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated_matmul``): every output element is
-the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column K tile in ascending order, carried
-through the wgmma accumulator (k16 steps, ascending), rounded once to the output dtype; for shapes with fixed K
-splits the chain restarts from zero at every split and the splits' chains are summed in ascending order, as the
-``tl`` kernel sums them. The gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles,
-rounds both to the output dtype and stores ``silu(gate) * up`` with the library's formula
-(``div_rn(g, 1 + exp(-g)) * u`` in fp32, rounded once). Tile shapes do not enter a row's arithmetic (the wgmma
-instruction's N width and the number of warpgroups do not change an element's k16 chain:
-``rlexact.ops.triton_matmul``'s module docstring), so this kernel and the ``tl`` tiles give the same bits; the GPU
-tests check it.
+Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated_matmul``) for shapes without fixed
+K splits: every output element is the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column
+K tile in ascending order, carried through the wgmma accumulator (k16 steps, ascending), rounded once to the output
+dtype. The gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles, rounds both to
+the output dtype and stores ``silu(gate) * up`` with the library's formula (``div_rn(g, 1 + exp(-g)) * u`` in fp32,
+rounded once). Tile shapes do not enter a row's arithmetic (the wgmma instruction's N width and the number of
+warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s module docstring), so this kernel
+and the ``tl`` tiles give the same bits; the GPU tests check it. (Summing fixed K splits in the consumer, as the
+``tl`` kernel does for K-heavy shapes, was bitwise equal but slower at decode row counts:
+``benchmarks/results/gluon_matmul_probe_down_h200.json``.)
 
 What differs is how the operands reach the tensor cores. A producer warp streams each tile's ``x`` and ``w`` K slices
 through a ``STAGES``-deep TMA ring that runs ahead across tiles; a consumer partition of ``BM / 16`` warps chains
@@ -119,7 +119,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
-                  BN: gl.constexpr, GATED: gl.constexpr, KS: gl.constexpr):  # fmt: skip
+                  BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
         """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows."""
         CW: gl.constexpr = BM // 16
         bk: gl.constexpr = a_smem.type.shape[2]
@@ -133,7 +133,6 @@ if gluon is not None:
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
             acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
             acc_up = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-            total = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
             for ki in range(0, k_tiles):  # ascending K, one accumulator per chain
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
@@ -146,18 +145,12 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous slot's wgmma is done
                 if ki > 0:
                     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-                if KS > 0:
-                    if ((ki + 1) % (KS // bk) == 0) | (ki == k_tiles - 1):  # a split ends: add its chain to the sum
-                        total = total + warpgroup_mma_wait(0, deps=(acc,))
-                        acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
                 c += 1
             if GATED:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            if KS > 0:
-                acc = total
             dt: gl.constexpr = out_ptr.dtype.element_ty
             if GATED:  # both chains rounded as stored products, then the exact SiLU gate in fp32
                 gate = acc.to(dt).to(gl.float32)
@@ -170,7 +163,7 @@ if gluon is not None:
 
     @gluon.jit
     def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
-                   GATED: gl.constexpr, KS: gl.constexpr):  # fmt: skip
+                   GATED: gl.constexpr):  # fmt: skip
         dt: gl.constexpr = x_desc.dtype
         bk: gl.constexpr = x_desc.block_type.shape[1]
         up_rows: gl.constexpr = BN if GATED else 8  # an unused slot when not gated
@@ -188,7 +181,7 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
-                                 True, 0)),
+                                 True)),
                     (_gated_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
                 ],
                 [1],
@@ -198,7 +191,7 @@ if gluon is not None:
             gl.warp_specialize(
                 [
                     (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
-                                 False, KS)),
+                                 False)),
                     (_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
                 ],
                 [1],
@@ -230,16 +223,11 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool,
-            ks: int = 0) -> None:  # fmt: skip
+def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> None:
     """``out [M, N] = x [M, K] @ w [N, K].T``, or with ``gated`` (``w [2N, K]``, gate rows then up rows)
-    ``silu(x @ w[:N].T) * (x @ w[N:].T)``, in ``cfg``'s tiles. ``ks``: the product's fixed K splits
-    (:func:`rlexact.ops.triton_matmul.chain_splits`; plain products only): the chain restarts from zero every ``ks``
-    columns and the splits' chains are summed in ascending order, ``((0 + c_0) + c_1) + ...``. Call only where
+    ``silu(x @ w[:N].T) * (x @ w[N:].T)``, in ``cfg``'s tiles: one chain over all of K, so the library's rows for
+    shapes without fixed K splits (:func:`rlexact.ops.triton_matmul.chain_splits` is 0). Call only where
     :func:`supported` holds."""
-    if ks % BK or (ks and gated):
-        raise ValueError(f"gluon_matmul: K splits of {ks} columns must be a multiple of {BK}, and only plain products "
-                         "split K")  # fmt: skip
     if cfg.ring_bytes(gated) > SMEM_LIMIT:
         kind = "gated" if gated else "plain"
         raise ValueError(f"gluon_matmul: {cfg} ({kind}) needs {cfg.ring_bytes(gated)} bytes of shared memory, more "
@@ -253,7 +241,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, gated, ks)
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, gated)
     options = options_for(cfg)
     launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
 
