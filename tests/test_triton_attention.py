@@ -232,7 +232,8 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     (``rlexact.ops.gluon_decode``): its rows equal the ``tl`` decode launch's bitwise, with pages shuffled across
     sequences, lengths at and around every page and tile edge up to the split, NaN in every cache slot past a
     sequence and in the table entries past it, one and two programs per SM. A table wider than one split keeps the
-    ``tl`` launch. Negative control: a perturbed key changes its sequence's rows and no other."""
+    ``tl`` launch; a sequence of no keys leaves the others' rows unchanged. Negative control: a perturbed key changes
+    its sequence's rows and no other."""
     from rlexact.ops import gluon_decode
     from rlexact.ops import triton_attention as ta
 
@@ -260,9 +261,10 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     real = gluon_decode.forward
     monkeypatch.setattr(gluon_decode, "forward", lambda *a: calls.append(1) or real(*a))
 
-    def run(cfg: dict | None, k: torch.Tensor = kc, bt: torch.Tensor = tables) -> torch.Tensor:
+    def run(cfg: dict | None, k: torch.Tensor = kc, bt: torch.Tensor = tables,
+            lens_k: torch.Tensor = seqlens) -> torch.Tensor:  # fmt: skip
         out = torch.empty_like(q)
-        ta._forward(q, k, vc, cu, seqlens, bt, d**-0.5, out, cfg=cfg, max_seqlen_q=1)
+        ta._forward(q, k, vc, cu, lens_k, bt, d**-0.5, out, cfg=cfg, max_seqlen_q=1)
         return out
 
     ref = run({"GLUON": False})
@@ -278,6 +280,11 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     assert not torch.equal(out[5], ref[5])
     others = torch.arange(len(lens), device="cuda") != 5
     assert torch.equal(out[others], ref[others])
+    empty = seqlens.clone()
+    empty[2] = 0  # a sequence of no keys gets one masked padding tile: the launch ends, the other rows are unchanged
+    out = run(None, lens_k=empty)
+    others = torch.arange(len(lens), device="cuda") != 2
+    assert torch.equal(out[others], ref[others]) and len(calls) == 4
 
 
 @pytest.mark.gpu

@@ -13,8 +13,11 @@ once per program. Here a grid of two programs per SM walks the (sequence, head g
 a producer warp reads an item's length and block-table row and copies its key tiles page by page (one 16-key TMA box
 per page; pages past the sequence are read from past the cache's last row, which TMA fills with zeros) through a K
 ring and a V ring that run ahead across item boundaries; a 4-warp consumer partition computes one item at a time
-(64-row wgmma tiles of which the item's query heads use ``HP``) and prefetches the next item's query rows and length
-while it does. V rows past the sequence are zeroed before their P @ V, so stale cache contents never enter a row.
+(64-row wgmma tiles of which the item's query heads use ``HP``), issues tile ``j + 1``'s score wgmma with tile
+``j``'s P @ V and runs tile ``j + 1``'s softmax while that P @ V is in flight (no wgmma is in flight across an item),
+and prefetches the next item's query rows and length. V rows past the sequence are zeroed before their P @ V, so
+stale cache contents never enter a row. An item of zero keys gets one tile of padding, wholly masked, so producer
+and consumer agree on every item's tile count.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from .triton_shared import num_sms
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
@@ -98,12 +107,12 @@ if gluon is not None:
             kv_col = ((it % n_groups) * hp) // group * d
             seqlen = gl.load(seqlens_ptr + b)
             blocks = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + idx, mask=idx < width, other=0)
-            for j in range(0, (seqlen + TILE_N - 1) // TILE_N):
+            for j in range(0, gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)):  # an empty item: one padding tile
                 slot = x % SLOTS
                 phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
                 n_pg = gl.minimum((seqlen - j * TILE_N + PAGE_N - 1) // PAGE_N, PAGES)
                 p0 = j * PAGES
-                rows0 = _page_row(blocks, idx, p0, n_rows)
+                rows0 = _page_row(blocks, idx, gl.where(n_pg > 0, p0, -1), n_rows)
                 rows1 = _page_row(blocks, idx, gl.where(n_pg > 1, p0 + 1, -1), n_rows)
                 rows2 = _page_row(blocks, idx, gl.where(n_pg > 2, p0 + 2, -1), n_rows)
                 rows3 = _page_row(blocks, idx, gl.where(n_pg > 3, p0 + 3, -1), n_rows)
@@ -130,10 +139,12 @@ if gluon is not None:
     def _consumer(q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
                   n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP: gl.constexpr,
                   D: gl.constexpr):  # fmt: skip
-        """Every item of this program, one at a time: its key tiles from the rings, then its rows' output."""
+        """Every item of this program, one at a time: its key tiles from the rings (tile ``j + 1``'s scores and softmax
+        while tile ``j``'s P @ V runs; an empty item's one padding tile is wholly masked), then its rows' output."""
         BLOCK_M: gl.constexpr = 16 * W
+        BLOCK_N: gl.constexpr = TILE_N
         dt: gl.constexpr = q_ptr.dtype.element_ty
-        s_layout: gl.constexpr = wgmma_layout(W, TILE_N)
+        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
         r_layout: gl.constexpr = wgmma_layout(W, 16)
         q_op: gl.constexpr = gl.DotOperandLayout(0, s_layout, 2)
@@ -142,42 +153,64 @@ if gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        offs_n = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
         q_next, len_next = query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh,
-                                      HP, D, blk)  # fmt: skip
+                                         HP, D, blk)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
             q_next, len_next = query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP,
-                                          D, blk)  # fmt: skip
-            n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
+                                             D, blk)  # fmt: skip
+            n_tiles = gl.maximum((seqlen + BLOCK_N - 1) // BLOCK_N, 1)
+            n_full = seqlen // BLOCK_N  # tiles below it are wholly inside the sequence
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            for j in range(0, (seqlen + TILE_N - 1) // TILE_N):
-                slot = x % SLOTS
-                phase = (x // SLOTS) & 1
-                mbarrier.wait(k_ready.index(slot), phase)
-                s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                if j >= n_full:
-                    s = gl.where((j * TILE_N + offs_n < seqlen)[None, :], s, float("-inf"))
-                m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
-                rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
-                l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            slot = x % SLOTS
+            phase = (x // SLOTS) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if n_full == 0:
+                s = gl.where((offs_n < seqlen)[None, :], s, float("-inf"))
+            m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
+            rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
+            l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            p_op = gl.convert_layout(p, pv_op)
+            for j in range(0, n_tiles - 1):  # tile j's P @ V under tile j + 1's scores and softmax
+                nxt = (x + 1) % SLOTS
+                nphase = ((x + 1) // SLOTS) & 1
+                mbarrier.wait(k_ready.index(nxt), nphase)
+                s_tok = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_ready.index(slot), phase)
-                if j >= n_full:  # V rows past the sequence (stale cache rows or zero fill): zeros
-                    zero_tail_rows(v_smem.index(slot), j * TILE_N, seqlen, TILE_N, blk)
-                acc = warpgroup_mma(gl.convert_layout(p, pv_op), v_smem.index(slot), acc)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+                s, acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
+                mbarrier.arrive(k_empty.index(nxt), count=1)
+                if j + 1 >= n_full:
+                    s = gl.where(((j + 1) * BLOCK_N + offs_n < seqlen)[None, :], s, float("-inf"))
+                m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
+                r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
+                rsum, acc, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc, p_op))
                 mbarrier.arrive(v_empty.index(slot), count=1)
+                l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                p_op = gl.convert_layout(p, pv_op)
                 x += 1
-            store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, it // n_groups, 1, 0, it % n_groups, stride_ot, stride_oh,
-                       0, 0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
+                slot = nxt
+                phase = nphase
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # the last tile's P @ V
+            mbarrier.wait(v_ready.index(slot), phase)
+            if n_full < n_tiles:  # V rows past the sequence (stale cache rows or zero fill): zeros
+                zero_tail_rows(v_smem.index(slot), (n_tiles - 1) * BLOCK_N, seqlen, BLOCK_N, blk)
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            x += 1
+            store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, it // n_groups, 1, 0, it % n_groups, stride_ot, stride_oh, 0,
+                       0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
     def rings(k_desc, v_desc):
