@@ -61,11 +61,17 @@ class GluonMatmulConfig:
     BN: int
     per_sm: int = 1
     maxnreg: int = 168
+    joint: bool = False
+    """Gated launches only: the gate and up tiles of a K slice share one ``[2 * BN, BK]`` ring slot and one wgmma of
+    width ``2 * BN`` (instead of two slots and two wgmmas of width ``BN``); each column's chain is the same."""
 
     def __post_init__(self) -> None:
         if self.BM not in (64, 128) or self.BN not in (64, 128, 256) or self.per_sm not in (1, 2):
             raise ValueError(f"GluonMatmulConfig: BM={self.BM} (64 or 128), BN={self.BN} (64, 128 or 256) and "
                              f"per_sm={self.per_sm} (1 or 2) are the supported tiles")  # fmt: skip
+        if self.joint and self.BN > 128:
+            raise ValueError(f"GluonMatmulConfig: joint gated tiles run one wgmma of width 2 * BN, at most 256; "
+                             f"BN={self.BN} is too wide (use BN <= 128)")  # fmt: skip
 
     def ring_bytes(self, gated: bool) -> int:
         """Shared memory of the operand ring (16-bit operands): ``x``, gate / ``w`` and up tiles per slot."""
@@ -85,13 +91,17 @@ if gluon is not None:
         return first_m + tile % size_m, (tile % in_group) // size_m
 
     @gluon.jit
-    def _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, GATED: gl.constexpr):
-        """Copy every tile's K slices of ``x`` and of ``w``'s rows (gate rows ``n``, up rows ``N + n`` when
-        ``GATED``) into the ring, each slot once the consumer has released it."""
+    def _producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
+        """Copy every tile's K slices of ``x`` and of ``w``'s rows into the ring, each slot once the consumer has
+        released it. The ring's shapes say which rows (worker partitions take no constexpr arguments): gate rows
+        ``n`` into ``b_smem`` and up rows ``N + n`` into ``u_smem`` when ``u_smem`` holds a whole tile, into the
+        second half of ``b_smem`` when ``b_smem`` holds two; else rows ``n`` alone."""
         bm: gl.constexpr = x_desc.block_type.shape[0]
         bk: gl.constexpr = x_desc.block_type.shape[1]
         bn: gl.constexpr = w_desc.block_type.shape[0]
-        w_tiles: gl.constexpr = 2 if GATED else 1
+        two_chains: gl.constexpr = u_smem.type.shape[1] == bn
+        joint: gl.constexpr = b_smem.type.shape[1] == 2 * bn
+        w_tiles: gl.constexpr = 2 if two_chains or joint else 1
         nbytes: gl.constexpr = (bm + w_tiles * bn) * bk * x_desc.dtype.primitive_bitwidth // 8
         num_pid_m = gl.cdiv(M, bm)
         num_pid_n = gl.cdiv(N, bn)
@@ -100,30 +110,31 @@ if gluon is not None:
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
             for ki in range(0, gl.cdiv(K, bk)):
                 slot = c % STAGES
+                bar = ready.index(slot)
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
-                mbarrier.expect(ready.index(slot), nbytes)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * bm, ki * bk], ready.index(slot), a_smem.index(slot))
-                tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], ready.index(slot), b_smem.index(slot))
-                if GATED:
-                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], ready.index(slot),
-                                                    u_smem.index(slot))  # fmt: skip
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(x_desc, [pid_m * bm, ki * bk], bar, a_smem.index(slot))
+                if joint:
+                    tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot).slice(0, bn))
+                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], bar,
+                                                    b_smem.index(slot).slice(bn, bn))  # fmt: skip
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
+                if two_chains:
+                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], bar, u_smem.index(slot))
                 c += 1
-
-    @gluon.jit
-    def _producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
-        _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, False)
-
-    @gluon.jit
-    def _gated_producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
-        _produce(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m, True)
 
     @gluon.jit
     def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
                   BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
-        """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows."""
+        """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows.
+        ``GATED``: 0 plain; 1 the gate chain in ``b_smem`` and the up chain in ``u_smem``; 2 one chain of width
+        ``2 * BN`` over both (gate columns, then up columns), split before the epilogue."""
         CW: gl.constexpr = BM // 16
         bk: gl.constexpr = a_smem.type.shape[2]
-        acc_layout: gl.constexpr = wgmma_layout(CW, BN)
+        AW: gl.constexpr = 2 * BN if GATED == 2 else BN
+        acc_layout: gl.constexpr = wgmma_layout(CW, AW)
+        up_layout: gl.constexpr = wgmma_layout(CW, BN)
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CW, 1], [1, 0])
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
@@ -131,13 +142,13 @@ if gluon is not None:
         c = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
-            acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-            acc_up = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+            acc = gl.zeros([BM, AW], gl.float32, layout=acc_layout)
+            acc_up = gl.zeros([BM, BN], gl.float32, layout=up_layout)
             for ki in range(0, k_tiles):  # ascending K, one accumulator per chain
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-                if GATED:
+                if GATED == 1:
                     acc_up = warpgroup_mma(a_smem.index(slot), u_smem.index(slot).permute((1, 0)), acc_up,
                                            is_async=True)  # fmt: skip
                     acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))  # the previous slot's pair is done
@@ -146,11 +157,13 @@ if gluon is not None:
                 if ki > 0:
                     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
                 c += 1
-            if GATED:
+            if GATED == 1:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
+            if GATED == 2:
+                acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
             dt: gl.constexpr = out_ptr.dtype.element_ty
             if GATED:  # both chains rounded as stored products, then the exact SiLU gate in fp32
                 gate = acc.to(dt).to(gl.float32)
@@ -164,11 +177,13 @@ if gluon is not None:
     @gluon.jit
     def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
                    GATED: gl.constexpr):  # fmt: skip
+        """``GATED``: 0 plain, 1 gated with two chains, 2 gated with one joint chain (:func:`_consumer`)."""
         dt: gl.constexpr = x_desc.dtype
         bk: gl.constexpr = x_desc.block_type.shape[1]
-        up_rows: gl.constexpr = BN if GATED else 8  # an unused slot when not gated
+        w_rows: gl.constexpr = 2 * BN if GATED == 2 else BN
+        up_rows: gl.constexpr = BN if GATED == 1 else 8  # else an unused slot
         a_smem = gl.allocate_shared_memory(dt, [STAGES, BM, bk], x_desc.layout)
-        b_smem = gl.allocate_shared_memory(dt, [STAGES, BN, bk], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(dt, [STAGES, w_rows, bk], w_desc.layout)
         u_smem = gl.allocate_shared_memory(dt, [STAGES, up_rows, bk], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -177,26 +192,15 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
         gl.thread_barrier()
-        if GATED:  # the argument tuples are written out: a tuple bound to a name loses its constexprs
-            gl.warp_specialize(
-                [
-                    (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
-                                 True)),
-                    (_gated_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
-                ],
-                [1],
-                [PRODUCER_REGS],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
-                                 False)),
-                    (_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
-                ],
-                [1],
-                [PRODUCER_REGS],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
+                             GATED)),
+                (_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )  # fmt: skip
 
     @functools.cache
     def _smem_layout(rows: int, fp16: bool) -> object:
@@ -241,7 +245,11 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, gated)
+    if cfg.joint and not gated:
+        raise ValueError(f"gluon_matmul: {cfg} has joint gate/up tiles, which only a gated product has; use "
+                         "joint=False for a plain product")  # fmt: skip
+    mode = (2 if cfg.joint else 1) if gated else 0
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, mode)
     options = options_for(cfg)
     launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
 
