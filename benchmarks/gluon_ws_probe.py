@@ -18,7 +18,11 @@ interleave; K/V slots are released once both consumers are done with them, and t
 zeroed past it by one consumer, which signals the other. Gluon in Triton 3.6 drops the constexpr-ness of a worker
 partition's arguments, and its worker partitions take the same argument list, so the worker consumer's shape
 parameters are module-level constexprs (:data:`PAIR_HP`: the 16 / 8 heads of the timing shapes) and both workers
-receive one tuple. Timings are CUDA-graph replays at the ``ops_bench`` attention shapes.
+receive one tuple. ``pingpong`` is ``pair`` with the two consumers' MMA rounds alternating (FlashAttention-3's
+ping-pong schedule, with two mbarriers in place of named barriers, which Triton 3.6's Gluon lacks): each round
+(tile ``j + 1``'s scores and tile ``j``'s P @ V) waits until the other consumer has issued its previous one, so one
+consumer's softmax runs under the other's MMAs (:func:`_rows`). Timings are CUDA-graph replays at the ``ops_bench``
+attention shapes.
 """
 
 from __future__ import annotations
@@ -98,14 +102,50 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit
+def _await_turn(turn_bar, r, rounds_other, C: gl.constexpr):
+    """Ping-pong: before consumer ``C`` issues round ``r``, wait until the other consumer issued the round before
+    it in the alternation (if the other has that round)."""
+    if C == 0:
+        if (r > 0) & (r - 1 < rounds_other):
+            mbarrier.wait(turn_bar.index(0), (r - 1) & 1)
+    else:
+        if r < rounds_other:
+            mbarrier.wait(turn_bar.index(1), r & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_bar, r, rounds_other, C: gl.constexpr):
+    """Ping-pong: once consumer ``C`` issued round ``r``, let the other issue its next round (if it has one)."""
+    if C == 0:
+        if r < rounds_other:
+            mbarrier.arrive(turn_bar.index(1), count=1)
+    else:
+        if r + 1 < rounds_other:
+            mbarrier.arrive(turn_bar.index(0), count=1)
+
+
+@gluon.jit
+def _rounds(n_mine):
+    """The pipelined loop's rounds over ``n_mine`` key tiles: one per tile but the last of each KV split."""
+    TPS: gl.constexpr = PAIR_SPLIT // TILE_N
+    return n_mine - (n_mine + TPS - 1) // TPS
+
+
+@gluon.jit
 def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar,
-          q_begin, nq, tile, hgroup, n_mine, tail, zero_here, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
-          HP: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr, W: gl.constexpr,
-          dt: gl.constexpr):  # fmt: skip
+          turn_bar, q_begin, nq, tile, hgroup, n_mine, tail, zero_here, rounds_other, qk_scale, stride_ot, stride_oh,
+          stride_lt, stride_lh, HP: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+          W: gl.constexpr, dt: gl.constexpr, C: gl.constexpr, PP: gl.constexpr):  # fmt: skip
     """Query tile ``tile`` (its Q in ``q_smem``) over key tiles ``0 .. n_mine - 1`` from the producer's rings: the
     library's pipelined loop, each K slot released once its scores are done and each V slot once its P @ V is. Key
     tile ``tail`` runs past the sequence: its V rows there are zeroed here (``zero_here``, then ``tail_bar`` is
-    signalled) or by the other consumer (``tail_bar`` is waited for)."""
+    signalled) or by the other consumer (``tail_bar`` is waited for).
+
+    ``PP`` (ping-pong, consumer ``C`` of a pair): the loop's rounds (each one issuing tile ``j + 1``'s scores and
+    tile ``j``'s P @ V) alternate between the consumers, consumer 0 first, so one's softmax runs under the other's
+    MMAs: round ``r`` of consumer 1 waits on ``turn_bar[1]`` for consumer 0's round ``r`` to be issued, round ``r``
+    of consumer 0 on ``turn_bar[0]`` for consumer 1's round ``r - 1``; a consumer waits only for rounds the other
+    has (``rounds_other``) and signals only rounds the other waits for, so each barrier completes once per wait."""
     BLOCK_M: gl.constexpr = 16 * W
     BLOCK_N: gl.constexpr = TILE_N
     P: gl.constexpr = BLOCK_M // HP
@@ -127,6 +167,7 @@ def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready,
     acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
+    r = 0
     for t0 in range(0, n_mine, TPS):
         t1 = gl.minimum(t0 + TPS, n_mine)
         m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -142,10 +183,15 @@ def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready,
         for j in range(t0, t1 - 1):
             nxt = (j + 1) % SLOTS
             mbarrier.wait(k_ready.index(nxt), ((j + 1) // SLOTS) & 1)
+            if PP:
+                _await_turn(turn_bar, r, rounds_other, C)
             s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(v_ready.index(j % SLOTS), (j // SLOTS) & 1)
             acc_tok = warpgroup_mma(p_op, v_smem.index(j % SLOTS), acc_s, is_async=True)
+            if PP:
+                _pass_turn(turn_bar, r, rounds_other, C)
+            r += 1
             s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
             mbarrier.arrive(k_empty.index(nxt), count=1)
             m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
@@ -179,14 +225,14 @@ def _ws_consumer(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k
     """The ``ws`` kernel's one consumer partition (all of the program's query rows)."""
     tail = gl.where(n_tiles * TILE_N > nq, n_tiles - 1, -1)
     _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar,
-          q_begin, nq, tile, hgroup, n_tiles, tail, True, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP, D,
-          SPLIT, BWD_PREP, W, dt)  # fmt: skip
+          tail_bar, q_begin, nq, tile, hgroup, n_tiles, tail, True, 0, qk_scale, stride_ot, stride_oh, stride_lt,
+          stride_lh, HP, D, SPLIT, BWD_PREP, W, dt, 0, False)  # fmt: skip
 
 
 @gluon.jit
 def _rings(k_desc, v_desc, CONSUMERS: gl.constexpr, W: gl.constexpr):
     """The ones tile of the row-sum dot, the K and V rings with their ready / empty barriers (each slot released by
-    ``CONSUMERS`` consumer partitions) and the tail barrier."""
+    ``CONSUMERS`` consumer partitions), the tail barrier and the ping-pong turn barriers."""
     dt: gl.constexpr = k_desc.dtype
     ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
     ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
@@ -199,13 +245,16 @@ def _rings(k_desc, v_desc, CONSUMERS: gl.constexpr, W: gl.constexpr):
     v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn_bar.index(0), count=1)
+    mbarrier.init(turn_bar.index(1), count=1)
     for i in gl.static_range(SLOTS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     mbarrier.init(tail_bar, count=1)
-    return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar
+    return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar, turn_bar
 
 
 @gluon.jit
@@ -231,7 +280,7 @@ def _ws_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num
     q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
     q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
     q_smem.store(q)
-    ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar = _rings(k_desc, v_desc, 1, W)
+    ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar, _ = _rings(k_desc, v_desc, 1, W)
     fence_async_shared()
     gl.thread_barrier()
     n_tiles = (gl.minimum(tile * P + P, nq) - 1) // BLOCK_N + 1
@@ -260,10 +309,12 @@ def _release(k_ready, k_empty, v_ready, v_empty, first, n_tiles):
 
 @gluon.jit
 def _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                   v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh, stride_ot,
-                   stride_oh, stride_lt, stride_lh, C: gl.constexpr, BWD_PREP: gl.constexpr):  # fmt: skip
-    """Consumer ``C`` of a pair: query tile ``2 * pair + C`` (its Q loaded here), then the key tiles its rows need,
-    then the release of the ones only the other consumer needs."""
+                   v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_lt, stride_lh, C: gl.constexpr, BWD_PREP: gl.constexpr,
+                   PP: gl.constexpr):  # fmt: skip
+    """Consumer ``C`` of a pair: query tile ``2 * pair + C`` (its Q loaded here), then the key tiles its rows need
+    (with ``PP`` in ping-pong with the other consumer, :func:`_rows`), then the release of the ones only the other
+    consumer needs."""
     HP: gl.constexpr = PAIR_HP
     D: gl.constexpr = PAIR_D
     W: gl.constexpr = PAIR_W
@@ -273,6 +324,8 @@ def _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, 
     tile = 2 * pair + C
     n_mine = gl.where(tile * P < nq, (gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
     n_first = (gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 always has rows (the kernel checks)
+    n_second = gl.where((2 * pair + 1) * P < nq, (gl.minimum((2 * pair + 1) * P + P, nq) - 1) // TILE_N + 1, 0)
+    rounds_other = _rounds(n_second) if C == 0 else _rounds(n_first)
     tail = gl.where(n_tiles * TILE_N > nq, n_tiles - 1, -1)  # the key tile that runs past the sequence, if any
     zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
     if n_mine > 0:
@@ -284,30 +337,41 @@ def _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, 
         fence_async_shared()
         gl.thread_barrier()
         _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              tail_bar, q_begin, nq, tile, hgroup, n_mine, tail, zeroer == C, qk_scale, stride_ot, stride_oh,
-              stride_lt, stride_lh, HP, D, PAIR_SPLIT, BWD_PREP, W, PAIR_DT)  # fmt: skip
+              tail_bar, turn_bar, q_begin, nq, tile, hgroup, n_mine, tail, zeroer == C, rounds_other, qk_scale,
+              stride_ot, stride_oh, stride_lt, stride_lh, HP, D, PAIR_SPLIT, BWD_PREP, W, PAIR_DT, C, PP)  # fmt: skip
     _release(k_ready, k_empty, v_ready, v_empty, n_mine, n_tiles)
 
 
 @gluon.jit
 def _pair_worker(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
-                 k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, bwd_prep):  # fmt: skip
-    """Consumer 1 (worker partition); ``bwd_prep`` is a runtime flag here, since workers get no constexprs."""
-    if bwd_prep:
-        _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
-                       k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt,
-                       stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, True)  # fmt: skip
+                 k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, bwd_prep, pingpong):  # fmt: skip
+    """Consumer 1 (worker partition); ``bwd_prep`` and ``pingpong`` are runtime flags here, since workers get no
+    constexprs: each combination calls the consumer with literal constants."""
+    if pingpong:
+        if bwd_prep:
+            _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
+                           k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles,
+                           qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, True, True)
+        else:
+            _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
+                           k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles,
+                           qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, False, True)
     else:
-        _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
-                       k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt,
-                       stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, False)  # fmt: skip
+        if bwd_prep:
+            _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
+                           k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles,
+                           qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, True, False)
+        else:
+            _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready,
+                           k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles,
+                           qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1, False, False)
 
 
 @gluon.jit
 def _pair_producer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
-                   k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, bwd_prep):  # fmt: skip
+                   k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, bwd_prep, pingpong):  # fmt: skip
     """The producer with the worker consumer's argument list (Triton 3.6's workers share one)."""
     _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, q_begin, kv_col)
 
@@ -315,7 +379,7 @@ def _pair_producer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, one
 @gluon.jit
 def _pair_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
                      stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
-                     BWD_PREP: gl.constexpr, SCAN: gl.constexpr):  # fmt: skip
+                     BWD_PREP: gl.constexpr, SCAN: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
     gl.static_assert(HP == PAIR_HP, "the pair kernel is built for PAIR_HP query heads per tile")
     BLOCK_M: gl.constexpr = 16 * PAIR_W
     BLOCK_N: gl.constexpr = TILE_N
@@ -329,18 +393,20 @@ def _pair_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, n
     if pair * 2 * P >= nq:
         return
     q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
-    ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar = _rings(k_desc, v_desc, 2, PAIR_W)
+    ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar, turn_bar = _rings(k_desc, v_desc, 2,
+                                                                                                PAIR_W)  # fmt: skip
     fence_async_shared()
     gl.thread_barrier()
     n_tiles = (gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // BLOCK_N + 1
     worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
-                   k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, BWD_PREP)  # fmt: skip
+                   k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, BWD_PREP, PINGPONG)  # fmt: skip
     gl.warp_specialize(
         [
             (_pair_consumer, (q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(0), ones_smem, k_smem, v_smem, k_ready,
-                              k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale,
-                              stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0, BWD_PREP)),
+                              k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, n_tiles,
+                              qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0, BWD_PREP,
+                              PINGPONG)),
             (_pair_worker, worker_args),
             (_pair_producer, worker_args),
         ],
@@ -352,7 +418,8 @@ def _pair_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, n
 def ws_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
                lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None, kind: str = "ws") -> None:  # fmt: skip
     """The packed causal forward (as :func:`rlexact.ops.gluon_attention.forward`) through a warp-specialized kernel
-    (``kind``: ``"ws"`` or ``"pair"``); ``lse_delta``: the backward's preprocessing (``out`` holds dO)."""
+    (``kind``: ``"ws"``, ``"pair"`` or ``"pingpong"``); ``lse_delta``: the backward's preprocessing (``out`` holds
+    dO)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     hp = hq // hkv
@@ -361,12 +428,13 @@ def ws_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [ga.BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [ga.BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)
-    if kind == "pair":
+    if kind in ("pair", "pingpong"):
         grid = (t // (2 * 16 * PAIR_W.value // hp) + num_seqs, hq // hp)
         _pair_fwd_kernel[grid](
             q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), HP=hp, GROUP=hq // hkv,
-            BWD_PREP=lse_delta is not None, SCAN=ga.SCAN, num_warps=PAIR_W.value, maxnreg=MAXNREG, **COMPILE_OPTIONS,
+            BWD_PREP=lse_delta is not None, SCAN=ga.SCAN, PINGPONG=kind == "pingpong", num_warps=PAIR_W.value,
+            maxnreg=MAXNREG, **COMPILE_OPTIONS,
         )  # fmt: skip
         return
     grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
@@ -381,7 +449,7 @@ def _inputs(lens: list[int]) -> tuple:
     return packed_attention_inputs(lens, HQ, HKV, D)
 
 
-KINDS = ("ws", "pair")
+KINDS = ("ws", "pair", "pingpong")
 """The kernels (``--kinds``)."""
 
 
@@ -446,7 +514,7 @@ def main() -> int:
         "dtype": "bfloat16",
         "split": SPLIT,
         "kinds": args.kinds,
-        "consumer_warps": {"ws": WARPS, "pair": 2 * PAIR_W.value},
+        "consumer_warps": {"ws": WARPS, "pair": 2 * PAIR_W.value, "pingpong": 2 * PAIR_W.value},
         "slots": SLOTS.value,
         "maxnreg": MAXNREG,
         "timing": "median of do_bench_cudagraph, microseconds",
