@@ -208,6 +208,7 @@ if gluon is not None:
 
 
 GROUP_M = 8
+"""Row tiles per group of the grouped tile order (speed only)."""
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -236,6 +237,9 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
         kind = "gated" if gated else "plain"
         raise ValueError(f"gluon_matmul: {cfg} ({kind}) needs {cfg.ring_bytes(gated)} bytes of shared memory, more "
                          f"than {SMEM_LIMIT}; use narrower tiles (BN <= 128 when gated)")  # fmt: skip
+    if cfg.joint and not gated:
+        raise ValueError(f"gluon_matmul: {cfg} has joint gate/up tiles, which only a gated product has; use "
+                         "joint=False for a plain product")  # fmt: skip
     m, k = x.shape
     n_rows = w.shape[0]
     n = out.shape[1]
@@ -245,9 +249,6 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    if cfg.joint and not gated:
-        raise ValueError(f"gluon_matmul: {cfg} has joint gate/up tiles, which only a gated product has; use "
-                         "joint=False for a plain product")  # fmt: skip
     mode = (2 if cfg.joint else 1) if gated else 0
     args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, mode)
     options = options_for(cfg)
