@@ -38,7 +38,7 @@ if [[ $what == tests || $what == all ]]; then
   g0="" g1="" g2=""
   for f in "${files[@]}"; do
     case $f in
-      tests/test_triton_kernels.py | tests/test_segment_sum.py | tests/test_repro_gpu.py) g0+=" $f" ;;
+      tests/test_triton_kernels.py | tests/test_segment_sum.py | tests/test_repro_gpu.py | tests/test_gluon_matmul.py) g0+=" $f" ;;
       tests/test_triton_attention.py | tests/test_moe.py) g1+=" $f" ;;
       *) g2+=" $f" ;;
     esac

@@ -8,7 +8,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
 
-ROWS = (1, 37, 128, 256, 1000)
+ROWS = (100, 256, 1000)
+"""Row counts of the bitwise checks: the library runs the kernel above 64 rows; one and several row tiles, with and
+without the row count's divisibility by 16 (each a compiled specialization)."""
 
 
 def _configs():  # noqa: ANN202 - the module imports Triton's Gluon, only on a GPU run
@@ -68,7 +70,7 @@ def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype
         if gated:
             full = torch.nn.functional.silu(full[:, :n]) * full[:, n:]
         torch.testing.assert_close(ref.float(), full, atol=3e-2, rtol=3e-2)
-        for cfg in _configs():
+        for cfg in _configs() if dtype == torch.bfloat16 else _configs()[1::4]:  # fp16: two tile shapes
             if cfg.ring_bytes(gated) > gluon_matmul.SMEM_LIMIT or (cfg.joint and not gated):
                 with pytest.raises(ValueError, match="shared memory" if gated else "joint"):
                     gluon_matmul.forward(x, w, torch.empty_like(ref), cfg, gated)
