@@ -39,6 +39,11 @@ try:  # triton >= 3.5 with Gluon's Hopper language
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    """The barrier of every thread of a program (Gluon's ``thread_barrier`` up to Triton 3.6, ``barrier`` since)."""
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    """A TMA copy of one box into shared memory, signalling an mbarrier (``async_copy_global_to_shared`` up to Triton
+    3.6, ``async_load`` since; the same positional arguments)."""
 except ImportError:  # pragma: no cover - old triton
     gluon = None
 
@@ -52,7 +57,7 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["forward", "kv_layout", "launch", "sm90", "supported", "wgmma_layout"]
+__all__ = ["cta_barrier", "forward", "kv_layout", "launch", "sm90", "supported", "tma_load", "wgmma_layout"]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -138,7 +143,7 @@ if gluon is not None:
         v = v_buf.load(blk)
         v_buf.store(gl.where((row0 + vrows < n)[:, None], v, 0.0))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
 
     @gluon.jit
     def fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout: gl.constexpr):
@@ -180,7 +185,7 @@ if gluon is not None:
         """Start the TMA copy of key tile ``x``'s rows of ``desc`` into ring slot ``x % SLOTS``."""
         slot = x % SLOTS
         mbarrier.expect(bars.index(slot), nbytes)
-        tma.async_copy_global_to_shared(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
+        tma_load(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
 
     @gluon.jit
     def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
@@ -221,7 +226,7 @@ if gluon is not None:
                                                                                                       dt))
         ones_smem.store(gl.full([BLOCK_N, 16], 1.0, dt, layout=ones_layout))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
 
         k_smem = gl.allocate_shared_memory(dt, [KS, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dt, [VS, BLOCK_N, D], v_desc.layout)

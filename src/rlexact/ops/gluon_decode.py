@@ -36,7 +36,6 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -45,10 +44,12 @@ if gluon is not None:
     from .gluon_attention import (
         BLOCK_N,
         HEAD_DIM,
+        cta_barrier,
         kv_layout,
         launch,
         store_rows,
         tile_softmax,
+        tma_load,
         wgmma_layout,
         zero_tail_rows,
     )
@@ -84,10 +85,10 @@ if gluon is not None:
         expects the whole tile."""
         nbytes: gl.constexpr = TILE_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(desc, [rows0, col], bar, dst.slice(0, PAGE_N))
-        tma.async_copy_global_to_shared(desc, [rows1, col], bar, dst.slice(PAGE_N, PAGE_N))
-        tma.async_copy_global_to_shared(desc, [rows2, col], bar, dst.slice(2 * PAGE_N, PAGE_N))
-        tma.async_copy_global_to_shared(desc, [rows3, col], bar, dst.slice(3 * PAGE_N, PAGE_N))
+        tma_load(desc, [rows0, col], bar, dst.slice(0, PAGE_N))
+        tma_load(desc, [rows1, col], bar, dst.slice(PAGE_N, PAGE_N))
+        tma_load(desc, [rows2, col], bar, dst.slice(2 * PAGE_N, PAGE_N))
+        tma_load(desc, [rows3, col], bar, dst.slice(3 * PAGE_N, PAGE_N))
 
     @gluon.jit
     def _page_row(blocks, idx, page, n_rows):
@@ -234,7 +235,7 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=1)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit

@@ -34,13 +34,12 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .gluon_attention import wgmma_layout
+    from .gluon_attention import cta_barrier, tma_load, wgmma_layout
 
 __all__ = ["BK", "GluonMatmulConfig", "forward", "supported"]
 
@@ -113,15 +112,15 @@ if gluon is not None:
                 bar = ready.index(slot)
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
                 mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * bm, ki * bk], bar, a_smem.index(slot))
+                tma_load(x_desc, [pid_m * bm, ki * bk], bar, a_smem.index(slot))
                 if joint:
-                    tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot).slice(0, bn))
-                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], bar,
+                    tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot).slice(0, bn))
+                    tma_load(w_desc, [N + pid_n * bn, ki * bk], bar,
                                                     b_smem.index(slot).slice(bn, bn))  # fmt: skip
                 else:
-                    tma.async_copy_global_to_shared(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
+                    tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
                 if two_chains:
-                    tma.async_copy_global_to_shared(w_desc, [N + pid_n * bn, ki * bk], bar, u_smem.index(slot))
+                    tma_load(w_desc, [N + pid_n * bn, ki * bk], bar, u_smem.index(slot))
                 c += 1
 
     @gluon.jit
@@ -191,7 +190,7 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         gl.warp_specialize(
             [
                 (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
