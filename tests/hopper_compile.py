@@ -19,3 +19,20 @@ def compile_for_hopper(fn, args: dict, const: dict, pin: bool = True, **options:
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {**COMPILE_OPTIONS, **options} if pin else options
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def compile_gluon_for_hopper(fn, args: dict, const: dict, **options: object):  # noqa: ANN001, ANN201
+    """:func:`compile_for_hopper` for a Gluon kernel: ``args`` maps runtime argument names to Triton types (a Gluon
+    tensor descriptor's type string for a descriptor argument), pointers and strides taken as 16-divisible."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rlexact.ops.triton_shared import COMPILE_OPTIONS
+
+    names = fn.arg_names
+    sig = {n: args.get(n, "constexpr") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in args and (args[n].startswith("*") or n.startswith("stride"))}  # fmt: skip
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={n: const[n] for n in names if n in const}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**COMPILE_OPTIONS, **options})

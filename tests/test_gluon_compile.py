@@ -1,0 +1,76 @@
+"""The library's Gluon kernels compile for Hopper (sm_90) with the installed Triton, on a CPU-only host.
+
+Gluon is experimental and its names move between Triton releases (a CTA barrier and the TMA box copy were renamed
+after 3.6); a kernel that no longer compiles would fail at its first launch on a Hopper GPU. This catches that on
+any machine with Triton's CUDA backend. The bits are checked on the GPU (``test_gluon_matmul.py``,
+``test_triton_attention.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton") is not None and (
+    importlib.util.find_spec("triton.backends.nvidia") is not None
+)
+
+
+def _gluon():  # noqa: ANN202
+    from rlexact.ops import gluon_attention
+
+    if gluon_attention.gluon is None:
+        pytest.skip("this Triton has no Gluon Hopper language")
+    return gluon_attention
+
+
+def _desc(rows: int, cols: int, block: list[int], layout: object) -> str:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(rows, cols, dtype=torch.bfloat16)
+    return mangle_type(TensorDescriptor(t, [rows, cols], [cols, 1], block, layout))
+
+
+def _wgmmas(kernel: object) -> int:
+    return kernel.asm["ptx"].count("wgmma.mma_async")
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["plain", "gated", "joint"])
+def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
+    _gluon()
+    from hopper_compile import compile_gluon_for_hopper
+    from rlexact.ops import gluon_matmul as gm
+
+    cfg = gm.GluonMatmulConfig(128, 128, joint=mode == 2)
+    args = dict(x_desc=_desc(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
+                w_desc=_desc(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
+                N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
+    k = compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=mode), **gm.options_for(cfg))
+    assert k.metadata.shared >= cfg.ring_bytes(gated=mode > 0)
+    assert _wgmmas(k) == (2 if mode == 1 else 1) * 4  # four k16 steps per 64-column slice, per chain
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+def test_gluon_attention_kernels_compile_for_sm90() -> None:
+    ga = _gluon()
+    from hopper_compile import compile_gluon_for_hopper
+    from rlexact.ops import gluon_decode as gd
+
+    kv = _desc(4096, 1024, [ga.BLOCK_N, ga.HEAD_DIM], ga.kv_layout(False))
+    ptrs = dict(q_ptr="*bf16", o_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", k_desc=kv, v_desc=kv,
+                cu_ptr="*i32", num_seqs="i32", qk_scale="fp32")  # fmt: skip
+    strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
+    for prep in (False, True):
+        const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS)
+        k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
+        assert _wgmmas(k) > 0
+    pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
+    ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
+            "width", "n_rows")  # fmt: skip
+    dec = dict(q_ptr="*bf16", o_ptr="*bf16", k_desc=pages, v_desc=pages, bt_ptr="*i32", seqlens_ptr="*i32",
+               qk_scale="fp32") | dict.fromkeys(ints, "i32")  # fmt: skip
+    k = compile_gluon_for_hopper(gd._attn_decode_kernel, dec, dict(HP=2, D=128), **gd.LAUNCH_OPTIONS)
+    assert _wgmmas(k) > 0 and k.metadata.shared > 0
