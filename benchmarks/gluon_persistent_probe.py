@@ -29,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -37,7 +36,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 
 from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_causal_us
 from rlexact.ops import triton_attention as ta
-from rlexact.ops.gluon_attention import fold, locate, store_rows, tile_softmax, wgmma_layout, zero_tail_rows
+from rlexact.ops.gluon_attention import (
+    cta_barrier,
+    fold,
+    locate,
+    store_rows,
+    tile_softmax,
+    tma_load,
+    wgmma_layout,
+    zero_tail_rows,
+)
 from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
 
 HQ, HKV, D = 16, 8, 128
@@ -96,7 +104,7 @@ def _issue(desc, smem, bars, x, go, base, n_a, a_begin, a_col, b_ok, n_b, b_begi
         row = in_a * (a_begin + t * BLOCK_N) + (1 - in_a) * (b_begin + (t - n_a) * BLOCK_N)
         col = in_a * a_col + (1 - in_a) * b_col
         mbarrier.expect(bars.index(x % 2), NBYTES)
-        tma.async_copy_global_to_shared(desc, [row, col], bars.index(x % 2), smem.index(x % 2))
+        tma_load(desc, [row, col], bars.index(x % 2), smem.index(x % 2))
     return ok.to(gl.int32)
 
 @gluon.jit
@@ -154,7 +162,7 @@ def _persistent_fwd(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, ti
         qb = n_items % 2
         async_copy.wait_group(0)  # this item's query tile; after the barrier no warp reads the other buffer
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         after = nprog + gl.atomic_add(ticket_ptr, 1, sem="relaxed")
         n_valid, n_begin, n_nq, n_tile, n_hgroup = _item(cu_ptr, num_seqs, nxt, n_work, n_slots, NHG, P, SCAN, W)
         _load_q(q_ptr, q_smem.index(1 - qb), n_valid, n_begin, n_nq, n_tile, n_hgroup, stride_qt, stride_qh, HP,

@@ -48,6 +48,7 @@ from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_caus
 from rlexact.ops import gluon_attention as ga
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.gluon_attention import (
+    cta_barrier,
     fold,
     load_rows,
     locate,
@@ -282,7 +283,7 @@ def _ws_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num
     q_smem.store(q)
     ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar, _ = _rings(k_desc, v_desc, 1, W)
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
     n_tiles = (gl.minimum(tile * P + P, nq) - 1) // BLOCK_N + 1
     gl.warp_specialize(
         [
@@ -335,7 +336,7 @@ def _pair_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, 
         q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
         q_smem.store(gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
               tail_bar, turn_bar, q_begin, nq, tile, hgroup, n_mine, tail, zeroer == C, rounds_other, qk_scale,
               stride_ot, stride_oh, stride_lt, stride_lh, HP, D, PAIR_SPLIT, BWD_PREP, W, PAIR_DT, C, PP)  # fmt: skip
@@ -396,7 +397,7 @@ def _pair_fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, n
     ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bar, turn_bar = _rings(k_desc, v_desc, 2,
                                                                                                 PAIR_W)  # fmt: skip
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
     n_tiles = (gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // BLOCK_N + 1
     worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
                    k_empty, v_ready, v_empty, tail_bar, turn_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
