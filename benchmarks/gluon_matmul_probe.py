@@ -30,17 +30,17 @@ up rows)."""
 CONFIGS = (
     GluonMatmulConfig(128, 256),
     GluonMatmulConfig(128, 128),
-    GluonMatmulConfig(64, 128, per_sm=2, maxnreg=128),
-    GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128),
+    GluonMatmulConfig(64, 128, per_sm=2),
+    GluonMatmulConfig(64, 64, per_sm=2),
 )
 GATED_CONFIGS = (
     GluonMatmulConfig(128, 128),
     GluonMatmulConfig(128, 64),
     GluonMatmulConfig(64, 128),
-    GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128),
+    GluonMatmulConfig(64, 64, per_sm=2),
     GluonMatmulConfig(128, 128, joint=True),
     GluonMatmulConfig(128, 64, joint=True),
-    GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128, joint=True),
+    GluonMatmulConfig(64, 64, per_sm=2, joint=True),
 )
 CHECK_ROWS = (37, 256, 1000)
 

@@ -20,10 +20,10 @@ def _configs():  # noqa: ANN202 - the module imports Triton's Gluon, only on a G
         GluonMatmulConfig(128, 256),
         GluonMatmulConfig(128, 128),
         GluonMatmulConfig(128, 64),
-        GluonMatmulConfig(64, 128, per_sm=2, maxnreg=128),
-        GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128),
+        GluonMatmulConfig(64, 128, per_sm=2),
+        GluonMatmulConfig(64, 64, per_sm=2),
         GluonMatmulConfig(128, 128, joint=True),
-        GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128, joint=True),
+        GluonMatmulConfig(64, 64, per_sm=2, joint=True),
     )
 
 
@@ -57,7 +57,7 @@ def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype
     n, k = nk
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k**0.5).to(dtype)
-    if not gluon_matmul.supported(torch.empty(1, k, device="cuda", dtype=dtype), w):
+    if not gluon_matmul.supported(w.device):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     if gated and tmm.gated_config_for(256, n, k, dtype, w.device) is None:
         pytest.skip("the library runs no gated kernel for this shape")
@@ -98,7 +98,7 @@ def test_gpu_gated_matmul_dispatches_gluon(monkeypatch: pytest.MonkeyPatch) -> N
     n, k = 6144, 2048
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
-    if not gluon_matmul.supported(torch.empty(1, k, device="cuda", dtype=w.dtype), w):
+    if not gluon_matmul.supported(w.device):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     calls: list = []
     real = gluon_matmul.forward

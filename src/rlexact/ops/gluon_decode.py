@@ -55,7 +55,7 @@ if gluon is not None:
     )
     from .gluon_attention import supported as packed_supported
 
-__all__ = ["LAUNCH_OPTIONS", "PAGE", "PROGRAMS_PER_SM", "forward", "launch_plan", "supported"]
+__all__ = ["LAUNCH_OPTIONS", "PAGE", "PROGRAMS_PER_SM", "forward", "supported"]
 
 PAGE = 16
 """The cache page size (tokens per block) this kernel reads: one TMA box per page."""
@@ -66,7 +66,7 @@ WARPS = 4
 MAXNREG = 128
 """Registers per thread at launch (the producer's warp group gives most of its share to the consumer's)."""
 LAUNCH_OPTIONS: Mapping[str, int] = MappingProxyType({"num_warps": WARPS, "maxnreg": MAXNREG})
-"""The compile options of every launch of the kernel (and of a probe's kernel with its signature)."""
+"""The compile options of every launch of the kernel."""
 
 if gluon is not None:
     W = gl.constexpr(WARPS)
@@ -96,7 +96,7 @@ if gluon is not None:
         return gl.where(page >= 0, gl.sum(gl.where(idx == page, blocks, 0), axis=0) * PAGE_N, n_rows)
 
     @gluon.jit
-    def producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
+    def _producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
                  n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
         """Copy every item's key tiles (K, then V) into the rings, each slot once the consumer released it."""
         lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
@@ -124,7 +124,7 @@ if gluon is not None:
                 x += 1
 
     @gluon.jit
-    def query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr,
+    def _query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr,
                    D: gl.constexpr, blk: gl.constexpr):  # fmt: skip
         """Item ``it``'s query rows (``HP`` heads of one sequence, zero rows after them) and its key count; an index
         past the last item reads the last item again (a prefetch nobody uses)."""
@@ -143,9 +143,8 @@ if gluon is not None:
         """Every item of this program, one at a time: its key tiles from the rings (tile ``j + 1``'s scores and softmax
         while tile ``j``'s P @ V runs; an empty item's one padding tile is wholly masked), then its rows' output."""
         BLOCK_M: gl.constexpr = 16 * W
-        BLOCK_N: gl.constexpr = TILE_N
         dt: gl.constexpr = q_ptr.dtype.element_ty
-        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
+        s_layout: gl.constexpr = wgmma_layout(W, TILE_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
         r_layout: gl.constexpr = wgmma_layout(W, 16)
         q_op: gl.constexpr = gl.DotOperandLayout(0, s_layout, 2)
@@ -154,20 +153,20 @@ if gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        offs_n = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
-        q_next, len_next = query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh,
-                                         HP, D, blk)  # fmt: skip
+        q_next, len_next = _query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh,
+                                       HP, D, blk)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
-            q_next, len_next = query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP,
-                                             D, blk)  # fmt: skip
-            n_tiles = gl.maximum((seqlen + BLOCK_N - 1) // BLOCK_N, 1)
-            n_full = seqlen // BLOCK_N  # tiles below it are wholly inside the sequence
+            q_next, len_next = _query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP,
+                                           D, blk)  # fmt: skip
+            n_tiles = gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)
+            n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
@@ -193,7 +192,7 @@ if gluon is not None:
                 s, acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
                 mbarrier.arrive(k_empty.index(nxt), count=1)
                 if j + 1 >= n_full:
-                    s = gl.where(((j + 1) * BLOCK_N + offs_n < seqlen)[None, :], s, float("-inf"))
+                    s = gl.where(((j + 1) * TILE_N + offs_n < seqlen)[None, :], s, float("-inf"))
                 m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
                 rsum, acc, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc, p_op))
@@ -206,7 +205,7 @@ if gluon is not None:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # the last tile's P @ V
             mbarrier.wait(v_ready.index(slot), phase)
             if n_full < n_tiles:  # V rows past the sequence (stale cache rows or zero fill): zeros
-                zero_tail_rows(v_smem.index(slot), (n_tiles - 1) * BLOCK_N, seqlen, BLOCK_N, blk)
+                zero_tail_rows(v_smem.index(slot), (n_tiles - 1) * TILE_N, seqlen, TILE_N, blk)
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
             mbarrier.arrive(v_empty.index(slot), count=1)
             x += 1
@@ -214,7 +213,7 @@ if gluon is not None:
                        0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
-    def rings(k_desc, v_desc):
+    def _rings(k_desc, v_desc):
         """The ones tile of the row-sum dot and the K and V rings with their ready / empty barriers, initialized and
         visible to every partition."""
         dt: gl.constexpr = k_desc.dtype
@@ -242,12 +241,12 @@ if gluon is not None:
     def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows, HP: gl.constexpr,
                             D: gl.constexpr):  # fmt: skip
-        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc)
+        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc)
         gl.warp_specialize(
             [
                 (_consumer, (q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                              n_items, n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP, D)),
-                (producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                              n_items, n_groups, hp, group, stride_bt, width, n_rows)),
             ],
             [1],
@@ -269,12 +268,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     return gluon is not None and packed_supported(q, rows, v_cache.view(rows.shape), block_n)
 
 
-def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int,
-                per_sm: int = PROGRAMS_PER_SM) -> tuple:  # fmt: skip
-    """``(grid, args, tensors, ints)`` of :func:`rlexact.ops.gluon_attention.launch` for one decode step (the
-    arguments of :func:`forward`) on a grid of ``per_sm`` programs per SM: the decode kernel's, and those of any
-    kernel with its signature."""
+def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
+    """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
+    with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
+    (int32), into ``out``; ``hp`` query heads per item, :data:`PROGRAMS_PER_SM` programs per SM. Call only where
+    :func:`supported` holds."""
     b, hq, d = q.shape
     nb, page, hkv, _ = k_cache.shape
     layout = kv_layout(q.dtype == torch.float16)
@@ -282,7 +281,7 @@ def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
     n_groups, group = hq // hp, hq // hkv
     n_items = b * n_groups
-    grid = (min(n_items, per_sm * num_sms(q.device)), 1)
+    grid = (min(n_items, PROGRAMS_PER_SM * num_sms(q.device)), 1)
     sq, so, sb = q.stride(), out.stride(), block_tables.stride(0)
     width = block_tables.shape[1]
     scalars = (n_items, n_groups, hp, group)
@@ -290,13 +289,4 @@ def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     args = (q, out, k_desc, v_desc, block_tables, seqlens_k, *scalars, scale * math.log2(math.e), *strides, hp,
             HEAD_DIM)  # fmt: skip
     tensors = (q, out, block_tables, seqlens_k, k_cache, v_cache)
-    return grid, args, tensors, (*scalars, *strides, hkv * d)
-
-
-def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
-    """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
-    with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
-    (int32), into ``out``; ``hp`` query heads per item. Call only where :func:`supported` holds."""
-    plan = launch_plan(q, k_cache, v_cache, block_tables, seqlens_k, scale, out, hp, PROGRAMS_PER_SM)
-    launch(_attn_decode_kernel, *plan, LAUNCH_OPTIONS)
+    launch(_attn_decode_kernel, grid, args, tensors, (*scalars, *strides, hkv * d), LAUNCH_OPTIONS)

@@ -27,7 +27,7 @@ from types import MappingProxyType
 import torch
 
 from .gluon_attention import gluon, launch, sm90
-from .triton_shared import num_sms
+from .triton_shared import device_key, num_sms
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -54,12 +54,11 @@ SMEM_LIMIT = 227 * 1024
 @dataclass(frozen=True)
 class GluonMatmulConfig:
     """One launch shape: ``BM x BN`` output tiles (``BN`` columns of the gate and of the up product when gated),
-    ``BM / 16`` consumer warps, ``per_sm`` persistent programs per SM, ``maxnreg`` registers per thread."""
+    ``BM / 16`` consumer warps, ``per_sm`` persistent programs per SM."""
 
     BM: int
     BN: int
     per_sm: int = 1
-    maxnreg: int = 168
     joint: bool = False
     """Gated launches only: the gate and up tiles of a K slice share one ``[2 * BN, BK]`` ring slot and one wgmma of
     width ``2 * BN`` (instead of two slots and two wgmmas of width ``BN``); each column's chain is the same."""
@@ -71,6 +70,13 @@ class GluonMatmulConfig:
         if self.joint and self.BN > 128:
             raise ValueError(f"GluonMatmulConfig: joint gated tiles run one wgmma of width 2 * BN, at most 256; "
                              f"BN={self.BN} is too wide (use BN <= 128)")  # fmt: skip
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers per thread at launch: with two programs per SM each gets half the SM's registers over its 4
+        consumer warps and its producer warp padded to a warp group; with one, the share of a 128-row tile's three
+        warp groups (64-row tiles take the same)."""
+        return 168 if self.per_sm == 1 else 128
 
     def ring_bytes(self, gated: bool) -> int:
         """Shared memory of the operand ring (16-bit operands): ``x``, gate / ``w`` and up tiles per slot."""
@@ -210,21 +216,12 @@ GROUP_M = 8
 """Row tiles per group of the grouped tile order (speed only)."""
 
 
-def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`forward` can run ``x [M, K] @ w [N', K].T``: Gluon's Hopper language on an sm_90 device, 16-bit
-    contiguous operands of one dtype, and rows whose byte length TMA can stride (K a multiple of 8)."""
-    return (
-        gluon is not None
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and w.dtype == x.dtype
-        and x.dim() == 2
-        and w.dim() == 2
-        and x.is_contiguous()
-        and w.is_contiguous()
-        and x.shape[1] % 8 == 0
-        and sm90(x.get_device())
-    )
+def supported(device: torch.device) -> bool:
+    """Whether :func:`forward` runs on ``device``: Gluon's Hopper language and an sm_90 GPU. The operands' own
+    conditions (16-bit, one dtype, rows TMA can stride) are those of the library's TMA matmul tiles
+    (:func:`rlexact.ops.triton_shared.tma_ok`), which every caller checks first."""
+    key = device_key(device)
+    return gluon is not None and key[0] == "cuda" and sm90(key[1])
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> None:

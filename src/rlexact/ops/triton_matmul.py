@@ -564,7 +564,8 @@ class _Launch:
 
 
 _LAUNCHES: dict = {}
-"""``(M, N, K, dtype, device index) -> _Launch``."""
+"""``(M, N, K, dtype, device index) -> _Launch``; gated products (``..., "gated"``) map to a :class:`_Launch` or to
+the :class:`rlexact.ops.gluon_matmul.GluonMatmulConfig` they run in."""
 
 MAX_LAUNCHES = 4096
 """Most launch plans kept (packed training batches produce many distinct M; the cache is cleared when full)."""
@@ -782,7 +783,7 @@ from HBM) at M = 1 / 16, 64, 128 and 256 / 2,048 / 8,192."""
 
 GLUON_GATED_VARIANTS: tuple = (
     (64, None),
-    (128, gluon_matmul.GluonMatmulConfig(64, 64, per_sm=2, maxnreg=128)),
+    (128, gluon_matmul.GluonMatmulConfig(64, 64, per_sm=2)),
     (None, gluon_matmul.GluonMatmulConfig(128, 128)),
 )
 """``((max_M or None, config or None), ...)``: the row counts at which :func:`gated_matmul` runs the
@@ -794,9 +795,9 @@ its tiles; ``None`` keeps :data:`GATED_VARIANTS`. The fastest bitwise-equal cand
 def gluon_gated_config(M: int, N: int, K: int, dtype: torch.dtype,
                        device: torch.device) -> gluon_matmul.GluonMatmulConfig | None:  # fmt: skip
     """The Gluon tiles :func:`gated_matmul` runs for ``M`` rows of an ``[M, K] @ [2N, K].T`` gated product, or
-    ``None`` where it runs the ``tl`` tiles (no gated kernel for the shape, another GPU, or :data:`GLUON_GATED_VARIANTS`
-    keeps them at ``M``)."""
-    if device.type != "cuda" or gated_config_for(M, N, K, dtype, device) is None:
+    ``None`` where it runs the ``tl`` tiles (no gated kernel for the shape, a GPU other than sm_90, or
+    :data:`GLUON_GATED_VARIANTS` keeps them at ``M``)."""
+    if not gluon_matmul.supported(device) or gated_config_for(M, N, K, dtype, device) is None:
         return None
     return next(cfg for max_m, cfg in GLUON_GATED_VARIANTS if max_m is None or M <= max_m)
 
@@ -830,13 +831,6 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x, w = x.contiguous(), w.contiguous()
     (N2, K), shape = w.shape, x.shape
     N, M = N2 // 2, math.prod(shape[:-1])
-    gcfg = gluon_gated_config(M, N, K, x.dtype, x.device) if M and N and K else None
-    if gcfg is not None:
-        x2 = x.view(M, K)
-        if gluon_matmul.supported(x2, w):
-            out = torch.empty((*shape[:-1], N), dtype=x.dtype, device=x.device)
-            gluon_matmul.forward(x2, w, out.view(M, N), gcfg, gated=True)
-            return out
     key = (M, N, K, x.dtype, x.get_device(), "gated")
     plan = _LAUNCHES.get(key)
     if plan is None:
@@ -848,9 +842,13 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return matmul_with_config(x.reshape(M, K), w, cfg, gated=True).reshape(*shape[:-1], N)
         if len(_LAUNCHES) >= MAX_LAUNCHES:
             _LAUNCHES.clear()
-        plan = _LAUNCHES[key] = _plan(M, N, K, x.dtype, x.device, cfg, gated=True)
+        gluon_cfg = gluon_gated_config(M, N, K, x.dtype, x.device)
+        plan = _LAUNCHES[key] = gluon_cfg or _plan(M, N, K, x.dtype, x.device, cfg, gated=True)
     out = torch.empty((*shape[:-1], N), dtype=x.dtype, device=x.device)
-    _launch(plan, x, w, out)
+    if isinstance(plan, gluon_matmul.GluonMatmulConfig):
+        gluon_matmul.forward(x.view(M, K), w, out.view(M, N), plan, gated=True)
+    else:
+        _launch(plan, x, w, out)
     return out
 
 
