@@ -113,3 +113,22 @@ def test_gpu_gated_matmul_dispatches_gluon(monkeypatch: pytest.MonkeyPatch) -> N
         want = tmm.gluon_gated_config(m, n, k, x.dtype, x.device)
         assert (want is None) == (m <= 64)
         assert calls[before:] == ([want] if want is not None else []), m
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_gated_matmul_misaligned_rows() -> None:
+    """Rows that start off a 16-byte boundary (a contiguous view into a larger buffer) go through the Gluon kernel
+    like aligned ones: the same bits as their aligned copy (a TMA descriptor cannot start there, so it copies)."""
+    from rlexact.ops import gluon_matmul
+    from rlexact.ops import triton_matmul as tmm
+
+    n, k, m = 6144, 2048, 256
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    if not gluon_matmul.supported(w.device):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    buf = torch.randn(m * k + 1, device="cuda", generator=g).to(torch.bfloat16)
+    x = buf[1:].view(m, k)
+    assert x.data_ptr() % 16 and tmm.gluon_gated_config(m, n, k, x.dtype, x.device) is not None
+    assert torch.equal(tmm.gated_matmul(x, w), tmm.gated_matmul(x.clone(), w))

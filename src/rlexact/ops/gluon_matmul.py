@@ -27,7 +27,7 @@ from types import MappingProxyType
 import torch
 
 from .gluon_attention import gluon, launch, sm90
-from .triton_shared import device_key, num_sms
+from .triton_shared import aligned, device_key, num_sms
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -228,7 +228,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     """``out [M, N] = x [M, K] @ w [N, K].T``, or with ``gated`` (``w [2N, K]``, gate rows then up rows)
     ``silu(x @ w[:N].T) * (x @ w[N:].T)``, in ``cfg``'s tiles: one chain over all of K, so the library's rows for
     shapes without fixed K splits (:func:`rlexact.ops.triton_matmul.chain_splits` is 0). Call only where
-    :func:`supported` holds."""
+    :func:`supported` holds. TMA descriptors need 16-byte-aligned bases, so a misaligned operand is copied first, as
+    the ``tl`` descriptor tiles do."""
     if cfg.ring_bytes(gated) > SMEM_LIMIT:
         kind = "gated" if gated else "plain"
         raise ValueError(f"gluon_matmul: {cfg} ({kind}) needs {cfg.ring_bytes(gated)} bytes of shared memory, more "
@@ -236,6 +237,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     if cfg.joint and not gated:
         raise ValueError(f"gluon_matmul: {cfg} has joint gate/up tiles, which only a gated product has; use "
                          "joint=False for a plain product")  # fmt: skip
+    x, w = aligned(x), aligned(w)
     m, k = x.shape
     n_rows = w.shape[0]
     n = out.shape[1]
