@@ -59,17 +59,11 @@ class GluonMatmulConfig:
     BM: int
     BN: int
     per_sm: int = 1
-    joint: bool = False
-    """Gated launches only: the gate and up tiles of a K slice share one ``[2 * BN, BK]`` ring slot and one wgmma of
-    width ``2 * BN`` (instead of two slots and two wgmmas of width ``BN``); each column's chain is the same."""
 
     def __post_init__(self) -> None:
         if self.BM not in (64, 128) or self.BN not in (64, 128, 256) or self.per_sm not in (1, 2):
             raise ValueError(f"GluonMatmulConfig: BM={self.BM} (64 or 128), BN={self.BN} (64, 128 or 256) and "
                              f"per_sm={self.per_sm} (1 or 2) are the supported tiles")  # fmt: skip
-        if self.joint and self.BN > 128:
-            raise ValueError(f"GluonMatmulConfig: joint gated tiles run one wgmma of width 2 * BN, at most 256; "
-                             f"BN={self.BN} is too wide (use BN <= 128)")  # fmt: skip
 
     @property
     def maxnreg(self) -> int:
@@ -99,14 +93,13 @@ if gluon is not None:
     def _producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
         """Copy every tile's K slices of ``x`` and of ``w``'s rows into the ring, each slot once the consumer has
         released it. The ring's shapes say which rows (worker partitions take no constexpr arguments): gate rows
-        ``n`` into ``b_smem`` and up rows ``N + n`` into ``u_smem`` when ``u_smem`` holds a whole tile, into the
-        second half of ``b_smem`` when ``b_smem`` holds two; else rows ``n`` alone."""
+        ``n`` into ``b_smem`` and up rows ``N + n`` into ``u_smem`` when ``u_smem`` holds a whole tile, else rows
+        ``n`` alone."""
         bm: gl.constexpr = x_desc.block_type.shape[0]
         bk: gl.constexpr = x_desc.block_type.shape[1]
         bn: gl.constexpr = w_desc.block_type.shape[0]
         two_chains: gl.constexpr = u_smem.type.shape[1] == bn
-        joint: gl.constexpr = b_smem.type.shape[1] == 2 * bn
-        w_tiles: gl.constexpr = 2 if two_chains or joint else 1
+        w_tiles: gl.constexpr = 2 if two_chains else 1
         nbytes: gl.constexpr = (bm + w_tiles * bn) * bk * x_desc.dtype.primitive_bitwidth // 8
         num_pid_m = gl.cdiv(M, bm)
         num_pid_n = gl.cdiv(N, bn)
@@ -119,12 +112,7 @@ if gluon is not None:
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
                 mbarrier.expect(bar, nbytes)
                 tma_load(x_desc, [pid_m * bm, ki * bk], bar, a_smem.index(slot))
-                if joint:
-                    tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot).slice(0, bn))
-                    tma_load(w_desc, [N + pid_n * bn, ki * bk], bar,
-                                                    b_smem.index(slot).slice(bn, bn))  # fmt: skip
-                else:
-                    tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
+                tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
                 if two_chains:
                     tma_load(w_desc, [N + pid_n * bn, ki * bk], bar, u_smem.index(slot))
                 c += 1
@@ -133,13 +121,10 @@ if gluon is not None:
     def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
                   BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
         """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows.
-        ``GATED``: 0 plain; 1 the gate chain in ``b_smem`` and the up chain in ``u_smem``; 2 one chain of width
-        ``2 * BN`` over both (gate columns, then up columns), split before the epilogue."""
+        ``GATED``: 0 plain; 1 the gate chain in ``b_smem`` and the up chain in ``u_smem``."""
         CW: gl.constexpr = BM // 16
         bk: gl.constexpr = a_smem.type.shape[2]
-        AW: gl.constexpr = 2 * BN if GATED == 2 else BN
-        acc_layout: gl.constexpr = wgmma_layout(CW, AW)
-        up_layout: gl.constexpr = wgmma_layout(CW, BN)
+        acc_layout: gl.constexpr = wgmma_layout(CW, BN)
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CW, 1], [1, 0])
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
@@ -147,13 +132,13 @@ if gluon is not None:
         c = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
-            acc = gl.zeros([BM, AW], gl.float32, layout=acc_layout)
-            acc_up = gl.zeros([BM, BN], gl.float32, layout=up_layout)
+            acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+            acc_up = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
             for ki in range(0, k_tiles):  # ascending K, one accumulator per chain
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
                 acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-                if GATED == 1:
+                if GATED:
                     acc_up = warpgroup_mma(a_smem.index(slot), u_smem.index(slot).permute((1, 0)), acc_up,
                                            is_async=True)  # fmt: skip
                     acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))  # the previous slot's pair is done
@@ -162,13 +147,11 @@ if gluon is not None:
                 if ki > 0:
                     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
                 c += 1
-            if GATED == 1:
+            if GATED:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            if GATED == 2:
-                acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
             dt: gl.constexpr = out_ptr.dtype.element_ty
             if GATED:  # both chains rounded as stored products, then the exact SiLU gate in fp32
                 gate = acc.to(dt).to(gl.float32)
@@ -182,13 +165,12 @@ if gluon is not None:
     @gluon.jit
     def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
                    GATED: gl.constexpr):  # fmt: skip
-        """``GATED``: 0 plain, 1 gated with two chains, 2 gated with one joint chain (:func:`_consumer`)."""
+        """``GATED``: 0 plain, 1 gated (:func:`_consumer`)."""
         dt: gl.constexpr = x_desc.dtype
         bk: gl.constexpr = x_desc.block_type.shape[1]
-        w_rows: gl.constexpr = 2 * BN if GATED == 2 else BN
-        up_rows: gl.constexpr = BN if GATED == 1 else 8  # else an unused slot
+        up_rows: gl.constexpr = BN if GATED else 8  # else an unused slot
         a_smem = gl.allocate_shared_memory(dt, [STAGES, BM, bk], x_desc.layout)
-        b_smem = gl.allocate_shared_memory(dt, [STAGES, w_rows, bk], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(dt, [STAGES, BN, bk], w_desc.layout)
         u_smem = gl.allocate_shared_memory(dt, [STAGES, up_rows, bk], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -234,9 +216,6 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
         kind = "gated" if gated else "plain"
         raise ValueError(f"gluon_matmul: {cfg} ({kind}) needs {cfg.ring_bytes(gated)} bytes of shared memory, more "
                          f"than {SMEM_LIMIT}; use narrower tiles (BN <= 128 when gated)")  # fmt: skip
-    if cfg.joint and not gated:
-        raise ValueError(f"gluon_matmul: {cfg} has joint gate/up tiles, which only a gated product has; use "
-                         "joint=False for a plain product")  # fmt: skip
     x, w = aligned(x), aligned(w)
     m, k = x.shape
     n_rows = w.shape[0]
@@ -247,8 +226,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    mode = (2 if cfg.joint else 1) if gated else 0
-    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, mode)
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, int(gated))
     options = options_for(cfg)
     launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
 
