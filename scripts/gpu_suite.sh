@@ -22,7 +22,8 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
 set_name=${2:-all}
-commit=${RLEXACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# $RLEXACT_COMMIT, else HEAD with "+dirty" when tracked files differ from it (a copied tree may carry a stale .git)
+commit=$(python3 -c 'from rlexact.envinfo import git_commit; print(git_commit("."))')
 export RLEXACT_COMMIT=$commit
 rc=0
 
