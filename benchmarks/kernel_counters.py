@@ -14,7 +14,9 @@ Gluon decode kernel), and ``attn_b{B}_ctx{C}_tl`` on the ``tl`` kernel; ``attn_p
 ``sdpa_prefill_{B}x{S}`` (in the default list: ``64x512``): the exact packed causal forward of ``B`` sequences of
 ``S`` tokens and SDPA's default backend on the same shape; ``mm{M}_{shape}`` and ``mm{M}_{shape}_torch``: the
 exact matmul (the library's tile for ``M``) and ``torch.mm`` (cuBLAS) of the projections as the exactified model
-calls them; ``head256``: the exact lm head + log-softmax of 256 rows.
+calls them; ``mm{M}_gate_up_gated``: the library's SiLU-gated gate/up launch on the concatenated weights (``[M,
+6144]`` out; on sm_90 above 64 rows the warp-specialized Gluon kernel), whose ``--source`` samples split its time
+between the wgmma chains and the SiLU epilogue; ``head256``: the exact lm head + log-softmax of 256 rows.
 
 ``--source`` collects per-instruction warp-stall samples instead (``SourceCounters``, ncu's ``source`` page with the
 SASS): per kernel the instructions with the most samples, each with its address, SASS text and every stall column
@@ -56,6 +58,7 @@ CASES = [
     "attn_prefill_64x512",
     "sdpa_prefill_64x512",
     *[f"mm256_{s}{t}" for s in MM_SHAPES for t in ("", "_torch")],
+    "mm256_gate_up_gated",
     "mm4_down",
     "mm4_down_torch",
     "head256",
@@ -100,7 +103,7 @@ def build(case: str) -> Callable[[], object]:
 
     from rlexact.ops import triton_attention as ta
     from rlexact.ops.triton_logprob import token_logprobs
-    from rlexact.ops.triton_matmul import matmul
+    from rlexact.ops.triton_matmul import gated_matmul, matmul
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -135,11 +138,13 @@ def build(case: str) -> Callable[[], object]:
         return lambda: ta.attention_varlen(q, k, v, cu, scale)
     if case.startswith("mm"):
         m_text, rest = case.removeprefix("mm").split("_", 1)
-        name = rest.removesuffix("_torch")
+        name = rest.removesuffix("_torch").removesuffix("_gated")
         n, k = MM_SHAPES[name]
         x, w = randn(int(m_text), k), randn(n, k)
         if rest.endswith("_torch"):
             return lambda: torch.mm(x, w.T)
+        if rest.endswith("_gated"):
+            return lambda: gated_matmul(x, w)
         return lambda: matmul(x, w)
     if case == "head256":
         h, w = randn(256, HIDDEN), randn(VOCAB, HIDDEN)
