@@ -9,18 +9,28 @@ or SiLU-gated. Its rows must equal the library's bitwise (plain: ``matmul``, gat
 decode step runs for the MLP's gate and up projections): checked at several row counts for every tile shape before
 it is timed. Timings: CUDA-graph replays over weight copies that exceed L2 four times (weights from HBM, as in a
 decode step), at the given row counts.
+
+``--epilogues`` also times the gated launch with its SiLU formula swapped (``fdiv``: an approximate division in place
+of the correctly rounded one; ``product``: ``gate * up``, no SiLU), to measure what the epilogue's arithmetic costs;
+those rows are not the library's bits and say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from common import ROOT, graph_ms_over, header, weight_copies
+from rlexact.ops import gluon_matmul
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
 from rlexact.ops.triton_matmul import gated_matmul, matmul
 
@@ -35,11 +45,48 @@ CONFIGS = (
 )
 GATED_CONFIGS = (
     GluonMatmulConfig(128, 128),
+    GluonMatmulConfig(128, 96),
+    GluonMatmulConfig(64, 96),
+    GluonMatmulConfig(64, 96, per_sm=2),
     GluonMatmulConfig(128, 64),
     GluonMatmulConfig(64, 128),
     GluonMatmulConfig(64, 64, per_sm=2),
 )
 CHECK_ROWS = (37, 256, 1000)
+
+
+@gluon.jit
+def _silu_fdiv(gate, up):
+    return gl.fdiv(gate, 1.0 + gl.exp(-gate)) * up
+
+
+@gluon.jit
+def _product(gate, up):
+    return gate * up
+
+
+EPILOGUES = {"fdiv": _silu_fdiv, "product": _product}
+"""Swapped SiLU formulas of ``--epilogues`` (diagnostic: not the library's bits)."""
+
+
+def _rebind(jit_fn: object, **names: object) -> object:
+    """A copy of a Gluon kernel function whose global ``names`` resolve to other objects."""
+    f = jit_fn.fn
+    g = dict(f.__globals__, **names)
+    return gluon.jit(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__))
+
+
+@contextlib.contextmanager
+def epilogue(formula: object) -> Iterator[None]:
+    """The library's matmul kernel with its SiLU formula replaced by ``formula`` while the block runs."""
+    store = _rebind(gluon_matmul._store, _silu_times=formula)
+    kernel = _rebind(gluon_matmul._mm_kernel, _consumer=_rebind(gluon_matmul._consumer, _store=store))
+    saved = gluon_matmul._mm_kernel
+    gluon_matmul._mm_kernel = kernel
+    try:
+        yield
+    finally:
+        gluon_matmul._mm_kernel = saved
 
 
 def run(x: torch.Tensor, w: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> torch.Tensor:
@@ -64,7 +111,7 @@ def candidate(x: torch.Tensor, w: torch.Tensor, ws: list, cfg: GluonMatmulConfig
     return c
 
 
-def measure(name: str, rows: tuple[int, ...], gated: bool) -> dict:
+def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str, ...] = ()) -> dict:
     n, k = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -81,6 +128,10 @@ def measure(name: str, rows: tuple[int, ...], gated: bool) -> dict:
         ref = lib(x, w)
         row["candidates"] = [candidate(x, w, ws, cfg, gated, checks, refs, ref)
                              for cfg in (GATED_CONFIGS if gated else CONFIGS)]  # fmt: skip
+        for formula in epilogues:
+            with epilogue(EPILOGUES[formula]):
+                row[f"epilogue_{formula}"] = [candidate(x, w, ws, cfg, gated, checks, refs, ref)
+                                              for cfg in GATED_CONFIGS[:2]]  # fmt: skip
         entry["rows"][str(m)] = row
         print("[gluon_matmul_probe]", name, "gated" if gated else "plain", m, json.dumps(row), flush=True)
     return entry
@@ -92,6 +143,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=[256, 4096])
     ap.add_argument("--gated-rows", nargs="*", type=int, default=[64, 128, 256, 4096], help="none: no gated runs")
+    ap.add_argument("--epilogues", nargs="*", default=[], choices=list(EPILOGUES))
     args = ap.parse_args()
     t0 = time.time()
     result: dict = header("gluon_matmul_probe", "triton") | {
@@ -100,7 +152,8 @@ def main() -> int:
         "shapes": {name: measure(name, tuple(args.rows), False) for name in args.shapes},
     }
     if args.gated_rows:
-        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True)
+        result["epilogues"] = args.epilogues
+        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True, tuple(args.epilogues))
     result["elapsed_s"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
