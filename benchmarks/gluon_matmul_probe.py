@@ -10,9 +10,9 @@ decode step runs for the MLP's gate and up projections): checked at several row 
 it is timed. Timings: CUDA-graph replays over weight copies that exceed L2 four times (weights from HBM, as in a
 decode step), at the given row counts.
 
-``--epilogues`` also times the gated launch with its SiLU formula swapped (``fdiv``: an approximate division in place
-of the correctly rounded one; ``product``: ``gate * up``, no SiLU), to measure what the epilogue's arithmetic costs;
-those rows are not the library's bits and say so.
+``--epilogues`` also times the gated launch with its SiLU formula swapped (``div_rn``: a correctly rounded division in
+place of the library's fast one, the formula before; ``product``: ``gate * up``, no SiLU), to measure what the
+epilogue's arithmetic costs; those rows are not the library's bits and say so.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ CHECK_ROWS = (37, 256, 1000)
 
 
 @gluon.jit
-def _silu_fdiv(gate, up):
-    return gl.fdiv(gate, 1.0 + gl.exp(-gate)) * up
+def _silu_div_rn(gate, up):
+    return gl.div_rn(gate, 1.0 + gl.exp(-gate)) * up
 
 
 @gluon.jit
@@ -65,7 +65,7 @@ def _product(gate, up):
     return gate * up
 
 
-EPILOGUES = {"fdiv": _silu_fdiv, "product": _product}
+EPILOGUES = {"div_rn": _silu_div_rn, "product": _product}
 """Swapped SiLU formulas of ``--epilogues`` (diagnostic: not the library's bits)."""
 
 

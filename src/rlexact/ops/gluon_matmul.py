@@ -4,11 +4,11 @@ Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated
 K splits: every output element is the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column
 K tile in ascending order, carried through the wgmma accumulator (k16 steps, ascending), rounded once to the output
 dtype. The gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles, rounds both to
-the output dtype and stores ``silu(gate) * up`` with the library's formula (``div_rn(g, 1 + exp(-g)) * u`` in fp32,
-rounded once). Tile shapes do not enter a row's arithmetic (the wgmma instruction's N width and the number of
-warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s module docstring), so this kernel
-and the ``tl`` tiles give the same bits; the GPU tests check it. (Summing fixed K splits in the consumer, as the
-``tl`` kernel does for K-heavy shapes, was bitwise equal but slower at decode row counts:
+the output dtype and stores ``silu(gate) * up`` with the library's formula (``g / (1 + exp(-g)) * u`` in fp32 with
+the GPU's fast division, rounded once). Tile shapes do not enter a row's arithmetic (the wgmma instruction's N width
+and the number of warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s module
+docstring), so this kernel and the ``tl`` tiles give the same bits; the GPU tests check it. (Summing fixed K splits
+in the consumer, as the ``tl`` kernel does for K-heavy shapes, was bitwise equal but slower at decode row counts:
 ``benchmarks/results/gluon_matmul_probe_down_h200.json``.)
 
 What differs is how the operands reach the tensor cores. A producer warp streams each tile's ``x`` and ``w`` K slices
@@ -141,7 +141,7 @@ if gluon is not None:
     @gluon.jit
     def _silu_times(gate, up):
         """``silu(gate) * up`` in fp32 with the library's formula (:func:`rlexact.ops.triton_shared.silu_times`)."""
-        return gl.div_rn(gate, 1.0 + gl.exp(-gate)) * up
+        return gate / (1.0 + gl.exp(-gate)) * up
 
     @gluon.jit
     def _store(out_ptr, acc, up, M, N, stride_om, row0, col0, GATED: gl.constexpr):

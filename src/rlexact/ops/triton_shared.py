@@ -156,9 +156,11 @@ def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
 
 @triton.jit
 def silu_times(g, u):
-    """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with a correctly rounded division: the one formula of
-    the exact SiLU gate (the ``silu_mul`` kernel and the gated matmul's epilogue share it, so they share its bits)."""
-    return tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+    """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with the GPU's fast division (``div.full.f32``): the
+    one formula of the exact SiLU gate (the ``silu_mul`` kernel and the gated matmuls' epilogues use it, so they share
+    its bits). A correctly rounded division compiles to a branch per element that the compiler does not interleave,
+    which made the gated matmul's epilogue cost as much as a quarter of its launch (docs/design.md §2.2)."""
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
