@@ -39,23 +39,18 @@ def _wgmmas(kernel: object) -> int:
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
 @pytest.mark.parametrize("mode", [0, 1], ids=["plain", "gated"])
-@pytest.mark.parametrize("bn", [128, 96], ids=["one_piece", "two_pieces"])
-def test_gluon_matmul_compiles_for_sm90(mode: int, bn: int) -> None:
+def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
     _gluon()
     from hopper_compile import compile_gluon_for_hopper
     from rlexact.ops import gluon_matmul as gm
 
-    cfg = gm.GluonMatmulConfig(128, bn)
-    first, second = cfg.pieces
+    cfg = gm.GluonMatmulConfig(128, 128)
     args = dict(x_desc=_desc(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
-                w_desc=_desc(4096, 2048, [first, gm.BK], gm._smem_layout(first, False)),
-                w2_desc=_desc(4096, 2048, [second or first, gm.BK], gm._smem_layout(second or first, False)),
-                out_ptr="*bf16", M="i32", N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
-    const = dict(BM=128, BN=first, BN2=second, GATED=mode)
-    k = compile_gluon_for_hopper(gm._mm_kernel, args, const, **gm.options_for(cfg))
+                w_desc=_desc(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
+                N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
+    k = compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=mode), **gm.options_for(cfg))
     assert k.metadata.shared >= cfg.ring_bytes(gated=mode > 0)
-    # four k16 steps per 64-column slice, per chain and column piece
-    assert _wgmmas(k) == (2 if mode == 1 else 1) * (2 if second else 1) * 4
+    assert _wgmmas(k) == (2 if mode == 1 else 1) * 4  # four k16 steps per 64-column slice, per chain
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")

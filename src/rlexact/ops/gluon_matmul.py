@@ -54,23 +54,16 @@ SMEM_LIMIT = 227 * 1024
 @dataclass(frozen=True)
 class GluonMatmulConfig:
     """One launch shape: ``BM x BN`` output tiles (``BN`` columns of the gate and of the up product when gated),
-    ``BM / 16`` consumer warps, ``per_sm`` persistent programs per SM. A ``BN`` that is not a power of two runs as two
-    column pieces (:attr:`pieces`), each its own accumulator and TMA box: it lets a tile count match the SM count
-    (Triton's tensors have power-of-two shapes)."""
+    ``BM / 16`` consumer warps, ``per_sm`` persistent programs per SM."""
 
     BM: int
     BN: int
     per_sm: int = 1
 
     def __post_init__(self) -> None:
-        if self.BM not in (64, 128) or self.BN not in (64, 96, 128, 256) or self.per_sm not in (1, 2):
-            raise ValueError(f"GluonMatmulConfig: BM={self.BM} (64 or 128), BN={self.BN} (64, 96, 128 or 256) and "
+        if self.BM not in (64, 128) or self.BN not in (64, 128, 256) or self.per_sm not in (1, 2):
+            raise ValueError(f"GluonMatmulConfig: BM={self.BM} (64 or 128), BN={self.BN} (64, 128 or 256) and "
                              f"per_sm={self.per_sm} (1 or 2) are the supported tiles")  # fmt: skip
-
-    @property
-    def pieces(self) -> tuple[int, int]:
-        """``(first, second)`` column pieces of a tile; ``second`` is 0 where ``BN`` is one piece."""
-        return (64, 32) if self.BN == 96 else (self.BN, 0)
 
     @property
     def maxnreg(self) -> int:
@@ -80,18 +73,12 @@ class GluonMatmulConfig:
         return 168 if self.per_sm == 1 else 128
 
     def ring_bytes(self, gated: bool) -> int:
-        """Shared memory of the operand ring (16-bit operands): the ``x`` tile and the weight rows of every slot (the
-        compiler drops the buffers a launch does not use)."""
-        return STAGE_COUNT * (self.BM + (2 if gated else 1) * self.BN) * BK * 2
-
-
-UNUSED_ROWS = 8
-"""Rows of a weight buffer a launch does not use (Gluon allocates every buffer the kernel names)."""
+        """Shared memory of the operand ring (16-bit operands): ``x``, gate / ``w`` and up tiles per slot."""
+        return STAGE_COUNT * (self.BM + (2 * self.BN if gated else self.BN + 8)) * BK * 2
 
 
 if gluon is not None:
     STAGES = gl.constexpr(STAGE_COUNT)
-    UNUSED = gl.constexpr(UNUSED_ROWS)
     PRODUCER_REGS = gl.constexpr(24)
 
     @gluon.jit
@@ -103,39 +90,31 @@ if gluon is not None:
         return first_m + tile % size_m, (tile % in_group) // size_m
 
     @gluon.jit
-    def _producer(x_desc, w_desc, w2_desc, a_smem, b_smem, c_smem, u_smem, v_smem, ready, empty, M, N, K, group_m):
+    def _producer(x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m):
         """Copy every tile's K slices of ``x`` and of ``w``'s rows into the ring, each slot once the consumer has
-        released it. The ring's shapes say which rows (worker partitions take no constexpr arguments): the tile's
-        first column piece of gate rows ``n`` into ``b_smem`` and, when ``c_smem`` holds ``w2_desc``'s box, its second
-        piece into ``c_smem``; the up rows ``N + n`` likewise into ``u_smem`` and ``v_smem`` when ``u_smem`` holds a
-        whole piece."""
+        released it. The ring's shapes say which rows (worker partitions take no constexpr arguments): gate rows
+        ``n`` into ``b_smem`` and up rows ``N + n`` into ``u_smem`` when ``u_smem`` holds a whole tile, else rows
+        ``n`` alone."""
         bm: gl.constexpr = x_desc.block_type.shape[0]
         bk: gl.constexpr = x_desc.block_type.shape[1]
         bn: gl.constexpr = w_desc.block_type.shape[0]
-        split: gl.constexpr = c_smem.type.shape[1] == w2_desc.block_type.shape[0]
-        bn2: gl.constexpr = w2_desc.block_type.shape[0] if split else 0
         two_chains: gl.constexpr = u_smem.type.shape[1] == bn
-        w_rows: gl.constexpr = (2 if two_chains else 1) * (bn + bn2)
-        nbytes: gl.constexpr = (bm + w_rows) * bk * x_desc.dtype.primitive_bitwidth // 8
+        w_tiles: gl.constexpr = 2 if two_chains else 1
+        nbytes: gl.constexpr = (bm + w_tiles * bn) * bk * x_desc.dtype.primitive_bitwidth // 8
         num_pid_m = gl.cdiv(M, bm)
-        num_pid_n = gl.cdiv(N, bn + bn2)
+        num_pid_n = gl.cdiv(N, bn)
         c = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
-            n0 = pid_n * (bn + bn2)
             for ki in range(0, gl.cdiv(K, bk)):
                 slot = c % STAGES
                 bar = ready.index(slot)
                 mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
                 mbarrier.expect(bar, nbytes)
                 tma_load(x_desc, [pid_m * bm, ki * bk], bar, a_smem.index(slot))
-                tma_load(w_desc, [n0, ki * bk], bar, b_smem.index(slot))
-                if split:
-                    tma_load(w2_desc, [n0 + bn, ki * bk], bar, c_smem.index(slot))
+                tma_load(w_desc, [pid_n * bn, ki * bk], bar, b_smem.index(slot))
                 if two_chains:
-                    tma_load(w_desc, [N + n0, ki * bk], bar, u_smem.index(slot))
-                    if split:
-                        tma_load(w2_desc, [N + n0 + bn, ki * bk], bar, v_smem.index(slot))
+                    tma_load(w_desc, [N + pid_n * bn, ki * bk], bar, u_smem.index(slot))
                 c += 1
 
     @gluon.jit
@@ -145,12 +124,11 @@ if gluon is not None:
 
     @gluon.jit
     def _store(out_ptr, acc, up, M, N, stride_om, row0, col0, GATED: gl.constexpr):
-        """Store one column piece of a tile at ``(row0, col0)``: ``acc`` rounded to the output dtype, or with
-        ``GATED`` both chains rounded as stored products, then the exact SiLU gate in fp32, rounded once."""
+        """Store the tile at ``(row0, col0)``: ``acc`` rounded to the output dtype, or with ``GATED`` both chains
+        rounded as stored products, then the exact SiLU gate in fp32 (:func:`_silu_times`), rounded once."""
         bm: gl.constexpr = acc.type.shape[0]
         width: gl.constexpr = acc.type.shape[1]
-        tn: gl.constexpr = 8 if width >= 64 else width // 8
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tn, tn], [bm // 16, 1], [1, 0])
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [bm // 16, 1], [1, 0])
         dt: gl.constexpr = out_ptr.dtype.element_ty
         if GATED:
             acc = _silu_times(acc.to(dt).to(gl.float32), up.to(dt).to(gl.float32))
@@ -161,76 +139,51 @@ if gluon is not None:
         gl.store(ptrs, out, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
-    def _consumer(out_ptr, a_smem, b_smem, c_smem, u_smem, v_smem, ready, empty, M, N, K, stride_om, group_m,
-                  BM: gl.constexpr, BN: gl.constexpr, BN2: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+    def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
+                  BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
         """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows.
-        ``BN`` and ``BN2`` (0: none) are the tile's column pieces, each its own accumulator per chain.
-        ``GATED``: 0 plain; 1 the gate chains in ``b_smem`` / ``c_smem`` and the up chains in ``u_smem`` /
-        ``v_smem``."""
+        ``GATED``: 0 plain; 1 the gate chain in ``b_smem`` and the up chain in ``u_smem``."""
         CW: gl.constexpr = BM // 16
-        SPLIT: gl.constexpr = BN2 > 0
-        W2: gl.constexpr = BN2 if SPLIT else UNUSED
         bk: gl.constexpr = a_smem.type.shape[2]
         acc_layout: gl.constexpr = wgmma_layout(CW, BN)
-        acc2_layout: gl.constexpr = wgmma_layout(CW, W2)
         num_pid_m = gl.cdiv(M, BM)
-        num_pid_n = gl.cdiv(N, BN + BN2)
+        num_pid_n = gl.cdiv(N, BN)
         k_tiles = gl.cdiv(K, bk)
         c = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _coords(tile, num_pid_m, num_pid_n, group_m)
             acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
             acc_up = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-            acc2 = gl.zeros([BM, W2], gl.float32, layout=acc2_layout)
-            acc2_up = gl.zeros([BM, W2], gl.float32, layout=acc2_layout)
-            for ki in range(0, k_tiles):  # ascending K, one accumulator per chain and piece
+            for ki in range(0, k_tiles):  # ascending K, one accumulator per chain
                 slot = c % STAGES
                 mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-                a = a_smem.index(slot)
-                acc = warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-                if SPLIT:
-                    acc2 = warpgroup_mma(a, c_smem.index(slot).permute((1, 0)), acc2, is_async=True)
+                acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
                 if GATED:
-                    acc_up = warpgroup_mma(a, u_smem.index(slot).permute((1, 0)), acc_up, is_async=True)
-                    if SPLIT:
-                        acc2_up = warpgroup_mma(a, v_smem.index(slot).permute((1, 0)), acc2_up, is_async=True)
-                        acc, acc2, acc_up, acc2_up = warpgroup_mma_wait(4, deps=(acc, acc2, acc_up, acc2_up))
-                    else:
-                        acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))  # the previous slot's are done
-                elif SPLIT:
-                    acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+                    acc_up = warpgroup_mma(a_smem.index(slot), u_smem.index(slot).permute((1, 0)), acc_up,
+                                           is_async=True)  # fmt: skip
+                    acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))  # the previous slot's pair is done
                 else:
                     acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous slot's wgmma is done
                 if ki > 0:
                     mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
                 c += 1
             if GATED:
-                if SPLIT:
-                    acc, acc2, acc_up, acc2_up = warpgroup_mma_wait(0, deps=(acc, acc2, acc_up, acc2_up))
-                else:
-                    acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
-            elif SPLIT:
-                acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            col0 = pid_n * (BN + BN2)
-            _store(out_ptr, acc, acc_up, M, N, stride_om, pid_m * BM, col0, GATED)
-            if SPLIT:
-                _store(out_ptr, acc2, acc2_up, M, N, stride_om, pid_m * BM, col0 + BN, GATED)
+            _store(out_ptr, acc, acc_up, M, N, stride_om, pid_m * BM, pid_n * BN, GATED)
 
     @gluon.jit
-    def _mm_kernel(x_desc, w_desc, w2_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr,
-                   BN: gl.constexpr, BN2: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
-        """``BN`` / ``BN2``: the column pieces (:func:`_consumer`); ``GATED``: 0 plain, 1 gated."""
+    def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
+                   GATED: gl.constexpr):  # fmt: skip
+        """``GATED``: 0 plain, 1 gated (:func:`_consumer`)."""
         dt: gl.constexpr = x_desc.dtype
         bk: gl.constexpr = x_desc.block_type.shape[1]
-        W2: gl.constexpr = BN2 if BN2 > 0 else UNUSED
+        up_rows: gl.constexpr = BN if GATED else 8  # else an unused slot
         a_smem = gl.allocate_shared_memory(dt, [STAGES, BM, bk], x_desc.layout)
         b_smem = gl.allocate_shared_memory(dt, [STAGES, BN, bk], w_desc.layout)
-        c_smem = gl.allocate_shared_memory(dt, [STAGES, W2, bk], w2_desc.layout)
-        u_smem = gl.allocate_shared_memory(dt, [STAGES, BN if GATED else UNUSED, bk], w_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [STAGES, W2 if GATED else UNUSED, bk], w2_desc.layout)
+        u_smem = gl.allocate_shared_memory(dt, [STAGES, up_rows, bk], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -240,10 +193,9 @@ if gluon is not None:
         cta_barrier()
         gl.warp_specialize(
             [
-                (_consumer, (out_ptr, a_smem, b_smem, c_smem, u_smem, v_smem, ready, empty, M, N, K, stride_om,
-                             group_m, BM, BN, BN2, GATED)),
-                (_producer, (x_desc, w_desc, w2_desc, a_smem, b_smem, c_smem, u_smem, v_smem, ready, empty, M, N, K,
-                             group_m)),
+                (_consumer, (out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM, BN,
+                             GATED)),
+                (_producer, (x_desc, w_desc, a_smem, b_smem, u_smem, ready, empty, M, N, K, group_m)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -281,14 +233,12 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     n_rows = w.shape[0]
     n = out.shape[1]
     fp16 = x.dtype == torch.float16
-    first, second = cfg.pieces
     x_desc = GluonDescriptor(x, [m, k], [k, 1], [cfg.BM, BK], _smem_layout(cfg.BM, fp16))
-    w_desc = GluonDescriptor(w, [n_rows, k], [k, 1], [first, BK], _smem_layout(first, fp16))
-    w2_desc = GluonDescriptor(w, [n_rows, k], [k, 1], [second, BK], _smem_layout(second, fp16)) if second else w_desc
+    w_desc = GluonDescriptor(w, [n_rows, k], [k, 1], [cfg.BN, BK], _smem_layout(cfg.BN, fp16))
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    args = (x_desc, w_desc, w2_desc, out, m, n, k, stride, GROUP_M, cfg.BM, first, second, int(gated))
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, int(gated))
     options = options_for(cfg)
     launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
 
