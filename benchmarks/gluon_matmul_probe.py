@@ -12,7 +12,9 @@ decode step), at the given row counts.
 
 ``--epilogues`` also times the gated launch with its SiLU formula swapped (``div_rn``: a correctly rounded division in
 place of the library's fast one, the formula before; ``product``: ``gate * up``, no SiLU), to measure what the
-epilogue's arithmetic costs; those rows are not the library's bits and say so.
+epilogue's arithmetic costs; those rows are not the library's bits and say so. The operands are of unit variance
+unless ``--unit-products`` scales the weights by ``1 / sqrt(K)``: the default's products are large enough that
+``exp(-gate)`` overflows for a few percent of the gates, which sends a correctly rounded division down its slow path.
 """
 
 from __future__ import annotations
@@ -109,10 +111,10 @@ def candidate(x: torch.Tensor, w: torch.Tensor, ws: list, cfg: GluonMatmulConfig
     return c
 
 
-def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str, ...] = ()) -> dict:
+def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str, ...] = (), w_std: float = 1.0) -> dict:
     n, k = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (w_std * torch.randn(n, k, device="cuda", generator=g)).to(torch.bfloat16)
     ws = weight_copies(w)
     lib = gated_matmul if gated else matmul
     entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {}}
@@ -142,16 +144,22 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[256, 4096])
     ap.add_argument("--gated-rows", nargs="*", type=int, default=[64, 128, 256, 4096], help="none: no gated runs")
     ap.add_argument("--epilogues", nargs="*", default=[], choices=list(EPILOGUES))
+    ap.add_argument("--unit-products", action="store_true",
+                    help="weights of std 1 / sqrt(K), so the products have unit variance as in a model; by default "
+                         "std 1, products of std sqrt(K), where exp(-gate) overflows for a few percent of the gates "
+                         "and a correctly rounded division takes its slow path")  # fmt: skip
     args = ap.parse_args()
     t0 = time.time()
+    w_std = 1 / SHAPES["gate_up_fused"][1] ** 0.5 if args.unit_products else 1.0
     result: dict = header("gluon_matmul_probe", "triton") | {
         "dtype": "bfloat16",
         "timing": "microseconds per call, CUDA-graph replays over weight copies exceeding L2 four times",
-        "shapes": {name: measure(name, tuple(args.rows), False) for name in args.shapes},
+        "weight_std": w_std,
+        "shapes": {name: measure(name, tuple(args.rows), False, w_std=w_std) for name in args.shapes},
     }
     if args.gated_rows:
         result["epilogues"] = args.epilogues
-        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True, tuple(args.epilogues))
+        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True, tuple(args.epilogues), w_std)
     result["elapsed_s"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
