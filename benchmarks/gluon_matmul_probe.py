@@ -111,13 +111,15 @@ def candidate(x: torch.Tensor, w: torch.Tensor, ws: list, cfg: GluonMatmulConfig
     return c
 
 
-def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str, ...] = (), w_std: float = 1.0) -> dict:
+def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str, ...] = (),
+            unit_products: bool = False) -> dict:  # fmt: skip
     n, k = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
+    w_std = k**-0.5 if unit_products else 1.0
     w = (w_std * torch.randn(n, k, device="cuda", generator=g)).to(torch.bfloat16)
     ws = weight_copies(w)
     lib = gated_matmul if gated else matmul
-    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "rows": {}}
+    entry: dict = {"N": n // 2 if gated else n, "K": k, "gated": gated, "weight_std": w_std, "rows": {}}
     checks = {m: torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for m in CHECK_ROWS}
     refs = {m: lib(x, w) for m, x in checks.items()}
     for m in rows:
@@ -150,16 +152,16 @@ def main() -> int:
                          "and a correctly rounded division takes its slow path")  # fmt: skip
     args = ap.parse_args()
     t0 = time.time()
-    w_std = 1 / SHAPES["gate_up_fused"][1] ** 0.5 if args.unit_products else 1.0
     result: dict = header("gluon_matmul_probe", "triton") | {
         "dtype": "bfloat16",
         "timing": "microseconds per call, CUDA-graph replays over weight copies exceeding L2 four times",
-        "weight_std": w_std,
-        "shapes": {name: measure(name, tuple(args.rows), False, w_std=w_std) for name in args.shapes},
+        "shapes": {name: measure(name, tuple(args.rows), False, unit_products=args.unit_products)
+                   for name in args.shapes},
     }
     if args.gated_rows:
         result["epilogues"] = args.epilogues
-        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True, tuple(args.epilogues), w_std)
+        result["gated"] = measure("gate_up_fused", tuple(args.gated_rows), True, tuple(args.epilogues),
+                                  args.unit_products)
     result["elapsed_s"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
