@@ -12,14 +12,15 @@ sequence, with a perturbed-key negative control, and at every timing shape. Timi
 launches (``{"GLUON": False}`` selects the ``tl`` one) on the same paged caches (pages in random order), with one
 and with two programs per SM (``gluon_decode.PROGRAMS_PER_SM``).
 
-``--variants`` adds launches of the same kernel in other shapes, each ``PxS[-page][-ahead][-overlap]``: ``P`` programs
-per SM, ``S``-deep K and V rings (``gluon_decode.SLOTS``; three programs fit the SM's shared memory and registers with
-two-deep rings), with ``-page`` the V rows past a sequence zeroed only in its last, partial page (pages past it arrive
-zero-filled), skipped where the sequence ends on a page boundary, with ``-ahead`` a producer that loads the next
-item's length and block-table row while it copies this item's tiles, and with ``-overlap`` a consumer that issues
-the next item's first score wgmma under this item's last P @ V and stores this item's rows while it runs. A shape
-``BxCm`` has mixed lengths ``C - 16 .. C + 15`` (each sequence's last page partial in 15 of 16 cases, as in a decode
-step) with NaN in the stale slots, instead of ``C`` keys everywhere.
+``--variants`` adds launches of the same kernel in other shapes, each ``PxS[-page][-ahead][-overlap][-qop]``: ``P``
+programs per SM, ``S``-deep K and V rings (``gluon_decode.SLOTS``; three programs fit the SM's shared memory and
+registers with two-deep rings); with ``-page`` the V rows past a sequence zeroed only in its last, partial page (pages
+past it arrive zero-filled), skipped where the sequence ends on a page boundary; with ``-ahead`` a producer that loads
+the next item's length and block-table row while it copies this item's tiles; with ``-overlap`` a consumer that
+issues the next item's first score wgmma under this item's last P @ V and stores this item's rows while it runs; with
+``-qop`` query rows loaded straight into the score wgmma's operand layout. A shape ``BxCm`` has mixed lengths
+``C - 16 .. C + 15`` (each sequence's last page partial in 15 of 16 cases, as in a decode step) with NaN in the stale
+slots, instead of ``C`` keys everywhere.
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ if gluon is not None:
                     buf.store(gl.where((pg * PG + rows < r)[:, None], v, 0.0))
             fence_async_shared()
             cta_barrier()
+
+    @gluon.jit
+    def _query_op(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr, D: gl.constexpr,
+                  blk: gl.constexpr):  # fmt: skip
+        """:func:`_query_rows` loaded straight into the score wgmma's operand layout (no layout change through shared
+        memory; ``blk`` is ignored)."""
+        q_op: gl.constexpr = gl.DotOperandLayout(0, wgmma_layout(W, TILE_N), 2)
+        it = gl.minimum(it, n_items - 1)
+        b = it // n_groups
+        rows = gl.arange(0, 16 * W, layout=gl.SliceLayout(1, q_op))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, q_op))
+        q_rows = b.to(gl.int64) * stride_qt + ((it % n_groups) * HP + rows) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(rows < HP)[:, None], other=0.0)
+        return q, gl.load(seqlens_ptr + b)
 
     @gluon.jit
     def _consumer_overlap(q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
@@ -241,21 +256,23 @@ def _rebind(jit_fn: object, **names: object) -> object:
     return gluon.jit(copy)
 
 
-_KERNELS: dict[tuple[int, bool, bool, bool], object] = {}
-"""``(slots, page tail, producer ahead, overlap)`` -> the rebound decode kernel (kept alive: the launcher cache keys on
-its id)."""
+_KERNELS: dict[tuple[int, bool, bool, bool, bool], object] = {}
+"""``(slots, page tail, producer ahead, overlap, q operand)`` -> the rebound decode kernel (kept alive: the launcher
+cache keys on its id)."""
 
 
 @contextlib.contextmanager
-def kernel_shape(slots: int, page_tail: bool, ahead: bool = False, overlap: bool = False) -> Iterator[None]:
+def kernel_shape(slots: int, page_tail: bool, ahead: bool = False, overlap: bool = False,
+                 qop: bool = False) -> Iterator[None]:  # fmt: skip
     """The library's decode kernel with ``slots``-deep rings, with ``page_tail`` :func:`_zero_stale_page`, with
-    ``ahead`` :func:`_producer_ahead`, with ``overlap`` :func:`_consumer_overlap`."""
-    key = (slots, page_tail, ahead, overlap)
+    ``ahead`` :func:`_producer_ahead`, with ``overlap`` :func:`_consumer_overlap`, with ``qop`` :func:`_query_op`."""
+    key = (slots, page_tail, ahead, overlap, qop)
     if key not in _KERNELS:
         g = gluon_decode
         depth = {"SLOTS": gl.constexpr(slots)}
         tail = {"zero_tail_rows": _zero_stale_page} if page_tail else {}
-        consumer = _rebind(_consumer_overlap if overlap else g._consumer, **depth, **tail)
+        query = {"_query_rows": _query_op} if qop else {}
+        consumer = _rebind(_consumer_overlap if overlap else g._consumer, **depth, **tail, **query)
         producer = _rebind(_producer_ahead if ahead else g._producer, **depth)
         _KERNELS[key] = _rebind(g._attn_decode_kernel, _consumer=consumer, _producer=producer,
                                 _rings=_rebind(g._rings, **depth))  # fmt: skip
@@ -267,15 +284,15 @@ def kernel_shape(slots: int, page_tail: bool, ahead: bool = False, overlap: bool
         gluon_decode._attn_decode_kernel = saved
 
 
-TAGS = ("page", "ahead", "overlap")
+TAGS = ("page", "ahead", "overlap", "qop")
 
 
-def parse_variant(spec: str) -> tuple[int, int, bool, bool, bool]:
-    """``PxS[-tag]...`` -> ``(programs per SM, ring depth, page tail, producer ahead, overlap)``."""
+def parse_variant(spec: str) -> tuple[int, int, bool, bool, bool, bool]:
+    """``PxS[-tag]...`` -> ``(programs per SM, ring depth, page tail, producer ahead, overlap, q operand)``."""
     shape, *tags = spec.split("-")
     per_sm, slots = (int(x) for x in shape.split("x"))
     if not set(tags) <= set(TAGS) or per_sm < 1 or slots < 1:
-        raise SystemExit(f"gluon_decode_probe: bad variant {spec!r}; expected PxS[-page][-ahead][-overlap]")
+        raise SystemExit(f"gluon_decode_probe: bad variant {spec!r}; expected PxS[-page][-ahead][-overlap][-qop]")
     return per_sm, slots, *(t in tags for t in TAGS)
 
 
@@ -336,7 +353,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gluon_decode_probe_h200.json"))
     ap.add_argument("--shapes", nargs="+", default=["256x160", "256x256", "256x384", "128x256", "64x256", "64x1024",
                                                     "32x1024", "512x256"])  # fmt: skip
-    ap.add_argument("--variants", nargs="*", default=[], help="PxS[-page][-ahead][-overlap], see above")
+    ap.add_argument("--variants", nargs="*", default=[], help="PxS[-page][-ahead][-overlap][-qop], see above")
     args = ap.parse_args()
     for spec in args.variants:
         parse_variant(spec)
