@@ -71,8 +71,9 @@ LAUNCH_OPTIONS: Mapping[str, int] = MappingProxyType({"num_warps": WARPS, "maxnr
 if gluon is not None:
     W = gl.constexpr(WARPS)
     """Consumer warps (worker partitions take no constexpr arguments in Triton 3.6: shape constants are globals)."""
-    SLOTS = gl.constexpr(3)
-    """Depth of the K ring and of the V ring (two programs' rings fill the SM's shared memory)."""
+    SLOTS = gl.constexpr(2)
+    """Depth of the K ring and of the V ring: two-deep rings timed against three-deep ones side by side in
+    ``benchmarks/results/gluon_decode_probe_variants_h200.json`` and ``gluon_decode_probe_ahead_h200.json``."""
     TILE_N = gl.constexpr(BLOCK_N)
     PAGE_N = gl.constexpr(PAGE)
     PAGES = gl.constexpr(BLOCK_N // PAGE)
