@@ -160,3 +160,16 @@ def run_cases(result: dict, section: str, names: Iterable[str], measure: Callabl
             result["errors"][name] = traceback.format_exc()
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if not result["errors"] else 1
+
+
+def rebind_gluon(jit_fn: object, **names: object) -> object:
+    """A copy of the Gluon function ``jit_fn`` whose global ``names`` resolve to other objects (its constexpr
+    annotations kept): a probe's variant of a library kernel, compiled and cached as a kernel of its own."""
+    import types
+
+    from triton.experimental import gluon
+
+    f = jit_fn.fn
+    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
+    copy.__annotations__ = dict(f.__annotations__)
+    return gluon.jit(copy)

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from common import ROOT, graph_ms_over, header, weight_copies
+from common import ROOT, graph_ms_over, header, rebind_gluon, weight_copies
 from rlexact.ops import gluon_matmul
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
 from rlexact.ops.triton_matmul import gated_matmul, matmul
@@ -68,19 +67,11 @@ EPILOGUES = {"div_rn": _silu_div_rn, "product": _product}
 """Swapped SiLU formulas of ``--epilogues`` (diagnostic: not the library's bits)."""
 
 
-def _rebind(jit_fn: object, **names: object) -> object:
-    """A copy of a Gluon kernel function whose global ``names`` resolve to other objects."""
-    f = jit_fn.fn
-    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
-    copy.__annotations__ = dict(f.__annotations__)  # the constexpr parameters
-    return gluon.jit(copy)
-
-
 @contextlib.contextmanager
 def epilogue(formula: object) -> Iterator[None]:
     """The library's matmul kernel with its SiLU formula replaced by ``formula`` while the block runs."""
-    store = _rebind(gluon_matmul._store, _silu_times=formula)
-    kernel = _rebind(gluon_matmul._mm_kernel, _consumer=_rebind(gluon_matmul._consumer, _store=store))
+    store = rebind_gluon(gluon_matmul._store, _silu_times=formula)
+    kernel = rebind_gluon(gluon_matmul._mm_kernel, _consumer=rebind_gluon(gluon_matmul._consumer, _store=store))
     saved = gluon_matmul._mm_kernel
     gluon_matmul._mm_kernel = kernel
     try:
