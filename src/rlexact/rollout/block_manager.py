@@ -182,6 +182,18 @@ class BlockManager:
             seq.row = -1
         seq.cache_node, seq.cache_blocks = self.ROOT, 0
 
+    def check_released(self) -> None:
+        """Raise ``RuntimeError`` unless every block and table row is back (call once every sequence is freed). A
+        block or row kept by mistake would only shrink the cache for the rest of the call, showing as preemptions."""
+        rows = self.max_rows - len(self._free_rows)
+        if rows or self.num_free != self.num_blocks or any(self._refs):
+            held = [b for b, r in enumerate(self._refs) if r]
+            raise RuntimeError(
+                f"KV block bookkeeping leaked: {len(held)} blocks still referenced (first {held[:8]}), {rows} table "
+                f"rows held, {self.num_free} of {self.num_blocks} blocks allocatable after every sequence was freed; "
+                "this is a bug in rlexact's scheduler or block manager, please report it with the generator config"
+            )
+
     def _node(self, parent: int, tokens: list[int], index: int, create: bool) -> int | None:
         """The prefix node of block ``index`` of ``tokens`` below ``parent`` (created when missing and ``create``)."""
         bs = self.block_size

@@ -432,6 +432,7 @@ class Generator:
                     results = runner.collect(launched)
                     generated += self._finish_step(sched, results, stop, host, True, bar)
                     launched = nxt
+                bm.check_released()
                 elapsed = time.perf_counter() - t0
                 stats.update(
                     steps=steps,
