@@ -238,6 +238,8 @@ class Generator:
         Raises:
             ValueError: empty input, empty prompt, ids outside the vocabulary, ``prompt + max_new_tokens`` beyond the
                 context (checked up front), a KV budget smaller than one sequence, bad ``request_ids``.
+            RuntimeError: a KV block or block-table row still held once every sequence finished (an internal
+                bookkeeping error, :meth:`BlockManager.check_released`), rather than a silently smaller cache.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
