@@ -62,13 +62,12 @@ def test_random_loads_release_every_block_and_match_a_roomy_run(qwen, case: int)
     assert all(torch.equal(s[-len(o.token_ids) :], o.logprobs) for s, o in zip(scored, outs))
 
 
-def test_the_loads_preempt_share_and_hit_the_cache() -> None:
+def test_the_loads_preempt_share_and_hit_the_cache(qwen) -> None:
     """The random loads reach the paths the bookkeeping test is about (otherwise it checks little)."""
-    model = rlexact.exactify(tiny_model("qwen3", hidden=48, intermediate=88, kv_heads=2, max_pos=128, seed=4))
     seen = {"preemptions": 0, "prompt_forks": 0, "prefix_cached_tokens": 0}
     for case in range(8):
         prompts, params, config = random_load(case)
-        gen = Generator(model, **config)
+        gen = Generator(qwen, **config)
         gen.generate(prompts, params)
         for key in seen:
             seen[key] += int(gen.stats[key] > 0)
