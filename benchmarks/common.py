@@ -5,10 +5,11 @@ Importing this module puts ``<repo>/src`` first on ``sys.path``, so the scripts 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,9 +163,21 @@ def run_cases(result: dict, section: str, names: Iterable[str], measure: Callabl
     return 0 if not result["errors"] else 1
 
 
+@contextlib.contextmanager
+def swapped(owner: object, name: str, value: object) -> Iterator[None]:
+    """``owner.name`` set to ``value`` while the block runs (a probe's kernel variant in the library's launch path)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
 def rebind_gluon(jit_fn: object, **names: object) -> object:
     """A copy of the Gluon function ``jit_fn`` whose global ``names`` resolve to other objects (its constexpr
-    annotations kept): a probe's variant of a library kernel, compiled and cached as a kernel of its own."""
+    annotations kept): a probe's variant of a library kernel, compiled and cached as a kernel of its own. Keep the
+    copy alive while it is launched: the library's launcher cache keys on the kernel object's id."""
     import types
 
     from triton.experimental import gluon

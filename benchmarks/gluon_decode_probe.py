@@ -23,17 +23,16 @@ operand layout, a page-only V tail) were measured at the commits their result fi
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from attention_configs import DT, HKV, HQ, PAGE, D, decode_case, run
-from common import ROOT, bench_graph, header, rebind_gluon
+from common import ROOT, bench_graph, header, rebind_gluon, swapped
 from rlexact.ops import gluon_decode
 from rlexact.ops.gluon_attention import gluon
 
@@ -74,24 +73,14 @@ def mixed_case(lens: list[int]) -> tuple:
     return q, kc, vc, cu, torch.tensor(lens, device="cuda", dtype=torch.int32), tables
 
 
-_KERNELS: dict[int, object] = {}
-"""Ring depth -> the rebound decode kernel (kept alive: the launcher cache keys on its id)."""
-
-
-@contextlib.contextmanager
-def ring_depth(slots: int) -> Iterator[None]:
-    """The library's decode kernel with ``slots``-deep K and V rings while the block runs."""
-    if slots not in _KERNELS:
-        g = gluon_decode
-        depth = {"SLOTS": gl.constexpr(slots)}
-        parts = {name: rebind_gluon(getattr(g, name), **depth) for name in ("_consumer", "_producer", "_rings")}
-        _KERNELS[slots] = rebind_gluon(g._attn_decode_kernel, **parts)
-    saved = gluon_decode._attn_decode_kernel
-    gluon_decode._attn_decode_kernel = _KERNELS[slots]
-    try:
-        yield
-    finally:
-        gluon_decode._attn_decode_kernel = saved
+@functools.cache
+def ring_kernel(slots: int) -> object:
+    """The library's decode kernel with ``slots``-deep K and V rings (built once per depth, so it compiles once and
+    its id stays valid for the launcher cache)."""
+    g = gluon_decode
+    depth = {"SLOTS": gl.constexpr(slots)}
+    parts = {name: rebind_gluon(getattr(g, name), **depth) for name in ("_consumer", "_producer", "_rings")}
+    return rebind_gluon(g._attn_decode_kernel, **parts)
 
 
 def parse_variant(spec: str) -> tuple[int, int]:
@@ -107,18 +96,14 @@ def parse_variant(spec: str) -> tuple[int, int]:
 
 def variant_run(case: tuple, spec: str) -> torch.Tensor:
     per_sm, slots = parse_variant(spec)
-    with ring_depth(slots):
+    with swapped(gluon_decode, "_attn_decode_kernel", ring_kernel(slots)):
         return probe(case, per_sm)
 
 
 def probe(case: tuple, per_sm: int) -> torch.Tensor:
     """The library's launch of ``case`` (the Gluon kernel) with ``per_sm`` programs per SM."""
-    saved = gluon_decode.PROGRAMS_PER_SM
-    gluon_decode.PROGRAMS_PER_SM = per_sm
-    try:
+    with swapped(gluon_decode, "PROGRAMS_PER_SM", per_sm):
         return run(case, None)
-    finally:
-        gluon_decode.PROGRAMS_PER_SM = saved
 
 
 def check(lens: list[int], variants: list[str]) -> dict:

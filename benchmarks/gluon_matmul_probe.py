@@ -20,17 +20,16 @@ unless ``--unit-products`` scales the weights by ``1 / sqrt(K)``: the default's 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from common import ROOT, graph_ms_over, header, rebind_gluon, weight_copies
+from common import ROOT, graph_ms_over, header, rebind_gluon, swapped, weight_copies
 from rlexact.ops import gluon_matmul
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
 from rlexact.ops.triton_matmul import gated_matmul, matmul
@@ -67,17 +66,12 @@ EPILOGUES = {"div_rn": _silu_div_rn, "product": _product}
 """Swapped SiLU formulas of ``--epilogues`` (diagnostic: not the library's bits)."""
 
 
-@contextlib.contextmanager
-def epilogue(formula: object) -> Iterator[None]:
-    """The library's matmul kernel with its SiLU formula replaced by ``formula`` while the block runs."""
-    store = rebind_gluon(gluon_matmul._store, _silu_times=formula)
-    kernel = rebind_gluon(gluon_matmul._mm_kernel, _consumer=rebind_gluon(gluon_matmul._consumer, _store=store))
-    saved = gluon_matmul._mm_kernel
-    gluon_matmul._mm_kernel = kernel
-    try:
-        yield
-    finally:
-        gluon_matmul._mm_kernel = saved
+@functools.cache
+def epilogue_kernel(formula: str) -> object:
+    """The library's matmul kernel with its SiLU formula replaced by ``EPILOGUES[formula]`` (built once per formula,
+    so it compiles once and its id stays valid for the launcher cache)."""
+    store = rebind_gluon(gluon_matmul._store, _silu_times=EPILOGUES[formula])
+    return rebind_gluon(gluon_matmul._mm_kernel, _consumer=rebind_gluon(gluon_matmul._consumer, _store=store))
 
 
 def run(x: torch.Tensor, w: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> torch.Tensor:
@@ -122,7 +116,7 @@ def measure(name: str, rows: tuple[int, ...], gated: bool, epilogues: tuple[str,
         row["candidates"] = [candidate(x, w, ws, cfg, gated, checks, refs, ref)
                              for cfg in (GATED_CONFIGS if gated else CONFIGS)]  # fmt: skip
         for formula in epilogues:
-            with epilogue(EPILOGUES[formula]):
+            with swapped(gluon_matmul, "_mm_kernel", epilogue_kernel(formula)):
                 row[f"epilogue_{formula}"] = [candidate(x, w, ws, cfg, gated, checks, refs, ref)
                                               for cfg in GATED_CONFIGS]  # fmt: skip
         entry["rows"][str(m)] = row

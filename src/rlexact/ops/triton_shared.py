@@ -158,8 +158,9 @@ def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
 def silu_times(g, u):
     """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with the GPU's fast division (``div.full.f32``): the
     one formula of the exact SiLU gate (the ``silu_mul`` kernel and the gated matmuls' epilogues use it, so they share
-    its bits). A correctly rounded division compiles to a branch per element that the compiler does not interleave,
-    which made the gated matmul's epilogue cost as much as a quarter of its launch (docs/design.md §2.2)."""
+    its bits). A correctly rounded division takes a slow-path branch wherever ``1 + exp(-g)`` is huge (very
+    negative gates), so a gated launch's time would depend on its data (docs/design.md §2.2); the fast division is
+    branch-free."""
     return g / (1.0 + tl.exp(-g)) * u
 
 
