@@ -9,9 +9,10 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   and as CUDA-graph replays (``graph_ratio``: GPU time without host launch overhead).
 * ``matmul_invariance``: the exact matmul's row computed at M = 1 vs the same row inside M = 4096 (``torch.equal``),
   and the same check for ``torch.mm`` (the negative control).
-* ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096 and 1 x 8,192
-  tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's default choice and each of its
-  flash / cuDNN / memory-efficient backends forced; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
+* ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096, 1 x 8,192,
+  16 x 1,024 and 4 x 2,048 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's
+  default choice and each of its flash / cuDNN / memory-efficient backends forced, and on sm_90 the forward through
+  each Gluon kernel (single and paired query tiles); :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
   short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and
   without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the packed forward at the GRPO
   update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side:
@@ -106,8 +107,9 @@ def check_invariance() -> dict:
     return out
 
 
-PREFILL_CASES = ((64, 512), (8, 4096), (1, 8192))
-"""Packed causal prefill shapes ``(sequences, tokens each)`` of the attention section; the first is the issue's."""
+PREFILL_CASES = ((64, 512), (8, 4096), (1, 8192), (16, 1024), (4, 2048))
+"""Packed causal prefill shapes ``(sequences, tokens each)`` of the attention section; the first is the issue's, the
+last two bracket the paired Gluon kernel's threshold (``rlexact.ops.gluon_attention_pair.MIN_MEAN_KEYS``)."""
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 
@@ -118,6 +120,7 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from rlexact import ops
+    from rlexact.ops import gluon_attention
 
     q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -132,6 +135,7 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
 
     flop = 4.0 * b * hq * d * s * s / 2  # causal
     t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
+    kernels = _gluon_kernels(q, k, v, cu, scale) if gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) else {}
     t_sdpa = bench(sdpa)
     backends: dict[str, object] = {}
     for backend in SDPA_BACKENDS:
@@ -150,9 +154,28 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
         "exact_tflops": flop / t_exact / 1e9,
         "sdpa_tflops": flop / t_sdpa / 1e9,
         "ratio": t_sdpa / t_exact,
+        "gluon_kernels": kernels,
         "sdpa_backends": backends,
         "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,
     }
+
+
+def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> dict:
+    """The packed forward through each sm_90 Gluon kernel (``ta._forward``'s ``PAIR`` override), which the launch's
+    default picked, and whether the two give the same bits."""
+    from rlexact.ops import gluon_attention_pair
+    from rlexact.ops import triton_attention as ta
+
+    res: dict[str, object] = {}
+    outs = []
+    for name, pair in (("single", False), ("pair", True)):
+        out = torch.empty_like(q)
+        res[f"{name}_ms"] = bench(lambda out=out, pair=pair: ta._forward(q, k, v, cu, None, None, scale, out,
+                                                                         cfg={"PAIR": pair}))  # fmt: skip
+        outs.append(out)
+    res["pair_bitwise_equal_single"] = bool(torch.equal(*outs))
+    res["default"] = "pair" if gluon_attention_pair.chosen(q.shape[0], cu.shape[0] - 1) else "single"
+    return res
 
 
 LAUNCH_CASE = (16, 384)

@@ -57,6 +57,7 @@ def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
 def test_gluon_attention_kernels_compile_for_sm90() -> None:
     ga = _gluon()
     from hopper_compile import compile_gluon_for_hopper
+    from rlexact.ops import gluon_attention_pair as gp
     from rlexact.ops import gluon_decode as gd
 
     kv = _desc(4096, 1024, [ga.BLOCK_N, ga.HEAD_DIM], ga.kv_layout(False))
@@ -67,6 +68,11 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
         const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS)
         k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
+        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep), ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN),
+                                        num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
+        assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
+    with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
+        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN), num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "width", "n_rows")  # fmt: skip

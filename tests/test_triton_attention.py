@@ -139,12 +139,14 @@ def test_gpu_decode_large_batch(checks) -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
 @pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
-def test_gpu_gluon_forward_equals_tl(heads) -> None:
-    """On sm_90 the packed forward runs the Gluon kernel (``rlexact.ops.gluon_attention``): its rows equal the ``tl``
-    kernel's bitwise (mixed lengths, partial tiles, several sequences per tile slot, KV splits, NaN in another
-    sequence's keys), a non-contiguous K/V view gives the same rows, and the backward's preprocessing gives the
-    ``tl`` kernel's log-sum-exp. Negative control: another key tile changes bits."""
+def test_gpu_gluon_forward_equals_tl(heads, pair) -> None:
+    """On sm_90 the packed forward runs a Gluon kernel (``rlexact.ops.gluon_attention``, or with ``pair`` its
+    warp-specialized pair of query tiles, ``rlexact.ops.gluon_attention_pair``): its rows equal the ``tl`` kernel's
+    bitwise (mixed lengths, partial tiles, several sequences per tile slot, KV splits, NaN in another sequence's
+    keys), a non-contiguous K/V view gives the same rows, and the backward's preprocessing gives the ``tl`` kernel's
+    log-sum-exp. Negative control: another key tile changes bits."""
     from rlexact.ops import gluon_attention
     from rlexact.ops import triton_attention as ta
 
@@ -165,22 +167,53 @@ def test_gpu_gluon_forward_equals_tl(heads) -> None:
         return out
 
     ref = run({"GLUON": False})
-    assert torch.equal(run(None), ref)
-    assert torch.equal(run(None, k.contiguous(), v.contiguous()), ref)
+    gl_cfg = {"PAIR": pair}
+    assert torch.equal(run(gl_cfg), ref)
+    assert torch.equal(run(gl_cfg, k.contiguous(), v.contiguous()), ref)
     k_nan, v_nan = k.clone(), v.clone()
     one = slice(lens[0], lens[0] + lens[1])  # sequence 1, whose keys sequence 0's only key tile also covers
     k_nan[one] = float("nan")
     v_nan[one] = float("nan")
-    out, keep = run(None, k_nan, v_nan), torch.ones(t, dtype=torch.bool, device="cuda")
+    out, keep = run(gl_cfg, k_nan, v_nan), torch.ones(t, dtype=torch.bool, device="cuda")
     keep[one] = False
     assert torch.equal(out[keep], ref[keep])
     lse = [torch.empty(t, hq, device="cuda", dtype=torch.float32) for _ in range(4)]
     do = torch.randn_like(q)
     ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[0], lse[1]), cfg={"GLUON": False})
-    ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[2], lse[3]))
+    ta._forward(q, k, v, cu, None, None, d**-0.5, do, lse_delta=(lse[2], lse[3]), cfg=gl_cfg)
     assert torch.equal(lse[0], lse[2])
     torch.testing.assert_close(lse[1], lse[3], rtol=1e-5, atol=1e-5)  # delta: a row sum, another reduction tree
     assert not torch.equal(run({"GLUON": False, "BLOCK_N": 32, "SPLIT": 1024}), ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed launches whose sequences average ``MIN_MEAN_KEYS`` keys or more take the paired Gluon kernel, shorter
+    ones the single one; both give the ``tl`` kernel's rows bitwise, in both 16-bit dtypes."""
+    from rlexact.ops import gluon_attention, gluon_attention_pair
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    probe = torch.empty(1, hq, d, device="cuda", dtype=dtype)
+    if not gluon_attention.supported(probe, probe[:, :hkv], probe[:, :hkv], 64):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    calls: list[int] = []
+    real = gluon_attention_pair.forward
+    monkeypatch.setattr(gluon_attention_pair, "forward", lambda *a: calls.append(1) or real(*a))
+    n = gluon_attention_pair.MIN_MEAN_KEYS
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for lens, paired in (([2 * n - 3, 3], True), ([n - 1] * 2, False), ([n + 700, n - 700], True)):
+        t = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(t, h, d, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv))
+        outs = [torch.empty_like(q) for _ in range(2)]
+        before = len(calls)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, outs[0])
+        assert (len(calls) > before) == paired, lens
+        ta._forward(q, k, v, cu, None, None, d**-0.5, outs[1], cfg={"GLUON": False})
+        assert torch.equal(outs[0], outs[1]), lens
 
 
 @pytest.mark.gpu

@@ -30,8 +30,9 @@ same launch). Other launches loop over the splits in one program and fold in reg
 with the same function in the same order, so a query row is bitwise equal whether it is computed in a training batch,
 in a prefill chunk of any size, or in decode. (One online softmax across all tiles would give other bits than
 split-then-merge; what matters is that every path uses the same splits.)
-On sm_90 two Gluon kernels carry some of these launches with the same tiles, splits and per-row operations, so the
-same bits: packed launches (:mod:`rlexact.ops.gluon_attention`) and decode steps whose contexts fit one split
+On sm_90 Gluon kernels carry some of these launches with the same tiles, splits and per-row operations, so the
+same bits: packed launches (:mod:`rlexact.ops.gluon_attention`, or its warp-specialized pair of query tiles
+:mod:`rlexact.ops.gluon_attention_pair` where the sequences are long) and decode steps whose contexts fit one split
 (:mod:`rlexact.ops.gluon_decode`, persistent over the (sequence, head group) items).
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
@@ -66,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gluon_attention, gluon_decode
+from . import gluon_attention, gluon_attention_pair, gluon_decode
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
@@ -801,7 +802,8 @@ def _forward(
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
     overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a launch on the
     ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed) or :mod:`rlexact.ops.gluon_decode` (a decode step
-    within one KV split) would take it). ``max_seqlen_q``: an upper bound of
+    within one KV split) would take it; ``{"PAIR": bool}`` picks the packed Gluon kernel, which
+    :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
     does not read it (``ONE_Q``).
@@ -822,7 +824,8 @@ def _forward(
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
-        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta)
+        pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
+        (gluon_attention_pair if pair else gluon_attention).forward(q, k, v, cu_q, scale, out, hp, split, lse_delta)
         return
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp

@@ -1,0 +1,310 @@
+"""The exact packed attention forward for long sequences: :mod:`rlexact.ops.gluon_attention`'s rows, warp-specialized.
+
+One program holds two adjacent query tiles of one sequence and head group, each in its own 4-warp consumer partition
+(the default partition and a worker), beside a one-warp producer partition that streams K and V tiles through
+four-deep TMA rings. Every K/V tile is copied once for both query tiles, and the consumers issue no copies; a slot is
+released once both consumers are done with it (a consumer whose rows need fewer tiles releases the rest unread). Each
+consumer runs the library kernel's pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row
+operations and fold order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two
+kernels changes the speed only. The V tile that runs past the sequence is zeroed past it by the consumer that reads
+it last in tile order (consumer 0 when it needs that tile), which then signals the other.
+
+The program uses most of an SM's shared memory, so one runs per SM: long sequences gain from the shared copies,
+short ones lose the overlap of two resident programs' prologues and epilogues (:data:`MIN_MEAN_KEYS`).
+
+Triton 3.6's Gluon passes a worker partition's arguments without their constexpr-ness, so the worker consumer's
+compile-time parameters (query heads per tile, the backward's preprocessing) are module globals bound per
+specialization (:func:`kernel`); only the bound copies are launched.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+
+import torch
+
+from . import gluon_attention as ga
+
+if ga.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .gluon_attention import (
+        cta_barrier,
+        fold,
+        load_rows,
+        locate,
+        mask_scores,
+        store_rows,
+        tile_softmax,
+        wgmma_layout,
+        zero_tail_rows,
+    )
+
+__all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel"]
+
+MIN_MEAN_KEYS = 2048
+"""Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
+part ``pair``: faster at long sequences, slower at short ones)."""
+WARPS = 4
+"""Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
+MAXNREG = 168
+"""Registers per thread at launch over the program's nine warps; the partitions then take :data:`CONSUMER_REGS` and
+:data:`PRODUCER_REGS`."""
+
+if ga.gluon is not None:
+    SLOTS = gl.constexpr(4)
+    """Depth of the K ring and of the V ring."""
+    TILE_N = gl.constexpr(ga.BLOCK_N)
+    HEAD_D = gl.constexpr(ga.HEAD_DIM)
+    W = gl.constexpr(WARPS)
+    CONSUMER_REGS = gl.constexpr(240)
+    PRODUCER_REGS = gl.constexpr(24)
+    PAIR_HP = gl.constexpr(0)
+    """Query heads per tile of a bound specialization (:func:`kernel`); 0 in the unbound functions."""
+    PAIR_BWD_PREP = gl.constexpr(False)
+    """Whether a bound specialization runs the backward's preprocessing (:func:`kernel`)."""
+    PAIR_SPLIT = gl.constexpr(0)
+    """KV split keys of a bound specialization (:func:`kernel`)."""
+
+    @gluon.jit
+    def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, q_begin, kv_col):
+        """Copy K tile x and then V tile x into slot x % SLOTS of their rings, each once both consumers released it."""
+        nbytes: gl.constexpr = k_desc.block_type.nbytes
+        for x in range(n_tiles):
+            phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
+            mbarrier.wait(k_empty.index(x % SLOTS), phase)
+            load_rows(k_desc, k_smem, k_ready, x, q_begin, kv_col, SLOTS, TILE_N, nbytes)
+            mbarrier.wait(v_empty.index(x % SLOTS), phase)
+            load_rows(v_desc, v_smem, v_ready, x, q_begin, kv_col, SLOTS, TILE_N, nbytes)
+
+    @gluon.jit
+    def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+              tail_bar, q_begin, nq, tile, hgroup, n_mine, tail, zero_here, qk_scale, stride_ot, stride_oh, stride_lt,
+              stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
+        """Query tile ``tile`` (its Q in ``q_smem``) over key tiles ``0 .. n_mine - 1`` from the rings: the library's
+        pipelined loop, each K slot released once its scores are done and each V slot once its P @ V is. Key tile
+        ``tail`` runs past the sequence: its V rows there are zeroed here (``zero_here``, then ``tail_bar`` is
+        signalled) or by the other consumer (``tail_bar`` is waited for)."""
+        D: gl.constexpr = HEAD_D
+        BLOCK_M: gl.constexpr = 16 * W
+        BLOCK_N: gl.constexpr = TILE_N
+        P: gl.constexpr = BLOCK_M // HP
+        TPS: gl.constexpr = SPLIT // BLOCK_N
+        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
+        o_layout: gl.constexpr = wgmma_layout(W, D)
+        r_layout: gl.constexpr = wgmma_layout(W, 16)
+        r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
+        pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        n_full = (tile * P + 1) // BLOCK_N
+        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
+        for t0 in range(0, n_mine, TPS):
+            t1 = gl.minimum(t0 + TPS, n_mine)
+            m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+            l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+            mbarrier.wait(k_ready.index(t0 % SLOTS), (t0 // SLOTS) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(t0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index(t0 % SLOTS), count=1)
+            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
+                                            dt)  # fmt: skip
+            rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            p_op = gl.convert_layout(p, pv_op)
+            for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
+                nxt = (j + 1) % SLOTS
+                mbarrier.wait(k_ready.index(nxt), ((j + 1) // SLOTS) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(v_ready.index(j % SLOTS), (j // SLOTS) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(j % SLOTS), acc_s, is_async=True)
+                s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
+                mbarrier.arrive(k_empty.index(nxt), count=1)
+                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s,
+                                                qk_scale, dt)  # fmt: skip
+                r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
+                rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
+                mbarrier.arrive(v_empty.index(j % SLOTS), count=1)
+                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                p_op = gl.convert_layout(p, pv_op)
+            jl = t1 - 1  # the split's last tile: its P @ V, then the fold
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(v_ready.index(jl % SLOTS), (jl // SLOTS) & 1)
+            if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
+                if zero_here:
+                    zero_tail_rows(v_smem.index(jl % SLOTS), jl * BLOCK_N, nq, BLOCK_N, blk)
+                    mbarrier.arrive(tail_bar, count=1)
+                else:
+                    mbarrier.wait(tail_bar, 0)
+            acc_s = warpgroup_mma(p_op, v_smem.index(jl % SLOTS), acc_s)
+            mbarrier.arrive(v_empty.index(jl % SLOTS), count=1)
+            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
+        store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
+                      stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+
+    @gluon.jit
+    def _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
+                 v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh, stride_ot,
+                 stride_oh, stride_lt, stride_lh, C: gl.constexpr):  # fmt: skip
+        """Consumer ``C``: query tile ``2 * pair + C`` (its Q loaded here), the key tiles its rows need, then the
+        release of those only the other consumer needs."""
+        HP: gl.constexpr = PAIR_HP
+        D: gl.constexpr = HEAD_D
+        BLOCK_M: gl.constexpr = 16 * W
+        P: gl.constexpr = BLOCK_M // HP
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        dt: gl.constexpr = k_smem.dtype
+        tile = 2 * pair + C
+        n_mine = gl.where(tile * P < nq, (gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
+        n_first = (gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 always has rows (kernel checks)
+        tail = gl.where(n_tiles * TILE_N > nq, n_tiles - 1, -1)  # the key tile that runs past the sequence, if any
+        zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
+        if n_mine > 0:
+            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+            qi = tile * P + rows // HP
+            q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
+            q_smem.store(gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0))
+            fence_async_shared()
+            cta_barrier()
+            _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                  tail_bar, q_begin, nq, tile, hgroup, n_mine, tail, zeroer == C, qk_scale, stride_ot, stride_oh,
+                  stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
+        for x in range(n_mine, n_tiles):
+            mbarrier.wait(k_ready.index(x % SLOTS), (x // SLOTS) & 1)
+            mbarrier.arrive(k_empty.index(x % SLOTS), count=1)
+            mbarrier.wait(v_ready.index(x % SLOTS), (x // SLOTS) & 1)
+            mbarrier.arrive(v_empty.index(x % SLOTS), count=1)
+
+    @gluon.jit
+    def _worker_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
+                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles,
+                         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh):  # fmt: skip
+        """Consumer 1 (the worker partitions share one argument list)."""
+        _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready, k_empty,
+                 v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh,
+                 stride_ot, stride_oh, stride_lt, stride_lh, 1)  # fmt: skip
+
+    @gluon.jit
+    def _worker_producer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
+                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles,
+                         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh):  # fmt: skip
+        """The producer (the worker partitions share one argument list)."""
+        _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, q_begin, kv_col)
+
+    @gluon.jit
+    def _pair_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
+                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, GROUP: gl.constexpr,
+                     SCAN: gl.constexpr):  # fmt: skip
+        gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
+        HP: gl.constexpr = PAIR_HP
+        D: gl.constexpr = HEAD_D
+        BLOCK_M: gl.constexpr = 16 * W
+        P: gl.constexpr = BLOCK_M // HP
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        hgroup = gl.program_id(1)
+        kv_col = (hgroup * HP) // GROUP * D
+        b, q_begin, pair = locate(cu_ptr, num_seqs, gl.num_programs(0) - 1 - gl.program_id(0), 2 * P, SCAN, W)
+        nq = gl.load(cu_ptr + b + 1) - q_begin
+        if pair * 2 * P >= nq:
+            return
+        q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
+                                                                                                     dt))  # fmt: skip
+        ones_smem.store(gl.full([TILE_N, 16], 1.0, dt, layout=ones_layout))
+        k_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(SLOTS):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(tail_bar, count=1)
+        fence_async_shared()
+        cta_barrier()
+        n_tiles = (gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
+        worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
+                       k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consume, (q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(0), ones_smem, k_smem, v_smem, k_ready,
+                            k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale,
+                            stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0)),
+                (_worker_consumer, worker_args),
+                (_worker_producer, worker_args),
+            ],
+            [W, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def _bind(jit_fn: object, **names: object) -> object:
+    """A copy of the Gluon function ``jit_fn`` whose globals ``names`` resolve to the given objects."""
+    f = jit_fn.fn
+    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
+    copy.__annotations__ = dict(f.__annotations__)
+    copy.__doc__ = f.__doc__
+    return gluon.jit(copy)
+
+
+@functools.cache
+def kernel(hp: int, split: int, bwd_prep: bool) -> object:
+    """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys and, with ``bwd_prep``, the backward's
+    preprocessing: the call tree bound to these constants (built once per specialization and kept alive, since the
+    cached launchers key on the kernel object)."""
+    consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep))
+    consume = _bind(_consume, **consts)
+    worker = _bind(_worker_consumer, _consume=consume)
+    return _bind(_pair_kernel, _consume=consume, _worker_consumer=worker, **consts)
+
+
+def chosen(num_tokens: int, num_seqs: int) -> bool:
+    """Whether a packed launch of ``num_tokens`` query rows over ``num_seqs`` sequences takes this kernel (decided on
+    the host, from sizes only: either kernel gives the same bits)."""
+    return num_tokens >= MIN_MEAN_KEYS * num_seqs
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel.
+    Call only where :func:`rlexact.ops.gluon_attention.supported` holds."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    num_seqs = cu.shape[0] - 1
+    layout = ga.kv_layout(q.dtype == torch.float16)
+    k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [ga.BLOCK_N, d], layout)
+    v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [ga.BLOCK_N, d], layout)
+    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
+    grid = (t // (2 * 16 * WARPS // hp) + num_seqs, hq // hp)
+    sq, so, sl = q.stride(), out.stride(), lse.stride()
+    args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
+            sl[0], sl[1], hq // hkv, ga.SCAN)  # fmt: skip
+    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
+    fn = kernel(hp, split, lse_delta is not None)
+    ga.launch(fn, grid, args, (q, out, lse, delta, cu, k, v), ints, {"num_warps": WARPS, "maxnreg": MAXNREG})
