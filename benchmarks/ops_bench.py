@@ -12,7 +12,8 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
 * ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096, 1 x 8,192,
   16 x 1,024 and 4 x 2,048 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's
   default choice and each of its flash / cuDNN / memory-efficient backends forced, and on sm_90 the forward through
-  each Gluon kernel (single and paired query tiles); :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
+  each Gluon kernel (single and paired query tiles); the generator's prefill steps from position 0
+  (:data:`FRESH_PREFILL_CASES`), paged against packed; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
   short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and
   without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the packed forward at the GRPO
   update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side:
@@ -178,6 +179,44 @@ def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
     return res
 
 
+FRESH_PREFILL_CASES = ((2, 8192), (32, 512), (128, 128))
+"""``(prompts, tokens each)`` of the generator's prefill steps whose prompts start at position 0 (16,384 tokens, the
+default step budget: the 8k-prompt rollout, the GRPO-shaped one, the batch-256 one)."""
+
+
+def _fresh_prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+    """A prefill step of ``b`` prompts of ``s`` tokens from position 0: the paged launch over the cache the step
+    writes (pages shuffled) against the packed launch over the step's own keys, which the generator runs for such
+    steps; both must give the same bits."""
+    from rlexact import ops
+
+    bs = 16
+    q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    nblk = b * s // bs
+    kc = torch.empty(nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.empty_like(kc)
+    tables = torch.randperm(nblk, device="cuda").to(torch.int32).view(b, s // bs)
+    pos = torch.arange(s, device="cuda")
+    slots = (tables.long()[:, pos // bs] * bs + pos % bs).reshape(-1)
+    ops.write_kv(k, v, kc, vc, slots)
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+    paged_out = ops.attention_paged(q, kc, vc, tables, cu, lens, scale, max_seqlen_q=s)
+    packed_out = ops.attention_varlen(q, k, v, cu, scale)
+    t_paged = bench(lambda: ops.attention_paged(q, kc, vc, tables, cu, lens, scale, max_seqlen_q=s))
+    t_packed = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
+    return {
+        "prompts": b,
+        "tokens_each": s,
+        "paged_ms": t_paged,
+        "packed_ms": t_packed,
+        "paged_over_packed": t_paged / t_packed,
+        "bitwise_equal": bool(torch.equal(paged_out, packed_out)),
+    }
+
+
 LAUNCH_CASE = (16, 384)
 """``(sequences, tokens each)`` of the launch comparison: one micro-batch of the GRPO update in ``train_step.py``."""
 
@@ -244,6 +283,12 @@ def bench_attention(quick: bool) -> dict:
         name = "prefill" if (b, s) == PREFILL_CASES[0] else f"prefill_{b}x{s}"
         try:
             res[name] = _prefill_case(16 if quick and b == 64 else b, s, hq, hkv, d, scale)
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    for b, s in FRESH_PREFILL_CASES[:1] if quick else FRESH_PREFILL_CASES:
+        name = f"fresh_prefill_{b}x{s}"
+        try:
+            res[name] = _fresh_prefill_case(b, s, hq, hkv, d, scale)
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     try:
@@ -440,6 +485,11 @@ def _table(results: dict) -> str:
                         f"{sec:18s} {case + ' ' + kind:28s}  graph {t['graph_ms']:.3f}ms eager {t['eager_ms']:.3f}ms "
                         f"host {t['host_us']:.0f}us"
                     )
+            if "paged_ms" in r:
+                lines.append(
+                    f"{sec:18s} {case:28s}  paged {r['paged_ms']:.3f}ms packed {r['packed_ms']:.3f}ms "
+                    f"bitwise {r['bitwise_equal']}"
+                )
             if "exact_peak_bytes" in r:
                 lines.append(
                     f"{'':18s} {'  peak mem':28s}  {r['exact_peak_bytes'] / 2**20:8.0f}MB "

@@ -76,6 +76,33 @@ def test_exact_chunked_prefill_bf16(llama_bf16, budget):
     assert_exact(llama_bf16, outs, temperature=0.8)
 
 
+def test_fresh_prefill_steps_run_packed_attention(llama_bf16, monkeypatch):
+    """Eager steps whose sequences all start at position 0 run exact attention packed over their own keys (the
+    training kernels); the others, chunks with past keys and decodes, the paged kernel; completions are bitwise the
+    trainer's. Negative control: a chunk with past keys marked fresh sees only its own keys and leaves the bits."""
+    from rlexact import ops
+    from rlexact.rollout.runner import ModelRunner
+
+    calls = {"packed": 0, "paged": 0}
+    varlen, paged = ops.attention_varlen, ops.attention_paged
+    monkeypatch.setattr(ops, "attention_varlen", lambda *a, **k: calls.__setitem__("packed", calls["packed"] + 1)
+                        or varlen(*a, **k))  # fmt: skip
+    monkeypatch.setattr(ops, "attention_paged", lambda *a, **k: calls.__setitem__("paged", calls["paged"] + 1)
+                        or paged(*a, **k))  # fmt: skip
+    prompts = prompts_for(5, 61, lo=5, hi=30, seed=4)
+    params = SamplingParams(max_new_tokens=4, seed=2)
+    cfg = dict(max_num_batched_tokens=24, max_num_seqs=2, block_size=4, cuda_graphs=False)
+    outs = Generator(llama_bf16, **cfg).generate(prompts, params)
+    assert calls["packed"] > 0 and calls["paged"] > 0
+    monkeypatch.setattr(ops, "attention_varlen", varlen)
+    monkeypatch.setattr(ops, "attention_paged", paged)
+    assert_exact(llama_bf16, outs)
+    prepare = ModelRunner._prepare
+    monkeypatch.setattr(ModelRunner, "_prepare", lambda self, b: prepare(self, b) | {"fresh": True})
+    wrong = Generator(llama_bf16, **cfg).generate(prompts, params)
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, wrong))
+
+
 def test_chunk_size_does_not_change_results(qwen):
     prompts = prompts_for(6, 97, lo=10, hi=30, seed=7)
     params = SamplingParams(max_new_tokens=6, seed=11)

@@ -725,7 +725,9 @@ def rlexact_attention(
         kc, vc = paged.caches[module.layer_idx]
         if not kv_written:
             ops.write_kv(k, v, kc, vc, paged.slot_mapping)
-        if exact:
+        if exact and paged.fresh:
+            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale)
+        elif exact:
             out = ops.attention_paged(
                 q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale,
                 max_seqlen_q=paged.max_seqlen_q, split_counters=paged.split_counters,

@@ -27,6 +27,9 @@ class PagedKV:
             the native decode path pads keys to it, so a captured graph can use a static bound.
         split_counters: optional int32 zeros shared by the layers' split-parallel attention launches
             (:func:`rlexact.ops.attention_paged`), e.g. a captured decode graph's static buffer.
+        fresh: every sequence of this forward starts at position 0 (its keys are this forward's tokens alone), so
+            exact attention runs packed over the new keys (:func:`rlexact.ops.attention_varlen`, the training
+            kernels), which gives the paged launch's rows bitwise; the keys are still written to the cache.
     """
 
     caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -36,6 +39,7 @@ class PagedKV:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     split_counters: torch.Tensor | None = None
+    fresh: bool = False
 
 
 @dataclass

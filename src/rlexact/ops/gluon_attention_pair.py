@@ -52,9 +52,9 @@ if ga.gluon is not None:
 
 __all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel"]
 
-MIN_MEAN_KEYS = 2048
+MIN_MEAN_KEYS = 4096
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
-part ``pair``: faster at long sequences, slower at short ones)."""
+each prefill case's ``gluon_kernels``: faster from this length on, even at half of it, slower below)."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 MAXNREG = 168

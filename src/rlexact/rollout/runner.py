@@ -285,6 +285,7 @@ class ModelRunner:
             "seqlens": torch.from_numpy(seqlens.astype(np.int32)),
             "max_q": max(num_new),
             "max_k": int(seqlens.max()),
+            "fresh": not bool(start.any()),
         }
 
     def _upload(self, inp: dict) -> dict:
@@ -294,7 +295,13 @@ class ModelRunner:
         meta = AttnMetadata(
             d["cu"],
             PagedKV(
-                self.cache.caches, d["bt"], d["seqlens"], d["slots"], max_seqlen_q=d["max_q"], max_seqlen_k=d["max_k"]
+                self.cache.caches,
+                d["bt"],
+                d["seqlens"],
+                d["slots"],
+                max_seqlen_q=d["max_q"],
+                max_seqlen_k=d["max_k"],
+                fresh=d["fresh"],
             ),
         )
         self.stats["eager_steps"] += 1
