@@ -172,17 +172,3 @@ def swapped(owner: object, name: str, value: object) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, saved)
-
-
-def rebind_gluon(jit_fn: object, **names: object) -> object:
-    """A copy of the Gluon function ``jit_fn`` whose global ``names`` resolve to other objects (its constexpr
-    annotations kept): a probe's variant of a library kernel, compiled and cached as a kernel of its own. Keep the
-    copy alive while it is launched: the library's launcher cache keys on the kernel object's id."""
-    import types
-
-    from triton.experimental import gluon
-
-    f = jit_fn.fn
-    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
-    copy.__annotations__ = dict(f.__annotations__)
-    return gluon.jit(copy)

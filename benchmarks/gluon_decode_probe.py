@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from attention_configs import DT, HKV, HQ, PAGE, D, decode_case, run
-from common import ROOT, bench_graph, header, rebind_gluon, swapped
+from common import ROOT, bench_graph, header, swapped
 from rlexact.ops import gluon_decode
-from rlexact.ops.gluon_attention import gluon
+from rlexact.ops.gluon_attention import gluon, rebind
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -79,8 +79,8 @@ def ring_kernel(slots: int) -> object:
     its id stays valid for the launcher cache)."""
     g = gluon_decode
     depth = {"SLOTS": gl.constexpr(slots)}
-    parts = {name: rebind_gluon(getattr(g, name), **depth) for name in ("_consumer", "_producer", "_rings")}
-    return rebind_gluon(g._attn_decode_kernel, **parts)
+    parts = {name: rebind(getattr(g, name), **depth) for name in ("_consumer", "_producer", "_rings")}
+    return rebind(g._attn_decode_kernel, **parts)
 
 
 def parse_variant(spec: str) -> tuple[int, int]:

@@ -29,8 +29,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from common import ROOT, graph_ms_over, header, rebind_gluon, swapped, weight_copies
+from common import ROOT, graph_ms_over, header, swapped, weight_copies
 from rlexact.ops import gluon_matmul
+from rlexact.ops.gluon_attention import rebind
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
 from rlexact.ops.triton_matmul import gated_matmul, matmul
 
@@ -70,8 +71,8 @@ EPILOGUES = {"div_rn": _silu_div_rn, "product": _product}
 def epilogue_kernel(formula: str) -> object:
     """The library's matmul kernel with its SiLU formula replaced by ``EPILOGUES[formula]`` (built once per formula,
     so it compiles once and its id stays valid for the launcher cache)."""
-    store = rebind_gluon(gluon_matmul._store, _silu_times=EPILOGUES[formula])
-    return rebind_gluon(gluon_matmul._mm_kernel, _consumer=rebind_gluon(gluon_matmul._consumer, _store=store))
+    store = rebind(gluon_matmul._store, _silu_times=EPILOGUES[formula])
+    return rebind(gluon_matmul._mm_kernel, _consumer=rebind(gluon_matmul._consumer, _store=store))
 
 
 def run(x: torch.Tensor, w: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> torch.Tensor:

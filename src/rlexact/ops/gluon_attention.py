@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import types
 import warnings
 from collections.abc import Mapping
 
@@ -57,7 +58,7 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["cta_barrier", "forward", "kv_layout", "launch", "sm90", "supported", "tma_load", "wgmma_layout"]
+__all__ = ["cta_barrier", "forward", "kv_layout", "launch", "rebind", "sm90", "supported", "tma_load", "wgmma_layout"]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -307,6 +308,18 @@ if gluon is not None:
 
         store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh, stride_lt,
                    stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+
+
+def rebind(jit_fn: object, **names: object) -> object:
+    """A copy of the Gluon function ``jit_fn`` whose globals ``names`` resolve to the given objects (its constexpr
+    annotations kept), compiled and cached as a kernel of its own: a specialization whose constants a worker
+    partition cannot take as constexpr arguments. Keep the copy alive while it is launched: :func:`launch`'s cache
+    keys on the kernel object's id."""
+    f = jit_fn.fn
+    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
+    copy.__annotations__ = dict(f.__annotations__)
+    copy.__doc__ = f.__doc__
+    return gluon.jit(copy)
 
 
 @functools.cache

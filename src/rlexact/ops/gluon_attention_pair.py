@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 
 import torch
 
@@ -264,24 +263,15 @@ if ga.gluon is not None:
         )  # fmt: skip
 
 
-def _bind(jit_fn: object, **names: object) -> object:
-    """A copy of the Gluon function ``jit_fn`` whose globals ``names`` resolve to the given objects."""
-    f = jit_fn.fn
-    copy = types.FunctionType(f.__code__, dict(f.__globals__, **names), f.__name__, f.__defaults__, f.__closure__)
-    copy.__annotations__ = dict(f.__annotations__)
-    copy.__doc__ = f.__doc__
-    return gluon.jit(copy)
-
-
 @functools.cache
 def kernel(hp: int, split: int, bwd_prep: bool) -> object:
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys and, with ``bwd_prep``, the backward's
     preprocessing: the call tree bound to these constants (built once per specialization and kept alive, since the
     cached launchers key on the kernel object)."""
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep))
-    consume = _bind(_consume, **consts)
-    worker = _bind(_worker_consumer, _consume=consume)
-    return _bind(_pair_kernel, _consume=consume, _worker_consumer=worker, **consts)
+    consume = ga.rebind(_consume, **consts)
+    worker = ga.rebind(_worker_consumer, _consume=consume)
+    return ga.rebind(_pair_kernel, _consume=consume, _worker_consumer=worker, **consts)
 
 
 def chosen(num_tokens: int, num_seqs: int) -> bool:
