@@ -58,7 +58,18 @@ from .triton_shared import (
     launch_hooks_installed,
 )
 
-__all__ = ["cta_barrier", "forward", "kv_layout", "launch", "rebind", "sm90", "supported", "tma_load", "wgmma_layout"]
+__all__ = [
+    "cta_barrier",
+    "forward",
+    "kv_layout",
+    "launch",
+    "rebind",
+    "rings",
+    "sm90",
+    "supported",
+    "tma_load",
+    "wgmma_layout",
+]
 
 BLOCK_N = 64
 """Keys per tile: the library's 16-bit ``BLOCK_N`` (checked by :func:`supported`)."""
@@ -187,6 +198,32 @@ if gluon is not None:
         slot = x % SLOTS
         mbarrier.expect(bars.index(slot), nbytes)
         tma_load(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
+
+    @gluon.jit
+    def rings(k_desc, v_desc, SLOTS: gl.constexpr, n: gl.constexpr, W: gl.constexpr, RELEASERS: gl.constexpr):
+        """For warp-specialized kernels: the ones tile of the row-sum dot (``W`` warps store it) and ``SLOTS``-deep
+        rings of ``n``-key K and V tiles with their ready barriers (one arrival: the copy) and empty barriers
+        (``RELEASERS`` arrivals: the consumers), initialized and visible to every partition (barriers initialized
+        before the call are too)."""
+        dt: gl.constexpr = k_desc.dtype
+        d: gl.constexpr = k_desc.block_type.shape[1]
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dt, [n, 16], gl.NVMMASharedLayout.get_default_for([n, 16], dt))
+        ones_smem.store(gl.full([n, 16], 1.0, dt, layout=ones_layout))
+        k_smem = gl.allocate_shared_memory(dt, [SLOTS, n, d], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [SLOTS, n, d], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(SLOTS):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=RELEASERS)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=RELEASERS)
+        fence_async_shared()
+        cta_barrier()
+        return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
     def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,

@@ -43,6 +43,7 @@ if ga.gluon is not None:
         load_rows,
         locate,
         mask_scores,
+        rings,
         store_rows,
         tile_softmax,
         wgmma_layout,
@@ -227,25 +228,9 @@ if ga.gluon is not None:
         if pair * 2 * P >= nq:
             return
         q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
-        ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
-                                                                                                     dt))  # fmt: skip
-        ones_smem.store(gl.full([TILE_N, 16], 1.0, dt, layout=ones_layout))
-        k_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, D], v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(SLOTS):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(tail_bar, count=1)
-        fence_async_shared()
-        cta_barrier()
+        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W, 2)
         n_tiles = (gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
         worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
                        k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,

@@ -34,7 +34,6 @@ from .triton_shared import num_sms
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -44,9 +43,9 @@ if gluon is not None:
     from .gluon_attention import (
         BLOCK_N,
         HEAD_DIM,
-        cta_barrier,
         kv_layout,
         launch,
+        rings,
         store_rows,
         tile_softmax,
         tma_load,
@@ -215,28 +214,8 @@ if gluon is not None:
 
     @gluon.jit
     def _rings(k_desc, v_desc):
-        """The ones tile of the row-sum dot and the K and V rings with their ready / empty barriers, initialized and
-        visible to every partition."""
-        dt: gl.constexpr = k_desc.dtype
-        d: gl.constexpr = k_desc.block_type.shape[1]
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
-        ones_smem = gl.allocate_shared_memory(dt, [TILE_N, 16], gl.NVMMASharedLayout.get_default_for([TILE_N, 16],
-                                                                                                     dt))  # fmt: skip
-        ones_smem.store(gl.full([TILE_N, 16], 1.0, dt, layout=ones_layout))
-        k_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, d], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [SLOTS, TILE_N, d], v_desc.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(SLOTS):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
-        fence_async_shared()
-        cta_barrier()
-        return ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
+        """The ones tile and the K and V rings (:data:`SLOTS` deep, each slot released by the one consumer)."""
+        return rings(k_desc, v_desc, SLOTS, TILE_N, W, 1)
 
     @gluon.jit
     def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
