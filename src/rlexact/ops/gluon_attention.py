@@ -63,6 +63,7 @@ __all__ = [
     "forward",
     "kv_layout",
     "launch",
+    "launch_packed",
     "rebind",
     "rings",
     "sm90",
@@ -373,20 +374,31 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
     kernel's launcher directly (:func:`launch`)."""
+    hq, d = q.shape[1], q.shape[2]
+    consts = (hp, hq // k.shape[1], d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)
+    launch_packed(_fwd_kernel, q, k, v, cu, scale, out, hp, 16 * WARPS, lse_delta, consts, {"num_warps": WARPS})
+
+
+def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
+                  out: torch.Tensor, hp: int, rows: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
+                  constexprs: tuple, options: Mapping[str, int]) -> None:  # fmt: skip
+    """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are ``q, out, lse, delta``,
+    the K and V descriptors, ``cu``, the sequence count, the base-2 scale and the q / out / lse strides, then
+    ``constexprs``; each program takes ``rows`` query rows (``rows // hp`` positions) of one head group."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     num_seqs = cu.shape[0] - 1
     layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
-    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without BWD_PREP
-    grid = (t // (16 * WARPS // hp) + num_seqs, hq // hp)
+    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
+    grid = (t // (rows // hp) + num_seqs, hq // hp)
     sq, so, sl = q.stride(), out.stride(), lse.stride()
     args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], hp, hq // hkv, d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)  # fmt: skip
+            sl[0], sl[1], *constexprs)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
     ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    launch(_fwd_kernel, grid, args, (q, out, lse, delta, cu, k, v), ints, {"num_warps": WARPS})
+    launch(kernel, grid, args, (q, out, lse, delta, cu, k, v), ints, options)
 
 
 _LAUNCHERS: dict = {}

@@ -20,7 +20,6 @@ specialization (:func:`kernel`); only the bound copies are launched.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -35,7 +34,6 @@ if ga.gluon is not None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
         cta_barrier,
@@ -269,17 +267,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel.
     Call only where :func:`rlexact.ops.gluon_attention.supported` holds."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    num_seqs = cu.shape[0] - 1
-    layout = ga.kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [ga.BLOCK_N, d], layout)
-    v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [ga.BLOCK_N, d], layout)
-    lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
-    grid = (t // (2 * 16 * WARPS // hp) + num_seqs, hq // hp)
-    sq, so, sl = q.stride(), out.stride(), lse.stride()
-    args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], hq // hkv, ga.SCAN)  # fmt: skip
-    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    fn = kernel(hp, split, lse_delta is not None)
-    ga.launch(fn, grid, args, (q, out, lse, delta, cu, k, v), ints, {"num_warps": WARPS, "maxnreg": MAXNREG})
+    consts = (q.shape[1] // k.shape[1], ga.SCAN)
+    ga.launch_packed(kernel(hp, split, lse_delta is not None), q, k, v, cu, scale, out, hp, 2 * 16 * WARPS, lse_delta,
+                     consts, {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
