@@ -13,12 +13,13 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   16 x 1,024 and 4 x 2,048 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's
   default choice and each of its flash / cuDNN / memory-efficient backends forced, and on sm_90 the forward through
   each Gluon kernel (single and paired query tiles); the generator's prefill steps from position 0
-  (:data:`FRESH_PREFILL_CASES`), paged against packed; :func:`rlexact.ops.attention_paged` decode (:data:`DECODE_CASES`:
-  short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on contiguous caches, with and
-  without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the packed forward at the GRPO
-  update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side:
-  GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's launch cost shows once it
-  exceeds the kernel's) and host time per call.
+  (:data:`FRESH_PREFILL_CASES`), paged against packed; prefill chunks after cached keys (:data:`PAGED_CHUNK_CASES`),
+  the ``tl`` paged launch against the gathered packed Gluon launches; :func:`rlexact.ops.attention_paged` decode
+  (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
+  contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the
+  packed forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the
+  ``tl`` kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's
+  launch cost shows once it exceeds the kernel's) and host time per call.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -217,6 +218,51 @@ def _fresh_prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float)
     }
 
 
+PAGED_CHUNK_CASES = (
+    (2, 8192, 8192), (1, 16384, 8192), (4, 4096, 2048), *((64, 1024, n) for n in (16, 32, 64, 128, 256, 512))
+)
+"""``(sequences, cached keys each, new queries each)`` of :func:`_paged_chunk_case`: the second chunk of two 16k-token
+prompts at the generator's default token budget, a third chunk, and a sweep of the queries per sequence at a fixed
+context (where :data:`rlexact.ops.kv_gather.MIN_MEAN_QUERIES` comes from)."""
+
+
+def _paged_chunk_case(b: int, past: int, new: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+    """A prefill chunk of ``new`` queries per sequence after ``past`` cached keys (pages shuffled, the chunk's own
+    keys in the cache too): the ``tl`` paged launch against the gathered packed Gluon launches (single and paired
+    query tiles, the gather included) and the library's default choice, each compared bitwise with the ``tl``
+    launch; and the gather alone."""
+    from rlexact.ops import kv_gather
+    from rlexact.ops import triton_attention as ta
+
+    bs = 16
+    ctx = past + new
+    nblk = -(-ctx // bs)
+    kc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(b * nblk, device="cuda").to(torch.int32).view(b, nblk)
+    q = torch.randn(b * new, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (b + 1) * new, new, device="cuda", dtype=torch.int32)
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    res: dict = {"sequences": b, "cached_keys": past, "new_queries": new}
+    outs = {}
+    for name, cfg in (("tl", {"GLUON": False}), ("gathered_single", {"GATHER": True, "PAIR": False}),
+                      ("gathered_pair", {"GATHER": True, "PAIR": True}), ("default", {})):  # fmt: skip
+        out = torch.empty_like(q)
+
+        def call(out: torch.Tensor = out, cfg: dict = cfg) -> None:
+            ta._forward(q, kc, vc, cu, lens, tables, scale, out, cfg=cfg, max_seqlen_q=new)
+
+        call()
+        outs[name] = out
+        res[f"{name}_ms"] = bench(call)
+        if name != "tl":
+            res[f"{name}_bitwise_equal"] = bool(torch.equal(out, outs["tl"]))
+            res[f"tl_over_{name}"] = res["tl_ms"] / res[f"{name}_ms"]
+    res["gather_ms"] = bench(lambda: kv_gather.gather(kc, vc, tables, lens, nblk * bs))
+    res["default_gathers"] = kv_gather.chosen(b * new, b, nblk * bs, hkv * d * 2)
+    return res
+
+
 LAUNCH_CASE = (16, 384)
 """``(sequences, tokens each)`` of the launch comparison: one micro-batch of the GRPO update in ``train_step.py``."""
 
@@ -289,6 +335,12 @@ def bench_attention(quick: bool) -> dict:
         name = f"fresh_prefill_{b}x{s}"
         try:
             res[name] = _fresh_prefill_case(b, s, hq, hkv, d, scale)
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    for b, past, new in PAGED_CHUNK_CASES[:1] if quick else PAGED_CHUNK_CASES:
+        name = f"paged_chunk_{b}x{past}+{new}"
+        try:
+            res[name] = _paged_chunk_case(b, past, new, hq, hkv, d, scale)
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
     try:

@@ -64,15 +64,19 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
     ptrs = dict(q_ptr="*bf16", o_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", k_desc=kv, v_desc=kv,
                 cu_ptr="*i32", num_seqs="i32", qk_scale="fp32")  # fmt: skip
     strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
-    for prep in (False, True):
-        const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS)
+    strides |= dict(seqk_ptr="*i32", kv_rows="i32")
+    for prep, gathered in ((False, False), (True, False), (False, True)):
+        const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS,
+                     GATHERED=gathered)  # fmt: skip
         k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
-        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep), ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN),
-                                        num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
+        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep), ptrs | strides,
+                                        dict(GROUP=2, SCAN=ga.SCAN, GATHERED=gathered), num_warps=gp.WARPS,
+                                        maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
-        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN), num_warps=gp.WARPS)
+        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN, GATHERED=False),
+                                 num_warps=gp.WARPS)  # fmt: skip
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "width", "n_rows")  # fmt: skip

@@ -308,3 +308,31 @@ def test_gpu_overlapped_decode_equals_sequential(qwen):
     assert overlapped.stats["overlapped_steps"] > 0 and sequential.stats["overlapped_steps"] == 0
     assert sum(o.finish_reason == "stop" for o in outs) >= 10
     assert_exact(qwen, outs)
+
+
+def test_gpu_gathered_prefill_chunks(llama, monkeypatch):
+    """Prompts longer than the token budget prefill in chunks after their earlier keys; on sm_90 (head dim 128) such
+    chunks gather their keys out of the cache and run the packed Gluon forward (``rlexact.ops.kv_gather``), and the
+    completions equal the trainer's bitwise. Negative control: a gather that swaps two key rows changes them."""
+    from rlexact.ops import gluon_attention, kv_gather
+
+    if gluon_attention.gluon is None or not gluon_attention.sm90(torch.cuda.current_device()):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    calls = []
+    real = kv_gather.gather
+    monkeypatch.setattr(kv_gather, "gather", lambda *a: calls.append(1) or real(*a))
+    prompts = prompts_for(6, llama.config.vocab_size, lo=300, hi=900, seed=8)
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    outs = Generator(llama, max_num_batched_tokens=256, block_size=16).generate(prompts, params)
+    assert calls, "no prefill chunk was gathered"
+    assert_exact(llama, outs)
+
+    def swapped(*args):
+        k, v = real(*args)
+        k = k.clone()
+        k[[1, 2]] = k[[2, 1]]  # the first sequence's keys at positions 1 and 2
+        return k, v
+
+    monkeypatch.setattr(kv_gather, "gather", swapped)
+    bad = Generator(llama, max_num_batched_tokens=256, block_size=16).generate(prompts, params)
+    assert not same(bad, outs)

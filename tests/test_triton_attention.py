@@ -322,6 +322,84 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128)], ids=str)
+def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paged launch with many queries per sequence gathers its keys out of the caches and runs the packed Gluon
+    kernel (``rlexact.ops.kv_gather``): its rows equal the ``tl`` paged launch's bitwise, for prefill chunks after
+    earlier keys (across KV splits and tile edges), a fresh prompt and decode rows in the same launch, with pages
+    shuffled across sequences and NaN in every cache slot past a sequence and in the table entries past it. The
+    default dispatch takes the gathered path only from ``MIN_MEAN_QUERIES`` queries per sequence. Negative control:
+    a perturbed visible key changes its sequence's rows and no other."""
+    from rlexact.ops import kv_gather
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = heads
+    page = 16
+    past = [1000, 0, 37, 2048, 5000, 63, 64, 4095, 1]
+    new = [200, 300, 1, 700, 1500, 65, 64, 1, 129]
+    lens = [p + n for p, n in zip(past, new)]
+    nblk = [-(-n // page) for n in lens]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    q = torch.randn(sum(new), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    if not gluon_attention_supported(q, kc):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    perm = torch.randperm(sum(nblk) + 1, device="cuda", generator=g).to(torch.int32)
+    tables = torch.full((len(lens), max(nblk)), int(perm[-1]), device="cuda", dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        tables[i, : nblk[i]] = perm[used : used + nblk[i]]
+        for cache in (kc, vc):
+            cache[int(perm[used + nblk[i] - 1]), n - (nblk[i] - 1) * page :] = float("nan")
+        used += nblk[i]
+    kc[int(perm[-1])] = vc[int(perm[-1])] = float("nan")
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    calls = []
+    real = kv_gather.gather
+    monkeypatch.setattr(kv_gather, "gather", lambda *a: calls.append(1) or real(*a))
+
+    every = slice(0, len(lens))
+
+    def run(cfg: dict | None, k: torch.Tensor = kc, seqs: slice = every) -> torch.Tensor:
+        a, b = seqs.start, seqs.stop
+        qq = q[int(cu[a]) : int(cu[b])]
+        out = torch.empty_like(qq)
+        ta._forward(qq, k, vc, cu[a : b + 1] - cu[a], seqlens[seqs], tables[seqs], d**-0.5, out, cfg=cfg)
+        return out
+
+    ref = run({"GLUON": False})
+    assert torch.isfinite(ref).all() and not calls
+    assert torch.equal(run({"GATHER": True, "PAIR": pair}), ref) and len(calls) == 1
+    assert torch.equal(run(None), ref) and len(calls) == 2  # 2,960 queries over 9 sequences: gathered by default
+    tail = slice(5, 9)  # 259 queries over 4 sequences: below MIN_MEAN_QUERIES, the tl launch
+    assert kv_gather.MIN_MEAN_QUERIES * 4 > 259
+    assert torch.equal(run(None, seqs=tail), ref[int(cu[5]) :]) and len(calls) == 2
+    one_each = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)  # a decode step: never gathered
+    outs = [torch.empty(len(lens), hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for out, cfg in zip(outs, (None, {"GLUON": False})):
+        ta._forward(q[: len(lens)], kc, vc, one_each, seqlens, tables, d**-0.5, out, cfg=cfg, max_seqlen_q=1)
+    assert torch.equal(outs[0], outs[1]) and len(calls) == 2
+    k2 = kc.clone()
+    k2[int(tables[3, 100 // page]), 100 % page] += 1.0  # sequence 3's key at position 100, visible to all its queries
+    out = run({"GATHER": True, "PAIR": pair}, k=k2)
+    rows3 = slice(int(cu[3]), int(cu[4]))
+    assert not torch.equal(out[rows3], ref[rows3])
+    others = torch.ones(sum(new), dtype=torch.bool, device="cuda")
+    others[rows3] = False
+    assert torch.equal(out[others], ref[others])
+
+
+def gluon_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from rlexact.ops import gluon_attention
+
+    rows = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    return gluon_attention.supported(q, rows, rows, 64)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_negative_control(checks, dtype) -> None:
     checks.check_negative_control(GPU_LENS, *QWEN3, dtype=dtype, device="cuda")

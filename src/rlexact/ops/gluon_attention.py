@@ -61,6 +61,7 @@ from .triton_shared import (
 __all__ = [
     "cta_barrier",
     "forward",
+    "key_rows",
     "kv_layout",
     "launch",
     "launch_packed",
@@ -133,6 +134,21 @@ if gluon is not None:
         return b, q_begin, slot - (q_begin // P + b)
 
     @gluon.jit
+    def key_rows(seqk_ptr, kv_rows, b, q_begin, nq, GATHERED: gl.constexpr):
+        """``(key count, first key row, position of the first query)`` of sequence ``b``: in a packed launch its
+        queries are its keys; in a gathered one (:mod:`rlexact.ops.kv_gather`) its keys are rows
+        ``b * kv_rows ..`` of the gathered K/V, ``seqk[b]`` of them, and its ``nq`` queries are the last positions."""
+        if GATHERED:
+            nk = gl.load(seqk_ptr + b)
+            kv_begin = b * kv_rows
+            q_start = nk - nq
+        else:
+            nk = nq
+            kv_begin = q_begin
+            q_start = 0
+        return nk, kv_begin, q_start
+
+    @gluon.jit
     def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr):
         """One key tile's step of the running softmax (the ``tl`` kernel's operations): ``(m_new, alpha, p)`` with
         ``p = exp2(fma(s, scale, -m))`` in ``dt`` and ``alpha`` the rescale of the state so far."""
@@ -141,12 +157,12 @@ if gluon is not None:
         return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
 
     @gluon.jit
-    def mask_scores(s, j, n_full, pos, offs_n, nq, BLOCK_N: gl.constexpr):
+    def mask_scores(s, j, n_full, pos, offs_n, nk, BLOCK_N: gl.constexpr):
         """Key tile ``j``'s scores with keys past a row's position or past the sequence at ``-inf`` (tiles below
         ``n_full`` are visible to every row and returned as they are)."""
         if j >= n_full:
             kpos = j * BLOCK_N + offs_n
-            s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nq)[None, :], s, float("-inf"))
+            s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nk)[None, :], s, float("-inf"))
         return s
 
     @gluon.jit
@@ -228,9 +244,9 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
-                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, GROUP: gl.constexpr,
-                    D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
-                    SCAN: gl.constexpr, W: gl.constexpr):  # fmt: skip
+                    stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, HP: gl.constexpr,
+                    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
+                    BWD_PREP: gl.constexpr, SCAN: gl.constexpr, W: gl.constexpr, GATHERED: gl.constexpr):  # fmt: skip
         KS: gl.constexpr = K_SLOTS
         VS: gl.constexpr = V_SLOTS
         BLOCK_M: gl.constexpr = 16 * W
@@ -243,6 +259,7 @@ if gluon is not None:
         nq = gl.load(cu_ptr + b + 1) - q_begin
         if tile * P >= nq:
             return
+        nk, kv_begin, q_start = key_rows(seqk_ptr, kv_rows, b, q_begin, nq, GATHERED)
 
         s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
@@ -276,18 +293,18 @@ if gluon is not None:
         for i in gl.static_range(VS):
             mbarrier.init(v_bars.index(i), count=1)
 
-        last_pos = gl.minimum(tile * P + P, nq) - 1
+        last_pos = q_start + gl.minimum(tile * P + P, nq) - 1
         n_tiles = last_pos // BLOCK_N + 1
-        n_full = (tile * P + 1) // BLOCK_N  # tiles below it are visible to every row and wholly inside the sequence
-        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        n_full = (q_start + tile * P + 1) // BLOCK_N  # tiles below it: visible to every row, wholly inside the sequence
+        pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         nbytes: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
         for x in gl.static_range(KS):
             if x < n_tiles:
-                load_rows(k_desc, k_smem, k_bars, x, q_begin, kv_col, KS, BLOCK_N, nbytes)
+                load_rows(k_desc, k_smem, k_bars, x, kv_begin, kv_col, KS, BLOCK_N, nbytes)
         for x in gl.static_range(VS):
             if x < n_tiles:
-                load_rows(v_desc, v_smem, v_bars, x, q_begin, kv_col, VS, BLOCK_N, nbytes)
+                load_rows(v_desc, v_smem, v_bars, x, kv_begin, kv_col, VS, BLOCK_N, nbytes)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -307,8 +324,8 @@ if gluon is not None:
             mbarrier.wait(k_bars.index(t0 % KS), (t0 // KS) & 1)
             s = warpgroup_mma(q_smem, k_smem.index(t0 % KS).permute((1, 0)), s_zero, use_acc=False)
             if t0 + KS < n_tiles:
-                load_rows(k_desc, k_smem, k_bars, t0 + KS, q_begin, kv_col, KS, BLOCK_N, nbytes)
-            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale, dt)
+                load_rows(k_desc, k_smem, k_bars, t0 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
+            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
             l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             p_op = gl.convert_layout(p, pv_op)
@@ -321,24 +338,24 @@ if gluon is not None:
                 acc_tok = warpgroup_mma(p_op, v_smem.index(j % VS), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
                 if j + 1 + KS < n_tiles:
-                    load_rows(k_desc, k_smem, k_bars, j + 1 + KS, q_begin, kv_col, KS, BLOCK_N, nbytes)
-                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
+                    load_rows(k_desc, k_smem, k_bars, j + 1 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
+                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                              dt)  # fmt: skip
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
                 rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
                 l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
                 p_op = gl.convert_layout(p, pv_op)
                 if j + VS < n_tiles:
-                    load_rows(v_desc, v_smem, v_bars, j + VS, q_begin, kv_col, VS, BLOCK_N, nbytes)
+                    load_rows(v_desc, v_smem, v_bars, j + VS, kv_begin, kv_col, VS, BLOCK_N, nbytes)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(v_bars.index(jl % VS), (jl // VS) & 1)
-            if (jl + 1) * BLOCK_N > nq:  # V rows past the sequence: zeros, whatever the next sequence holds
-                zero_tail_rows(v_smem.index(jl % VS), jl * BLOCK_N, nq, BLOCK_N, blk)
+            if (jl + 1) * BLOCK_N > nk:  # V rows past the sequence: zeros, whatever the next rows hold
+                zero_tail_rows(v_smem.index(jl % VS), jl * BLOCK_N, nk, BLOCK_N, blk)
             acc_s = warpgroup_mma(p_op, v_smem.index(jl % VS), acc_s)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
             if jl + VS < n_tiles:
-                load_rows(v_desc, v_smem, v_bars, jl + VS, q_begin, kv_col, VS, BLOCK_N, nbytes)
+                load_rows(v_desc, v_smem, v_bars, jl + VS, kv_begin, kv_col, VS, BLOCK_N, nbytes)
         for i in gl.static_range(KS):
             mbarrier.invalidate(k_bars.index(i))
         for i in gl.static_range(VS):
@@ -367,38 +384,46 @@ def kv_layout(fp16: bool) -> object:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+            gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
-    (``out`` holds dO). Call only where :func:`supported` holds.
+    (``out`` holds dO). With ``gathered = (seqlens_k, rows)`` the keys are not the queries: sequence ``b``'s keys are
+    rows ``b * rows ..`` of ``k, v`` (``[B * rows, Hkv, 128]``, :func:`rlexact.ops.kv_gather.gather`),
+    ``seqlens_k[b]`` (int32) of them, and its queries are its last positions. Call only where :func:`supported`
+    holds.
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
     kernel's launcher directly (:func:`launch`)."""
     hq, d = q.shape[1], q.shape[2]
-    consts = (hp, hq // k.shape[1], d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS)
-    launch_packed(_fwd_kernel, q, k, v, cu, scale, out, hp, 16 * WARPS, lse_delta, consts, {"num_warps": WARPS})
+    consts = (hp, hq // k.shape[1], d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS, gathered is not None)
+    launch_packed(_fwd_kernel, q, k, v, cu, scale, out, hp, 16 * WARPS, lse_delta, consts, {"num_warps": WARPS},
+                  gathered)  # fmt: skip
 
 
 def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
                   out: torch.Tensor, hp: int, rows: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
-                  constexprs: tuple, options: Mapping[str, int]) -> None:  # fmt: skip
+                  constexprs: tuple, options: Mapping[str, int],
+                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
     """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are ``q, out, lse, delta``,
-    the K and V descriptors, ``cu``, the sequence count, the base-2 scale and the q / out / lse strides, then
-    ``constexprs``; each program takes ``rows`` query rows (``rows // hp`` positions) of one head group."""
+    the K and V descriptors, ``cu``, the sequence count, the base-2 scale, the q / out / lse strides, the key counts
+    and rows per sequence of a gathered launch, then ``constexprs``; each program takes ``rows`` query rows
+    (``rows // hp`` positions) of one head group."""
     t, hq, d = q.shape
-    hkv = k.shape[1]
+    tk, hkv = k.shape[0], k.shape[1]
     num_seqs = cu.shape[0] - 1
     layout = kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k, [t, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
-    v_desc = GluonDescriptor(v, [t, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
+    k_desc = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
+    v_desc = GluonDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
+    seqk, kv_rows = gathered if gathered is not None else (cu, 0)  # unread in a packed launch
     grid = (t // (rows // hp) + num_seqs, hq // hp)
     sq, so, sl = q.stride(), out.stride(), lse.stride()
     args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], *constexprs)  # fmt: skip
+            sl[0], sl[1], seqk, kv_rows, *constexprs)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
-    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], t, k.stride(0), v.stride(0))
-    launch(kernel, grid, args, (q, out, lse, delta, cu, k, v), ints, options)
+    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], kv_rows, tk, k.stride(0), v.stride(0))
+    launch(kernel, grid, args, (q, out, lse, delta, cu, seqk, k, v), ints, options)
 
 
 _LAUNCHERS: dict = {}

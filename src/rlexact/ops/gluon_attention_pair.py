@@ -38,6 +38,7 @@ if ga.gluon is not None:
     from .gluon_attention import (
         cta_barrier,
         fold,
+        key_rows,
         load_rows,
         locate,
         mask_scores,
@@ -75,21 +76,23 @@ if ga.gluon is not None:
     """KV split keys of a bound specialization (:func:`kernel`)."""
 
     @gluon.jit
-    def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, q_begin, kv_col):
+    def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, kv_begin, kv_col):
         """Copy K tile x and then V tile x into slot x % SLOTS of their rings, each once both consumers released it."""
         nbytes: gl.constexpr = k_desc.block_type.nbytes
         for x in range(n_tiles):
             phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
             mbarrier.wait(k_empty.index(x % SLOTS), phase)
-            load_rows(k_desc, k_smem, k_ready, x, q_begin, kv_col, SLOTS, TILE_N, nbytes)
+            load_rows(k_desc, k_smem, k_ready, x, kv_begin, kv_col, SLOTS, TILE_N, nbytes)
             mbarrier.wait(v_empty.index(x % SLOTS), phase)
-            load_rows(v_desc, v_smem, v_ready, x, q_begin, kv_col, SLOTS, TILE_N, nbytes)
+            load_rows(v_desc, v_smem, v_ready, x, kv_begin, kv_col, SLOTS, TILE_N, nbytes)
 
     @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              tail_bar, q_begin, nq, tile, hgroup, n_mine, tail, zero_here, qk_scale, stride_ot, stride_oh, stride_lt,
-              stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
-        """Query tile ``tile`` (its Q in ``q_smem``) over key tiles ``0 .. n_mine - 1`` from the rings: the library's
+              tail_bar, q_begin, nq, nk, q_start, tile, hgroup, n_mine, tail, zero_here, qk_scale, stride_ot,
+              stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr, BWD_PREP: gl.constexpr,
+              dt: gl.constexpr):  # fmt: skip
+        """Query tile ``tile`` (its Q in ``q_smem``; query ``i`` at position ``q_start + i`` of ``nk`` keys) over key
+        tiles ``0 .. n_mine - 1`` from the rings: the library's
         pipelined loop, each K slot released once its scores are done and each V slot once its P @ V is. Key tile
         ``tail`` runs past the sequence: its V rows there are zeroed here (``zero_here``, then ``tail_bar`` is
         signalled) or by the other consumer (``tail_bar`` is waited for)."""
@@ -107,8 +110,8 @@ if ga.gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        n_full = (tile * P + 1) // BLOCK_N
-        pos = tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        n_full = (q_start + tile * P + 1) // BLOCK_N
+        pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -123,7 +126,7 @@ if ga.gluon is not None:
             mbarrier.wait(k_ready.index(t0 % SLOTS), (t0 // SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_smem.index(t0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(t0 % SLOTS), count=1)
-            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nq, BLOCK_N), m_s, qk_scale,
+            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                             dt)  # fmt: skip
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
             l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
@@ -137,7 +140,7 @@ if ga.gluon is not None:
                 acc_tok = warpgroup_mma(p_op, v_smem.index(j % SLOTS), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
                 mbarrier.arrive(k_empty.index(nxt), count=1)
-                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nq, BLOCK_N), m_s,
+                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s,
                                                 qk_scale, dt)  # fmt: skip
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
                 rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
@@ -149,7 +152,7 @@ if ga.gluon is not None:
             mbarrier.wait(v_ready.index(jl % SLOTS), (jl // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
                 if zero_here:
-                    zero_tail_rows(v_smem.index(jl % SLOTS), jl * BLOCK_N, nq, BLOCK_N, blk)
+                    zero_tail_rows(v_smem.index(jl % SLOTS), jl * BLOCK_N, nk, BLOCK_N, blk)
                     mbarrier.arrive(tail_bar, count=1)
                 else:
                     mbarrier.wait(tail_bar, 0)
@@ -161,8 +164,8 @@ if ga.gluon is not None:
 
     @gluon.jit
     def _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                 v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh, stride_ot,
-                 stride_oh, stride_lt, stride_lh, C: gl.constexpr):  # fmt: skip
+                 v_empty, tail_bar, q_begin, nq, nk, q_start, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh,
+                 stride_ot, stride_oh, stride_lt, stride_lh, C: gl.constexpr):  # fmt: skip
         """Consumer ``C``: query tile ``2 * pair + C`` (its Q loaded here), the key tiles its rows need, then the
         release of those only the other consumer needs."""
         HP: gl.constexpr = PAIR_HP
@@ -172,9 +175,9 @@ if ga.gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         dt: gl.constexpr = k_smem.dtype
         tile = 2 * pair + C
-        n_mine = gl.where(tile * P < nq, (gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
-        n_first = (gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 always has rows (kernel checks)
-        tail = gl.where(n_tiles * TILE_N > nq, n_tiles - 1, -1)  # the key tile that runs past the sequence, if any
+        n_mine = gl.where(tile * P < nq, (q_start + gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
+        n_first = (q_start + gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 always has rows
+        tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile that runs past the sequence, if any
         zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
         if n_mine > 0:
             rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
@@ -185,8 +188,8 @@ if ga.gluon is not None:
             fence_async_shared()
             cta_barrier()
             _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                  tail_bar, q_begin, nq, tile, hgroup, n_mine, tail, zeroer == C, qk_scale, stride_ot, stride_oh,
-                  stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
+                  tail_bar, q_begin, nq, nk, q_start, tile, hgroup, n_mine, tail, zeroer == C, qk_scale, stride_ot,
+                  stride_oh, stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
         for x in range(n_mine, n_tiles):
             mbarrier.wait(k_ready.index(x % SLOTS), (x // SLOTS) & 1)
             mbarrier.arrive(k_empty.index(x % SLOTS), count=1)
@@ -195,24 +198,26 @@ if ga.gluon is not None:
 
     @gluon.jit
     def _worker_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles,
-                         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh):  # fmt: skip
+                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, nk, q_start, kv_begin, pair, hgroup,
+                         kv_col, n_tiles, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                         stride_lh):  # fmt: skip
         """Consumer 1 (the worker partitions share one argument list)."""
         _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready, k_empty,
-                 v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale, stride_qt, stride_qh,
-                 stride_ot, stride_oh, stride_lt, stride_lh, 1)  # fmt: skip
+                 v_ready, v_empty, tail_bar, q_begin, nq, nk, q_start, pair, hgroup, n_tiles, qk_scale, stride_qt,
+                 stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1)  # fmt: skip
 
     @gluon.jit
     def _worker_producer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles,
-                         qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh):  # fmt: skip
+                         k_ready, k_empty, v_ready, v_empty, tail_bar, q_begin, nq, nk, q_start, kv_begin, pair, hgroup,
+                         kv_col, n_tiles, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                         stride_lh):  # fmt: skip
         """The producer (the worker partitions share one argument list)."""
-        _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, q_begin, kv_col)
+        _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_tiles, kv_begin, kv_col)
 
     @gluon.jit
     def _pair_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
-                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, GROUP: gl.constexpr,
-                     SCAN: gl.constexpr):  # fmt: skip
+                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, GROUP: gl.constexpr,
+                     SCAN: gl.constexpr, GATHERED: gl.constexpr):  # fmt: skip
         gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
         HP: gl.constexpr = PAIR_HP
         D: gl.constexpr = HEAD_D
@@ -225,19 +230,21 @@ if ga.gluon is not None:
         nq = gl.load(cu_ptr + b + 1) - q_begin
         if pair * 2 * P >= nq:
             return
+        nk, kv_begin, q_start = key_rows(seqk_ptr, kv_rows, b, q_begin, nq, GATHERED)
         q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
         tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(tail_bar, count=1)
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W, 2)
-        n_tiles = (gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
+        n_tiles = (q_start + gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
         worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
-                       k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, kv_col, n_tiles, qk_scale,
-                       stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh)  # fmt: skip
+                       k_empty, v_ready, v_empty, tail_bar, q_begin, nq, nk, q_start, kv_begin, pair, hgroup, kv_col,
+                       n_tiles, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                       stride_lh)  # fmt: skip
         gl.warp_specialize(
             [
                 (_consume, (q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(0), ones_smem, k_smem, v_smem, k_ready,
-                            k_empty, v_ready, v_empty, tail_bar, q_begin, nq, pair, hgroup, n_tiles, qk_scale,
-                            stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0)),
+                            k_empty, v_ready, v_empty, tail_bar, q_begin, nq, nk, q_start, pair, hgroup, n_tiles,
+                            qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0)),
                 (_worker_consumer, worker_args),
                 (_worker_producer, worker_args),
             ],
@@ -264,9 +271,10 @@ def chosen(num_tokens: int, num_seqs: int) -> bool:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+            hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+            gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel.
     Call only where :func:`rlexact.ops.gluon_attention.supported` holds."""
-    consts = (q.shape[1] // k.shape[1], ga.SCAN)
+    consts = (q.shape[1] // k.shape[1], ga.SCAN, gathered is not None)
     ga.launch_packed(kernel(hp, split, lse_delta is not None), q, k, v, cu, scale, out, hp, 2 * 16 * WARPS, lse_delta,
-                     consts, {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
+                     consts, {"num_warps": WARPS, "maxnreg": MAXNREG}, gathered)  # fmt: skip

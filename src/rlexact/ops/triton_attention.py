@@ -32,8 +32,10 @@ in a prefill chunk of any size, or in decode. (One online softmax across all til
 split-then-merge; what matters is that every path uses the same splits.)
 On sm_90 Gluon kernels carry some of these launches with the same tiles, splits and per-row operations, so the
 same bits: packed launches (:mod:`rlexact.ops.gluon_attention`, or its warp-specialized pair of query tiles
-:mod:`rlexact.ops.gluon_attention_pair` where the sequences are long) and decode steps whose contexts fit one split
-(:mod:`rlexact.ops.gluon_decode`, persistent over the (sequence, head group) items).
+:mod:`rlexact.ops.gluon_attention_pair` where the sequences are long), paged launches with many queries per sequence
+(prefill chunks with earlier keys: their keys gathered out of the caches, :mod:`rlexact.ops.kv_gather`, then the packed
+kernels) and decode steps whose contexts fit one split (:mod:`rlexact.ops.gluon_decode`, persistent over the
+(sequence, head group) items).
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -67,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gluon_attention, gluon_attention_pair, gluon_decode
+from . import gluon_attention, gluon_attention_pair, gluon_decode, kv_gather
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
@@ -801,9 +803,10 @@ def _forward(
     With ``lse_delta = (lse, delta)`` (both ``[T, Hq]`` fp32) this is the backward's preprocessing: ``out`` must hold
     dO; it is read, not written, and ``lse`` (base 2) and ``delta = rowsum(dO * O)`` are stored instead. ``cfg``
     overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a launch on the
-    ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed) or :mod:`rlexact.ops.gluon_decode` (a decode step
-    within one KV split) would take it; ``{"PAIR": bool}`` picks the packed Gluon kernel, which
-    :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise). ``max_seqlen_q``: an upper bound of
+    ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed, or paged with gathered keys) or
+    :mod:`rlexact.ops.gluon_decode` (a decode step within one KV split) would take it; ``{"PAIR": bool}`` picks the
+    packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise; ``{"GATHER": bool}``
+    decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
     does not read it (``ONE_Q``).
@@ -843,6 +846,8 @@ def _forward(
         stride_vt, stride_vh = v.stride(0), v.stride(1)
         stride_bt = 0
         max_keys = tq
+    if paged and lse is None and _gathered(q, k, v, cu_q, seqlens_k, block_tables, scale, out, cfg, max_keys):
+        return
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
     if (
@@ -919,6 +924,29 @@ def _forward(
         **pdl,
         **COMPILE_OPTIONS,
     )
+
+
+def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, seqlens_k: torch.Tensor,
+              block_tables: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict,
+              max_keys: int) -> bool:  # fmt: skip
+    """Run a paged forward as a packed Gluon launch over its keys gathered out of the caches
+    (:mod:`rlexact.ops.kv_gather`), where :func:`rlexact.ops.kv_gather.chosen` (or ``cfg["GATHER"]``) takes it and
+    the packed kernel supports the gathered rows; returns whether it ran."""
+    tq, hq, d = q.shape
+    num_seqs, hkv = cu_q.shape[0] - 1, k.shape[2]
+    take = cfg.get("GATHER", kv_gather.chosen(tq, num_seqs, max_keys, hkv * d * k.element_size()))
+    if not take or not cfg.get("GLUON", True) or not (k.is_contiguous() and v.is_contiguous()):
+        return False
+    flat_k, flat_v = k.view(-1, hkv, d), v.view(-1, hkv, d)
+    if not gluon_attention.supported(q, flat_k, flat_v, cfg["BLOCK_N"]):
+        return False
+    kk, vv = kv_gather.gather(k, v, block_tables, seqlens_k, max_keys)
+    hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
+    pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
+    (gluon_attention_pair if pair else gluon_attention).forward(
+        q, kk, vv, cu_q, scale, out, hp, cfg["SPLIT"], gathered=(seqlens_k, max_keys)
+    )
+    return True
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
