@@ -25,6 +25,9 @@ the result also holds ``roofline``, the bound of a decode step at the run's mean
 K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer; :func:`roofline.decode_step_bound`)
 and ``decode_step_over_bound``.
 
+``--compare-gather`` adds ``paged_gather_off``: the same call with prefill chunks after earlier keys on the ``tl``
+paged kernel instead of gathered into the packed Gluon forward (:mod:`rlexact.ops.kv_gather`), bitwise compared.
+
 ``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
 ``results[batch]["exact"]["profile"]``. ``profile.host_ms_per_decode_step`` splits the host side of a CUDA-graph
@@ -46,14 +49,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import rlexact
 from common import ROOT, header
+from rlexact.ops import kv_gather
 from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
@@ -270,6 +276,17 @@ def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int
     return res | {"note": "overlap_prefill=False; median of the timed calls"}
 
 
+def paged_gather_off(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
+    """The same ``generate`` call with no paged launch gathered (:mod:`rlexact.ops.kv_gather`: prefill chunks after
+    earlier keys run the ``tl`` paged kernel), side by side with the default's timed walls: one warm-up call, then
+    ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
+    with mock.patch.object(kv_gather, "MIN_MEAN_QUERIES", sys.maxsize):
+        gen = make_generator(model, "exact", len(prompts) * n, args, share=share)
+        res = repeated_calls(gen, prompts, args, device, reference, n)
+    res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]  # the timed calls only
+    return res | {"note": "kv_gather.MIN_MEAN_QUERIES patched to sys.maxsize; median of the timed calls"}
+
+
 def run_rlexact(
     model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True
 ) -> tuple[dict, list]:
@@ -320,6 +337,11 @@ def run_rlexact(
             res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001
             res["kept_engine_error"] = traceback.format_exc()
+        if args.compare_gather:
+            try:
+                res["paged_gather_off"] = paged_gather_off(model, prompts, args, device, outs, n=n, share=share)
+            except Exception:  # noqa: BLE001
+                res["paged_gather_off_error"] = traceback.format_exc()
     if args.profile and kernels == "exact":
         try:
             res["profile"] = profile_decode(gen, prompts, args, device)
@@ -409,6 +431,9 @@ def main() -> int:
     ap.add_argument(
         "--batched-tokens", type=int, default=0, help="max_num_batched_tokens (default: the library's or 2 * batch)"
     )
+    ap.add_argument(
+        "--compare-gather", action="store_true", help="also time the exact call with no paged launch gathered"
+    )
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
     ap.add_argument("--grpo-prompts", type=int, default=64, help="prompts of the GRPO load (default 64)")
@@ -440,6 +465,7 @@ def main() -> int:
             "cuda_graphs": not args.no_graphs,
             "max_num_batched_tokens": args.batched_tokens or "max(GeneratorConfig default, 2 * batch)",
             "profile_new_tokens": args.profile,
+            "compare_gather": args.compare_gather,
         },
         "results": {},
         "errors": {},
