@@ -23,8 +23,9 @@ MIN_MEAN_QUERIES = 128
 """Queries per sequence, on average over a paged launch, from which it is gathered
 (``benchmarks/results/ops_attention_h200.json``, the ``paged_chunk_*`` cases: gathered and ``tl`` paged side by
 side)."""
-MAX_BYTES = 1 << 30
-"""Largest gathered K plus V buffer; a launch that would need more stays on the paged kernel."""
+MAX_BYTES = 1 << 29
+"""Largest gathered K plus V buffer (about what a long prefill step's MLP activations take); a launch that would
+need more stays on the paged kernel."""
 
 
 def chosen(num_queries: int, num_seqs: int, rows: int, row_bytes: int) -> bool:
