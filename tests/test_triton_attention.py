@@ -273,21 +273,11 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     hq, hkv, d = heads
     page, split = gluon_decode.PAGE, ta.SPLIT_KEYS_16BIT
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 100, 129, 1000, 1023, split, *range(3, split, 97)]
-    nblk = [-(-n // page) for n in lens]
     g = torch.Generator(device="cuda").manual_seed(0)
-    kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    kc, vc, tables = nan_paged_caches(lens, hkv, d, page, g)
     q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     if not gluon_decode.supported(q, kc, vc, 64, split):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    perm = torch.randperm(sum(nblk) + 1, device="cuda", generator=g).to(torch.int32)
-    tables = torch.full((len(lens), max(nblk)), int(perm[-1]), device="cuda", dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        tables[i, : nblk[i]] = perm[used : used + nblk[i]]
-        for cache in (kc, vc):
-            cache[int(perm[used + nblk[i] - 1]), n - (nblk[i] - 1) * page :] = float("nan")
-        used += nblk[i]
-    kc[int(perm[-1])] = vc[int(perm[-1])] = float("nan")
     cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
     seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     calls = []
@@ -339,21 +329,11 @@ def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPat
     past = [1000, 0, 37, 2048, 5000, 63, 64, 4095, 1]
     new = [200, 300, 1, 700, 1500, 65, 64, 1, 129]
     lens = [p + n for p, n in zip(past, new)]
-    nblk = [-(-n // page) for n in lens]
     g = torch.Generator(device="cuda").manual_seed(3)
-    kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    kc, vc, tables = nan_paged_caches(lens, hkv, d, page, g)
     q = torch.randn(sum(new), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     if not gluon_attention_supported(q, kc):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    perm = torch.randperm(sum(nblk) + 1, device="cuda", generator=g).to(torch.int32)
-    tables = torch.full((len(lens), max(nblk)), int(perm[-1]), device="cuda", dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        tables[i, : nblk[i]] = perm[used : used + nblk[i]]
-        for cache in (kc, vc):
-            cache[int(perm[used + nblk[i] - 1]), n - (nblk[i] - 1) * page :] = float("nan")
-        used += nblk[i]
-    kc[int(perm[-1])] = vc[int(perm[-1])] = float("nan")
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     calls = []
@@ -389,6 +369,25 @@ def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPat
     others = torch.ones(sum(new), dtype=torch.bool, device="cuda")
     others[rows3] = False
     assert torch.equal(out[others], ref[others])
+
+
+def nan_paged_caches(
+    lens: list[int], hkv: int, d: int, page: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 caches ``[NB, page, hkv, d]`` and block tables for sequences of ``lens`` keys: pages shuffled across
+    sequences, NaN in every slot past a sequence, and the table entries past a sequence pointing at a NaN page."""
+    nblk = [-(-n // page) for n in lens]
+    kc, vc = (torch.randn(sum(nblk) + 1, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    perm = torch.randperm(sum(nblk) + 1, device="cuda", generator=g).to(torch.int32)
+    tables = torch.full((len(lens), max(nblk)), int(perm[-1]), device="cuda", dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        tables[i, : nblk[i]] = perm[used : used + nblk[i]]
+        for cache in (kc, vc):
+            cache[int(perm[used + nblk[i] - 1]), n - (nblk[i] - 1) * page :] = float("nan")
+        used += nblk[i]
+    kc[int(perm[-1])] = vc[int(perm[-1])] = float("nan")
+    return kc, vc, tables
 
 
 def gluon_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
