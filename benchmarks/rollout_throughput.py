@@ -407,8 +407,12 @@ def run_hf(model, prompts, args, device) -> dict:
     return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
+SPOT_CHECK_TOKENS = 65536
+"""Most tokens the exactness spot check scores in one trainer forward (at least one completion is checked)."""
+
+
 def spot_check(model, outs, k: int = 4) -> dict:
-    sub = outs[:k]
+    sub = outs[: max(1, min(k, SPOT_CHECK_TOKENS // len(outs[0].sequence)))]
     ref = rlexact.sequence_logprobs(model, [o.sequence for o in sub])
     diffs = [(o.logprobs - r[-len(o.token_ids) :].cpu()).abs().max().item() for o, r in zip(sub, ref)]
     equal = [torch.equal(o.logprobs, r[-len(o.token_ids) :].cpu()) for o, r in zip(sub, ref)]

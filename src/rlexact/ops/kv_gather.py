@@ -2,12 +2,13 @@
 
 A paged launch whose sequences have many queries each (prefill chunks after earlier chunks, a prompt after a cached
 prefix) is compute-bound, and the packed Gluon kernels (:mod:`rlexact.ops.gluon_attention`, one TMA box per key tile)
-carry it faster than the ``tl`` paged kernel, which addresses every key row through the block table. :func:`gather`
-copies each sequence's keys and values out of the caches, in position order, into ``rows`` rows per sequence; the
-packed kernels then read sequence ``b``'s keys at rows ``b * rows ..`` with its queries at its last positions. A copy
-moves bits unchanged, and the kernels' key tiles stay anchored at the sequence's position 0, so every row keeps the
-paged launch's bits (docs/design.md §2.4). Rows past a sequence's keys hold a copy of cache row 0: the kernels mask
-their scores and zero their values, as they do for every row past a sequence.
+carry it faster than the ``tl`` paged kernel, which addresses every key row through the block table; the paired query
+tiles (:mod:`rlexact.ops.gluon_attention_pair`) take it, since each query tile of such a chunk reads many key tiles.
+:func:`gather` copies each sequence's keys and values out of the caches, in position order, into ``rows`` rows per
+sequence; the packed kernels then read sequence ``b``'s keys at rows ``b * rows ..`` with its queries at its last
+positions. A copy moves bits unchanged, and the kernels' key tiles stay anchored at the sequence's position 0, so every
+row keeps the paged launch's bits (docs/design.md §2.4). Rows past a sequence's keys hold a copy of cache row 0: the
+kernels mask their scores and zero their values, as they do for every row past a sequence.
 
 :func:`chosen` decides on the host, from sizes only: the copy reads every key once more, which pays where a
 sequence's keys serve many queries (:data:`MIN_MEAN_QUERIES`), and its buffer is bounded (:data:`MAX_BYTES`).
@@ -19,7 +20,7 @@ import torch
 
 __all__ = ["MAX_BYTES", "MIN_MEAN_QUERIES", "chosen", "gather"]
 
-MIN_MEAN_QUERIES = 128
+MIN_MEAN_QUERIES = 256
 """Queries per sequence, on average over a paged launch, from which it is gathered
 (``benchmarks/results/ops_attention_h200.json``, the ``paged_chunk_*`` cases: gathered and ``tl`` paged side by
 side)."""

@@ -805,7 +805,8 @@ def _forward(
     overrides entries of :func:`_launch_config` (benchmarks and tests only; ``{"GLUON": False}`` keeps a launch on the
     ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed, or paged with gathered keys) or
     :mod:`rlexact.ops.gluon_decode` (a decode step within one KV split) would take it; ``{"PAIR": bool}`` picks the
-    packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise; ``{"GATHER": bool}``
+    packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise (a gathered launch: the
+    pair); ``{"GATHER": bool}``
     decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise). ``max_seqlen_q``: an upper bound of
     every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
     A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
@@ -931,7 +932,8 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
               max_keys: int) -> bool:  # fmt: skip
     """Run a paged forward as a packed Gluon launch over its keys gathered out of the caches
     (:mod:`rlexact.ops.kv_gather`), where :func:`rlexact.ops.kv_gather.chosen` (or ``cfg["GATHER"]``) takes it and
-    the packed kernel supports the gathered rows; returns whether it ran."""
+    the packed kernel supports the gathered rows; returns whether it ran. The paired query tiles carry it unless
+    ``cfg["PAIR"]`` is False."""
     tq, hq, d = q.shape
     num_seqs, hkv = cu_q.shape[0] - 1, k.shape[2]
     take = cfg.get("GATHER", kv_gather.chosen(tq, num_seqs, max_keys, hkv * d * k.element_size()))
@@ -942,8 +944,7 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
         return False
     kk, vv = kv_gather.gather(k, v, block_tables, seqlens_k, max_keys)
     hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
-    pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
-    (gluon_attention_pair if pair else gluon_attention).forward(
+    (gluon_attention_pair if cfg.get("PAIR", True) else gluon_attention).forward(
         q, kk, vv, cu_q, scale, out, hp, cfg["SPLIT"], gathered=(seqlens_k, max_keys)
     )
     return True
