@@ -22,8 +22,8 @@ __all__ = ["MAX_BYTES", "MIN_MEAN_QUERIES", "chosen", "gather"]
 
 MIN_MEAN_QUERIES = 256
 """Queries per sequence, on average over a paged launch, from which it is gathered
-(``benchmarks/results/ops_attention_h200.json``, the ``paged_chunk_*`` cases: gathered and ``tl`` paged side by
-side)."""
+(``benchmarks/results/ops_attention_gather_sweep_h200.json``, the ``paged_chunk_*`` cases: gathered and ``tl`` paged
+side by side)."""
 MAX_BYTES = 1 << 29
 """Largest gathered K plus V buffer (about what a long prefill step's MLP activations take); a launch that would
 need more stays on the paged kernel."""
