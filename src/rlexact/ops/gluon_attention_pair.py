@@ -53,7 +53,8 @@ __all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel"]
 
 MIN_MEAN_KEYS = 4096
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
-each prefill case's ``gluon_kernels``: faster at this mean, within a run's noise at half and twice it, slower below)."""
+each prefill case's ``gluon_kernels``: faster at this mean and, in most runs, at twice it; equal at half it; slower
+below)."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 MAXNREG = 168
