@@ -271,9 +271,15 @@ def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int
     launched), side by side with the default's ``decode_step_walls_s["long"]``: one warm-up call, then
     ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
     gen = make_generator(model, "exact", len(prompts) * n, args, share=share, overlap_prefill=False)
+    return timed_calls_only(gen, prompts, args, device, reference, n, "overlap_prefill=False")
+
+
+def timed_calls_only(gen: Generator, prompts, args, device, reference: list, n: int, setting: str) -> dict:
+    """:func:`repeated_calls` on a side-by-side variant's generator, keeping only the timed calls' walls and eager
+    seconds, with a note naming the ``setting`` that differs from the default."""
     res = repeated_calls(gen, prompts, args, device, reference, n)
-    res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]  # the timed calls only
-    return res | {"note": "overlap_prefill=False; median of the timed calls"}
+    res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]
+    return res | {"note": f"{setting}; median of the timed calls"}
 
 
 def paged_gather_off(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
@@ -282,9 +288,8 @@ def paged_gather_off(model, prompts, args, device, reference: list, *, n: int, s
     ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
     with mock.patch.object(kv_gather, "MIN_MEAN_QUERIES", sys.maxsize):
         gen = make_generator(model, "exact", len(prompts) * n, args, share=share)
-        res = repeated_calls(gen, prompts, args, device, reference, n)
-    res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]  # the timed calls only
-    return res | {"note": "kv_gather.MIN_MEAN_QUERIES patched to sys.maxsize; median of the timed calls"}
+        setting = "kv_gather.MIN_MEAN_QUERIES patched to sys.maxsize"
+        return timed_calls_only(gen, prompts, args, device, reference, n, setting)
 
 
 def run_rlexact(

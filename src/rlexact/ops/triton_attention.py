@@ -806,12 +806,11 @@ def _forward(
     ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed, or paged with gathered keys) or
     :mod:`rlexact.ops.gluon_decode` (a decode step within one KV split) would take it; ``{"PAIR": bool}`` picks the
     packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise (a gathered launch: the
-    pair); ``{"GATHER": bool}``
-    decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise). ``max_seqlen_q``: an upper bound of
-    every sequence's query count; when it fits one query tile, grid axis 0 has one program per sequence (``DIRECT``).
-    A bound of 1 with as many queries as sequences means one query each, so ``cu_q`` is ``arange`` and the kernel
-    does not read it (``ONE_Q``).
-    ``counters``: int32 zeros for the split-parallel tickets (left zeroed); allocated here when None or too small.
+    pair); ``{"GATHER": bool}`` decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise).
+    ``max_seqlen_q``: an upper bound of every sequence's query count; when it fits one query tile, grid axis 0 has one
+    program per sequence (``DIRECT``). A bound of 1 with as many queries as sequences means one query each, so ``cu_q``
+    is ``arange`` and the kernel does not read it (``ONE_Q``). ``counters``: int32 zeros for the split-parallel tickets
+    (left zeroed); allocated here when None or too small.
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -827,9 +826,8 @@ def _forward(
         raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
-        hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
-        (gluon_attention_pair if pair else gluon_attention).forward(q, k, v, cu_q, scale, out, hp, split, lse_delta)
+        _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta)
         return
     hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
@@ -934,7 +932,7 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     (:mod:`rlexact.ops.kv_gather`), where :func:`rlexact.ops.kv_gather.chosen` (or ``cfg["GATHER"]``) takes it and
     the packed kernel supports the gathered rows; returns whether it ran. The paired query tiles carry it unless
     ``cfg["PAIR"]`` is False."""
-    tq, hq, d = q.shape
+    tq, _, d = q.shape
     num_seqs, hkv = cu_q.shape[0] - 1, k.shape[2]
     take = cfg.get("GATHER", kv_gather.chosen(tq, num_seqs, max_keys, hkv * d * k.element_size()))
     if not take or not cfg.get("GLUON", True) or not (k.is_contiguous() and v.is_contiguous()):
@@ -943,11 +941,18 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     if not gluon_attention.supported(q, flat_k, flat_v, cfg["BLOCK_N"]):
         return False
     kk, vv = kv_gather.gather(k, v, block_tables, seqlens_k, max_keys)
-    hp = _heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
-    (gluon_attention_pair if cfg.get("PAIR", True) else gluon_attention).forward(
-        q, kk, vv, cu_q, scale, out, hp, cfg["SPLIT"], gathered=(seqlens_k, max_keys)
-    )
+    _gluon_packed(cfg.get("PAIR", True), q, kk, vv, cu_q, scale, out, cfg["SPLIT"], gathered=(seqlens_k, max_keys))
     return True
+
+
+def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, scale: float,
+                  out: torch.Tensor, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+    """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
+    tiles if ``pair``, with the model's query heads per tile."""
+    hp = _heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
+    kernel = gluon_attention_pair if pair else gluon_attention
+    kernel.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
