@@ -157,6 +157,41 @@ def test_split_keys_only_for_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> 
     assert tmm.split_keys(2048, 6144, bf16, tma=True) == 0
 
 
+
+@needs_triton
+def test_warp_specialized_tile_that_fails_to_compile_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile asking for warp specialization that fails to compile runs without it and says so (its bits may differ);
+    a failure without warp specialization is raised as it is."""
+    from rlexact.ops import triton_matmul as tmm
+
+    calls: list[bool] = []
+
+    class FakeKernel:
+        """A kernel stand-in whose launches with ``WS`` (or every launch, with ``always``) fail to compile."""
+
+        def __init__(self, always: bool) -> None:
+            self.always = always
+
+        def __getitem__(self, grid: tuple) -> object:
+            def run(*args: object, **kwargs: object) -> object:
+                calls.append(bool(kwargs["WS"]))
+                if kwargs["WS"] or self.always:
+                    raise RuntimeError("compilation failed")
+                return object()
+
+            return run
+
+    monkeypatch.setattr(tmm, "_WS_BROKEN", set())
+    cfg = tmm.MatmulConfig("ptr", 64, 64, 64, 4, 3, warp_specialize=True)
+    x, w, out = torch.zeros(4, 64), torch.zeros(64, 64), torch.zeros(4, 64)
+    with pytest.warns(UserWarning, match="failed to compile with warp specialization"):
+        tmm._launch_kernel(tmm._Launch(cfg, FakeKernel(False), (1,), {"WS": True}, {}, (4, 64, 64), 0), x, w, out)
+    assert calls == [True, False] and cfg in tmm._WS_BROKEN
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="compilation failed"):
+            tmm._launch_kernel(tmm._Launch(cfg, FakeKernel(True), (1,), {"WS": False}, {}, (4, 64, 64), 0), x, w, out)
+
 INTERP = r"""
 import torch
 from rlexact import ops

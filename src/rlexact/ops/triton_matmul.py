@@ -500,7 +500,8 @@ _SPLIT_SUM_BLOCK = 1024
 # ----------------------------------------------------------------------------------------------------------------------
 
 _WS_BROKEN: set = set()
-"""Configs whose warp-specialized compile failed on this machine (then they run without WS; same arithmetic)."""
+"""Configs whose warp-specialized compile failed on this machine: they run without WS, with a warning, since
+Triton's warp-specialized tiles are not always bitwise equal to the same tiles without it."""
 
 _SCRATCH: dict = {}
 """``(device index, stream) -> int8 buffer`` reused as device-descriptor scratch by launches on that stream."""
@@ -508,7 +509,7 @@ _SCRATCH: dict = {}
 
 def warp_specialized(cfg: MatmulConfig) -> bool:
     """Whether launches of ``cfg`` run warp-specialized: it asks for it and its warp-specialized compile did not fail
-    on this machine (a failed one runs the same tile without it, :data:`_WS_BROKEN`)."""
+    on this machine (a failed one runs the same tile without it and warns, :data:`_WS_BROKEN`)."""
     return cfg.warp_specialize and cfg not in _WS_BROKEN
 
 
@@ -660,11 +661,16 @@ def _launch_kernel(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.T
         args = (x, w, out, *plan.ints)
     try:
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
-    except Exception:
+    except Exception as e:
         if not plan.constexprs.get("WS"):
             raise
         # the tile without warp specialization (only configurations that ask for it get here; none of the library's)
         _WS_BROKEN.add(cfg)
+        warnings.warn(
+            f"exact matmul: tile {cfg} failed to compile with warp specialization ({e!r}); running it without, "
+            "whose bits may differ from the warp-specialized tile's",
+            stacklevel=3,
+        )
         plan.constexprs["WS"] = False
         compiled = plan.kernel[plan.grid](*args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     _keep_runner(plan, compiled, x, w, out)
