@@ -157,7 +157,6 @@ def test_split_keys_only_for_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> 
     assert tmm.split_keys(2048, 6144, bf16, tma=True) == 0
 
 
-
 @needs_triton
 def test_warp_specialized_tile_that_fails_to_compile_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tile asking for warp specialization that fails to compile runs without it and says so (its bits may differ);
@@ -191,6 +190,7 @@ def test_warp_specialized_tile_that_fails_to_compile_warns(monkeypatch: pytest.M
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError, match="compilation failed"):
             tmm._launch_kernel(tmm._Launch(cfg, FakeKernel(True), (1,), {"WS": False}, {}, (4, 64, 64), 0), x, w, out)
+
 
 INTERP = r"""
 import torch
