@@ -28,7 +28,8 @@ and ``decode_step_over_bound``.
 ``--compare-gather`` adds ``paged_gather_off``: the same call with prefill chunks after earlier keys on the ``tl``
 paged kernel instead of gathered into the packed Gluon forward (:mod:`rlexact.ops.kv_gather`), bitwise compared.
 
-``--profile N`` profiles two more exact ``generate`` calls per batch (4 and 4 + N new tokens) under ``torch.profiler``
+``--profile N`` profiles two more exact ``generate`` calls per batch (S and S + N new tokens, S = ``--profile-start``,
+default 4, so the profiled steps attend to prompt + S ... prompt + S + N keys) under ``torch.profiler``
 and stores their difference per decode step (GPU time per kernel and category, launches, wall time) under
 ``results[batch]["exact"]["profile"]``. ``profile.host_ms_per_decode_step`` splits the host side of a CUDA-graph
 decode step by part (the generator's ``stats["decode_host_s"]``: schedule, prepare, launch, wait, collect,
@@ -148,18 +149,19 @@ def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dic
 
 
 def profile_decode(gen: Generator, prompts, args, device) -> dict:
-    """GPU time per decode step and kernel: two profiled exact ``generate`` calls with 4 and ``4 + args.profile`` new
-    tokens (same prompts, so the same prefill and graph captures); their difference divided by ``args.profile`` is
-    the cost of one decode step, with the prefill and warm-up removed. Both lengths run once unmeasured first: the
-    first profiled call pays the profiler's own start-up, and a length's first call captures its decode graph after
-    an eager warm-up step (its block-table width is new to the generator), which later calls skip; the measured
-    calls' warm-up steps are recorded (``warm_up_steps``, expected zero)."""
-    for new_tokens in (4, 4 + args.profile):
+    """GPU time per decode step and kernel: two profiled exact ``generate`` calls with ``S = args.profile_start`` and
+    ``S + args.profile`` new tokens (same prompts, so the same prefill and graph captures); their difference divided
+    by ``args.profile`` is the cost of one decode step, with the prefill and warm-up removed. Both lengths run once
+    unmeasured first: the first profiled call pays the profiler's own start-up, and a length's first call captures
+    its decode graph after an eager warm-up step (its block-table width is new to the generator), which later calls
+    skip; the measured calls' warm-up steps are recorded (``warm_up_steps``, expected zero)."""
+    start = args.profile_start
+    for new_tokens in (start, start + args.profile):
         _kernel_times(gen, prompts, new_tokens, device)
-    short, wall_short = _kernel_times(gen, prompts, 4, device)
+    short, wall_short = _kernel_times(gen, prompts, start, device)
     host_short = host_snapshot(gen)
     warm_short = int(gen.stats.get("graph_captures_warmed") or 0)
-    long, wall_long = _kernel_times(gen, prompts, 4 + args.profile, device)
+    long, wall_long = _kernel_times(gen, prompts, start + args.profile, device)
     host_long = host_snapshot(gen)
     warm_long = int(gen.stats.get("graph_captures_warmed") or 0)
     steps = args.profile
@@ -177,6 +179,7 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
         prefill_cats[kernel_category(name)] = prefill_cats.get(kernel_category(name), 0.0) + ms
     return {
         "decode_steps": steps,
+        "first_step_keys": args.prompt_len + start,
         "warm_up_steps": {"short": warm_short, "long": warm_long},
         "wall_ms_per_decode_step": wall_ms,
         "gpu_kernel_ms_per_decode_step": gpu_ms,
@@ -188,11 +191,11 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
         ],
         "host_ms_per_decode_step": host_per_step(host_long, host_short),
         "prefill_call": {
-            "new_tokens": 4,
+            "new_tokens": start,
             "wall_ms": wall_short * 1e3,
             "gpu_kernel_ms": sum(v[0] for v in short.values()),
             "category_ms": {k: v for k, v in sorted(prefill_cats.items(), key=lambda kv: -kv[1])},
-            "note": "the profiled call with 4 new tokens: the prefill of every prompt and three decode steps",
+            "note": "the shorter profiled call: the prefill of every prompt and its first decode steps",
         },
         "note": "profiler-on timings; kernel durations from CUPTI (CUDA-graph replays included)",
     }
@@ -437,6 +440,7 @@ def main() -> int:
         "--step-reps", type=int, default=3, help="timed calls of each length for decode_step_ms (median, default 3)"
     )
     ap.add_argument("--profile", type=int, default=0, help="profile an exact generate of N new tokens per batch")
+    ap.add_argument("--profile-start", type=int, default=4, help="new tokens of the shorter profiled call (default 4)")
     ap.add_argument(
         "--batched-tokens", type=int, default=0, help="max_num_batched_tokens (default: the library's or 2 * batch)"
     )
@@ -455,6 +459,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.step_reps < 1:
         ap.error(f"--step-reps must be at least 1, got {args.step_reps}")
+    if args.profile_start < 1:
+        ap.error(f"--profile-start must be at least 1, got {args.profile_start}")
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))
@@ -474,6 +480,7 @@ def main() -> int:
             "cuda_graphs": not args.no_graphs,
             "max_num_batched_tokens": args.batched_tokens or "max(GeneratorConfig default, 2 * batch)",
             "profile_new_tokens": args.profile,
+            "profile_start": args.profile_start,
             "compare_gather": args.compare_gather,
         },
         "results": {},
