@@ -20,7 +20,8 @@ warm-up removed. Medians, because a call's prefill varies by tens of millisecond
 spreads over the steps. ``kept_engine`` times the same call on a generator that keeps its KV cache and CUDA graphs
 between calls (``keep_kv_cache=True``), which leaves out the per-call setup; ``prefill_overlap_off`` times it with
 ``overlap_prefill=False`` (each eager step read back before the next is launched), beside the default's timed walls
-and their ``eager_s_timed_calls``. On a GPU listed in ``roofline.PEAKS``
+and their ``eager_s_timed_calls``; on CUDA ``empty_cache_each_call`` times it followed by ``torch.cuda.empty_cache()``
+(what the generator itself did after every call before it stopped emptying the allocator's cache). On a GPU listed in ``roofline.PEAKS``
 the result also holds ``roofline``, the bound of a decode step at the run's mean context (every weight and the whole
 K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer; :func:`roofline.decode_step_bound`)
 and ``decode_step_over_bound``.
@@ -53,6 +54,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -217,11 +219,15 @@ def make_generator(
     )
 
 
-def timed_generate(gen: Generator, prompts, params: SamplingParams, device) -> tuple[float, list]:
-    """``(wall seconds, completions)`` of one synchronized ``generate`` call."""
+def timed_generate(
+    gen: Generator, prompts, params: SamplingParams, device, after: Callable[[], None] | None = None
+) -> tuple[float, list]:
+    """``(wall seconds, completions)`` of one synchronized ``generate`` call (and ``after()``, timed with it)."""
     sync(device)
     t0 = time.perf_counter()
     outs = gen.generate(prompts, params)
+    if after is not None:
+        after()
     sync(device)
     return time.perf_counter() - t0, outs
 
@@ -233,14 +239,17 @@ def same_completions(a: list, b: list) -> bool:
     )
 
 
-def repeated_calls(gen: Generator, prompts, args, device, reference: list, n: int) -> dict:
-    """``1 + --step-reps`` timed ``generate`` calls of ``--new-tokens`` on ``gen``: the median of the calls after the
-    first (which may allocate, compile and capture), every call's wall (``walls_s``) and eager seconds
-    (``eager_s``), and whether the last call's completions equal ``reference`` (``same_as_default``)."""
+def repeated_calls(
+    gen: Generator, prompts, args, device, reference: list, n: int, after: Callable[[], None] | None = None
+) -> dict:
+    """``1 + --step-reps`` timed ``generate`` calls of ``--new-tokens`` on ``gen`` (each followed by ``after()`` in
+    its wall): the median of the calls after the first (which may allocate, compile and capture), every call's wall
+    (``walls_s``) and eager seconds (``eager_s``), and whether the last call's completions equal ``reference``
+    (``same_as_default``)."""
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
     walls, eager = [], []
     for _ in range(1 + args.step_reps):
-        wall, outs = timed_generate(gen, prompts, params, device)
+        wall, outs = timed_generate(gen, prompts, params, device, after)
         walls.append(wall)
         eager.append(gen.stats.get("eager_s"))
     tokens = sum(len(o.token_ids) for o in outs)
@@ -277,10 +286,21 @@ def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int
     return timed_calls_only(gen, prompts, args, device, reference, n, "overlap_prefill=False")
 
 
-def timed_calls_only(gen: Generator, prompts, args, device, reference: list, n: int, setting: str) -> dict:
+def empty_cache_each_call(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
+    """The default ``generate`` call followed by ``torch.cuda.empty_cache()`` in each call's wall (what every call
+    did before the generator stopped emptying the allocator's cache): one warm-up call, then ``--step-reps`` timed
+    calls, side by side with the default's ``decode_step_walls_s["long"]``."""
+    gen = make_generator(model, "exact", len(prompts) * n, args, share=share)
+    res = timed_calls_only(gen, prompts, args, device, reference, n, "torch.cuda.empty_cache() after each call",
+                           after=torch.cuda.empty_cache)  # fmt: skip
+    return res | {"release_s_last_call": gen.stats.get("release_s")}
+
+
+def timed_calls_only(gen: Generator, prompts, args, device, reference: list, n: int, setting: str,
+                     after: Callable[[], None] | None = None) -> dict:  # fmt: skip
     """:func:`repeated_calls` on a side-by-side variant's generator, keeping only the timed calls' walls and eager
     seconds, with a note naming the ``setting`` that differs from the default."""
-    res = repeated_calls(gen, prompts, args, device, reference, n)
+    res = repeated_calls(gen, prompts, args, device, reference, n, after)
     res["walls_s"], res["eager_s"] = res["walls_s"][1:], res["eager_s"][1:]
     return res | {"note": f"{setting}; median of the timed calls"}
 
@@ -345,6 +365,12 @@ def run_rlexact(
             res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001
             res["kept_engine_error"] = traceback.format_exc()
+        if device.type == "cuda":
+            try:
+                res["empty_cache_each_call"] = empty_cache_each_call(model, prompts, args, device, outs, n=n,
+                                                                     share=share)  # fmt: skip
+            except Exception:  # noqa: BLE001
+                res["empty_cache_each_call_error"] = traceback.format_exc()
         if args.compare_gather:
             try:
                 res["paged_gather_off"] = paged_gather_off(model, prompts, args, device, outs, n=n, share=share)

@@ -76,7 +76,9 @@ class GeneratorConfig:
     is launched after the previous one was read back (the results are identical)."""
     keep_kv_cache: bool = False
     """Keep the KV cache (and captured graphs) between ``generate`` calls; by default both are freed so the trainer
-    gets the memory back."""
+    gets the memory back. Freed memory returns to PyTorch's caching allocator, which serves the trainer's tensors
+    from it; the generator does not call ``torch.cuda.empty_cache`` (that would also drop the trainer's own cached
+    blocks and make both re-allocate from the driver), so call it yourself when memory outside PyTorch needs it."""
     shuffle_blocks: bool = False
     """Hand out KV blocks in a seeded random order (tests: results must not depend on page order)."""
     block_seed: int = 0

@@ -68,7 +68,7 @@ class Generator:
       an early capture failed; the decode step then captured as usual);
     - host seconds: ``setup_s`` (to the first step), ``eager_s`` and its split ``eager_host_s``, ``graph_s`` and the
       per-part split of graph decode steps ``decode_host_s``, ``capture_s`` / ``capture_ahead_s``, ``elapsed_s``,
-      ``tokens_per_s``.
+      ``tokens_per_s``, ``release_s`` (after ``elapsed_s``: freeing the cache, graphs and fused weights).
     """
 
     def __init__(self, model: nn.Module, config: GeneratorConfig | None = None, **kwargs: object) -> None:
@@ -458,11 +458,11 @@ class Generator:
         finally:
             if bar is not None:
                 bar.close()
+            t_release = time.perf_counter()
             if not cfg.keep_kv_cache:
                 self.release()
             cache = runner = None
-            if torch.cuda.is_available() and not cfg.keep_kv_cache:
-                torch.cuda.empty_cache()
+            stats["release_s"] = time.perf_counter() - t_release
 
     def _run_eager(
         self, sched: Scheduler, runner: ModelRunner, batch: ScheduledBatch, stop: set[int], bar: Any
