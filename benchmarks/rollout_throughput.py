@@ -21,10 +21,10 @@ spreads over the steps. ``kept_engine`` times the same call on a generator that 
 between calls (``keep_kv_cache=True``), which leaves out the per-call setup; ``prefill_overlap_off`` times it with
 ``overlap_prefill=False`` (each eager step read back before the next is launched), beside the default's timed walls
 and their ``eager_s_timed_calls``; on CUDA ``empty_cache_each_call`` times it followed by ``torch.cuda.empty_cache()``
-(what the generator itself did after every call before it stopped emptying the allocator's cache). On a GPU listed in ``roofline.PEAKS``
-the result also holds ``roofline``, the bound of a decode step at the run's mean context (every weight and the whole
-K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer; :func:`roofline.decode_step_bound`)
-and ``decode_step_over_bound``.
+(what the generator itself did after every call before it stopped emptying the allocator's cache). On a GPU listed
+in ``roofline.PEAKS`` the result also holds ``roofline``, the bound of a decode step at the run's mean context (every
+weight and the whole K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer;
+:func:`roofline.decode_step_bound`) and ``decode_step_over_bound``.
 
 ``--compare-gather`` adds ``paged_gather_off``: the same call with prefill chunks after earlier keys on the ``tl``
 paged kernel instead of gathered into the packed Gluon forward (:mod:`rlexact.ops.kv_gather`), bitwise compared.
