@@ -8,6 +8,9 @@ length). Per batch, a least-squares line ``time = fixed + per_key * keys`` over 
 (``fixed_us``) and the bandwidth of the per-key part (``per_key_tb_s``: K/V bytes per key position over
 ``per_key``). A fixed part that grows with the batch is paid per program (or per wave of programs); one that does not
 is paid per launch. ``empty_kernel_us``: a one-program Triton kernel replayed the same way, the floor of any launch.
+``decode_kernel`` names the kernel the library's dispatch runs for these launches (``gluon_decode``: the persistent
+Gluon kernel of :mod:`rlexact.ops.gluon_decode`, whose programs walk the (sequence, head group) items; ``tl``: the
+``tl`` launch whose configuration ``library_decode_launch`` lists).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import triton.language as tl
 
 from attention_configs import DT, HKV, SHAPE, D, decode_case, run
 from common import ROOT, bench_graph, header
+from rlexact.ops import gluon_decode
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.triton_shared import COMPILE_OPTIONS
 
@@ -51,8 +55,12 @@ def main() -> int:
     torch.manual_seed(0)
     library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
     buf = torch.empty(16, device="cuda")
+    probe = decode_case(BATCHES[0], CONTEXTS[0])
+    gluon = gluon_decode.supported(probe[0], probe[1], probe[2], library["BLOCK_N"], library["SPLIT"])
+    del probe
     result: dict = header("attention_decode_scaling", "triton") | {
         "shape": SHAPE,
+        "decode_kernel": "gluon_decode" if gluon else "tl",
         "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
         "timing": "median of do_bench_cudagraph (GPU time), microseconds",
         "empty_kernel_us": bench_graph(lambda: _empty_kernel[(1,)](buf, **COMPILE_OPTIONS)) * 1e3,
