@@ -270,6 +270,26 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+        k_smem = gl.allocate_shared_memory(dt, [KS, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dt, [VS, BLOCK_N, D], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(KS):
+            mbarrier.init(k_bars.index(i), count=1)
+        for i in gl.static_range(VS):
+            mbarrier.init(v_bars.index(i), count=1)
+
+        # the first K and V copies are in flight while this program loads its query tile
+        last_pos = q_start + gl.minimum(tile * P + P, nq) - 1
+        n_tiles = last_pos // BLOCK_N + 1
+        nbytes: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
+        for x in gl.static_range(KS):
+            if x < n_tiles:
+                load_rows(k_desc, k_smem, k_bars, x, kv_begin, kv_col, KS, BLOCK_N, nbytes)
+        for x in gl.static_range(VS):
+            if x < n_tiles:
+                load_rows(v_desc, v_smem, v_bars, x, kv_begin, kv_col, VS, BLOCK_N, nbytes)
+
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
         qi = tile * P + rows // HP
@@ -284,27 +304,9 @@ if gluon is not None:
         fence_async_shared()
         cta_barrier()
 
-        k_smem = gl.allocate_shared_memory(dt, [KS, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dt, [VS, BLOCK_N, D], v_desc.layout)
-        k_bars = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(KS):
-            mbarrier.init(k_bars.index(i), count=1)
-        for i in gl.static_range(VS):
-            mbarrier.init(v_bars.index(i), count=1)
-
-        last_pos = q_start + gl.minimum(tile * P + P, nq) - 1
-        n_tiles = last_pos // BLOCK_N + 1
         n_full = (q_start + tile * P + 1) // BLOCK_N  # tiles below it: visible to every row, wholly inside the sequence
         pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        nbytes: gl.constexpr = BLOCK_N * D * dt.primitive_bitwidth // 8
-        for x in gl.static_range(KS):
-            if x < n_tiles:
-                load_rows(k_desc, k_smem, k_bars, x, kv_begin, kv_col, KS, BLOCK_N, nbytes)
-        for x in gl.static_range(VS):
-            if x < n_tiles:
-                load_rows(v_desc, v_smem, v_bars, x, kv_begin, kv_col, VS, BLOCK_N, nbytes)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the folded splits so far
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
