@@ -1,0 +1,74 @@
+"""Whether cuBLAS (``torch.mm``) computes the exact matmul's bits for the Qwen3-1.7B projections, per row count.
+
+For each projection and row count ``M`` the probe compares ``x @ w.T`` from ``torch.mm`` with
+:func:`rlexact.ops.matmul` (bitwise, and how many elements differ), checks whether ``torch.mm``'s rows at ``M`` equal
+the same rows inside a 4,096-row call (batch invariance), and times both as CUDA-graph replays over weight copies
+that exceed the L2 cache four times (weights from HBM, as in a decode step). It runs once with PyTorch's default
+``allow_bf16_reduced_precision_reduction`` and once with it off. A cuBLAS path could serve the generator's decode
+rows only where it is bitwise the library's chain at that row count; this measures whether any is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common import ROOT, graph_ms_over, header, weight_copies
+
+SHAPES = {"qkv_fused": (4096, 2048), "o": (2048, 2048), "gate_up_fused": (12288, 2048), "down": (2048, 6144)}
+ROWS = (1, 16, 64, 128, 256, 512, 4096)
+
+
+def probe_shape(n: int, k: int, rows: tuple[int, ...]) -> dict:
+    import torch
+
+    from rlexact.ops import matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    x_all = torch.randn(max(rows), k, device="cuda", generator=gen).to(torch.bfloat16)
+    ws = weight_copies(w)
+    mm_all = torch.mm(x_all, w.t())
+    out: dict = {"N": n, "K": k, "rows": {}}
+    for m in rows:
+        x = x_all[:m].contiguous()
+        mm = torch.mm(x, w.t())
+        ours = matmul(x, w)
+        r = {
+            "mm_equal_exact": bool(torch.equal(mm, ours)),
+            "mm_elements_differing": int((mm != ours).sum()),
+            "mm_rows_equal_inside_max_rows": bool(torch.equal(mm, mm_all[:m])),
+            "exact_rows_equal_inside_max_rows": bool(torch.equal(ours, matmul(x_all, w)[:m])),
+            "exact_us": graph_ms_over(lambda wi, x=x: matmul(x, wi), ws) * 1e3,
+            "torch_mm_us": graph_ms_over(lambda wi, x=x: torch.mm(x, wi.t()), ws) * 1e3,
+        }
+        out["rows"][str(m)] = r
+        print(f"N={n} K={k} M={m}: {r}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cublas_bitwise_probe_h200.json"))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    args = ap.parse_args()
+    import torch
+
+    result = header("cublas_bitwise_probe", "torch", "triton")
+    result["dtype"] = "bfloat16"
+    result["timing"] = "microseconds per call, CUDA-graph replays over weight copies exceeding L2 four times"
+    result["cuda"] = torch.version.cuda
+    result["results"] = {}
+    for reduced in (True, False):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+        part = result["results"][f"allow_bf16_reduced_precision_reduction={reduced}"] = {}
+        for name in args.shapes:
+            n, k = SHAPES[name]
+            part[name] = probe_shape(n, k, tuple(args.rows))
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
