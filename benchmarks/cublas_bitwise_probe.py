@@ -5,16 +5,22 @@ For each projection and row count ``M`` the probe compares ``x @ w.T`` from ``to
 the same rows inside a 4,096-row call (batch invariance), and times both as CUDA-graph replays over weight copies
 that exceed the L2 cache four times (weights from HBM, as in a decode step). It runs once with PyTorch's default
 ``allow_bf16_reduced_precision_reduction`` and once with it off. A cuBLAS path could serve the generator's decode
-rows only where it is bitwise the library's chain at that row count; this measures whether any is.
+rows only where it is bitwise the library's chain at that row count; this measures whether any is, and records the
+library's own check (:func:`rlexact.ops.cublas_verify.same_bits`, probes with cancelling column pairs) next to the
+comparison on plain random operands. The script sets ``RLEXACT_MATMUL_CUBLAS=0``, so ``rlexact.ops.matmul`` is the
+library's kernel here at every row count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
-from common import ROOT, graph_ms_over, header, weight_copies
+os.environ["RLEXACT_MATMUL_CUBLAS"] = "0"  # before rlexact is imported: matmul is the library's kernel at every M
+
+from common import ROOT, graph_ms_over, header, weight_copies  # noqa: E402
 
 SHAPES = {"qkv_fused": (4096, 2048), "o": (2048, 2048), "gate_up_fused": (12288, 2048), "down": (2048, 6144)}
 ROWS = (1, 16, 64, 128, 256, 512, 4096)
@@ -23,7 +29,7 @@ ROWS = (1, 16, 64, 128, 256, 512, 4096)
 def probe_shape(n: int, k: int, rows: tuple[int, ...]) -> dict:
     import torch
 
-    from rlexact.ops import matmul
+    from rlexact.ops import cublas_verify, matmul
 
     gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
@@ -39,6 +45,7 @@ def probe_shape(n: int, k: int, rows: tuple[int, ...]) -> dict:
             "mm_equal_exact": bool(torch.equal(mm, ours)),
             "mm_elements_differing": int((mm != ours).sum()),
             "mm_rows_equal_inside_max_rows": bool(torch.equal(mm, mm_all[:m])),
+            "library_check_same_bits": cublas_verify.same_bits(matmul, m, n, k, torch.bfloat16, x.device),
             "exact_rows_equal_inside_max_rows": bool(torch.equal(ours, matmul(x_all, w)[:m])),
             "exact_us": graph_ms_over(lambda wi, x=x: matmul(x, wi), ws) * 1e3,
             "torch_mm_us": graph_ms_over(lambda wi, x=x: torch.mm(x, wi.t()), ws) * 1e3,

@@ -99,7 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gluon_matmul
+from . import cublas_verify, gluon_matmul
 from .backend import interpreter_enabled
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
@@ -562,6 +562,9 @@ class _Launch:
     runner: object = None
     sum_launch: tuple | None = None
     """``"split"`` plans: ``(grid, keyword arguments)`` of the launch of :func:`_split_sum_kernel`."""
+    cublas: dict | None = None
+    """Plans cuBLAS may run (:func:`cublas_eligible`): :func:`rlexact.ops.cublas_verify.settings` -> whether
+    ``torch.mm`` gave this plan's bits under them."""
 
 
 _LAUNCHES: dict = {}
@@ -896,6 +899,55 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if len(_LAUNCHES) >= MAX_LAUNCHES:
             _LAUNCHES.clear()
         plan = _LAUNCHES[key] = _plan(M, N, K, dtype, x.device, config_for(M, N, K, dtype, x.device))
+        if cublas_eligible(M, dtype, x.device, plan.cfg):
+            plan.cublas = {}
     out = torch.empty(out_shape, dtype=dtype, device=x.device)
+    if plan.cublas is not None and _cublas_verified(plan, w) and cublas_verify.aligned_like_probe(x, w, out):
+        torch.mm(x.view(M, K), w.t(), out=out.view(M, N))
+    else:
+        _launch(plan, x, w, out)
+    return out
+
+
+USE_CUBLAS = os.environ.get("RLEXACT_MATMUL_CUBLAS", "1") != "0"
+"""Let :func:`matmul` run cuBLAS where it was verified to give the exact bits (``RLEXACT_MATMUL_CUBLAS=0``: never)."""
+CUBLAS_MAX_M = 512
+"""Most rows a product may have for :func:`matmul` to try cuBLAS: the decode and small-batch row counts, where
+cuBLAS's kernels are faster than the library's tiles (``benchmarks/results/cublas_bitwise_probe_h200.json``); each
+row count is verified once."""
+
+
+def cublas_eligible(M: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> bool:
+    """Whether :func:`matmul` checks cuBLAS for an ``M``-row product of ``cfg``: 16-bit operands on a CUDA GPU (not
+    the interpreter), at most :data:`CUBLAS_MAX_M` rows, and one chain over all of K (cuBLAS does not split K at
+    the library's fixed columns)."""
+    return (
+        USE_CUBLAS
+        and not _INTERPRET
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and M <= CUBLAS_MAX_M
+        and not cfg.KS
+        and cfg.kernel != "split"
+    )
+
+
+def _cublas_verified(plan: _Launch, w: torch.Tensor) -> bool:
+    """Whether ``torch.mm`` gives ``plan``'s bits under the current settings: checked on the first call outside
+    CUDA-graph capture (a call during capture runs the library's kernel and leaves the check to a later call)."""
+    key = cublas_verify.settings()
+    verdict = plan.cublas.get(key)
+    if verdict is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        M, N, K = plan.ints[:3]
+        verdict = plan.cublas[key] = cublas_verify.same_bits(lambda x, wt: _exact(plan, x, wt), M, N, K, w.dtype,
+                                                             w.device)  # fmt: skip
+    return verdict
+
+
+def _exact(plan: _Launch, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``plan``'s kernel on ``x [M, K]``, ``w [N, K]`` into a new ``[M, N]``."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     _launch(plan, x, w, out)
     return out
