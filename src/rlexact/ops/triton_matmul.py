@@ -18,6 +18,11 @@ bits are the same (``tests/_interp_kernels.py``, ``tests/test_triton_kernels.py`
 such shapes are too few to fill the GPU, and the splits multiply the programs without re-reading ``x`` per narrow
 column tile (``benchmarks/results/matmul_splitk_h200.json``).
 
+cuBLAS where verified. A product of at most :data:`CUBLAS_MAX_M` rows without K splits runs ``torch.mm`` once
+:mod:`rlexact.ops.cublas_verify` found cuBLAS's kernel for that ``(M, N, K)`` and the current reduced-precision
+settings computing this chain bitwise (probes that expose any other summation order); until then, during graph
+capture, or where the check failed, it runs the kernels below (docs/design.md §2.2).
+
 The tile configuration is a function of ``(N, K, dtype, device)`` only (:func:`static_config`), never of M. On Hopper
 an M-bucketed list of variants (:func:`row_tile_variants`, itself a function of N, K, dtype, device) trades tile
 shapes for speed -- narrow pointer-kernel tiles for decode, wide TMA tiles for prefill/training. That is legal only
@@ -867,7 +872,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Mixed dtypes run the fp32 kernel on upcast copies (products in fp32, as the CPU twin), then cast once. ``x`` and
     ``w`` must be on the same device. A call with a cached plan does: this check, one dictionary lookup, one
-    ``torch.empty`` and the launch (:func:`_launch`).
+    ``torch.empty`` and the launch (:func:`_launch`, or ``torch.mm`` where :func:`cublas_eligible` holds and cuBLAS
+    was verified to give the same bits).
     """
     if w.dim() != 2 or x.dim() == 0 or x.size(-1) != w.size(1):
         raise ValueError(
