@@ -8,7 +8,8 @@ that exceed the L2 cache four times (weights from HBM, as in a decode step). It 
 rows only where it is bitwise the library's chain at that row count; this measures whether any is, and records the
 library's own check (:func:`rlexact.ops.cublas_verify.same_bits`, probes with cancelling column pairs) next to the
 comparison on plain random operands. The script sets ``RLEXACT_MATMUL_CUBLAS=0``, so ``rlexact.ops.matmul`` is the
-library's kernel here at every row count.
+library's kernel here at every row count; with ``--single-tile`` it also sets ``RLEXACT_MATMUL_SINGLE_TILE=1``,
+whose one chain over all of K tells whether cuBLAS's down projection is the unsplit chain.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ["RLEXACT_MATMUL_CUBLAS"] = "0"  # before rlexact is imported: matmul is the library's kernel at every M
+if "--single-tile" in sys.argv:  # before rlexact is imported: one static tile and one chain over all of K
+    os.environ["RLEXACT_MATMUL_SINGLE_TILE"] = "1"
 
 from common import ROOT, graph_ms_over, header, weight_copies  # noqa: E402
 
@@ -60,6 +64,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cublas_bitwise_probe_h200.json"))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    ap.add_argument("--single-tile", action="store_true",
+                    help="compare with the library's static tile (RLEXACT_MATMUL_SINGLE_TILE=1): no row-tile variants "
+                         "and no fixed K splits, so the down projection's chain runs over all of K")  # fmt: skip
     args = ap.parse_args()
     import torch
 

@@ -87,3 +87,17 @@ def test_gpu_check_rejects_fixed_k_splits() -> None:
     assert not cublas_verify.same_bits(tm.matmul, 256, n, k, torch.bfloat16, w.device)
     tm.matmul(torch.randn(256, k, device="cuda").to(torch.bfloat16), w)
     assert tm._LAUNCHES[(256, n, k, torch.bfloat16, 0)].cublas is None
+
+
+def test_settings_follow_the_switches() -> None:
+    """A verdict is keyed by the settings: changing a switch that changes cuBLAS's kernel changes the key."""
+    before = cublas_verify.settings()
+    m = torch.backends.cuda.matmul
+    for name in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
+        old = getattr(m, name)
+        try:
+            setattr(m, name, not old)
+            assert cublas_verify.settings() != before, name
+        finally:
+            setattr(m, name, old)
+    assert cublas_verify.settings() == before

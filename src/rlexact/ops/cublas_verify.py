@@ -34,13 +34,28 @@ cuBLAS's kernel selection)."""
 
 
 def settings() -> tuple:
-    """The PyTorch settings that can change which kernel cuBLAS runs for a 16-bit product."""
-    m = torch.backends.cuda.matmul
-    return (
-        m.allow_bf16_reduced_precision_reduction,
-        m.allow_fp16_reduced_precision_reduction,
-        str(torch.backends.cuda.preferred_blas_library()),
-    )
+    """The PyTorch settings that can change which kernel cuBLAS runs for a 16-bit product: the reduced-precision,
+    split-K and fp16-accumulation switches (those this PyTorch has) and the preferred BLAS library. (The workspace
+    size, the other input of cuBLAS's choice, is read from the environment once per process.) Called on every
+    eligible matmul, so it reads each switch through the getter PyTorch's own attribute calls."""
+    return tuple(get() for get in _GETTERS)
+
+
+def _getter(fast: str, public: str) -> Callable[[], object]:
+    """``torch._C.<fast>`` where this PyTorch has it (what ``torch.backends.cuda.matmul.<public>`` returns, without
+    the attribute lookup's cost), else the public attribute, or ``None`` where neither exists."""
+    get = getattr(torch._C, fast, None)
+    if get is not None:
+        return get
+    return lambda: getattr(torch.backends.cuda.matmul, public, None)
+
+
+_GETTERS = (
+    _getter("_get_cublas_allow_bf16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"),
+    _getter("_get_cublas_allow_fp16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"),
+    _getter("_get_cublas_allow_fp16_accumulation", "allow_fp16_accumulation"),
+    getattr(torch._C, "_get_blas_preferred_backend", None) or torch.backends.cuda.preferred_blas_library,
+)
 
 
 def aligned_like_probe(*tensors: torch.Tensor) -> bool:
