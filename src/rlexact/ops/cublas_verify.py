@@ -74,10 +74,9 @@ def same_bits(exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: in
     big = 2.0 ** (11 if dtype == torch.float16 else 20)
     pairs = ((0, k - 1), (k // 3, (2 * k) // 3 + 1), (1, min(k - 1, 37)))
     for a, b in pairs[:PROBES]:
-        x = torch.randn(m, k, device=device, generator=gen)
-        w = torch.randn(n, k, device=device, generator=gen) / k**0.5
+        x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=gen).mul_(k**-0.5)
         x[:, a], x[:, b], w[:, a], w[:, b] = big, big, 1.0, -1.0
-        x, w = x.to(dtype), w.to(dtype)
         if not torch.equal(torch.mm(x, w.t()), exact(x, w)):
             return False
     return True
