@@ -65,9 +65,9 @@ def aligned_like_probe(*tensors: torch.Tensor) -> bool:
 
 def same_bits(exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: int, n: int, k: int,
               dtype: torch.dtype, device: torch.device) -> bool:  # fmt: skip
-    """Whether ``torch.mm(x, w.T)`` equals ``exact(x, w)`` bitwise on :data:`PROBES` probe operands ``x [m, k]``,
-    ``w [n, k]`` (contiguous, fresh, so aligned like every operand cuBLAS gets). Synchronizes with the device; call
-    outside CUDA-graph capture."""
+    """Whether ``torch.mm(x, w.T, out=out)`` (the call the library makes) equals ``exact(x, w)`` bitwise on
+    :data:`PROBES` probe operands ``x [m, k]``, ``w [n, k]`` (contiguous, fresh, so aligned like every operand cuBLAS
+    gets). Synchronizes with the device; call outside CUDA-graph capture."""
     if k < 3:
         raise ValueError(f"same_bits: K = {k}; the probes need at least 3 columns")
     gen = torch.Generator(device=device).manual_seed(m * 31 + n * 7 + k)
@@ -77,6 +77,7 @@ def same_bits(exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], m: in
         x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
         w = torch.randn(n, k, device=device, dtype=dtype, generator=gen).mul_(k**-0.5)
         x[:, a], x[:, b], w[:, a], w[:, b] = big, big, 1.0, -1.0
-        if not torch.equal(torch.mm(x, w.t()), exact(x, w)):
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        if not torch.equal(torch.mm(x, w.t(), out=out), exact(x, w)):
             return False
     return True
