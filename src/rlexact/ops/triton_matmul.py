@@ -926,7 +926,7 @@ row count is verified once."""
 def cublas_eligible(M: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig) -> bool:
     """Whether :func:`matmul` checks cuBLAS for an ``M``-row product of ``cfg``: 16-bit operands on a CUDA GPU (not
     the interpreter), at most :data:`CUBLAS_MAX_M` rows, and one chain over all of K (cuBLAS does not split K at
-    the library's fixed columns)."""
+    the library's fixed columns; ``"split"`` configurations always set ``KS``)."""
     return (
         USE_CUBLAS
         and not _INTERPRET
@@ -934,7 +934,6 @@ def cublas_eligible(M: int, dtype: torch.dtype, device: torch.device, cfg: Matmu
         and dtype in (torch.bfloat16, torch.float16)
         and M <= CUBLAS_MAX_M
         and not cfg.KS
-        and cfg.kernel != "split"
     )
 
 
