@@ -61,7 +61,7 @@ MM_PTR_ARGS = dict(x_ptr=PB, w_ptr=PB, o_ptr=PB, M=I32, N=I32, K=I32, stride_xm=
 MM256 = {  # the library's M = 256 tiles on a 132-SM H200 (triton_matmul.row_tile_variants)
     "qkv": tmm.MatmulConfig("tma", 64, 128, 128, num_warps=4, num_stages=4),
     "o": tmm.MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5),
-    "down": tmm.MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5, KS=tmm.SPLIT_K_KEYS),
+    "down": tmm.MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5),
 }
 
 

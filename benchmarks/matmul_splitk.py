@@ -3,7 +3,7 @@
     python benchmarks/matmul_splitk.py [--out benchmarks/results/matmul_splitk_h200.json]
 
 A K split whose boundaries depend only on K (every ``KS`` columns from 0), with the split chains summed in ascending
-order from zero, keeps a row's bits a function of the row alone (``rlexact.ops.triton_matmul``). Two parts, on the
+order from zero, keeps a row's bits a function of the row alone (``rlexact.ops.triton_matmul``). The parts, on the
 Qwen3-1.7B ``down`` projection (N = 2,048, K = 6,144; the only K-heavy shape of that model):
 
 * ``sweep``: for M = 4, 64, 256 and each ``KS`` in 512 ... 3,072, ``"split"`` launches (one program per tile and
@@ -11,12 +11,19 @@ Qwen3-1.7B ``down`` projection (N = 2,048, K = 6,144; the only K-heavy shape of 
   same rows inside a 4,096-row call, and timed with the weights from HBM (CUDA-graph replays over weight copies that
   together exceed four times L2), next to ``torch.mm``;
 * ``large``: in-register-sum candidates (``"tma"`` tiles with ``SPLIT_K_KEYS``) at M = 4,096 and 16,384, each
-  checked bitwise against the library and timed next to the tile used before K splits (two 128 x 256 accumulators
+  checked bitwise against the first of them and timed next to the tile used before K splits (two 128 x 256 accumulators
   do not fit in registers, so the split shapes need another large-M tile);
-* ``library``: for M from 1 to 16,384, the library's matmul (with ``SPLIT_K_KEYS``) against the configuration it used
-  for the same M before K splits (``UNSPLIT``) and ``torch.mm``, and whether the library's rows equal the same rows
+* ``library``: for M from 1 to 16,384, the library's matmul against the configuration it used for the same M before
+  K splits (``UNSPLIT``) and ``torch.mm``, and whether the library's rows equal the same rows
   of another call (``rows_equal_other_call``: a 4,096-row call, or for M = 4,096 a 16,384-row one). M <= 256 with
-  the weights from HBM, larger M with one weight (compute-bound).
+  the weights from HBM, larger M with one weight (compute-bound);
+* ``unsplit`` (not in the default parts): for M from 1 to 256, tiles of one chain over all of K (``KS = 0``), each
+  checked bitwise against the same rows inside a 4,096-row call of the unsplit large-M tile and timed with the weights
+  from HBM, next to the library and ``torch.mm`` (and whether each gives the unsplit chain's bits): the sweep behind
+  the library's decode tiles for K-heavy shapes without splits (``triton_matmul.split_keys``).
+
+The ``sweep``, ``large`` and ``library`` parts predate that rule: they ran while the down projection split K on the
+H200 (``matmul_splitk_h200.json``); ``library`` compares whatever the library runs now.
 """
 
 from __future__ import annotations
@@ -100,7 +107,7 @@ def large(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> 
     rows = []
     for m in (4096, 16384):
         x = torch.randn(m, K, device=w.device, dtype=torch.bfloat16)
-        ref = matmul(x, w)
+        ref = matmul_with_config(x, w, large_candidates()[0])
         old = unsplit(m)
         base_us = timed(lambda w, x=x, c=old: matmul_with_config(x, w, c), [w])
         for cfg in large_candidates():
@@ -146,6 +153,47 @@ def library(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -
     return rows
 
 
+def unsplit_candidates(m: int) -> list[MatmulConfig]:
+    tiles = [("ptr", 16, bn, bk, 4, st) for bn in (16, 32) for bk in (128, 256) for st in (4, 6)]
+    if m > 16:
+        tiles = [("ptr", bm, bn, bk, 4, st) for bm in (32, 64) for bn in (16, 32) for bk in (64, 128, 256)
+                 for st in (3, 4, 6)]  # fmt: skip
+        tiles += [("tma", 64, bn, 128, 4, st) for bn in (32, 64) for st in (4, 5)]
+    return [MatmulConfig(kern, bm, bn, bk, num_warps=wp, num_stages=st) for kern, bm, bn, bk, wp, st in tiles]
+
+
+def unsplit_small(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
+    ref = matmul_with_config(x_all, w, unsplit(4096))
+    rows = []
+    for m in (1, 4, 16, 32, 64, 128, 256):
+        x = x_all[1000 : 1000 + m].contiguous()
+        want = ref[1000 : 1000 + m]
+        entry: dict = {
+            "M": m,
+            "library_us": timed(lambda w, x=x: matmul(x, w), wcopies),
+            "library_equal_unsplit": bool(torch.equal(matmul(x, w), want)),
+            "torch_mm_us": timed(lambda w, x=x: torch.mm(x, w.T), wcopies),
+            "torch_mm_equal_unsplit": bool(torch.equal(torch.mm(x, w.T), want)),
+            "candidates": [],
+        }
+        for cfg in unsplit_candidates(m):
+            row: dict = {"config": repr(cfg)}
+            try:
+                row["bitwise"] = bool(torch.equal(matmul_with_config(x, w, cfg), want))
+                row["us"] = timed(lambda w, x=x, c=cfg: matmul_with_config(x, w, c), wcopies)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entry["candidates"].append(row)
+        ok = [r for r in entry["candidates"] if r.get("bitwise")]
+        entry["best"] = min(ok, key=lambda r: r["us"]) if ok else None
+        best_us = entry["best"]["us"] if ok else float("nan")
+        print(f"[matmul_splitk] unsplit M={m}: best {best_us:.1f} us {entry['best'] and entry['best']['config']}, "
+              f"library {entry['library_us']:.1f}, torch.mm {entry['torch_mm_us']:.1f} "
+              f"(equal unsplit {entry['torch_mm_equal_unsplit']})", flush=True)  # fmt: skip
+        rows.append(entry)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_splitk_h200.json"))
@@ -163,7 +211,7 @@ def main() -> int:
         "that together exceed four times L2, so the weights come from HBM",
         "errors": {},
     }
-    for part, fn in (("sweep", sweep), ("large", large), ("library", library)):
+    for part, fn in (("sweep", sweep), ("large", large), ("library", library), ("unsplit", unsplit_small)):
         if part not in args.parts:
             continue
         try:

@@ -61,7 +61,10 @@ def test_gpu_matmul_cublas_rows_equal_library_kernel() -> None:
     own kernel), so the dispatch cannot change a row."""
     from rlexact.ops import triton_matmul as tm
 
-    for n, k in ((4096, 2048), (2048, 2048)):
+    shapes = [(4096, 2048), (2048, 2048)]
+    if not tm.chain_splits(2048, 6144, torch.bfloat16, torch.device("cuda")):
+        shapes.append((2048, 6144))  # the Qwen3-1.7B down projection, one chain over all of K on this GPU
+    for n, k in shapes:
         w = _weights(n, k, "cuda")
         big = torch.randn(tm.CUBLAS_MAX_M * 2, k, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
         big = big.to(torch.bfloat16)
@@ -76,13 +79,13 @@ def test_gpu_matmul_cublas_rows_equal_library_kernel() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
 def test_gpu_check_rejects_fixed_k_splits() -> None:
-    """Negative control on the GPU: the down projection's chain restarts every ``KS`` columns; cuBLAS's does not,
-    and the check says so (its plans are not offered to cuBLAS at all)."""
+    """Negative control on the GPU: a narrow K-heavy product's chain restarts every ``KS`` columns; cuBLAS's does
+    not, and the check says so (its plans are not offered to cuBLAS at all)."""
     from rlexact.ops import triton_matmul as tm
 
-    n, k = 2048, 6144
+    n, k = 1024, 8192
     if not tm.chain_splits(n, k, torch.bfloat16, torch.device("cuda")):
-        pytest.skip("this GPU's matmul does not split K for the down projection")
+        pytest.skip("this GPU's matmul does not split K for a 1,024 x 8,192 product")
     w = _weights(n, k, "cuda")
     assert not cublas_verify.same_bits(tm.matmul, 256, n, k, torch.bfloat16, w.device)
     tm.matmul(torch.randn(256, k, device="cuda").to(torch.bfloat16), w)

@@ -74,7 +74,7 @@ def test_groups_whose_k_splits_differ_run_unfused(qwen2, monkeypatch) -> None:
     here that rule is exercised by reporting a split for the k/v width."""
     tmm = pytest.importorskip("rlexact.ops.triton_matmul")
     bf16 = torch.bfloat16
-    assert tmm.split_keys(1024, 4096, bf16, tma=True) != tmm.split_keys(6144, 4096, bf16, tma=True)
+    assert tmm.split_keys(1024, 4096, bf16, True, 132) != tmm.split_keys(6144, 4096, bf16, True, 132)
     kv = qwen2.model.layers[0].self_attn.k_proj.out_features
     monkeypatch.setattr(ops, "matmul_k_splits", lambda n, k, dtype, device: 1536 if n == kv else 0)
     fused = FusedProjections(qwen2)

@@ -137,24 +137,35 @@ def test_matmul_config_errors_name_the_fix() -> None:
 
 
 @needs_triton
-def test_split_keys_only_for_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """K splits are a function of (N, K, dtype) on TMA devices: the down projection splits, the K = 2,048 projections
-    and fp32 do not, and without row-tile variants nothing splits (one static chain for every M)."""
+def test_split_keys_only_for_narrow_k_heavy_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K splits are a function of (N, K, dtype, SM count) on TMA devices: K-heavy shapes split only where their
+    16-column tiles are too few for the SMs (the Qwen3-1.7B down projection on a 132-SM GPU does not, on a 148-SM
+    one it does); the K = 2,048 projections and fp32 never split, and without row-tile variants nothing splits (one
+    static chain for every M)."""
     from rlexact.ops import triton_matmul as tmm
 
     bf16 = torch.bfloat16
-    assert tmm.split_keys(2048, 6144, bf16, tma=True) == tmm.SPLIT_K_KEYS
-    assert tmm.split_keys(4096, 12288, torch.float16, tma=True) == tmm.SPLIT_K_KEYS
-    for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (6144, 2048), (4096, 6144)):
-        assert tmm.split_keys(n, k, bf16, tma=True) == 0, (n, k)
-    assert tmm.split_keys(2048, 6144, torch.float32, tma=True) == 0
-    assert tmm.split_keys(2048, 6144, bf16, tma=False) == 0
+    assert tmm.split_keys(1024, 4096, bf16, tma=True, sms=132) == tmm.SPLIT_K_KEYS
+    assert tmm.split_keys(1024, 8192, torch.float16, tma=True, sms=132) == tmm.SPLIT_K_KEYS
+    assert tmm.split_keys(2048, 6144, bf16, tma=True, sms=148) == tmm.SPLIT_K_KEYS
+    assert tmm.split_keys(2048, 6144, bf16, tma=True, sms=132) == 0
+    assert tmm.split_keys(4096, 12288, bf16, tma=True, sms=132) == 0
+    for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (6144, 2048), (4096, 6144), (1024, 3072)):
+        assert tmm.split_keys(n, k, bf16, tma=True, sms=148) == 0, (n, k)
+    assert tmm.split_keys(1024, 4096, torch.float32, tma=True, sms=132) == 0
+    assert tmm.split_keys(1024, 4096, bf16, tma=False, sms=132) == 0
     # every M of a split shape splits at the same columns: all its row-tile variants carry the static KS
-    variants = tmm._variants(2048, 6144, bf16, ("cuda", 0), True)
+    monkeypatch.setattr(tmm, "cuda_props", lambda idx: (9, 132))
+    variants = tmm._variants(1024, 4096, bf16, ("cuda", 0), True)
     assert {cfg.KS for _, cfg in variants} == {tmm.SPLIT_K_KEYS}
     assert [cfg.kernel for _, cfg in variants[:2]] == ["split", "split"] and variants[-1][0] is None
+    # a K-heavy shape without splits: one chain at every M, narrow column tiles at decode row counts
+    unsplit = tmm._variants(2048, 6144, bf16, ("cuda", 0), True)
+    assert {cfg.KS for _, cfg in unsplit} == {0} and unsplit[0][1].BN == tmm.NARROW_BN
     monkeypatch.setattr(tmm, "USE_ROW_TILE_VARIANTS", False)
-    assert tmm.split_keys(2048, 6144, bf16, tma=True) == 0
+    assert tmm.split_keys(1024, 4096, bf16, tma=True, sms=132) == 0
+    tmm._variants.cache_clear()  # drop the entries built on the stand-in device properties
+    tmm._static_config.cache_clear()
 
 
 @needs_triton

@@ -137,7 +137,7 @@ def test_gpu_matmul_invariant_large_m(dtype: torch.dtype, nk: tuple[int, int]) -
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "nk", [(4096, 2048), (2048, 6144), (6144, 2048), (1024, 2048), (12288, 2048), (256, 64), (1000, 1000)]
+    "nk", [(4096, 2048), (2048, 6144), (1024, 8192), (6144, 2048), (1024, 2048), (12288, 2048), (256, 64), (1000, 1000)]
 )
 def test_gpu_matmul_row_tile_variants_bitwise(nk: tuple[int, int]) -> None:
     """All row-tile variants (decode / mid / large) give identical bits (the premise of M-bucketed dispatch)."""
@@ -155,11 +155,13 @@ def test_gpu_matmul_row_tile_variants_bitwise(nk: tuple[int, int]) -> None:
 @gpu
 @pytest.mark.gpu
 def test_gpu_matmul_k_splits_taken() -> None:
-    """The K-heavy down projection splits K at fixed columns: decode-sized M runs the split launches, and the
-    library's rows equal the in-register sum of the same splits and differ from one unsplit chain (so the invariance
-    tests above compare split launches with in-register sums, not two unsplit paths)."""
+    """A narrow K-heavy product (N = 1,024, K = 8,192: too few 16-column tiles for the H200's SMs) splits K at fixed
+    columns: decode-sized M runs the split launches, and the library's rows equal the in-register sum of the same
+    splits and differ from one unsplit chain (so the invariance tests above compare split launches with in-register
+    sums, not two unsplit paths)."""
     tm = _tm()
-    n, k = 2048, 6144
+    n, k = 1024, 8192
+    assert tm.chain_splits(n, k, torch.bfloat16, _dev()) == tm.SPLIT_K_KEYS
     assert [tm.config_for(m, n, k, torch.bfloat16, _dev()).kernel for m in (4, 64, 300)] == ["split", "split", "tma"]
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(n, k, device=_dev(), generator=g).bfloat16()

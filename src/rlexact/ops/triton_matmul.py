@@ -9,8 +9,9 @@ fp32 operands use ``input_precision="ieee"`` (no TF32). Out-of-range rows/column
 out-of-bounds fill or masked loads), so padding rows never influence real rows: matrix instructions compute each
 output element from its own row of ``x`` and column of ``w^T`` only.
 
-Fixed K splits. For K-heavy shapes (:func:`split_keys`, a function of N, K and dtype only) the chain restarts from
-zero every ``KS`` columns, anchored at column 0, and the split chains are summed in ascending order:
+Fixed K splits. For K-heavy shapes too narrow to occupy the GPU at small M (:func:`split_keys`, a function of N, K,
+dtype and the device only) the chain restarts from zero every ``KS`` columns, anchored at column 0, and the split
+chains are summed in ascending order:
 ``out = ((0 + c_0) + c_1) + ...``. That is still a function of the row alone. Decode-sized M computes the splits in
 separate programs (``"split"`` configs: fp32 partials, then a summing launch), larger M in one program with a second
 register accumulator (``"tma"`` configs with ``KS``); the sums are the same fp32 additions in the same order, so the
@@ -50,9 +51,13 @@ Row-tile variants (bf16 on Hopper; tuned on the Qwen3-1.7B projections with CUDA
 ``benchmarks/results/matmul_variants_h200.json``, ``benchmarks/results/matmul_variants_m256_h200.json`` and the
 ``matmul`` section of ``benchmarks/results/ops_h200.json``; every candidate there was bitwise identical):
 
-* K-heavy shapes (``KS`` set): M <= 16 ``"split"`` 16 x 64 x 128, M <= 64 ``"split"`` 64 x 64 x 128, M <= 256 TMA
+* Split shapes (``KS`` set): M <= 16 ``"split"`` 16 x 64 x 128, M <= 64 ``"split"`` 64 x 64 x 128, M <= 256 TMA
   64 x 64 x 128, M <= 2048 TMA 128 x 128 x 64, larger M TMA 128 x 256 x 64 (8 warps, 3 stages), all with ``KS``
-  (``benchmarks/results/matmul_splitk_h200.json``). The rules below are for the other shapes.
+  (``benchmarks/results/matmul_splitk_h200.json``).
+* Other K-heavy shapes (K >= 2N, one chain): pointer kernel with 16-column tiles, 4 warps, M <= 16 16 x 16 x 128
+  (6 stages), M <= 32 32 x 16 x 128 (6 stages), M <= 64 64 x 16 x 256 (4 stages); M <= 256 TMA 64 x 64 x 128
+  (5 stages); then the mid and large tiles below (``benchmarks/results/matmul_splitk_unsplit_h200.json``, the
+  fastest bitwise-equal candidates per M on the Qwen3-1.7B down projection). The rules below are for the rest.
 * M <= 16 ("narrow"): pointer kernel, BM = 16, BN = 32 where N still gives ~#SMs column tiles, else 16, BK = 128,
   4 warps, 4 stages (``benchmarks/results/matmul_decode16_h200.json``: every 16-row candidate there, over one warp
   or four, was bitwise equal to the large-M tiles).
@@ -173,25 +178,31 @@ class MatmulConfig:
 
 
 SPLIT_K_KEYS = 1536
-"""``KS`` of the K-heavy shapes (:func:`split_keys`): chosen from ``benchmarks/results/matmul_splitk_h200.json``
-(the Qwen3-1.7B ``down`` projection, N = 2,048, K = 6,144: 1,536 keys were fastest at M = 4 and 64; a multiple of
+"""``KS`` of the split shapes (:func:`split_keys`): chosen from ``benchmarks/results/matmul_splitk_h200.json`` (on
+the Qwen3-1.7B ``down`` projection, N = 2,048, K = 6,144: 1,536 keys were fastest at M = 4 and 64; a multiple of
 every BK)."""
+NARROW_BN = 16
+"""The narrowest column tile: at small M a K-heavy product without splits has ``cdiv(N, NARROW_BN)`` programs."""
 
 
-def split_keys(N: int, K: int, dtype: torch.dtype, tma: bool) -> int:
-    """``KS`` for ``(N, K, dtype)`` on a TMA-capable device: :data:`SPLIT_K_KEYS` for K-heavy shapes (K at least 4,096
-    and at least twice N, where small M leaves too few output tiles to fill the GPU), else 0. Part of the static
-    configuration, so every M of the shape splits K at the same columns."""
+def split_keys(N: int, K: int, dtype: torch.dtype, tma: bool, sms: int) -> int:
+    """``KS`` for ``(N, K, dtype)`` on a TMA-capable device of ``sms`` SMs: :data:`SPLIT_K_KEYS` for K-heavy shapes
+    (K at least 4,096 and at least twice N) whose :data:`NARROW_BN`-column tiles are too few to occupy the SMs, else
+    0 (where they are enough, one chain over all of K is as fast at decode row counts and faster at large M, and
+    cuBLAS can run it: ``benchmarks/results/matmul_splitk_unsplit_h200.json``). Part of the static configuration, so
+    every M of the shape splits K at the same columns."""
     if not (tma and USE_ROW_TILE_VARIANTS) or dtype == torch.float32:
         return 0
-    return SPLIT_K_KEYS if K >= 4096 and K >= 2 * N else 0
+    heavy = K >= 4096 and K >= 2 * N
+    return SPLIT_K_KEYS if heavy and triton.cdiv(N, NARROW_BN) < 0.9 * sms else 0
 
 
 def chain_splits(N: int, K: int, dtype: torch.dtype, device: torch.device) -> int:
     """``KS`` of the per-element chain of an ``[M, K] @ [N, K].T`` product on ``device`` (0: one chain over all of K),
     for every M. Two shapes whose products may be computed by one matmul on concatenated weights (fused projections)
     must have equal values, or the fused output's bits differ from the separate products'."""
-    return split_keys(N, K, dtype, tma_ok(N, K, dtype, device))
+    tma = tma_ok(N, K, dtype, device)
+    return split_keys(N, K, dtype, tma, num_sms(device) if tma else 0)
 
 
 @functools.cache
@@ -200,7 +211,7 @@ def _static_config(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: b
         return MatmulConfig("ptr", BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # FMA path (ieee); tiles only affect speed, not bits
         return MatmulConfig("ptr", BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
-    ks = split_keys(N, K, dtype, tma)
+    ks = split_keys(N, K, dtype, tma, cuda_props(device_key[1])[1] if tma else 0)
     if ks:  # fastest in-register-sum tile at M = 4,096 and 16,384 (matmul_splitk_h200.json, part "large")
         return MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3, KS=ks)
     if tma:  # warp specialization: slower and not always bitwise equal on the H200 (triton 3.6), see the module doc
@@ -236,6 +247,13 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
         mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4, KS=base.KS)
         return ((16, narrow), (64, decode), (256, small), (2048, mid), (None, base))
     sms = cuda_props(device_key[1])[1]
+    mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
+    if K >= 2 * N:  # K-heavy, one chain: narrow column tiles with deep K steps (matmul_splitk_unsplit_h200.json)
+        narrow = MatmulConfig("ptr", 16, NARROW_BN, 128, num_warps=4, num_stages=6)
+        decode32 = MatmulConfig("ptr", 32, NARROW_BN, 128, num_warps=4, num_stages=6)
+        decode = MatmulConfig("ptr", 64, NARROW_BN, 256, num_warps=4, num_stages=4)
+        small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
+        return ((16, narrow), (32, decode32), (64, decode), (256, small), (2048, mid), (None, base))
     bn = _decode_bn(N, sms)
     # All variants are bitwise-identical per row (verified on an H200, see the module docstring); tuned on the
     # Qwen3-1.7B projections with CUDA-graph timings (GPU time, host overhead excluded).
@@ -248,7 +266,6 @@ def _variants(N: int, K: int, dtype: torch.dtype, device_key: tuple, tma: bool) 
         small = MatmulConfig("tma", 64, 64, 128, num_warps=4, num_stages=5)
     else:
         small = MatmulConfig("tma", 64, 128, 128, num_warps=4, num_stages=4)
-    mid = MatmulConfig("tma", 128, 128, 64, num_warps=8, num_stages=4)
     if triton.cdiv(N, 256) * 2 >= 0.6 * sms:  # very wide N (fused gate/up): 128 x 256 tiles fill the GPU at M = 256
         wide = MatmulConfig("tma", 128, 256, 64, num_warps=8, num_stages=3)
         return ((16, narrow), (64, decode), (128, small), (256, wide), (2048, mid), (None, base))
