@@ -2,6 +2,7 @@
 # Runs the GPU test suite and the benchmarks on a CUDA machine (used on the H200s through the device tool).
 #
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests          # every test marked gpu, one log
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests "0 2"    # only these of the three test groups (below)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | sweeps | all (default all)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
 #
@@ -10,7 +11,9 @@
 #
 # tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, GPU, driver, library versions and
 #   the pytest command; every test file that uses the gpu marker runs (three pytest processes in parallel: Triton
-#   compilation is CPU-bound and the GPU has room for all three).
+#   compilation is CPU-bound and the GPU has room for all three). Each group also writes $OUT/gpu_tests_groupN.log as
+#   it runs, so a run cut short by the device call's limit still returns what finished. With cold Triton caches the
+#   three groups can exceed one device call (600 s): run them as two calls, e.g. "0 1" and then "2".
 # bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
 #   $RESULTS (default /tmp/rlexact_results), packed into $OUT/bench_<SET>.tgz at the end (the device returns at most
 #   eight files). Unpack into benchmarks/results/ to commit them.
@@ -22,6 +25,8 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
 set_name=${2:-all}
+groups="0 1 2"
+[[ $what == tests ]] && groups=${2:-0 1 2}
 # $RLEXACT_COMMIT, else HEAD with "+dirty" when tracked files differ from it (a copied tree may carry a stale .git)
 commit=$(python3 -c 'from rlexact.envinfo import git_commit; print(git_commit("."))')
 export RLEXACT_COMMIT=$commit
@@ -51,13 +56,15 @@ if [[ $what == tests || $what == all ]]; then
     echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
     echo "# versions (torch triton transformers lightning): $(python3 -c 'import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)')"
     echo "# test files using the gpu marker: ${files[*]}"
+    echo "# groups run: $groups"
   } > "$log"
-  for i in 0 1 2; do
-    ( $cmd ${parts[$i]} > "$RESULTS/group$i.log" 2>&1; echo "# exit code $?" >> "$RESULTS/group$i.log" ) &
+  for i in $groups; do
+    [[ $i == [012] ]] || { echo "gpu_suite.sh: unknown test group '$i' (0 | 1 | 2)" >&2; exit 2; }
+    ( $cmd ${parts[$i]} > "$OUT/gpu_tests_group$i.log" 2>&1; echo "# exit code $?" >> "$OUT/gpu_tests_group$i.log" ) &
   done
   wait
-  for i in 0 1 2; do
-    { echo "## group $i: $cmd${parts[$i]}"; cat "$RESULTS/group$i.log"; } >> "$log"
+  for i in $groups; do
+    { echo "## group $i: $cmd${parts[$i]}"; cat "$OUT/gpu_tests_group$i.log"; } >> "$log"
   done
   grep -q "# exit code [^0]" "$log" && rc=1
   grep -E "passed|failed|exit code" "$log"
@@ -97,6 +104,6 @@ if [[ $what == bench || $what == all ]]; then
     echo "$name: exit $status in $(($(date +%s) - t0)) s"
     ((status)) && { rc=1; tail -n 20 "$R/$name.log"; }
   done
-  tar czf "$OUT/bench_${set_name}.tgz" -C "$R" --exclude 'group*.log' .
+  tar czf "$OUT/bench_${set_name}.tgz" -C "$R" .
 fi
 exit $rc
