@@ -200,9 +200,9 @@ def split_keys(N: int, K: int, dtype: torch.dtype, tma: bool, sms: int) -> int:
 def chain_splits(N: int, K: int, dtype: torch.dtype, device: torch.device) -> int:
     """``KS`` of the per-element chain of an ``[M, K] @ [N, K].T`` product on ``device`` (0: one chain over all of K),
     for every M. Two shapes whose products may be computed by one matmul on concatenated weights (fused projections)
-    must have equal values, or the fused output's bits differ from the separate products'."""
-    tma = tma_ok(N, K, dtype, device)
-    return split_keys(N, K, dtype, tma, num_sms(device) if tma else 0)
+    must have equal values, or the fused output's bits differ from the separate products'. The static
+    configuration's ``KS`` (every row-tile variant carries it)."""
+    return static_config(N, K, dtype, device).KS
 
 
 @functools.cache
