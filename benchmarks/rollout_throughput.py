@@ -1,10 +1,10 @@
 """Rollout throughput: rlexact exact vs native vs transformers ``generate`` on one randomly initialized model.
 
 Default: a Qwen3-1.7B-shaped bf16 model (random weights), batches 64 and 256, 128 random prompt tokens, 256 new
-tokens, EOS ignored, sampling at temperature 1 (no top-k/top-p). Every section is timed after a short warm-up call
-(Triton JIT, cuBLAS handles); a failing section is recorded and the others still run. Writes
-``benchmarks/results/rollout_h200.json`` with the command, hardware, versions, date, tokens/s per engine and batch,
-ratios exact/native and exact/hf_generate, generator stats, and an exactness spot check.
+tokens, EOS ignored, sampling at temperature 1 (top-k/top-p off unless ``--top-k``/``--top-p``). Every section is
+timed after a short warm-up call (Triton JIT, cuBLAS handles); a failing section is recorded and the others still
+run. Writes ``benchmarks/results/rollout_h200.json`` with the command, hardware, versions, date, tokens/s per engine
+and batch, ratios exact/native and exact/hf_generate, generator stats, and an exactness spot check.
 
     python benchmarks/rollout_throughput.py                 # the H200 benchmark (~4-6 min)
     python benchmarks/rollout_throughput.py --tiny          # CPU smoke run with a tiny config (< 1 min)
@@ -129,12 +129,19 @@ def host_per_step(long: tuple[dict[str, float], int], short: tuple[dict[str, flo
     return per
 
 
-def _kernel_times(gen: Generator, prompts, new_tokens: int, device) -> tuple[dict[str, list[float]], float]:
+def sampling(args, new_tokens: int, seed: int, n: int = 1) -> SamplingParams:
+    """The timed calls' sampling: temperature 1, EOS ignored, ``--top-k`` / ``--top-p`` (off by default)."""
+    return SamplingParams(
+        max_new_tokens=new_tokens, temperature=1.0, top_k=args.top_k, top_p=args.top_p, seed=seed, ignore_eos=True, n=n
+    )
+
+
+def _kernel_times(gen: Generator, prompts, new_tokens: int, args, device) -> tuple[dict[str, list[float]], float]:
     """``({kernel: [gpu_ms, calls]}, wall_s)`` of one profiled exact ``generate`` with ``new_tokens`` new tokens;
     ``wall_s`` leaves out the call's CUDA-graph captures (``stats["capture_s"]``), which vary from call to call."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=2, ignore_eos=True)
+    params = sampling(args, new_tokens, seed=2)
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -159,11 +166,11 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
     skip; the measured calls' warm-up steps are recorded (``warm_up_steps``, expected zero)."""
     start = args.profile_start
     for new_tokens in (start, start + args.profile):
-        _kernel_times(gen, prompts, new_tokens, device)
-    short, wall_short = _kernel_times(gen, prompts, start, device)
+        _kernel_times(gen, prompts, new_tokens, args, device)
+    short, wall_short = _kernel_times(gen, prompts, start, args, device)
     host_short = host_snapshot(gen)
     warm_short = int(gen.stats.get("graph_captures_warmed") or 0)
-    long, wall_long = _kernel_times(gen, prompts, start + args.profile, device)
+    long, wall_long = _kernel_times(gen, prompts, start + args.profile, args, device)
     host_long = host_snapshot(gen)
     warm_long = int(gen.stats.get("graph_captures_warmed") or 0)
     steps = args.profile
@@ -246,7 +253,7 @@ def repeated_calls(
     its wall): the median of the calls after the first (which may allocate, compile and capture), every call's wall
     (``walls_s``) and eager seconds (``eager_s``), and whether the last call's completions equal ``reference``
     (``same_as_default``)."""
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True, n=n)
+    params = sampling(args, args.new_tokens, seed=0, n=n)
     walls, eager = [], []
     for _ in range(1 + args.step_reps):
         wall, outs = timed_generate(gen, prompts, params, device, after)
@@ -321,7 +328,7 @@ def run_rlexact(
     gen = make_generator(model, kernels, len(prompts) * n, args, share=share)
 
     def timed(new_tokens: int, seed: int) -> tuple[float, list]:
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True, n=n)
+        params = sampling(args, new_tokens, seed=seed, n=n)
         return timed_generate(gen, prompts, params, device)
 
     timed(args.new_tokens, 0)  # warm-up: the timed call itself (Triton JIT, KV cache of the same size, graphs)
@@ -420,8 +427,8 @@ def run_hf(model, prompts, args, device) -> dict:
         attention_mask=mask,
         do_sample=True,
         temperature=1.0,
-        top_k=0,
-        top_p=1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
         eos_token_id=None,
         pad_token_id=0,
     )
@@ -473,6 +480,8 @@ def main() -> int:
     ap.add_argument(
         "--compare-gather", action="store_true", help="also time the exact call with no paged launch gathered"
     )
+    ap.add_argument("--top-k", type=int, default=0, help="sampling top-k of every engine (default 0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampling top-p of every engine (default 1: off)")
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
     ap.add_argument("--grpo-prompts", type=int, default=64, help="prompts of the GRPO load (default 64)")
@@ -502,7 +511,7 @@ def main() -> int:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "batches": "grpo" if args.grpo else args.batches,
-            "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
+            "sampling": f"temperature 1, top_k {args.top_k}, top_p {args.top_p:g}, EOS ignored",
             "cuda_graphs": not args.no_graphs,
             "max_num_batched_tokens": args.batched_tokens or "max(GeneratorConfig default, 2 * batch)",
             "profile_new_tokens": args.profile,
