@@ -3,10 +3,13 @@ log-prob under the truncated, renormalized distribution that was sampled, bitwis
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
 import rlexact
+from interpreter_jobs import failure_report
 from models import prompts_for, tiny_model
 from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold, truncated_logprobs
 from rlexact.rollout import Generator, SamplingParams
@@ -59,6 +62,37 @@ def test_truncation_is_row_invariant() -> None:
     assert top_k_top_p_threshold(z, 0, 1.0) is None and top_k_top_p_threshold(z, 301, 1.0) is None
     empty = top_k_top_p_threshold(z[:0], 40, 0.8)
     assert empty.shape == (0, 1) and kept_logsumexp(z[:0], empty).shape == (0,)
+
+
+@pytest.mark.interpreter("tests/_interp_truncation.py")
+def test_truncation_kernel_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
+    """The Triton threshold kernel equals the float64 sort-based thresholds (top-k, top-p, both, a tie group cut by
+    top-k, masked tokens, a constant row) and is row-invariant; a raised boundary logit moves it."""
+    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
+    assert "ok" in interpreter_run.stdout
+
+
+@pytest.mark.gpu
+def test_truncation_kernel_gpu_vocab_scale() -> None:
+    """At a real vocabulary on the GPU: CUDA dispatches to the kernel (equal to calling it), which equals the
+    float64 reference on flat, peaked and tied rows and gives each row the same bits alone and in a batch of 256; a
+    raised boundary logit moves the threshold."""
+    from rlexact.ops.triton_truncation import truncation_thresholds
+    from truncation_reference import float64_thresholds
+
+    torch.manual_seed(0)
+    z = torch.randn(256, 151936, device="cuda") * torch.linspace(0.3, 6.0, 256, device="cuda")[:, None]
+    z[7, :5000] = 1.25
+    for k, p in ((50, 1.0), (0, 0.95), (50, 0.9), (0, 0.6), (1000, 0.99)):
+        thr = top_k_top_p_threshold(z, k, p)
+        assert torch.equal(thr, truncation_thresholds(z, k, p))
+        ref = float64_thresholds(z[:24], k, p)
+        assert torch.equal(thr[:24], ref), (k, p)
+        for i in (0, 7, 100, 255):
+            assert torch.equal(top_k_top_p_threshold(z[i : i + 1], k, p), thr[i : i + 1]), (k, p, i)
+    y = z[:1].clone()
+    y[0, int(torch.argmax((y[0] == thr[0]).int()))] += 0.5
+    assert not torch.equal(top_k_top_p_threshold(y, 1000, 0.99), thr[:1])  # negative control
 
 
 def _reference(hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float, temp: float):

@@ -7,14 +7,19 @@ always kept). The kept set of a row is ``{v : z[v] >= threshold}``, and the log-
 truncated, renormalized distribution is ``z[t] - lse_K`` with ``lse_K = logsumexp(z[v] for v kept)``.
 
 Row invariance: torch reductions (softmax, cumsum, logsumexp, sum) pick thread splits and tiles from the tensor
-shape on the CPU and on CUDA, so every function here runs on fixed-shape blocks of :data:`TRUNC_ROWS` rows (the
+shape on the CPU and on CUDA, so every torch function here runs on fixed-shape blocks of :data:`TRUNC_ROWS` rows (the
 input zero-padded). A row's threshold and ``lse_K`` then depend on that row alone: the generator (a few rows per
 decode step) and the trainer (row chunks of a packed batch) compute them bitwise equal from bitwise equal ``z`` rows,
 which :func:`rlexact.ops.lm_head_logits` guarantees (it is row-invariant).
+
+On CUDA the threshold comes from :func:`rlexact.ops.triton_truncation.truncation_thresholds` (one program per row, no
+sort of the vocabulary; the same kept set in exact arithmetic, its masses summed in its own order), for the generator
+and the trainer alike; ``RLEXACT_TRUNCATION=torch`` forces the torch blocks (benchmarks compare the two).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -66,6 +71,13 @@ def top_k_top_p_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     when ``(top_k, top_p)`` does not truncate. Row-invariant (fixed-shape blocks); no host synchronization."""
     if not truncates(z.shape[-1], top_k, top_p):
         return None
+    if z.is_cuda and os.environ.get("RLEXACT_TRUNCATION", "") != "torch":
+        from rlexact.ops.backend import triton_available
+
+        if triton_available():
+            from rlexact.ops.triton_truncation import truncation_thresholds
+
+            return truncation_thresholds(z.float().contiguous(), top_k, top_p)
     zp, rows = _blocks(z)
     out = torch.cat([_threshold_block(zp[s : s + TRUNC_ROWS], top_k, top_p) for s in range(0, zp.shape[0], TRUNC_ROWS)])
     return out[:rows]

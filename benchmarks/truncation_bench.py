@@ -1,0 +1,90 @@
+"""Top-k / top-p thresholds of a decode step: the Triton kernel against the torch blocks it replaced on CUDA.
+
+    python3 benchmarks/truncation_bench.py [--out benchmarks/results/truncation_h200.json]
+
+``top_k_top_p_threshold`` on ``[B, V]`` fp32 logits (V = 151,936, the Qwen3 vocabulary) at B = 4, 64, 256, for
+flat logits (standard deviation 1, about what the randomly initialized benchmark model gives) and peaked ones
+(standard deviation 4), under top-k 50, top-p 0.95, both (50, 0.9) and top-p 0.7. ``triton_us`` is the library's
+CUDA path (:mod:`rlexact.ops.triton_truncation`), ``torch_us`` the torch blocks (``RLEXACT_TRUNCATION=torch``),
+both timed as CUDA-graph replays. Per case: the share of rows where the two give the same threshold
+(``torch_equal_fraction``; the kept set is the same in exact arithmetic, the masses are summed in different orders),
+whether the first rows equal the float64 sort-based reference (``float64_equal_rows``), and whether rows computed
+alone equal the same rows of the batch (``rows_alone_equal``). ``logits_read_us``: one read of the logits at the
+datasheet bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import ROOT, bench_graph, header
+from rlexact.models.truncation import top_k_top_p_threshold
+
+sys.path.insert(0, str(ROOT / "tests"))
+from truncation_reference import float64_thresholds  # noqa: E402
+
+V = 151936
+HBM_BYTES_PER_S = 4.8e12
+ROWS = (4, 64, 256)
+SCALES = {"flat": 1.0, "peaked": 4.0}
+SETTINGS = ((50, 1.0), (0, 0.95), (50, 0.9), (0, 0.7))
+REFERENCE_ROWS = 4
+
+
+def threshold(z: torch.Tensor, k: int, p: float, impl: str) -> torch.Tensor:
+    """The library's threshold with the CUDA kernel (``impl="triton"``) or the torch blocks (``"torch"``)."""
+    if impl == "torch":
+        os.environ["RLEXACT_TRUNCATION"] = "torch"
+    try:
+        return top_k_top_p_threshold(z, k, p)
+    finally:
+        os.environ.pop("RLEXACT_TRUNCATION", None)
+
+
+def case(b: int, scale: float, k: int, p: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(b)
+    z = torch.randn(b, V, device="cuda", generator=g) * scale
+    row: dict = {"logits_read_us": b * V * 4 / HBM_BYTES_PER_S * 1e6}
+    thr = {impl: threshold(z, k, p, impl) for impl in ("triton", "torch")}
+    for impl in thr:
+        row[f"{impl}_us"] = bench_graph(lambda impl=impl: threshold(z, k, p, impl)) * 1e3
+    row["speedup"] = row["torch_us"] / row["triton_us"]
+    row["torch_equal_fraction"] = (thr["triton"] == thr["torch"]).float().mean().item()
+    n = min(REFERENCE_ROWS, b)
+    row["float64_equal_rows"] = f"{int((thr['triton'][:n] == float64_thresholds(z[:n], k, p)).sum())}/{n}"
+    alone = [threshold(z[i : i + 1], k, p, "triton") for i in (0, b - 1)]
+    row["rows_alone_equal"] = all(torch.equal(a, thr["triton"][i : i + 1]) for a, i in zip(alone, (0, b - 1)))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "truncation_h200.json"))
+    args = ap.parse_args()
+    t0 = time.time()
+    cases: dict = {}
+    for name, scale in SCALES.items():
+        for k, p in SETTINGS:
+            for b in ROWS:
+                key = f"{name} top_k={k} top_p={p:g} B={b}"
+                cases[key] = case(b, scale, k, p)
+                print(f"[truncation_bench] {key}: {json.dumps(cases[key])}", flush=True)
+    result: dict = header("truncation_bench", "triton") | {
+        "timing": "median of do_bench_cudagraph (GPU time), microseconds",
+        "vocab": V,
+        "cases": cases,
+        "elapsed_s": time.time() - t0,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
