@@ -18,9 +18,9 @@ does not depend on the batch, which is what the generator and the trainer need t
 Search. Values map to order-preserving int32 keys. The threshold lies in a key interval ``(lo, hi]``, at first the
 row's ``(min - 1, max]``, with ``W(hi) < target <= W(lo)``. One pass over the row sums the in-interval weights (and
 counts) above :data:`PROBES` probe keys evenly spaced in the interval and keeps the sub-interval where ``W`` crosses
-the target; once at most :data:`CAP` elements are left, a last pass copies them in index order to a scratch row,
-which is sorted and scanned (exclusive prefix sums). top-k runs the same search with unit weights and the
-target ``k``.
+the target; once at most :data:`CAP` elements are left, a last pass copies them to a scratch row (in any order: equal
+values are equal bits), which is sorted and scanned (exclusive prefix sums). top-k runs the same search with unit
+weights and the target ``k``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PROBES = 16
 """Probe keys per pass (each pass narrows the key interval about this many times)."""
 CAP = 2048
 """Elements left in the interval at which the search copies, sorts and scans them."""
-BLOCK = 1024
+BLOCK = 512
 """Vocabulary entries per loop iteration of a pass."""
 
 
@@ -71,22 +71,29 @@ def _block(row, start, V, m, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _probe_pass(row, V, lo, hi, m, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr):
     """One pass: for probe keys ``lo + (hi - lo) * j // P`` (``j < P``), the in-interval weight and count above
-    each, and the smallest in-interval key."""
+    each, and the smallest in-interval key. Each thread accumulates its own lanes over the row; the lanes are
+    reduced once, at the end."""
     j = tl.arange(0, P)
     probes = (lo + ((hi - lo) * j) // P).to(tl.int32)
     lo32 = lo.to(tl.int32)
     hi32 = hi.to(tl.int32)
-    acc_w = tl.zeros([P], tl.float32)
-    acc_c = tl.zeros([P], tl.int32)
-    kmin = hi32
+    acc_w = tl.zeros([P, BLOCK], tl.float32)
+    acc_c = tl.zeros([P, BLOCK], tl.int32)
+    kmin = tl.full([BLOCK], 0, tl.int32) + hi32
     for start in range(0, V, BLOCK):
         z, k, w, ok = _block(row, start, V, m, WEIGHTED, BLOCK)
         inside = ok & (k > lo32) & (k <= hi32)
         above = (k[None, :] > probes[:, None]) & inside[None, :]
-        acc_w += tl.sum(tl.where(above, w[None, :], 0.0), axis=1)
-        acc_c += tl.sum(above.to(tl.int32), axis=1)
-        kmin = tl.minimum(kmin, tl.min(tl.where(inside, k, hi32), axis=0))
-    return acc_w, acc_c, probes, kmin
+        acc_w += tl.where(above, w[None, :], 0.0)
+        if WEIGHTED:
+            acc_c += above.to(tl.int32)
+        kmin = tl.minimum(kmin, tl.where(inside, k, hi32))
+    sum_w = tl.sum(acc_w, axis=1)
+    if WEIGHTED:
+        sum_c = tl.sum(acc_c, axis=1)
+    else:
+        sum_c = sum_w.to(tl.int32)  # unit weights: the weight is the count (exact below 2**24)
+    return sum_w, sum_c, probes, tl.min(kmin, axis=0)
 
 
 @triton.jit
@@ -113,17 +120,16 @@ def _narrow(acc_w, acc_c, probes, kmin, lo, hi, base, target, P: tl.constexpr):
 
 
 @triton.jit
-def _finish(row, buf, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
+def _finish(row, buf, slot, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
             CAP: tl.constexpr):  # fmt: skip
-    """The last step: the ``count <= CAP`` elements of ``(lo, hi]`` copied in index order, sorted, scanned; the
-    threshold's key."""
-    off = count * 0
+    """The last step: the ``count <= CAP`` elements of ``(lo, hi]`` copied to the scratch row (each takes a slot
+    from an atomic counter: the copy's order varies, its sorted values do not), sorted, scanned; the threshold's
+    key."""
     for start in range(0, V, BLOCK):
         z, k, w, ok = _block(row, start, V, m, WEIGHTED, BLOCK)
         inside = ok & (k > lo.to(tl.int32)) & (k <= hi.to(tl.int32))
-        pos = off + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+        pos = tl.atomic_add(slot + tl.zeros([BLOCK], tl.int32), 1, mask=inside, sem="relaxed")
         tl.store(buf + pos, z, mask=inside)
-        off += tl.sum(inside.to(tl.int32), axis=0)
     tl.debug_barrier()  # the copies above are visible to every thread of the program
     i = tl.arange(0, CAP)
     valid = i < count
@@ -139,7 +145,7 @@ def _finish(row, buf, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr,
 
 
 @triton.jit
-def _search(row, buf, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
+def _search(row, buf, slot, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
             P: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
     """Narrow ``(lo, hi]`` until it holds at most ``CAP`` elements or one key, then finish; the threshold's key."""
     done = count * 0
@@ -149,18 +155,19 @@ def _search(row, buf, V, lo, hi, base, target, m, count, WEIGHTED: tl.constexpr,
         lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, probes, kmin, lo, hi, base, target, P)
     if done == 0:
         if hi - lo > 1:
-            tau = _finish(row, buf, V, lo, hi, base, target, m, count, WEIGHTED, BLOCK, CAP)
+            tau = _finish(row, buf, slot, V, lo, hi, base, target, m, count, WEIGHTED, BLOCK, CAP)
         else:
             tau = hi
     return tau
 
 
 @triton.jit(do_not_specialize=["V", "top_k"])
-def _threshold_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, top_k, top_p, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
-                      BLOCK: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
+def _threshold_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, slot_ptr, top_k, top_p, HAS_K: tl.constexpr,
+                      HAS_P: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
     r = tl.program_id(0)
     row = z_ptr + r.to(tl.int64) * stride_z
     buf = buf_ptr + r.to(tl.int64) * CAP
+    slot = slot_ptr + 2 * r  # the copy counters of the two searches (zeroed by the launcher)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     mn = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
@@ -173,7 +180,7 @@ def _threshold_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, top_k, top_p, HAS_K:
     tau = hi
     zero = tl.sum(tl.zeros([2], tl.float32), axis=0)
     if HAS_K:
-        tau = _search(row, buf, V, lo, hi, zero, top_k.to(tl.float32), m, V, False, BLOCK, P, CAP)
+        tau = _search(row, buf, slot, V, lo, hi, zero, top_k.to(tl.float32), m, V, False, BLOCK, P, CAP)
         lo = tau - 1
     if HAS_P:
         acc_w, acc_c, probes, kmin = _probe_pass(row, V, lo, hi, m, True, BLOCK, P)
@@ -184,7 +191,7 @@ def _threshold_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, top_k, top_p, HAS_K:
         target = top_p * total
         lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, probes, kmin, lo, hi, zero, target, P)
         if done == 0:
-            tau = _search(row, buf, V, lo, hi, base, target, m, count, True, BLOCK, P, CAP)
+            tau = _search(row, buf, slot + 1, V, lo, hi, base, target, m, count, True, BLOCK, P, CAP)
     tl.store(out_ptr + r, _value(tau.to(tl.int32)))
 
 
@@ -201,8 +208,9 @@ def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     if b == 0:
         return out
     buf = torch.empty((b, CAP), dtype=torch.float32, device=z.device)
+    slots = torch.zeros((b, 2), dtype=torch.int32, device=z.device)
     _threshold_kernel[(b,)](
-        z, z.stride(0), v, out, buf, top_k if use_k else 0, float(top_p), HAS_K=use_k, HAS_P=use_p, BLOCK=BLOCK,
+        z, z.stride(0), v, out, buf, slots, top_k if use_k else 0, float(top_p), HAS_K=use_k, HAS_P=use_p, BLOCK=BLOCK,
         P=PROBES, CAP=CAP, num_warps=8, **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
