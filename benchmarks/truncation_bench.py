@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -26,9 +25,7 @@ import torch
 
 from common import ROOT, bench_graph, header
 from rlexact.models.truncation import top_k_top_p_threshold
-
-sys.path.insert(0, str(ROOT / "tests"))
-from truncation_reference import float64_thresholds  # noqa: E402
+from rlexact.ops import reference
 
 V = 151936
 HBM_BYTES_PER_S = 4.8e12
@@ -58,7 +55,7 @@ def case(b: int, scale: float, k: int, p: float) -> dict:
     row["speedup"] = row["torch_us"] / row["triton_us"]
     row["torch_equal_fraction"] = (thr["triton"] == thr["torch"]).float().mean().item()
     n = min(REFERENCE_ROWS, b)
-    row["float64_equal_rows"] = f"{int((thr['triton'][:n] == float64_thresholds(z[:n], k, p)).sum())}/{n}"
+    row["float64_equal_rows"] = f"{int((thr['triton'][:n] == reference.truncation_thresholds(z[:n], k, p)).sum())}/{n}"
     alone = [threshold(z[i : i + 1], k, p, "triton") for i in (0, b - 1)]
     row["rows_alone_equal"] = all(torch.equal(a, thr["triton"][i : i + 1]) for a, i in zip(alone, (0, b - 1)))
     return row

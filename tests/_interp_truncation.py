@@ -5,15 +5,13 @@ make the short rows take several narrowing passes before the sorted last step.""
 from __future__ import annotations
 
 import os
-import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from rlexact.ops import reference  # noqa: E402
 from rlexact.ops import triton_truncation as T  # noqa: E402
-from truncation_reference import float64_thresholds  # noqa: E402
 
 T.CAP, T.PROBES, T.BLOCK = 64, 4, 128
 
@@ -24,7 +22,7 @@ z[4, 200:] = float("-inf")  # masked tokens
 z[5] = 2.0  # one value
 for k, p in ((40, 1.0), (0, 0.8), (40, 0.8), (300, 0.95), (650, 0.3), (0, 0.999)):
     thr = T.truncation_thresholds(z, k, p)
-    ref = float64_thresholds(z, k, p)
+    ref = reference.truncation_thresholds(z, k, p)
     assert torch.equal(thr, ref), (k, p, thr.flatten().tolist(), ref.flatten().tolist())
     for idx in ([3], [5, 0, 2], [1, 4]):  # a row's threshold does not depend on the rows beside it
         assert torch.equal(T.truncation_thresholds(z[idx], k, p), thr[idx]), (k, p, idx)

@@ -78,8 +78,8 @@ def test_truncation_kernel_gpu_vocab_scale() -> None:
     float64 thresholds up to fp32 rounding of the kept mass (equal on most rows; on flat rows of 151,936 tokens one
     token's mass is within that rounding) and each row gets the same bits alone and in a batch of 256; a raised
     boundary logit moves the threshold."""
+    from rlexact.ops import reference
     from rlexact.ops.triton_truncation import truncation_thresholds
-    from truncation_reference import float64_thresholds, within_rounding
 
     torch.manual_seed(0)
     z = torch.randn(256, 151936, device="cuda") * torch.linspace(0.3, 6.0, 256, device="cuda")[:, None]
@@ -89,13 +89,28 @@ def test_truncation_kernel_gpu_vocab_scale() -> None:
         thr = top_k_top_p_threshold(z, k, p)
         assert torch.equal(thr, truncation_thresholds(z, k, p))
         assert within_rounding(z[rows], thr[rows], k, p, 1e-5).all(), (k, p)
-        equal = (thr[rows] == float64_thresholds(z[rows], k, p)).float().mean().item()
+        equal = (thr[rows] == reference.truncation_thresholds(z[rows], k, p)).float().mean().item()
         assert equal >= (1.0 if p == 1.0 else 0.5), (k, p, equal)
         for i in (0, 7, 100, 255):
             assert torch.equal(top_k_top_p_threshold(z[i : i + 1], k, p), thr[i : i + 1]), (k, p, i)
     y = z[:1].clone()
     y[0, int(torch.argmax((y[0] == thr[0]).int()))] += 0.5
     assert not torch.equal(top_k_top_p_threshold(y, 1000, 0.99), thr[:1])  # negative control
+
+
+def within_rounding(z: torch.Tensor, thr: torch.Tensor, top_k: int, top_p: float, tol: float) -> torch.Tensor:
+    """``[B]`` bool: ``thr`` is a kept set's threshold in float64 up to ``tol`` of mass: a candidate value whose first
+    sorted position has mass before it below ``top_p + tol``, while the next lower value's has at least
+    ``top_p - tol`` (a boundary that fp32 sums in another order may place one token either way)."""
+    from rlexact.ops import reference
+
+    ok = []
+    for row, t in zip(z.cpu(), thr.double().cpu().flatten()):
+        cand, before = reference.truncation_candidates(row, top_k)
+        first, nxt = int((cand > t).sum()), int((cand >= t).sum())
+        lower_dropped = nxt == cand.numel() or bool(before[nxt] >= top_p - tol)
+        ok.append(first < nxt and bool(before[first] < top_p + tol) and lower_dropped)
+    return torch.tensor(ok)
 
 
 def _reference(hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float, temp: float):

@@ -100,3 +100,24 @@ def token_logprobs(
     logp_all = torch.log_softmax(logits, dim=-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), ent
+
+
+def truncation_candidates(row: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's top-k candidates in float64, sorted descending (every value without top-k), and the mass before
+    each under their renormalized softmax (``cumsum(p) - p``)."""
+    vals = torch.sort(row.double(), descending=True).values
+    cand = vals[: top_k if 0 < top_k < row.numel() else row.numel()]
+    p = torch.softmax(cand, -1)
+    return cand, torch.cumsum(p, 0) - p
+
+
+def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``[B, 1]`` fp32: per row, the smallest kept value under top-k (the k-th largest, ties kept) then top-p (the
+    shortest prefix of the sorted top-k values whose renormalized mass reaches ``top_p``; the top one always), in
+    float64."""
+    out = []
+    for row in z.cpu():
+        cand, before = truncation_candidates(row, top_k)
+        keep = max(1, int((before < top_p).sum())) if top_p < 1.0 else cand.numel()
+        out.append(cand[keep - 1].item())
+    return torch.tensor(out, dtype=torch.float32, device=z.device)[:, None]

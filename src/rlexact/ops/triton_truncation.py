@@ -121,6 +121,8 @@ def _finish(row, buf, slot, V, lo, hi, base, target, m, count, BLOCK: tl.constex
     """The last step: the ``count <= CAP`` elements of ``(lo, hi]`` copied to the scratch row (each takes a slot
     from an atomic counter: the copy's order varies, its sorted values do not), sorted, scanned; the threshold's
     key."""
+    lo32 = lo.to(tl.int32)
+    hi32 = hi.to(tl.int32)
     z1 = _load(row, 0, V, BLOCK)
     z2 = _load(row, BLOCK, V, BLOCK)
     for start in range(0, V, BLOCK):
@@ -128,7 +130,7 @@ def _finish(row, buf, slot, V, lo, hi, base, target, m, count, BLOCK: tl.constex
         z1 = z2
         z2 = _load(row, start + 2 * BLOCK, V, BLOCK)
         k = _key(z)
-        inside = (start + tl.arange(0, BLOCK) < V) & (k > lo.to(tl.int32)) & (k <= hi.to(tl.int32))
+        inside = (start + tl.arange(0, BLOCK) < V) & (k > lo32) & (k <= hi32)
         pos = tl.atomic_add(slot + tl.zeros([BLOCK], tl.int32), 1, mask=inside, sem="relaxed")
         tl.store(buf + pos, z, mask=inside)
     tl.debug_barrier()  # the copies above are visible to every thread of the program
@@ -160,7 +162,7 @@ def _top_p_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, slot_ptr, top_p, BLOCK: 
     hi = _key(m).to(tl.int64)
     zero = tl.sum(tl.zeros([2], tl.float32), axis=0)
     acc_w, acc_c, probes, kmin = _probe_pass(row, V, lo, hi, m, BLOCK, P)
-    target = top_p * tl.sum(tl.where(tl.arange(0, P) == 0, acc_w, 0.0), axis=0)  # top_p * S
+    target = top_p * _pick(acc_w, tl.arange(0, P), 0)  # top_p * S
     lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, probes, kmin, lo, hi, zero, target, P)
     while (done == 0) & (count > CAP) & (hi - lo > 1):
         acc_w, acc_c, probes, kmin = _probe_pass(row, V, lo, hi, m, BLOCK, P)
