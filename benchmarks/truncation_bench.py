@@ -2,15 +2,16 @@
 
     python3 benchmarks/truncation_bench.py [--out benchmarks/results/truncation_h200.json]
 
-``top_k_top_p_threshold`` on ``[B, V]`` fp32 logits (V = 151,936, the Qwen3 vocabulary) at B = 4, 64, 256, for
-flat logits (standard deviation 1, about what the randomly initialized benchmark model gives) and peaked ones
+``top_k_top_p_threshold`` on ``[B, V]`` fp32 logits (V = 151,936, the Qwen3 vocabulary) at B = 1, 4, 16, 64, 256,
+for flat logits (standard deviation 1, about what the randomly initialized benchmark model gives) and peaked ones
 (standard deviation 4), under top-k 50, top-p 0.95, both (50, 0.9) and top-p 0.7. ``triton_us`` is the library's
-CUDA path (:mod:`rlexact.ops.triton_truncation`), ``torch_us`` the torch blocks (``RLEXACT_TRUNCATION=torch``),
-both timed as CUDA-graph replays. Per case: the share of rows where the two give the same threshold
-(``torch_equal_fraction``; the kept set is the same in exact arithmetic, the masses are summed in different orders),
-whether the first rows equal the float64 sort-based reference (``float64_equal_rows``), and whether rows computed
-alone equal the same rows of the batch (``rows_alone_equal``). ``logits_read_us``: one read of the logits at the
-datasheet bandwidth.
+CUDA path (:mod:`rlexact.ops.triton_truncation`: full rows run the segmented plan), ``one_program_us`` the same
+search with one program per row for every row length (the plan before the segmented one; top-k candidates use it
+in both), ``torch_us`` the torch blocks (``RLEXACT_TRUNCATION=torch``), all timed as CUDA-graph replays. Per case:
+the share of rows where the library and the torch blocks give the same threshold (``torch_equal_fraction``; the kept
+set is the same in exact arithmetic, the masses are summed in different orders), whether the first rows equal the
+float64 sort-based reference (``float64_equal_rows``), and whether rows computed alone equal the same rows of the
+batch (``rows_alone_equal``). ``logits_read_us``: one read of the logits at the datasheet bandwidth.
 """
 
 from __future__ import annotations
@@ -26,33 +27,41 @@ import torch
 from common import ROOT, bench_graph, header
 from rlexact.models.truncation import top_k_top_p_threshold
 from rlexact.ops import reference
+from rlexact.ops import triton_truncation as tt
 
 V = 151936
 HBM_BYTES_PER_S = 4.8e12
-ROWS = (4, 64, 256)
+ROWS = (1, 4, 16, 64, 256)
+IMPLS = ("triton", "one_program", "torch")
 SCALES = {"flat": 1.0, "peaked": 4.0}
 SETTINGS = ((50, 1.0), (0, 0.95), (50, 0.9), (0, 0.7))
 REFERENCE_ROWS = 4
 
 
 def threshold(z: torch.Tensor, k: int, p: float, impl: str) -> torch.Tensor:
-    """The library's threshold with the CUDA kernel (``impl="triton"``) or the torch blocks (``"torch"``)."""
+    """The library's threshold with the CUDA path (``impl="triton"``), its one-program plan for every row
+    (``"one_program"``) or the torch blocks (``"torch"``)."""
+    segment = tt.SEGMENT
     if impl == "torch":
         os.environ["RLEXACT_TRUNCATION"] = "torch"
+    if impl == "one_program":
+        tt.SEGMENT = z.shape[1]
     try:
         return top_k_top_p_threshold(z, k, p)
     finally:
         os.environ.pop("RLEXACT_TRUNCATION", None)
+        tt.SEGMENT = segment
 
 
 def case(b: int, scale: float, k: int, p: float) -> dict:
     g = torch.Generator(device="cuda").manual_seed(b)
     z = torch.randn(b, V, device="cuda", generator=g) * scale
     row: dict = {"logits_read_us": b * V * 4 / HBM_BYTES_PER_S * 1e6}
-    thr = {impl: threshold(z, k, p, impl) for impl in ("triton", "torch")}
+    thr = {impl: threshold(z, k, p, impl) for impl in IMPLS}
     for impl in thr:
         row[f"{impl}_us"] = bench_graph(lambda impl=impl: threshold(z, k, p, impl)) * 1e3
     row["speedup"] = row["torch_us"] / row["triton_us"]
+    row["speedup_over_one_program"] = row["one_program_us"] / row["triton_us"]
     row["torch_equal_fraction"] = (thr["triton"] == thr["torch"]).float().mean().item()
     n = min(REFERENCE_ROWS, b)
     row["float64_equal_rows"] = f"{int((thr['triton'][:n] == reference.truncation_thresholds(z[:n], k, p)).sum())}/{n}"

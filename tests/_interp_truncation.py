@@ -1,6 +1,7 @@
 """Triton-interpreter checks of the truncation-threshold kernel (run by tests/test_sampled_logprobs.py in a
-subprocess: ``TRITON_INTERPRET=1 python tests/_interp_truncation.py``). Small probe count, scratch capacity and block
-make the short rows take several narrowing passes before the sorted last step."""
+subprocess: ``TRITON_INTERPRET=1 python tests/_interp_truncation.py``). Small probe count, scratch capacity, block and
+segment make the short rows take several narrowing passes before the sorted last step, rows of 700 entries run the
+segmented plan (three segments) and top-k candidates of 40 the one-program plan."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch  # noqa: E402
 from rlexact.ops import reference  # noqa: E402
 from rlexact.ops import triton_truncation as T  # noqa: E402
 
-T.CAP, T.PROBES, T.BLOCK = 64, 4, 128
+T.CAP, T.PROBES, T.BLOCK, T.SEGMENT = 64, 8, 128, 256
 
 torch.manual_seed(0)
 z = torch.randn(6, 700) * torch.tensor([[1.0], [3.0], [0.05], [8.0], [1.0], [1.0]])

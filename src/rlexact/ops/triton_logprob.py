@@ -60,6 +60,9 @@ class HeadConfig:
     num_stages: int
     tma: bool
     group_m: int = 16
+    flatten: bool = False
+    """The vocabulary-chunk loop and its K loop software-pipelined as one loop (loads of the next chunk issued under
+    this chunk's last products and epilogue); the same products, the same per-chunk epilogue."""
 
 
 @functools.cache
@@ -137,6 +140,7 @@ def _head_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     pdl_entry(PDL)
     pid_m, sid = tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
@@ -154,7 +158,7 @@ def _head_kernel(
     v0 = sid * VS
     v_end = tl.minimum(v0 + VS, V)
     k_tiles = tl.cdiv(H, BK)
-    for c0 in range(v0, v_end, BV):
+    for c0 in tl.range(v0, v_end, BV, flatten=FLATTEN):
         cols = c0 + rv
         c_ok = cols < V
         acc = tl.zeros((BM, BV), dtype=tl.float32)
@@ -339,6 +343,7 @@ def _run_head(
         STORE_Z=store_z,
         SCALE=float(temperature) != 1.0,
         TMA=cfg.tma,
+        FLATTEN=cfg.flatten,
         **dot_flags(hidden.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -1,5 +1,4 @@
-"""Top-p (and top-k) truncation thresholds on the GPU: top-p in Triton, one program per row, without sorting the
-vocabulary.
+"""Top-p (and top-k) truncation thresholds on the GPU: top-p in Triton, without sorting the vocabulary.
 
 Contract. For rows ``z [B, V]`` fp32 (``-0.0`` read as ``+0.0``) :func:`truncation_thresholds` returns ``tau`` per
 row with the kept set ``{v : z[v] >= tau}``:
@@ -14,14 +13,23 @@ row with the kept set ``{v : z[v] >= tau}``:
 
 In exact arithmetic that is the torch path's threshold (sorted values, ``cumsum - p < top_p``); here the masses
 are fp32 sums in the order of the search below, so the two can differ only where the kept mass is within rounding
-of ``top_p``. The search reads nothing but its own row, in an order fixed by the row's values: a row's threshold
-does not depend on the batch, which is what the generator and the trainer need to agree bitwise.
+of ``top_p``. The search reads nothing but its own row, in an order fixed by the row's values and ``V``: a row's
+threshold does not depend on the batch, which is what the generator and the trainer need to agree bitwise.
 
-Search (:func:`_top_p_kernel`). Values map to order-preserving int32 keys. The threshold lies in a key interval
-``(lo, hi]``, at first the row's ``(min - 1, max]``, with ``W(hi) < target <= W(lo)``. One pass over the row sums
-the in-interval weights (and counts) above :data:`PROBES` probe keys evenly spaced in the interval and keeps the
-sub-interval where ``W`` crosses the target; once at most :data:`CAP` elements are left, a last pass copies them to
-a scratch row (in any order: equal values are equal bits), which is sorted and scanned (exclusive prefix sums).
+Search. Values map to order-preserving int32 keys. The threshold lies in a key interval ``(lo, hi]``, at first the
+row's ``(min - 1, max]``, with ``W(hi) < target <= W(lo)``. One pass over the row sums the in-interval weights (and
+counts) above :data:`PROBES` probe keys evenly spaced in the interval and keeps the sub-interval where ``W`` crosses
+the target; once at most :data:`CAP` elements are left, they are copied to a scratch row (in any order: equal values
+are equal bits), sorted and scanned (exclusive prefix sums). Each pass narrows the interval ``PROBES`` times, so
+:func:`passes` passes leave at most one key.
+
+Two launch plans, chosen by ``V`` alone (so never by the batch):
+
+* ``V <= SEGMENT`` (top-k candidates): :func:`_top_p_kernel`, one program per row running every pass;
+* longer rows: every pass is a launch of one program per (row, :data:`SEGMENT`-entry segment). A program first
+  folds the previous pass's per-segment partials (one fixed reduction tree over the segments: the same in every
+  program of the row) into the row's next interval, then sums its own segment. :func:`passes` pass launches always
+  run; a row whose search has ended skips its work. The row count thus spreads a pass over many SMs at any batch.
 """
 
 from __future__ import annotations
@@ -32,14 +40,26 @@ import triton.language as tl
 
 from .triton_shared import COMPILE_OPTIONS
 
-__all__ = ["CAP", "PROBES", "truncation_thresholds"]
+__all__ = ["CAP", "PROBES", "SEGMENT", "passes", "truncation_thresholds"]
 
 PROBES = 16
-"""Probe keys per pass (each pass narrows the key interval about this many times)."""
+"""Probe keys per pass (each pass narrows the key interval this many times; a power of two)."""
 CAP = 2048
 """Elements left in the interval at which the search copies, sorts and scans them."""
 BLOCK = 512
 """Vocabulary entries per loop iteration of a pass."""
+SEGMENT = 4096
+"""Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
+WARPS = 8
+
+# Row-state fields of the segmented plan (int64; fp32 values stored as their bits).
+_LO, _HI, _BASE, _TARGET, _M, _COUNT, _DONE, _TAU = (tl.constexpr(i) for i in range(8))
+STATE_FIELDS = tl.constexpr(8)
+
+
+def passes(probes: int) -> int:
+    """Probe passes that narrow any int32 key interval to one key: ``ceil(32 / log2(probes))``."""
+    return -(-32 // (probes.bit_length() - 1))
 
 
 @triton.jit
@@ -63,10 +83,17 @@ def _pick(vec, j, sel):
 
 
 @triton.jit
-def _narrow(acc_w, acc_c, probes, kmin, lo, hi, base, target, P: tl.constexpr):
+def _probes(lo, hi, P: tl.constexpr):
+    """The pass's probe keys ``lo + (hi - lo) * j // P``, ``j < P`` (int32)."""
+    return (lo + ((hi - lo) * tl.arange(0, P)) // P).to(tl.int32)
+
+
+@triton.jit
+def _narrow(acc_w, acc_c, kmin, lo, hi, base, target, P: tl.constexpr):
     """The sub-interval where ``W = base + acc_w`` crosses ``target``: ``(lo, hi, base, count, done, tau)``;
     ``done`` (1) when every in-interval element is kept (``tau`` their smallest key)."""
     j = tl.arange(0, P)
+    probes = _probes(lo, hi, P)
     w_at = base + acc_w
     js = tl.max(tl.where(w_at >= target, j, -1), axis=0)
     done = (js < 0).to(tl.int32)
@@ -80,60 +107,75 @@ def _narrow(acc_w, acc_c, probes, kmin, lo, hi, base, target, P: tl.constexpr):
 
 
 @triton.jit
-def _load(row, start, V, BLOCK: tl.constexpr):
-    """Entries ``start .. start + BLOCK`` of the row (``-inf`` past it), ``-0.0`` read as ``+0.0`` (one key per
-    value)."""
+def _load(row, start, end, BLOCK: tl.constexpr):
+    """Entries ``start .. start + BLOCK`` of the row (``-inf`` from ``end`` on), ``-0.0`` read as ``+0.0`` (one key
+    per value)."""
     offs = start + tl.arange(0, BLOCK)
-    return tl.load(row + offs, mask=offs < V, other=float("-inf")) + 0.0
+    return tl.load(row + offs, mask=offs < end, other=float("-inf")) + 0.0
 
 
 @triton.jit
-def _probe_pass(row, V, lo, hi, m, BLOCK: tl.constexpr, P: tl.constexpr):
-    """One pass: for probe keys ``lo + (hi - lo) * j // P`` (``j < P``), the in-interval weight and count above
-    each, and the smallest in-interval key. Each thread accumulates its own lanes over the row (reduced once, at the
-    end); loads run three blocks ahead of their use."""
-    j = tl.arange(0, P)
-    probes = (lo + ((hi - lo) * j) // P).to(tl.int32)
+def _extent(row, start, end, BLOCK: tl.constexpr):
+    """The largest and the smallest value of entries ``start .. end``."""
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    for s in range(start, end, BLOCK):
+        z = _load(row, s, end, BLOCK)
+        mx = tl.maximum(mx, z)
+        mn = tl.minimum(mn, tl.where(s + tl.arange(0, BLOCK) < end, z, float("inf")))
+    return tl.max(mx, axis=0), tl.min(mn, axis=0)
+
+
+@triton.jit
+def _probe_pass(row, start, end, lo, hi, m, BLOCK: tl.constexpr, P: tl.constexpr):
+    """One pass over entries ``start .. end``: for the probe keys of ``(lo, hi]``, the in-interval weight and count
+    above each, and the smallest in-interval key (``hi`` if none). Each thread accumulates its own lanes (reduced
+    once, at the end); loads run three blocks ahead of their use."""
+    probes = _probes(lo, hi, P)
     lo32 = lo.to(tl.int32)
     hi32 = hi.to(tl.int32)
     acc_w = tl.zeros([P, BLOCK], tl.float32)
     acc_c = tl.zeros([P, BLOCK], tl.int32)
     kmin = tl.full([BLOCK], 0, tl.int32) + hi32
-    z1 = _load(row, 0, V, BLOCK)
-    z2 = _load(row, BLOCK, V, BLOCK)
-    z3 = _load(row, 2 * BLOCK, V, BLOCK)
-    for start in range(0, V, BLOCK):
+    z1 = _load(row, start, end, BLOCK)
+    z2 = _load(row, start + BLOCK, end, BLOCK)
+    z3 = _load(row, start + 2 * BLOCK, end, BLOCK)
+    for s in range(start, end, BLOCK):
         z = z1
         z1 = z2
         z2 = z3
-        z3 = _load(row, start + 3 * BLOCK, V, BLOCK)
+        z3 = _load(row, s + 3 * BLOCK, end, BLOCK)
         k = _key(z)
-        inside = (start + tl.arange(0, BLOCK) < V) & (k > lo32) & (k <= hi32)
+        inside = (s + tl.arange(0, BLOCK) < end) & (k > lo32) & (k <= hi32)
         above = (k[None, :] > probes[:, None]) & inside[None, :]
         acc_w += tl.where(above, tl.exp(z - m)[None, :], 0.0)
         acc_c += above.to(tl.int32)
         kmin = tl.minimum(kmin, tl.where(inside, k, hi32))
-    return tl.sum(acc_w, axis=1), tl.sum(acc_c, axis=1), probes, tl.min(kmin, axis=0)
+    return tl.sum(acc_w, axis=1), tl.sum(acc_c, axis=1), tl.min(kmin, axis=0)
 
 
 @triton.jit
-def _finish(row, buf, slot, V, lo, hi, base, target, m, count, BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """The last step: the ``count <= CAP`` elements of ``(lo, hi]`` copied to the scratch row (each takes a slot
-    from an atomic counter: the copy's order varies, its sorted values do not), sorted, scanned; the threshold's
-    key."""
+def _copy_range(row, buf, slot, start, end, lo, hi, BLOCK: tl.constexpr):
+    """Entries ``start .. end`` with keys in ``(lo, hi]`` copied to the scratch row, each to a slot drawn from an
+    atomic counter (the copy's order varies, its sorted values do not)."""
     lo32 = lo.to(tl.int32)
     hi32 = hi.to(tl.int32)
-    z1 = _load(row, 0, V, BLOCK)
-    z2 = _load(row, BLOCK, V, BLOCK)
-    for start in range(0, V, BLOCK):
+    z1 = _load(row, start, end, BLOCK)
+    z2 = _load(row, start + BLOCK, end, BLOCK)
+    for s in range(start, end, BLOCK):
         z = z1
         z1 = z2
-        z2 = _load(row, start + 2 * BLOCK, V, BLOCK)
+        z2 = _load(row, s + 2 * BLOCK, end, BLOCK)
         k = _key(z)
-        inside = (start + tl.arange(0, BLOCK) < V) & (k > lo32) & (k <= hi32)
+        inside = (s + tl.arange(0, BLOCK) < end) & (k > lo32) & (k <= hi32)
         pos = tl.atomic_add(slot + tl.zeros([BLOCK], tl.int32), 1, mask=inside, sem="relaxed")
         tl.store(buf + pos, z, mask=inside)
-    tl.debug_barrier()  # the copies above are visible to every thread of the program
+
+
+@triton.jit
+def _sorted_threshold(buf, base, target, m, count, CAP: tl.constexpr):
+    """The threshold's key from the ``count <= CAP`` copied elements: sorted, scanned (exclusive prefix sums of
+    their weights on top of ``base``), the last one whose mass before it is below ``target``."""
     i = tl.arange(0, CAP)
     valid = i < count
     s = tl.sort(tl.load(buf + i, mask=valid, other=float("-inf")), descending=True)
@@ -144,42 +186,189 @@ def _finish(row, buf, slot, V, lo, hi, base, target, m, count, BLOCK: tl.constex
     return _key(tau).to(tl.int64)
 
 
+@triton.jit
+def _end_key(done, tau, lo, hi, buf, base, target, m, count, CAP: tl.constexpr):
+    """The threshold's key once the passes are over: the smallest in-interval key when all of it is kept, ``hi``
+    when the interval is one key, else from the sorted copy."""
+    if done == 0:
+        if hi - lo > 1:
+            tau = _sorted_threshold(buf, base, target, m, count, CAP)
+        else:
+            tau = hi
+    return tau
+
+
 @triton.jit(do_not_specialize=["V"])
 def _top_p_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, slot_ptr, top_p, BLOCK: tl.constexpr, P: tl.constexpr,
                   CAP: tl.constexpr):  # fmt: skip
+    """Rows of at most ``SEGMENT`` entries: one program per row runs the whole search."""
     r = tl.program_id(0)
     row = z_ptr + r.to(tl.int64) * stride_z
     buf = buf_ptr + r.to(tl.int64) * CAP
     slot = slot_ptr + r  # the last step's copy counter (zeroed by the launcher)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        z = _load(row, start, V, BLOCK)
-        mx = tl.maximum(mx, z)
-        mn = tl.minimum(mn, tl.where(start + tl.arange(0, BLOCK) < V, z, float("inf")))
-    m = tl.max(mx, axis=0)
-    lo = _key(tl.min(mn, axis=0)).to(tl.int64) - 1
+    m, mn = _extent(row, 0, V, BLOCK)
+    lo = _key(mn).to(tl.int64) - 1
     hi = _key(m).to(tl.int64)
     zero = tl.sum(tl.zeros([2], tl.float32), axis=0)
-    acc_w, acc_c, probes, kmin = _probe_pass(row, V, lo, hi, m, BLOCK, P)
+    acc_w, acc_c, kmin = _probe_pass(row, 0, V, lo, hi, m, BLOCK, P)
     target = top_p * _pick(acc_w, tl.arange(0, P), 0)  # top_p * S
-    lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, probes, kmin, lo, hi, zero, target, P)
+    lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, kmin, lo, hi, zero, target, P)
     while (done == 0) & (count > CAP) & (hi - lo > 1):
-        acc_w, acc_c, probes, kmin = _probe_pass(row, V, lo, hi, m, BLOCK, P)
-        lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, probes, kmin, lo, hi, base, target, P)
-    if done == 0:
-        if hi - lo > 1:
-            tau = _finish(row, buf, slot, V, lo, hi, base, target, m, count, BLOCK, CAP)
-        else:
-            tau = hi
+        acc_w, acc_c, kmin = _probe_pass(row, 0, V, lo, hi, m, BLOCK, P)
+        lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, kmin, lo, hi, base, target, P)
+    if (done == 0) & (hi - lo > 1):
+        _copy_range(row, buf, slot, 0, V, lo, hi, BLOCK)
+        tl.debug_barrier()  # the copies are visible to every thread of the program
+    tau = _end_key(done, tau, lo, hi, buf, base, target, m, count, CAP)
     tl.store(out_ptr + r, _value(tau.to(tl.int32)))
+
+
+@triton.jit
+def _bits(x):
+    """fp32 ``x`` as int64 (its bits) for the state row."""
+    return x.to(tl.int32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _unbits(v):
+    """Inverse of :func:`_bits`."""
+    return v.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _read_state(st):
+    lo = tl.load(st + _LO)
+    hi = tl.load(st + _HI)
+    base = _unbits(tl.load(st + _BASE))
+    target = _unbits(tl.load(st + _TARGET))
+    m = _unbits(tl.load(st + _M))
+    count = tl.load(st + _COUNT).to(tl.int32)
+    done = tl.load(st + _DONE).to(tl.int32)
+    tau = tl.load(st + _TAU)
+    return lo, hi, base, target, m, count, done, tau
+
+
+@triton.jit
+def _write_state(st, lo, hi, base, target, m, count, done, tau):
+    tl.store(st + _LO, lo)
+    tl.store(st + _HI, hi)
+    tl.store(st + _BASE, _bits(base))
+    tl.store(st + _TARGET, _bits(target))
+    tl.store(st + _M, _bits(m))
+    tl.store(st + _COUNT, count.to(tl.int64))
+    tl.store(st + _DONE, done.to(tl.int64))
+    tl.store(st + _TAU, tau)
+
+
+@triton.jit
+def _searching(done, count, lo, hi, CAP: tl.constexpr):
+    """Whether the row's search needs another probe pass."""
+    return (done == 0) & (count > CAP) & (hi - lo > 1)
+
+
+@triton.jit(do_not_specialize=["V", "n_seg", "n_rows", "step"])
+def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_ptr, buf_ptr, slot_ptr, top_p, step,
+                    SEG: tl.constexpr, SEGS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr,
+                    MODE: tl.constexpr):  # fmt: skip
+    """Program (row, segment) of step ``step`` of the segmented plan. ``MODE`` 0: the segment's extent into
+    ``ext [B, n_seg, 2]``. 1: the row's state (from the extents at step 1, else narrowed by the previous pass's
+    partials) into state slot ``step % 2`` by segment 0, then, while the search goes on, this pass's partials of the
+    segment into ``part [2, B, n_seg, 2P + 1]`` (slot ``step % 2``). 2: the state narrowed by the last pass, then the
+    segment's in-interval entries copied to the scratch row."""
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    row = z_ptr + r.to(tl.int64) * stride_z
+    start = g * SEG
+    end = tl.minimum(start + SEG, V)
+    if MODE == 0:
+        mx, mn = _extent(row, start, end, BLOCK)
+        tl.store(ext_ptr + (r * n_seg + g) * 2, mx)
+        tl.store(ext_ptr + (r * n_seg + g) * 2 + 1, mn)
+    else:
+        segs = tl.arange(0, SEGS)
+        seg_ok = segs < n_seg
+        width = 2 * P + 1
+        if step == 1:
+            e = ext_ptr + (r * n_seg + segs) * 2
+            m = tl.max(tl.load(e, mask=seg_ok, other=float("-inf")), axis=0)
+            lo = _key(tl.min(tl.load(e + 1, mask=seg_ok, other=float("inf")), axis=0)).to(tl.int64) - 1
+            hi = _key(m).to(tl.int64)
+            base = tl.sum(tl.zeros([2], tl.float32), axis=0)
+            target = base
+            count = tl.full([], 2147483647, tl.int32)
+            done = tl.full([], 0, tl.int32)
+            tau = hi
+        else:
+            lo, hi, base, target, m, count, done, tau = _read_state(
+                state_ptr + ((step - 1) % 2 * n_rows + r) * STATE_FIELDS
+            )
+            if _searching(done, count, lo, hi, CAP):  # the previous pass ran: fold its partials
+                j = tl.arange(0, P)
+                pp = part_ptr + (((step - 1) % 2 * n_rows + r) * n_seg + segs[:, None]) * width + j[None, :]
+                acc_w = tl.sum(tl.load(pp, mask=seg_ok[:, None], other=0.0), axis=0)
+                acc_c = tl.sum(tl.load(pp + P, mask=seg_ok[:, None], other=0.0), axis=0).to(tl.int32)
+                km = tl.load(pp + 2 * P, mask=seg_ok[:, None] & (j == 0)[None, :], other=float("inf"))
+                kmin = _key(tl.min(tl.min(km, axis=1), axis=0))
+                if step == 2:
+                    target = top_p * _pick(acc_w, j, 0)  # top_p * S
+                lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, kmin, lo, hi, base, target, P)
+        if g == 0:
+            _write_state(state_ptr + (step % 2 * n_rows + r) * STATE_FIELDS, lo, hi, base, target, m, count, done,
+                         tau)  # fmt: skip
+        if MODE == 1:
+            if _searching(done, count, lo, hi, CAP):
+                acc_w, acc_c, kmin = _probe_pass(row, start, end, lo, hi, m, BLOCK, P)
+                j = tl.arange(0, P)
+                out = part_ptr + ((step % 2 * n_rows + r) * n_seg + g) * width
+                tl.store(out + j, acc_w)
+                tl.store(out + P + j, acc_c.to(tl.float32))
+                tl.store(out + 2 * P, _value(kmin))
+        elif (done == 0) & (hi - lo > 1):
+            _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, start, end, lo, hi, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n_rows", "step"])
+def _select_kernel(state_ptr, buf_ptr, out_ptr, n_rows, step, CAP: tl.constexpr):
+    """The threshold of row ``program_id(0)`` from the final state (slot ``step % 2``) and its copied entries."""
+    r = tl.program_id(0)
+    lo, hi, base, target, m, count, done, tau = _read_state(state_ptr + (step % 2 * n_rows + r) * STATE_FIELDS)
+    tau = _end_key(done, tau, lo, hi, buf_ptr + r.to(tl.int64) * CAP, base, target, m, count, CAP)
+    tl.store(out_ptr + r, _value(tau.to(tl.int32)))
+
+
+def _top_p(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p thresholds ``[B, 1]`` of ``z [B, V]`` (``B > 0``) with the launch plan for ``V``."""
+    b, v = z.shape
+    dev = z.device
+    out = torch.empty((b, 1), dtype=torch.float32, device=dev)
+    buf = torch.empty((b, CAP), dtype=torch.float32, device=dev)
+    slots = torch.zeros(b, dtype=torch.int32, device=dev)
+    if v <= SEGMENT:
+        _top_p_kernel[(b,)](
+            z, z.stride(0), v, out, buf, slots, float(top_p), BLOCK=BLOCK, P=PROBES, CAP=CAP, num_warps=WARPS,
+            **COMPILE_OPTIONS,
+        )  # fmt: skip
+        return out
+    n_seg = triton.cdiv(v, SEGMENT)
+    ext = torch.empty((b, n_seg, 2), dtype=torch.float32, device=dev)
+    part = torch.empty((2, b, n_seg, 2 * PROBES + 1), dtype=torch.float32, device=dev)
+    state = torch.empty((2, b, STATE_FIELDS.value), dtype=torch.int64, device=dev)
+    n_pass = passes(PROBES)
+    const = dict(SEG=SEGMENT, SEGS=triton.next_power_of_2(n_seg), BLOCK=BLOCK, P=PROBES, CAP=CAP)
+    for step in range(n_pass + 2):  # extents, the passes, the copy
+        mode = 0 if step == 0 else 1 if step <= n_pass else 2
+        _segment_kernel[(b, n_seg)](
+            z, z.stride(0), v, n_seg, b, ext, part, state, buf, slots, float(top_p), step, **const, MODE=mode,
+            num_warps=WARPS, **COMPILE_OPTIONS,
+        )  # fmt: skip
+    _select_kernel[(b,)](state, buf, out, b, n_pass + 1, CAP=CAP, num_warps=WARPS, **COMPILE_OPTIONS)
+    return out
 
 
 def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Per-row thresholds ``[B, 1]`` fp32 of ``z [B, V]`` fp32 for ``0 < top_k < V`` and/or ``top_p < 1`` (the
     module's contract; at least one must truncate). Row-invariant, no host synchronization: top-k is ``torch.topk``'s
-    values over the whole batch; top-p runs :func:`_top_p_kernel` on the rows, or with top-k on their ``k`` sorted
-    values."""
+    values over the whole batch; top-p runs the search on the rows, or with top-k on their ``k`` sorted values."""
     if z.dim() != 2 or z.dtype != torch.float32 or z.stride(-1) != 1:
         raise ValueError(f"truncation_thresholds: z must be a row-major fp32 [B, V] tensor, got {z.dtype} {z.shape}")
     b, v = z.shape
@@ -190,13 +379,6 @@ def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
         z = torch.topk(z, top_k, dim=-1).values
         if not use_p:
             return z[:, -1:].contiguous()
-    out = torch.empty((b, 1), dtype=torch.float32, device=z.device)
     if b == 0:
-        return out
-    buf = torch.empty((b, CAP), dtype=torch.float32, device=z.device)
-    slots = torch.zeros(b, dtype=torch.int32, device=z.device)
-    _top_p_kernel[(b,)](
-        z, z.stride(0), z.shape[1], out, buf, slots, float(top_p), BLOCK=BLOCK, P=PROBES, CAP=CAP, num_warps=8,
-        **COMPILE_OPTIONS,
-    )  # fmt: skip
-    return out
+        return torch.empty((0, 1), dtype=torch.float32, device=z.device)
+    return _top_p(z, top_p)
