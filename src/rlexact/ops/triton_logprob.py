@@ -62,7 +62,8 @@ class HeadConfig:
     group_m: int = 16
     flatten: bool = False
     """The vocabulary-chunk loop and its K loop software-pipelined as one loop (loads of the next chunk issued under
-    this chunk's last products and epilogue); the same products, the same per-chunk epilogue."""
+    this chunk's last products and epilogue); the same products and epilogue, so the same bits. On with TMA loads,
+    off with pointer loads (``benchmarks/results/head_flatten_h200.json``)."""
 
 
 @functools.cache
@@ -79,7 +80,7 @@ def _head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -> HeadC
             bm, bv, bk, warps, stages = 128, 128, 64, 8, 4
     chunks = triton.cdiv(V, bv)
     vs = triton.cdiv(chunks, target) * bv
-    return HeadConfig(bm, bv, bk, vs, warps, stages, tma)
+    return HeadConfig(bm, bv, bk, vs, warps, stages, tma, flatten=tma)
 
 
 def head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> HeadConfig:
@@ -97,14 +98,14 @@ def _decode_head_config(H: int, V: int, dtype: torch.dtype, device_key: tuple) -
     base = _head_config(H, V, dtype, device_key)
     if device_key[0] != "cuda" or dtype == torch.float32 or cuda_props(device_key[1])[0] < 9:
         return base
-    return dataclasses.replace(base, BM=64, num_warps=4, num_stages=6, tma=False)
+    return dataclasses.replace(base, BM=64, num_warps=4, num_stages=6, tma=False, flatten=False)
 
 
 def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device) -> HeadConfig:
     """The launch configuration of calls with at most :data:`DECODE_ROWS` rows. On Hopper (16-bit) it differs from
-    :func:`head_config` only in the rows per program, warps, stages and load path, never in ``BV``, ``BK`` or ``VS``:
-    64-row tiles over 4 warps keep 16 rows per warp, as the 128-row tiles over 8 warps do, and gave the same bits for
-    the log-prob, entropy and log-sum-exp of every row (``benchmarks/head_variants.py``,
+    :func:`head_config` only in the rows per program, warps, stages, load path and loop flattening, never in ``BV``,
+    ``BK`` or ``VS``: 64-row tiles over 4 warps keep 16 rows per warp, as the 128-row tiles over 8 warps do, and gave
+    the same bits for the log-prob, entropy and log-sum-exp of every row (``benchmarks/head_variants.py``,
     ``benchmarks/results/head_variants_h200.json``; fewer rows per warp did not). Elsewhere it is
     :func:`head_config`."""
     return _decode_head_config(H, V, dtype, device_key(device))

@@ -127,31 +127,41 @@ def _extent(row, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_row(row, start, end, BLOCK: tl.constexpr):
+    """:func:`_load` as a ``[1, BLOCK]`` tile, the layout of the ``[P, BLOCK]`` probe tiles (no layout change per
+    block)."""
+    offs = start + tl.arange(0, BLOCK)[None, :]
+    return tl.load(row + offs, mask=offs < end, other=float("-inf")) + 0.0
+
+
+@triton.jit
 def _probe_pass(row, start, end, lo, hi, m, BLOCK: tl.constexpr, P: tl.constexpr):
     """One pass over entries ``start .. end``: for the probe keys of ``(lo, hi]``, the in-interval weight and count
-    above each, and the smallest in-interval key (``hi`` if none). Each thread accumulates its own lanes (reduced
-    once, at the end); loads run three blocks ahead of their use."""
-    probes = _probes(lo, hi, P)
+    above each, and the smallest in-interval key (``hi`` if none). An entry outside the interval takes key ``lo``,
+    which no probe is below. Each thread accumulates its own lanes (reduced once, at the end); loads run three blocks
+    ahead of their use."""
+    probes = _probes(lo, hi, P)[:, None]
     lo32 = lo.to(tl.int32)
     hi32 = hi.to(tl.int32)
     acc_w = tl.zeros([P, BLOCK], tl.float32)
     acc_c = tl.zeros([P, BLOCK], tl.int32)
-    kmin = tl.full([BLOCK], 0, tl.int32) + hi32
-    z1 = _load(row, start, end, BLOCK)
-    z2 = _load(row, start + BLOCK, end, BLOCK)
-    z3 = _load(row, start + 2 * BLOCK, end, BLOCK)
+    kmin = tl.full([1, BLOCK], 0, tl.int32) + hi32
+    z1 = _load_row(row, start, end, BLOCK)
+    z2 = _load_row(row, start + BLOCK, end, BLOCK)
+    z3 = _load_row(row, start + 2 * BLOCK, end, BLOCK)
     for s in range(start, end, BLOCK):
         z = z1
         z1 = z2
         z2 = z3
-        z3 = _load(row, s + 3 * BLOCK, end, BLOCK)
+        z3 = _load_row(row, s + 3 * BLOCK, end, BLOCK)
         k = _key(z)
-        inside = (s + tl.arange(0, BLOCK) < end) & (k > lo32) & (k <= hi32)
-        above = (k[None, :] > probes[:, None]) & inside[None, :]
-        acc_w += tl.where(above, tl.exp(z - m)[None, :], 0.0)
+        inside = (s + tl.arange(0, BLOCK)[None, :] < end) & (k > lo32) & (k <= hi32)
+        k = tl.where(inside, k, lo32)
+        above = k > probes
+        acc_w += tl.where(above, tl.exp(z - m), 0.0)
         acc_c += above.to(tl.int32)
         kmin = tl.minimum(kmin, tl.where(inside, k, hi32))
-    return tl.sum(acc_w, axis=1), tl.sum(acc_c, axis=1), tl.min(kmin, axis=0)
+    return tl.sum(acc_w, axis=1), tl.sum(acc_c, axis=1), tl.min(tl.min(kmin, axis=1), axis=0)
 
 
 @triton.jit
