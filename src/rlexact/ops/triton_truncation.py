@@ -26,10 +26,11 @@ are equal bits), sorted and scanned (exclusive prefix sums). Each pass narrows t
 Two launch plans, chosen by ``V`` alone (so never by the batch):
 
 * ``V <= SEGMENT`` (top-k candidates): :func:`_top_p_kernel`, one program per row running every pass;
-* longer rows: every pass is a launch of one program per (row, :data:`SEGMENT`-entry segment). A program first
-  folds the previous pass's per-segment partials (one fixed reduction tree over the segments: the same in every
-  program of the row) into the row's next interval, then sums its own segment. :func:`passes` pass launches always
-  run; a row whose search has ended skips its work. The row count thus spreads a pass over many SMs at any batch.
+* longer rows: each pass sums fixed :data:`SEGMENT`-entry segments of the row, one partial per segment, in a
+  launch of several programs per row (:data:`PROGRAMS_PER_SM`). A program first folds the previous pass's partials
+  (one fixed reduction tree over the segments: the same in every program of the row) into the row's next interval,
+  then sums its segments. :func:`passes` pass launches always run; a row whose search has ended skips its work. A
+  pass thus spreads over many SMs at any batch.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_shared import COMPILE_OPTIONS
+from .triton_shared import COMPILE_OPTIONS, num_sms
 
 __all__ = ["CAP", "PROBES", "SEGMENT", "passes", "truncation_thresholds"]
 
@@ -51,6 +52,9 @@ BLOCK = 512
 SEGMENT = 4096
 """Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
 WARPS = 8
+PROGRAMS_PER_SM = 2
+"""Programs per SM the segmented plan aims at: a row gets ``ceil(PROGRAMS_PER_SM * SMs / B)`` programs (at most
+one per segment), each walking its share of the segments. Speed only: a segment's sums do not depend on it."""
 
 # Row-state fields of the segmented plan (int64; fp32 values stored as their bits).
 _LO, _HI, _BASE, _TARGET, _M, _COUNT, _DONE, _TAU = (tl.constexpr(i) for i in range(8))
@@ -280,20 +284,21 @@ def _searching(done, count, lo, hi, CAP: tl.constexpr):
 def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_ptr, buf_ptr, slot_ptr, top_p, step,
                     SEG: tl.constexpr, SEGS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr,
                     MODE: tl.constexpr):  # fmt: skip
-    """Program (row, segment) of step ``step`` of the segmented plan. ``MODE`` 0: the segment's extent into
+    """Program ``(row, q)`` of step ``step`` of the segmented plan: the row's segments ``q, q + G, ...`` (``G``
+    programs per row; a segment's results do not depend on ``G``). ``MODE`` 0: each segment's extent into
     ``ext [B, n_seg, 2]``. 1: the row's state (from the extents at step 1, else narrowed by the previous pass's
-    partials) into state slot ``step % 2`` by segment 0, then, while the search goes on, this pass's partials of the
+    partials) into state slot ``step % 2`` by program 0, then, while the search goes on, this pass's partials of each
     segment into ``part [2, B, n_seg, 2P + 1]`` (slot ``step % 2``). 2: the state narrowed by the last pass, then the
-    segment's in-interval entries copied to the scratch row."""
+    segments' in-interval entries copied to the scratch row."""
     r = tl.program_id(0)
-    g = tl.program_id(1)
+    q = tl.program_id(1)
+    n_prog = tl.num_programs(1)
     row = z_ptr + r.to(tl.int64) * stride_z
-    start = g * SEG
-    end = tl.minimum(start + SEG, V)
     if MODE == 0:
-        mx, mn = _extent(row, start, end, BLOCK)
-        tl.store(ext_ptr + (r * n_seg + g) * 2, mx)
-        tl.store(ext_ptr + (r * n_seg + g) * 2 + 1, mn)
+        for g in range(q, n_seg, n_prog):
+            mx, mn = _extent(row, g * SEG, tl.minimum(g * SEG + SEG, V), BLOCK)
+            tl.store(ext_ptr + (r * n_seg + g) * 2, mx)
+            tl.store(ext_ptr + (r * n_seg + g) * 2 + 1, mn)
     else:
         segs = tl.arange(0, SEGS)
         seg_ok = segs < n_seg
@@ -322,19 +327,22 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
                 if step == 2:
                     target = top_p * _pick(acc_w, j, 0)  # top_p * S
                 lo, hi, base, count, done, tau = _narrow(acc_w, acc_c, kmin, lo, hi, base, target, P)
-        if g == 0:
+        if q == 0:
             _write_state(state_ptr + (step % 2 * n_rows + r) * STATE_FIELDS, lo, hi, base, target, m, count, done,
                          tau)  # fmt: skip
         if MODE == 1:
             if _searching(done, count, lo, hi, CAP):
-                acc_w, acc_c, kmin = _probe_pass(row, start, end, lo, hi, m, BLOCK, P)
-                j = tl.arange(0, P)
-                out = part_ptr + ((step % 2 * n_rows + r) * n_seg + g) * width
-                tl.store(out + j, acc_w)
-                tl.store(out + P + j, acc_c.to(tl.float32))
-                tl.store(out + 2 * P, _value(kmin))
+                for g in range(q, n_seg, n_prog):
+                    acc_w, acc_c, kmin = _probe_pass(row, g * SEG, tl.minimum(g * SEG + SEG, V), lo, hi, m, BLOCK, P)
+                    j = tl.arange(0, P)
+                    out = part_ptr + ((step % 2 * n_rows + r) * n_seg + g) * width
+                    tl.store(out + j, acc_w)
+                    tl.store(out + P + j, acc_c.to(tl.float32))
+                    tl.store(out + 2 * P, _value(kmin))
         elif (done == 0) & (hi - lo > 1):
-            _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, start, end, lo, hi, BLOCK)
+            for g in range(q, n_seg, n_prog):
+                end = tl.minimum(g * SEG + SEG, V)
+                _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, g * SEG, end, lo, hi, BLOCK)
 
 
 @triton.jit(do_not_specialize=["n_rows", "step"])
@@ -360,6 +368,7 @@ def _top_p(z: torch.Tensor, top_p: float) -> torch.Tensor:
         )  # fmt: skip
         return out
     n_seg = triton.cdiv(v, SEGMENT)
+    grid = (b, min(n_seg, triton.cdiv(PROGRAMS_PER_SM * num_sms(dev), b)))
     ext = torch.empty((b, n_seg, 2), dtype=torch.float32, device=dev)
     part = torch.empty((2, b, n_seg, 2 * PROBES + 1), dtype=torch.float32, device=dev)
     state = torch.empty((2, b, STATE_FIELDS.value), dtype=torch.int64, device=dev)
@@ -367,7 +376,7 @@ def _top_p(z: torch.Tensor, top_p: float) -> torch.Tensor:
     const = dict(SEG=SEGMENT, SEGS=triton.next_power_of_2(n_seg), BLOCK=BLOCK, P=PROBES, CAP=CAP)
     for step in range(n_pass + 2):  # extents, the passes, the copy
         mode = 0 if step == 0 else 1 if step <= n_pass else 2
-        _segment_kernel[(b, n_seg)](
+        _segment_kernel[grid](
             z, z.stride(0), v, n_seg, b, ext, part, state, buf, slots, float(top_p), step, **const, MODE=mode,
             num_warps=WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
