@@ -27,6 +27,13 @@ for k, p in ((40, 1.0), (0, 0.8), (40, 0.8), (300, 0.95), (650, 0.3), (0, 0.999)
     assert torch.equal(thr, ref), (k, p, thr.flatten().tolist(), ref.flatten().tolist())
     for idx in ([3], [5, 0, 2], [1, 4]):  # a row's threshold does not depend on the rows beside it
         assert torch.equal(T.truncation_thresholds(z[idx], k, p), thr[idx]), (k, p, idx)
+# the fixed pass count narrows the widest key interval to one key: a tie group larger than CAP holds the boundary
+# (top_p 0.4 falls inside its mass) and -3e38 stretches the interval over most of the int32 keys
+w = torch.full((1, 700), -2.0)
+w[0, :10], w[0, 10:110], w[0, 110] = 1.0, 0.0, -3e38
+assert torch.equal(T.truncation_thresholds(w, 0, 0.4), torch.zeros(1, 1))
+assert torch.equal(T.truncation_thresholds(w, 0, 0.4), reference.truncation_thresholds(w, 0, 0.4))
+assert [T.passes(p) for p in (4, 8, 16)] == [16, 11, 8]
 # negative control: raising the boundary token's logit moves the threshold
 y = z.clone()
 y[1, int(torch.argmax((z[1] == thr[1]).int()))] += 0.25

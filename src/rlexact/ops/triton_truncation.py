@@ -339,7 +339,7 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
                     tl.store(out + j, acc_w)
                     tl.store(out + P + j, acc_c.to(tl.float32))
                     tl.store(out + 2 * P, _value(kmin))
-        elif (done == 0) & (hi - lo > 1):
+        elif (done == 0) & (hi - lo > 1) & (count <= CAP):  # holds after passes(P) narrowings; guards the scratch row
             for g in range(q, n_seg, n_prog):
                 end = tl.minimum(g * SEG + SEG, V)
                 _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, g * SEG, end, lo, hi, BLOCK)
