@@ -66,8 +66,10 @@ def test_truncation_is_row_invariant() -> None:
 
 @pytest.mark.interpreter("tests/_interp_truncation.py")
 def test_truncation_kernel_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
-    """The Triton threshold kernel equals the float64 sort-based thresholds (top-k, top-p, both, a tie group cut by
-    top-k, masked tokens, a constant row) and is row-invariant; a raised boundary logit moves it."""
+    """Both launch plans of the Triton threshold search (one program per row for top-k candidates, the segmented plan
+    for full rows, at several programs per row) equal the float64 sort-based thresholds (top-k, top-p, both, a tie
+    group cut by top-k, masked tokens, a constant row, the widest key interval narrowed to one key) and are
+    row-invariant; a raised boundary logit moves the threshold."""
     assert interpreter_run.returncode == 0, failure_report(interpreter_run)
     assert "ok" in interpreter_run.stdout
 
