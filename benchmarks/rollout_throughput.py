@@ -1,7 +1,8 @@
 """Rollout throughput: rlexact exact vs native vs transformers ``generate`` on one randomly initialized model.
 
 Default: a Qwen3-1.7B-shaped bf16 model (random weights), batches 64 and 256, 128 random prompt tokens, 256 new
-tokens, EOS ignored, sampling at temperature 1 (top-k/top-p off unless ``--top-k``/``--top-p``). Every section is
+tokens, EOS ignored, sampling at temperature 1 (top-k/top-p off unless ``--top-k``/``--top-p``; ``--logprobs sampled``
+reports the truncated distribution's log-probs, and the spot check scores them the same way). Every section is
 timed after a short warm-up call (Triton JIT, cuBLAS handles); a failing section is recorded and the others still
 run. Writes ``benchmarks/results/rollout_h200.json`` with the command, hardware, versions, date, tokens/s per engine
 and batch, ratios exact/native and exact/hf_generate, generator stats, and an exactness spot check.
@@ -62,6 +63,7 @@ import torch
 
 import rlexact
 from common import ROOT, header
+from rlexact.models.truncation import LOGPROB_MODES
 from rlexact.ops import kv_gather
 from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
@@ -130,9 +132,17 @@ def host_per_step(long: tuple[dict[str, float], int], short: tuple[dict[str, flo
 
 
 def sampling(args, new_tokens: int, seed: int, n: int = 1) -> SamplingParams:
-    """The timed calls' sampling: temperature 1, EOS ignored, ``--top-k`` / ``--top-p`` (off by default)."""
+    """The timed calls' sampling: temperature 1, EOS ignored, ``--top-k`` / ``--top-p`` (off by default),
+    ``--logprobs``."""
     return SamplingParams(
-        max_new_tokens=new_tokens, temperature=1.0, top_k=args.top_k, top_p=args.top_p, seed=seed, ignore_eos=True, n=n
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=seed,
+        ignore_eos=True,
+        n=n,
+        logprobs=args.logprobs,
     )
 
 
@@ -417,7 +427,7 @@ def run_grpo(model, args, device, result: dict) -> None:
             torch.cuda.empty_cache()
     grpo["speedup_shared_over_unshared"] = grpo["shared"]["tokens_per_s"] / grpo["unshared"]["tokens_per_s"]
     grpo["same_completions_bitwise"] = same_completions(outs["shared"], outs["unshared"])
-    grpo["exactness_spot_check"] = spot_check(model, outs["shared"])
+    grpo["exactness_spot_check"] = spot_check(model, outs["shared"], args)
 
 
 def run_hf(model, prompts, args, device) -> dict:
@@ -452,9 +462,11 @@ SPOT_CHECK_TOKENS = 65536
 """Most tokens the exactness spot check scores in one trainer forward (at least one completion is checked)."""
 
 
-def spot_check(model, outs, k: int = 4) -> dict:
+def spot_check(model, outs, args, k: int = 4) -> dict:
+    """Up to ``k`` completions' log-probs against the trainer's (under truncation with ``--logprobs sampled``)."""
     sub = outs[: max(1, min(k, SPOT_CHECK_TOKENS // len(outs[0].sequence)))]
-    ref = rlexact.sequence_logprobs(model, [o.sequence for o in sub])
+    trunc = dict(top_k=args.top_k, top_p=args.top_p) if args.logprobs == "sampled" else {}
+    ref = rlexact.sequence_logprobs(model, [o.sequence for o in sub], **trunc)
     diffs = [(o.logprobs - r[-len(o.token_ids) :].cpu()).abs().max().item() for o, r in zip(sub, ref)]
     equal = [torch.equal(o.logprobs, r[-len(o.token_ids) :].cpu()) for o, r in zip(sub, ref)]
     return {"completions": len(sub), "all_bitwise_equal": all(equal), "max_abs_diff": max(diffs)}
@@ -482,6 +494,7 @@ def main() -> int:
     )
     ap.add_argument("--top-k", type=int, default=0, help="sampling top-k of every engine (default 0: off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="sampling top-p of every engine (default 1: off)")
+    ap.add_argument("--logprobs", choices=LOGPROB_MODES, default="full", help="log-probs the rlexact engines report")
     ap.add_argument("--note", default=None, help="free-text note stored in the JSON (e.g. local patches)")
     ap.add_argument("--grpo", action="store_true", help="the GRPO-shaped load with and without prompt sharing")
     ap.add_argument("--grpo-prompts", type=int, default=64, help="prompts of the GRPO load (default 64)")
@@ -511,7 +524,9 @@ def main() -> int:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "batches": "grpo" if args.grpo else args.batches,
-            "sampling": f"temperature 1, top_k {args.top_k}, top_p {args.top_p:g}, EOS ignored",
+            "sampling": (
+                f"temperature 1, top_k {args.top_k}, top_p {args.top_p:g}, logprobs {args.logprobs}, EOS ignored"
+            ),
             "cuda_graphs": not args.no_graphs,
             "max_num_batched_tokens": args.batched_tokens or "max(GeneratorConfig default, 2 * batch)",
             "profile_new_tokens": args.profile,
@@ -576,7 +591,7 @@ def main() -> int:
             if outs is None:
                 continue
             try:
-                res[name] = spot_check(model, outs)
+                res[name] = spot_check(model, outs, args)
             except Exception:  # noqa: BLE001
                 result["errors"][f"{name}@{batch}"] = traceback.format_exc()
         write(out_path, result)  # partial results survive a later crash

@@ -34,6 +34,19 @@ w[0, :10], w[0, 10:110], w[0, 110] = 1.0, 0.0, -3e38
 assert torch.equal(T.truncation_thresholds(w, 0, 0.4), torch.zeros(1, 1))
 assert torch.equal(T.truncation_thresholds(w, 0, 0.4), reference.truncation_thresholds(w, 0, 0.4))
 assert [T.passes(p) for p in (4, 8, 16)] == [16, 11, 8]
+# lse over the kept tokens: the float64 value up to fp32 rounding, the same bits alone as in the batch; a token below
+# the threshold does not enter it, a kept one does
+t8 = T.truncation_thresholds(z, 0, 0.8)
+lse = T.kept_logsumexp(z, t8)
+want = torch.logsumexp(z.double().masked_fill(z < t8, float("-inf")), dim=-1)
+assert torch.allclose(lse.double(), want, rtol=0, atol=1e-5), (lse - want).abs().max()
+for idx in ([3], [5, 0, 2], [1, 4]):
+    assert torch.equal(T.kept_logsumexp(z[idx], t8[idx]), lse[idx]), idx
+y = z.clone()
+y[1, int(torch.argmin(z[1]))] += 0.5  # still below the threshold
+assert torch.equal(T.kept_logsumexp(y, t8)[1], lse[1])
+y[1, int(torch.argmax(z[1]))] += 0.5
+assert not torch.equal(T.kept_logsumexp(y, t8)[1], lse[1])
 # negative control: raising the boundary token's logit moves the threshold
 y = z.clone()
 y[1, int(torch.argmax((z[1] == thr[1]).int()))] += 0.25

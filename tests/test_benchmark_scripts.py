@@ -20,9 +20,10 @@ def _run(script: str, *args: str) -> None:
 def test_rollout_throughput_tiny(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
     _run("rollout_throughput.py", "--tiny", "--engines", "exact", "native", "--batches", "4", "--profile", "2",
-         "--out", str(out))  # fmt: skip
+         "--top-k", "20", "--top-p", "0.9", "--logprobs", "sampled", "--out", str(out))  # fmt: skip
     res = json.loads(out.read_text())
     assert res["errors"] == {}
+    assert "logprobs sampled" in res["setup"]["sampling"]
     row = res["results"]["4"]
     exact = row["exact"]
     assert exact["tokens"] == 4 * res["setup"]["new_tokens"]

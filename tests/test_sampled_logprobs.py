@@ -69,7 +69,8 @@ def test_truncation_kernel_under_interpreter(interpreter_run: subprocess.Complet
     """Both launch plans of the Triton threshold search (one program per row for top-k candidates, the segmented plan
     for full rows, at several programs per row) equal the float64 sort-based thresholds (top-k, top-p, both, a tie
     group cut by top-k, masked tokens, a constant row, the widest key interval narrowed to one key) and are
-    row-invariant; a raised boundary logit moves the threshold."""
+    row-invariant; a raised boundary logit moves the threshold. The kept-token logsumexp kernel agrees with float64,
+    is row-invariant and moves with a kept token only."""
     assert interpreter_run.returncode == 0, failure_report(interpreter_run)
     assert "ok" in interpreter_run.stdout
 
@@ -98,6 +99,30 @@ def test_truncation_kernel_gpu_vocab_scale() -> None:
     y = z[:1].clone()
     y[0, int(torch.argmax((y[0] == thr[0]).int()))] += 0.5
     assert not torch.equal(top_k_top_p_threshold(y, 1000, 0.99), thr[:1])  # negative control
+
+
+@pytest.mark.gpu
+def test_kept_logsumexp_kernel_gpu_vocab_scale() -> None:
+    """At a real vocabulary on the GPU: CUDA dispatches ``kept_logsumexp`` to the kernel (equal to calling it); it
+    agrees with float64 within fp32 rounding, gives each row the same bits alone and in a batch of 256 and in the
+    trainer's 128-row chunks; a kept token moves it, a dropped one does not."""
+    from rlexact.ops import triton_truncation
+
+    torch.manual_seed(0)
+    z = torch.randn(256, 151936, device="cuda") * torch.linspace(0.3, 6.0, 256, device="cuda")[:, None]
+    thr = top_k_top_p_threshold(z, 0, 0.9)
+    lse = kept_logsumexp(z, thr)
+    assert torch.equal(lse, triton_truncation.kept_logsumexp(z, thr))
+    want = torch.logsumexp(z.double().masked_fill(z < thr, float("-inf")), dim=-1)
+    assert torch.allclose(lse.double(), want, rtol=0, atol=1e-4), (lse.double() - want).abs().max()
+    assert torch.equal(torch.cat([kept_logsumexp(z[s : s + 128], thr[s : s + 128]) for s in (0, 128)]), lse)
+    for i in (0, 7, 100, 255):
+        assert torch.equal(kept_logsumexp(z[i : i + 1], thr[i : i + 1]), lse[i : i + 1]), i
+    y = z[:1].clone()
+    y[0, int(torch.argmin(y[0]))] += 0.5  # still below the threshold
+    assert torch.equal(kept_logsumexp(y, thr[:1]), lse[:1])
+    y[0, int(torch.argmax(y[0]))] += 0.5
+    assert not torch.equal(kept_logsumexp(y, thr[:1]), lse[:1])  # negative control
 
 
 def within_rounding(z: torch.Tensor, thr: torch.Tensor, top_k: int, top_p: float, tol: float) -> torch.Tensor:

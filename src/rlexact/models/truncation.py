@@ -12,9 +12,9 @@ input zero-padded). A row's threshold and ``lse_K`` then depend on that row alon
 decode step) and the trainer (row chunks of a packed batch) compute them bitwise equal from bitwise equal ``z`` rows,
 which :func:`rlexact.ops.lm_head_logits` guarantees (it is row-invariant).
 
-On CUDA the threshold comes from :func:`rlexact.ops.triton_truncation.truncation_thresholds` (one program per row, no
-sort of the vocabulary; the same kept set in exact arithmetic, its masses summed in its own order), for the generator
-and the trainer alike; ``RLEXACT_TRUNCATION=torch`` forces the torch blocks (benchmarks compare the two).
+On CUDA the threshold and ``lse_K`` come from :mod:`rlexact.ops.triton_truncation` (no sort of the vocabulary; the
+same kept set in exact arithmetic, its masses summed in its own order), for the generator and the trainer alike;
+``RLEXACT_TRUNCATION=torch`` forces the torch blocks (benchmarks compare the two).
 """
 
 from __future__ import annotations
@@ -66,18 +66,25 @@ def _threshold_block(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return cand.gather(-1, keep - 1)
 
 
+def _use_kernels(z: torch.Tensor) -> bool:
+    """Whether the truncation functions run :mod:`rlexact.ops.triton_truncation` on ``z``: CUDA with Triton, unless
+    ``RLEXACT_TRUNCATION=torch``."""
+    if not z.is_cuda or os.environ.get("RLEXACT_TRUNCATION", "") == "torch":
+        return False
+    from rlexact.ops.backend import triton_available
+
+    return triton_available()
+
+
 def top_k_top_p_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
     """Per-row logit threshold ``[B, 1]`` of ``z [B, V]`` fp32: tokens with ``z < threshold`` are excluded; ``None``
     when ``(top_k, top_p)`` does not truncate. Row-invariant (fixed-shape blocks); no host synchronization."""
     if not truncates(z.shape[-1], top_k, top_p):
         return None
-    if z.is_cuda and os.environ.get("RLEXACT_TRUNCATION", "") != "torch":
-        from rlexact.ops.backend import triton_available
+    if _use_kernels(z):
+        from rlexact.ops.triton_truncation import truncation_thresholds
 
-        if triton_available():
-            from rlexact.ops.triton_truncation import truncation_thresholds
-
-            return truncation_thresholds(z.float().contiguous(), top_k, top_p)
+        return truncation_thresholds(z.float().contiguous(), top_k, top_p)
     zp, rows = _blocks(z)
     out = torch.cat([_threshold_block(zp[s : s + TRUNC_ROWS], top_k, top_p) for s in range(0, zp.shape[0], TRUNC_ROWS)])
     return out[:rows]
@@ -85,6 +92,10 @@ def top_k_top_p_threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 def kept_logsumexp(z: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """``lse_K [B]`` fp32: logsumexp of ``z [B, V]`` over the kept tokens ``z >= threshold [B, 1]``. Row-invariant."""
+    if _use_kernels(z):
+        from rlexact.ops.triton_truncation import kept_logsumexp as kernel
+
+        return kernel(z.float().contiguous(), threshold)
     zp, rows = _blocks(z)
     tp, _ = _blocks(threshold)
     out = []

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .triton_shared import COMPILE_OPTIONS, num_sms
 
-__all__ = ["CAP", "PROBES", "SEGMENT", "passes", "truncation_thresholds"]
+__all__ = ["CAP", "PROBES", "SEGMENT", "kept_logsumexp", "passes", "truncation_thresholds"]
 
 PROBES = 16
 """Probe keys per pass (each pass narrows the key interval this many times; a power of two)."""
@@ -52,6 +52,8 @@ BLOCK = 512
 SEGMENT = 4096
 """Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
 WARPS = 8
+LSE_BLOCK = 2048
+"""Vocabulary entries per loop iteration of :func:`kept_logsumexp` (part of its bit contract)."""
 PROGRAMS_PER_SM = 2
 """Programs per SM the segmented plan aims at: a row gets ``ceil(PROGRAMS_PER_SM * SMs / B)`` programs (at most
 one per segment), each walking its share of the segments. Speed only: a segment's sums do not depend on it."""
@@ -401,3 +403,38 @@ def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     if b == 0:
         return torch.empty((0, 1), dtype=torch.float32, device=z.device)
     return _top_p(z, top_p)
+
+
+@triton.jit(do_not_specialize=["V"])
+def _kept_lse_kernel(z_ptr, stride_z, V, t_ptr, out_ptr, BLOCK: tl.constexpr):
+    """Row ``program_id(0)``: ``m + log(sum(exp(z - m)))`` over the entries ``z >= t`` (``m`` their largest), each
+    thread accumulating its own lanes over the row, reduced once per pass."""
+    r = tl.program_id(0)
+    row = z_ptr + r.to(tl.int64) * stride_z
+    t = tl.load(t_ptr + r)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(0, V, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+        mx = tl.maximum(mx, tl.where(z >= t, z, float("-inf")))
+    m = tl.max(mx, axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, V, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+        acc += tl.where(z >= t, tl.exp(z - m), 0.0)
+    tl.store(out_ptr + r, m + tl.log(tl.sum(acc, axis=0)))
+
+
+def kept_logsumexp(z: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """``lse_K [B]`` fp32: logsumexp of ``z [B, V]`` fp32 over the entries ``z >= threshold [B, 1]`` (at least one
+    per row). One program per row, in an order fixed by :data:`LSE_BLOCK`: row-invariant."""
+    if z.dim() != 2 or z.dtype != torch.float32 or z.stride(-1) != 1 or threshold.shape != (z.shape[0], 1):
+        raise ValueError(f"kept_logsumexp: z must be a row-major fp32 [B, V] tensor and threshold [B, 1], got "
+                         f"{z.dtype} {tuple(z.shape)} and {tuple(threshold.shape)}")  # fmt: skip
+    out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+    if z.shape[0]:
+        t = threshold.float().contiguous()
+        _kept_lse_kernel[(z.shape[0],)](z, z.stride(0), z.shape[1], t, out, BLOCK=LSE_BLOCK, num_warps=WARPS,
+                                        **COMPILE_OPTIONS)  # fmt: skip
+    return out
