@@ -31,6 +31,9 @@ Two launch plans, chosen by ``V`` alone (so never by the batch):
   (one fixed reduction tree over the segments: the same in every program of the row) into the row's next interval,
   then sums its segments. :func:`passes` pass launches always run; a row whose search has ended skips its work. A
   pass thus spreads over many SMs at any batch.
+
+:func:`kept_logsumexp` gives the logsumexp over the kept entries (the ``"sampled"`` log-probs' normalizer), one
+program per row.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ BLOCK = 512
 SEGMENT = 4096
 """Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
 WARPS = 8
+"""Warps of every launch of this module."""
 LSE_BLOCK = 2048
 """Vocabulary entries per loop iteration of :func:`kept_logsumexp` (part of its bit contract)."""
 PROGRAMS_PER_SM = 2
