@@ -137,6 +137,18 @@ def _extent(row, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _first_interval(mx, mn):
+    """The key interval ``(lo, hi]`` the search starts from: ``(key(min) - 1, key(max)]`` (int64)."""
+    return _key(mn).to(tl.int64) - 1, _key(mx).to(tl.int64)
+
+
+@triton.jit
+def _segment(g, SEG: tl.constexpr, V):
+    """Entries ``start .. end`` of segment ``g``."""
+    return g * SEG, tl.minimum(g * SEG + SEG, V)
+
+
+@triton.jit
 def _load_row(row, start, end, BLOCK: tl.constexpr):
     """:func:`_load` as a ``[1, BLOCK]`` tile, the layout of the ``[P, BLOCK]`` probe tiles (no layout change per
     block)."""
@@ -227,8 +239,7 @@ def _top_p_kernel(z_ptr, stride_z, V, out_ptr, buf_ptr, slot_ptr, top_p, BLOCK: 
     buf = buf_ptr + r.to(tl.int64) * CAP
     slot = slot_ptr + r  # the last step's copy counter (zeroed by the launcher)
     m, mn = _extent(row, 0, V, BLOCK)
-    lo = _key(mn).to(tl.int64) - 1
-    hi = _key(m).to(tl.int64)
+    lo, hi = _first_interval(m, mn)
     zero = tl.sum(tl.zeros([2], tl.float32), axis=0)
     acc_w, acc_c, kmin = _probe_pass(row, 0, V, lo, hi, m, BLOCK, P)
     target = top_p * _pick(acc_w, tl.arange(0, P), 0)  # top_p * S
@@ -302,7 +313,8 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
     row = z_ptr + r.to(tl.int64) * stride_z
     if MODE == 0:
         for g in range(q, n_seg, n_prog):
-            mx, mn = _extent(row, g * SEG, tl.minimum(g * SEG + SEG, V), BLOCK)
+            start, end = _segment(g, SEG, V)
+            mx, mn = _extent(row, start, end, BLOCK)
             tl.store(ext_ptr + (r * n_seg + g) * 2, mx)
             tl.store(ext_ptr + (r * n_seg + g) * 2 + 1, mn)
     else:
@@ -312,8 +324,7 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
         if step == 1:
             e = ext_ptr + (r * n_seg + segs) * 2
             m = tl.max(tl.load(e, mask=seg_ok, other=float("-inf")), axis=0)
-            lo = _key(tl.min(tl.load(e + 1, mask=seg_ok, other=float("inf")), axis=0)).to(tl.int64) - 1
-            hi = _key(m).to(tl.int64)
+            lo, hi = _first_interval(m, tl.min(tl.load(e + 1, mask=seg_ok, other=float("inf")), axis=0))
             base = tl.sum(tl.zeros([2], tl.float32), axis=0)
             target = base
             count = tl.full([], 2147483647, tl.int32)
@@ -339,7 +350,8 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
         if MODE == 1:
             if _searching(done, count, lo, hi, CAP):
                 for g in range(q, n_seg, n_prog):
-                    acc_w, acc_c, kmin = _probe_pass(row, g * SEG, tl.minimum(g * SEG + SEG, V), lo, hi, m, BLOCK, P)
+                    start, end = _segment(g, SEG, V)
+                    acc_w, acc_c, kmin = _probe_pass(row, start, end, lo, hi, m, BLOCK, P)
                     j = tl.arange(0, P)
                     out = part_ptr + ((step % 2 * n_rows + r) * n_seg + g) * width
                     tl.store(out + j, acc_w)
@@ -347,8 +359,8 @@ def _segment_kernel(z_ptr, stride_z, V, n_seg, n_rows, ext_ptr, part_ptr, state_
                     tl.store(out + 2 * P, _value(kmin))
         elif (done == 0) & (hi - lo > 1) & (count <= CAP):  # holds after passes(P) narrowings; guards the scratch row
             for g in range(q, n_seg, n_prog):
-                end = tl.minimum(g * SEG + SEG, V)
-                _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, g * SEG, end, lo, hi, BLOCK)
+                start, end = _segment(g, SEG, V)
+                _copy_range(row, buf_ptr + r.to(tl.int64) * CAP, slot_ptr + r, start, end, lo, hi, BLOCK)
 
 
 @triton.jit(do_not_specialize=["n_rows", "step"])
