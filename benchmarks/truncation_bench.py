@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from common import ROOT, bench_graph, header
-from rlexact.models.truncation import top_k_top_p_threshold
+from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
 from rlexact.ops import reference
 from rlexact.ops import triton_truncation as tt
 
@@ -67,6 +67,29 @@ def case(b: int, scale: float, k: int, p: float) -> dict:
     row["float64_equal_rows"] = f"{int((thr['triton'][:n] == reference.truncation_thresholds(z[:n], k, p)).sum())}/{n}"
     alone = [threshold(z[i : i + 1], k, p, "triton") for i in (0, b - 1)]
     row["rows_alone_equal"] = all(torch.equal(a, thr["triton"][i : i + 1]) for a, i in zip(alone, (0, b - 1)))
+    row |= kept_lse_case(z, thr["triton"])
+    return row
+
+
+def kept_lse(z: torch.Tensor, t: torch.Tensor, impl: str) -> torch.Tensor:
+    """``kept_logsumexp`` with the CUDA kernel (``impl="triton"``) or the torch blocks (``"torch"``)."""
+    if impl == "torch":
+        os.environ["RLEXACT_TRUNCATION"] = "torch"
+    try:
+        return kept_logsumexp(z, t)
+    finally:
+        os.environ.pop("RLEXACT_TRUNCATION", None)
+
+
+def kept_lse_case(z: torch.Tensor, t: torch.Tensor) -> dict:
+    b = z.shape[0]
+    out = kept_lse(z, t, "triton")
+    z64 = z.double().masked_fill(z < t, float("-inf"))
+    row = {impl_key: bench_graph(lambda impl=impl: kept_lse(z, t, impl)) * 1e3
+           for impl, impl_key in (("triton", "kept_lse_us"), ("torch", "kept_lse_torch_us"))}  # fmt: skip
+    row["kept_lse_max_abs_err_vs_float64"] = (out.double() - torch.logsumexp(z64, -1)).abs().max().item()
+    alone = [kept_lse(z[i : i + 1], t[i : i + 1], "triton") for i in (0, b - 1)]
+    row["kept_lse_rows_alone_equal"] = all(torch.equal(a, out[i : i + 1]) for a, i in zip(alone, (0, b - 1)))
     return row
 
 
