@@ -16,7 +16,10 @@ to the end) reports:
 
 ``eager`` holds the same for the call's eager window (its prefill steps: from the first device event to the first
 graph launch) as one step. ``--host-profile N`` also runs one more call under ``cProfile`` and lists the ``N``
-functions with the most own host time (``host_profile``).
+functions with the most own host time (``host_profile``). ``--phases`` runs one more call unprofiled with the
+engine's steps timed on the host (``phases``): every call of the methods in ``PHASES`` until the third graph launch,
+with its host start and duration and the time at which the device reached it (a CUDA event recorded at its start),
+both from the call's start, so a phase that begins with the device already there left the device waiting.
 
     python benchmarks/decode_timeline.py                        # batches 64 and 256
     python benchmarks/decode_timeline.py --trace /tmp/traces    # also write the Chrome traces there
@@ -33,6 +36,7 @@ import gzip
 import json
 import pstats
 import statistics
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +46,8 @@ import torch
 import rlexact
 from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
+from rlexact.rollout.runner import ModelRunner
+from rlexact.rollout.scheduler import Scheduler
 from rollout_throughput import build_model
 
 HOST_CALLS = ("cudaGraphLaunch", "cudaMemcpy", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaHostAlloc",
@@ -163,6 +169,67 @@ def host_profile(call: Callable[[], object], top: int) -> list[dict]:
     ]
 
 
+PHASES: dict[type, tuple[str, ...]] = {
+    Generator: ("_check_tokens", "_run", "_fused_projections", "_cache_plan", "_get_cache", "_finish_step"),
+    Scheduler: ("schedule", "chain", "chain_prefill"),
+    ModelRunner: ("__init__", "launch", "launch_eager", "collect", "collect_eager", "capture_ahead", "_prepare",
+                  "_upload", "_eager_forward", "_head_sample", "_read_back", "_sync_table"),
+}  # fmt: skip
+
+
+def phases(call: Callable[[], object], graph_launches: int = 3) -> list[dict]:
+    """Run ``call()`` with the methods of ``PHASES`` timed: ``(name, depth, host_start_ms, host_ms, device_ms)`` per
+    call until the ``graph_launches``-th ``ModelRunner.launch`` that replays a graph, ``device_ms`` being when the
+    device reached the phase's start (``None`` inside a graph capture, where no event can be recorded)."""
+    records: list[dict] = []
+    depth = [0]
+    launches = [0]
+    base = torch.cuda.Event(enable_timing=True)
+    t_base = [0.0]
+
+    def wrap(fn: Callable, name: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            if launches[0] >= graph_launches:
+                return fn(*a, **kw)
+            ev = None
+            if not torch.cuda.is_current_stream_capturing():
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+            rec = {"name": name, "depth": depth[0], "host_start_ms": (time.perf_counter() - t_base[0]) * 1e3}
+            records.append(rec)
+            depth[0] += 1
+            try:
+                out = fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                rec["host_ms"] = (time.perf_counter() - t_base[0]) * 1e3 - rec["host_start_ms"]
+                rec["event"] = ev
+            if name == "ModelRunner.launch" and out is not None:
+                launches[0] += 1
+            return out
+
+        return timed
+
+    saved = [(cls, m, cls.__dict__[m]) for cls, names in PHASES.items() for m in names]
+    for cls, m, fn in saved:
+        name = f"{cls.__name__}.{m}"
+        setattr(cls, m, staticmethod(wrap(fn.__func__, name)) if isinstance(fn, staticmethod) else wrap(fn, name))
+    try:
+        torch.cuda.synchronize()
+        t_base[0] = time.perf_counter()
+        base.record()
+        call()
+        torch.cuda.synchronize()
+    finally:
+        for cls, m, fn in saved:
+            setattr(cls, m, fn)
+    for rec in records:
+        ev = rec.pop("event")
+        rec["device_ms"] = base.elapsed_time(ev) if ev is not None else None
+    return records
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
@@ -172,7 +239,9 @@ def main() -> int:
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens (at least 2 * batch)")
     ap.add_argument("--host-profile", type=int, default=0, help="functions listed from a cProfile'd call (0: none)")
+    ap.add_argument("--phases", action="store_true", help="host phases of one unprofiled call (``phases``)")
     ap.add_argument("--trace", default=None, help="directory for gzipped Chrome traces")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_timeline_h200.json"))
     args = ap.parse_args()
@@ -188,7 +257,7 @@ def main() -> int:
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-        gen = Generator(model, max_num_seqs=batch, max_num_batched_tokens=max(8192, 2 * batch))
+        gen = Generator(model, max_num_seqs=batch, max_num_batched_tokens=max(args.batched_tokens, 2 * batch))
         params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
         for _ in range(2):
             gen.generate(prompts, params)
@@ -203,6 +272,9 @@ def main() -> int:
         res["eager_host_s"] = gen.stats.get("eager_host_s")
         if args.host_profile:
             res["host_profile"] = host_profile(functools.partial(gen.generate, prompts, params), args.host_profile)
+        if args.phases:
+            res["phases"] = phases(functools.partial(gen.generate, prompts, params))
+            res["phases_stats"] = {k: gen.stats.get(k) for k in ("setup_s", "eager_s", "graph_s", "elapsed_s")}
         result["results"][str(batch)] = res
         print(f"batch {batch}: " + json.dumps(res, default=str)[:3000], flush=True)
         if args.trace:
