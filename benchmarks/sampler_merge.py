@@ -25,8 +25,8 @@ import triton
 
 from common import ROOT, bench_graph, header
 from rlexact.ops import triton_logprob as tlp
+from rlexact.ops.triton_sampler import gumbel_argmax_triton
 from rlexact.rollout import sampler as S
-from rlexact.rollout._sampler_triton import gumbel_argmax_triton
 
 V = 151936
 VS = 1152

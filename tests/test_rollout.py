@@ -252,7 +252,7 @@ def test_keyed_gumbel_matches_softmax():
 SAMPLER_INTERP = (
     "import torch\n"
     "from rlexact.rollout import sampler as S\n"
-    "from rlexact.rollout._sampler_triton import gumbel_argmax_triton\n"
+    "from rlexact.ops.triton_sampler import gumbel_argmax_triton\n"
     "torch.manual_seed(0)\n"
     "z = torch.randn(6, 9001) * 2\n"
     "rid = torch.tensor([0, 1, 2, 2**40, 5, 6]); pos = torch.tensor([3, 4, 5, 6, 2**33, 0])\n"
@@ -285,7 +285,7 @@ def test_triton_sampler_noise_uses_hardware_log2() -> None:
     series near ``u = 1`` needs none), and the kernel is less than two thirds the size of the libdevice version;
     without it there is no ``lg2.approx`` (negative control)."""
     from hopper_compile import compile_for_hopper
-    from rlexact.rollout import _sampler_triton as st
+    from rlexact.ops import triton_sampler as st
 
     args = dict(z_ptr="*fp32", thr_ptr="*fp32", rid_ptr="*i64", pos_ptr="*i64", best_ptr="*fp32", idx_ptr="*i32",
                 seed_lo_salted="i64", seed_hi="i64", V="i32", stride_z="i32", SLICE_V="i32")  # fmt: skip

@@ -14,9 +14,9 @@ from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.logprobs import pack, packed_logprobs
 from rlexact.models import exactify, use_kernels
 from rlexact.module import RLModule
+from rlexact.ops.keyed_hash import request_key
 from rlexact.reduction import MetricReducer, all_reduce
 from rlexact.rollout import eos_token_ids
-from rlexact.rollout.keyed_hash import request_key
 from rlexact.trainer.policy import enable_activation_checkpointing
 from rlexact.trainer.sampling import ENGINE_COUNTERS, engine_counters
 

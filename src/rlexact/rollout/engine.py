@@ -14,9 +14,9 @@ from torch import nn
 from rlexact.distributed import gathered_params
 from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
+from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.keyed_hash import request_key
 from rlexact.rollout.params import Completion, SamplingParams
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
 from rlexact.rollout.scheduler import ScheduledBatch, Scheduler
@@ -218,7 +218,7 @@ class Generator:
                 the batch, so pass the same id to reproduce a sample in another call.
             keys: optional per-prompt keys (ints in ``[0, 2**63)``, e.g. derived from the dataset row and epoch);
                 sample ``j`` of a prompt with key ``k`` gets request id
-                :func:`rlexact.rollout.keyed_hash.request_key` ``(k, j)``. Its tokens and log-probs then depend on
+                :func:`rlexact.ops.keyed_hash.request_key` ``(k, j)``. Its tokens and log-probs then depend on
                 ``(seed, k, j)`` only, not on the prompt's slot, the batch size or the rank. Exclusive with
                 ``request_ids``.
 

@@ -2,7 +2,7 @@
 
 Gumbel-max with counter-based noise. For the row that samples position ``p`` of request ``r`` under seed ``s``, the
 noise of vocabulary entry ``v`` is ``g = -log(-log(u))`` with ``u = ((h >> 9) + 0.5) * 2**-23`` and
-``h = H(s, r, p, v)``, a 32-bit integer hash (lowbias32 rounds, :mod:`rlexact.rollout.keyed_hash`) computed with
+``h = H(s, r, p, v)``, a 32-bit integer hash (lowbias32 rounds, :mod:`rlexact.ops.keyed_hash`) computed with
 int64 torch ops masked to 32 bits — every intermediate stays below ``2**49``, so there is no signed-overflow
 ambiguity. The sampled token is ``argmax(z + g)`` over the allowed tokens (first index on ties), ``z`` the
 temperature-scaled logits. No global RNG and no batch-shaped noise: a request samples the same tokens alone or in a
@@ -15,7 +15,7 @@ truncated, renormalized distribution actually sampled with ``logprobs="sampled"`
 (:func:`rlexact.models.truncation.kept_logsumexp`, the function the trainer uses too). Greedy (temperature 0) is
 ``argmax(z)`` with ``z`` at temperature 1 and its log-prob at temperature 1 (full softmax).
 
-On CUDA the noise + argmax runs as fused Triton kernels (:mod:`rlexact.rollout._sampler_triton`: vocabulary slices
+On CUDA the noise + argmax runs as fused Triton kernels (:mod:`rlexact.ops.triton_sampler`: vocabulary slices
 in parallel, then a merge that also reads the token's log-prob) that never materialize ``[B, V]`` noise; they use the
 same integer hash and the same noise up to rounding (a series near ``u = 1`` and the GPU's approximate base-2
 logarithms elsewhere, so the noise differs from torch's by a few ulp, and a token can differ between the two
@@ -30,7 +30,7 @@ import os
 import torch
 
 from rlexact.models.truncation import LogprobMode, kept_logsumexp, top_k_top_p_threshold
-from rlexact.rollout.keyed_hash import row_keys, token_hash
+from rlexact.ops.keyed_hash import row_keys, token_hash
 
 __all__ = ["gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
 
@@ -76,7 +76,7 @@ def _draw(
     """``(tokens, z[tokens] - lse)`` from the fused Triton sampler, or ``(tokens, None)`` where the torch path runs or
     ``lse`` is None (the caller gathers the log-prob then)."""
     if _use_triton(z):
-        from rlexact.rollout._sampler_triton import gumbel_argmax_triton
+        from rlexact.ops.triton_sampler import gumbel_argmax_triton
 
         return gumbel_argmax_triton(z, threshold, seed, request_ids, positions, lse)
     return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions), None

@@ -12,8 +12,8 @@ from torch import nn
 
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
+from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
-from rlexact.rollout.keyed_hash import request_key
 
 __all__ = [
     "ENGINE_COUNTERS",

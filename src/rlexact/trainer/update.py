@@ -20,8 +20,8 @@ from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback
 from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from rlexact.distributed import fsdp_call, set_gradient_sync
+from rlexact.ops.keyed_hash import request_key
 from rlexact.reduction import MetricReducer
-from rlexact.rollout.keyed_hash import request_key
 from rlexact.trainer.batching import batch_logprobs, chunks, score_chunks, seq_valid
 from rlexact.trainer.hooks import overrides
 

@@ -1,6 +1,6 @@
 """The integer hashes behind rlexact's randomness: the keyed sampler's per-token hash and the seed / request-key
 mixer. Pure integer arithmetic, identical on every device, in torch (here) and in the fused Triton sampler
-(:mod:`rlexact.rollout._sampler_triton`, which uses the constants below).
+(:mod:`rlexact.ops.triton_sampler`, which uses the constants below).
 
 * :func:`request_key` is the one seed mixer: splitmix64 steps over integers. The generator derives a sample's
   request id from it, the trainer derives the step seed of the sampler and of the mini-batch shuffle from it.
