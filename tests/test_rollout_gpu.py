@@ -336,3 +336,46 @@ def test_gpu_gathered_prefill_chunks(llama, monkeypatch):
     monkeypatch.setattr(kv_gather, "gather", swapped)
     bad = Generator(llama, max_num_batched_tokens=256, block_size=16).generate(prompts, params)
     assert not same(bad, outs)
+
+
+def test_gpu_head_draw_equals_stored_logits_draw():
+    """The draw taken in the lm head's launch (``lm_head_sample``) gives the tokens and log-probs of the head storing
+    the logits and the sampler reading them back, at the Qwen3 vocabulary, for row counts on both sides of the
+    head's decode configuration and at two temperatures; rows drawn alone equal the batch's; another seed changes
+    the draw (negative control)."""
+    from rlexact.ops import triton_logprob as tlp
+    from rlexact.ops.triton_sampler import gumbel_argmax_triton
+
+    torch.manual_seed(0)
+    w = (torch.randn(151936, 2048, device="cuda") * 0.02).to(torch.bfloat16)
+    for b in (1, 7, 64, 65, 256):
+        hidden = torch.randn(b, 2048, device="cuda").to(torch.bfloat16)
+        rid = torch.arange(b, device="cuda") * 5 + 3
+        pos = torch.arange(b, device="cuda") + 77
+        for temp in (1.0, 0.7):
+            z, lse = tlp.lm_head_logits(hidden, w, temp)
+            ref_tok, ref_lp = gumbel_argmax_triton(z, None, 9, rid, pos, lse)
+            tok, lp = tlp.lm_head_sample(hidden, w, temp, 9, rid, pos)
+            assert torch.equal(tok, ref_tok), (b, temp)
+            assert torch.equal(lp, ref_lp), (b, temp)
+            for i in (0, b - 1):
+                one = tlp.lm_head_sample(hidden[i : i + 1], w, temp, 9, rid[i : i + 1], pos[i : i + 1])
+                assert torch.equal(one[0], tok[i : i + 1]) and torch.equal(one[1], lp[i : i + 1])
+        if b >= 7:
+            assert not torch.equal(tlp.lm_head_sample(hidden, w, 1.0, 10, rid, pos)[0], tok)
+
+
+def test_gpu_generate_head_draw_on_off(qwen):
+    """``fuse_head_sample`` on (the default) and off give the same completions, equal to the trainer's log-probs;
+    with top-p the head stores the logits as before."""
+    prompts = prompts_for(40, 1003, lo=5, hi=70, seed=41)
+    params = SamplingParams(max_new_tokens=30, seed=3, temperature=0.8, n=2)
+    fused = Generator(qwen, max_num_seqs=64, block_size=16)
+    outs = fused.generate(prompts, params)
+    assert fused.stats["head_draws"] is True and fused.stats["graph_steps"] > 0
+    plain = Generator(qwen, max_num_seqs=64, block_size=16, fuse_head_sample=False)
+    assert same(outs, plain.generate(prompts, params))
+    assert plain.stats["head_draws"] is False
+    assert_exact(qwen, outs, temperature=0.8)
+    fused.generate(prompts[:4], SamplingParams(max_new_tokens=4, seed=3, top_p=0.9))
+    assert fused.stats["head_draws"] is False
