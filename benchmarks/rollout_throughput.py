@@ -21,10 +21,8 @@ warm-up removed. Medians, because a call's prefill varies by tens of millisecond
 spreads over the steps. ``kept_engine`` times the same call on a generator that keeps its KV cache and CUDA graphs
 between calls (``keep_kv_cache=True``), which leaves out the per-call setup; ``prefill_overlap_off`` times it with
 ``overlap_prefill=False`` (each eager step read back before the next is launched), beside the default's timed walls
-and their ``eager_s_timed_calls``; ``head_draw_off`` times it with ``fuse_head_sample=False`` (the head stores the
-logits and the sampler's launches read them back); on CUDA ``empty_cache_each_call`` times it followed by
-``torch.cuda.empty_cache()`` (what the generator itself did after every call before it stopped emptying the
-allocator's cache). On a GPU listed
+and their ``eager_s_timed_calls``; on CUDA ``empty_cache_each_call`` times it followed by ``torch.cuda.empty_cache()``
+(what the generator itself did after every call before it stopped emptying the allocator's cache). On a GPU listed
 in ``roofline.PEAKS`` the result also holds ``roofline``, the bound of a decode step at the run's mean context (every
 weight and the whole K/V cache read once from HBM, or the step's FLOPs at peak, whichever is longer;
 :func:`roofline.decode_step_bound`) and ``decode_step_over_bound``.
@@ -223,9 +221,8 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
 
 
 def make_generator(
-    model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False, **options: object
+    model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False, overlap_prefill: bool = True
 ) -> Generator:
-    """The benchmark's generator; ``options``: further ``GeneratorConfig`` fields (side-by-side variants)."""
     return Generator(
         model,
         kernels=kernels,
@@ -235,7 +232,7 @@ def make_generator(
         share_prompt_blocks=share,
         prefix_caching=share,
         keep_kv_cache=keep,
-        **options,
+        overlap_prefill=overlap_prefill,
     )
 
 
@@ -304,14 +301,6 @@ def prefill_overlap_off(model, prompts, args, device, reference: list, *, n: int
     ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
     gen = make_generator(model, "exact", len(prompts) * n, args, share=share, overlap_prefill=False)
     return timed_calls_only(gen, prompts, args, device, reference, n, "overlap_prefill=False")
-
-
-def head_draw_off(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
-    """The same ``generate`` call with ``fuse_head_sample=False`` (the head stores the logits and the sampler's
-    launches read them back), side by side with the default's ``decode_step_walls_s["long"]``: one warm-up call,
-    then ``--step-reps`` timed calls. ``same_as_default``: the last call's completions equal ``reference`` exactly."""
-    gen = make_generator(model, "exact", len(prompts) * n, args, share=share, fuse_head_sample=False)
-    return timed_calls_only(gen, prompts, args, device, reference, n, "fuse_head_sample=False")
 
 
 def empty_cache_each_call(model, prompts, args, device, reference: list, *, n: int, share: bool) -> dict:
@@ -389,10 +378,6 @@ def run_rlexact(
             res["prefill_overlap_off"] = prefill_overlap_off(model, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001
             res["prefill_overlap_off_error"] = traceback.format_exc()
-        try:
-            res["head_draw_off"] = head_draw_off(model, prompts, args, device, outs, n=n, share=share)
-        except Exception:  # noqa: BLE001
-            res["head_draw_off_error"] = traceback.format_exc()
         try:
             res["kept_engine"] = kept_engine(model, kernels, prompts, args, device, outs, n=n, share=share)
         except Exception:  # noqa: BLE001

@@ -273,38 +273,6 @@ SAMPLER_INTERP = (
 )
 
 
-HEAD_SAMPLE_INTERP = (
-    "import torch\n"
-    "from rlexact.ops import triton_logprob as tlp\n"
-    "from rlexact.ops.triton_sampler import gumbel_argmax_triton\n"
-    "from rlexact.rollout import sampler as S\n"
-    "torch.manual_seed(0)\n"
-    "T, H, V = 5, 64, 300  # 300 columns: four vocabulary splits and a masked tail\n"
-    "hid = torch.randn(T, H); w = torch.randn(V, H) * 0.3\n"
-    "rid = torch.tensor([0, 1, 2**40, 7, 3]); pos = torch.tensor([3, 4, 5, 2**33, 0])\n"
-    "for temp in (1.0, 0.7):\n"
-    "    z, lse = tlp.lm_head_logits(hid, w, temp)\n"
-    "    for seed in (9, 2**64 - 1):\n"
-    "        ref, lp_ref = gumbel_argmax_triton(z, None, seed, rid, pos, lse)\n"
-    "        assert torch.equal(ref, S._gumbel_argmax_torch(z, None, seed, rid, pos))\n"
-    "        tok, lp = tlp.lm_head_sample(hid, w, temp, seed, rid, pos)\n"
-    "        assert torch.equal(tok, ref) and torch.equal(lp, lp_ref), (temp, seed)\n"
-    "        for i in (0, T - 1):\n"
-    "            one = tlp.lm_head_sample(hid[i : i + 1], w, temp, seed, rid[i : i + 1], pos[i : i + 1])\n"
-    "            assert torch.equal(one[0], tok[i : i + 1]) and torch.equal(one[1], lp[i : i + 1])\n"
-    "        assert not torch.equal(tlp.lm_head_sample(hid, w, temp, seed + 1, rid, pos)[0], tok)\n"
-    "print('ok')\n"
-)
-
-
-@pytest.mark.interpreter("-c", HEAD_SAMPLE_INTERP)
-def test_head_draw_matches_sampler_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
-    """The draw in the lm head's launch equals the keyed sampler on the stored logits (tokens and log-probs, the
-    torch sampler's tokens too), row by row; another seed changes it."""
-    assert interpreter_run.returncode == 0, failure_report(interpreter_run)
-    assert "ok" in interpreter_run.stdout
-
-
 @pytest.mark.interpreter("-c", SAMPLER_INTERP)
 def test_triton_sampler_matches_torch_under_interpreter(interpreter_run: subprocess.CompletedProcess) -> None:
     assert interpreter_run.returncode == 0, failure_report(interpreter_run)

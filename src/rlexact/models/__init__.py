@@ -10,15 +10,7 @@ from rlexact.models.exactify import (
     is_exactified,
     use_kernels,
 )
-from rlexact.models.forward import (
-    decoder,
-    forward_hidden,
-    head_logits,
-    head_logprobs,
-    head_sample,
-    head_sample_supported,
-    lm_head_weight,
-)
+from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.metadata import AttnMetadata, PagedKV
 
 __all__ = [
@@ -33,8 +25,6 @@ __all__ = [
     "forward_hidden",
     "get_state",
     "head_logits",
-    "head_sample",
-    "head_sample_supported",
     "head_logprobs",
     "is_exactified",
     "lm_head_weight",

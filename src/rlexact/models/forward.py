@@ -93,27 +93,6 @@ def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> t
     return z, torch.logsumexp(z, dim=-1)
 
 
-def head_sample_supported(model: nn.Module, hidden: torch.Tensor) -> bool:
-    """Whether :func:`head_sample` runs for ``hidden``: the exact head on the Triton backend (CUDA)."""
-    return _exact(model) and hidden.is_cuda and ops.triton_available()
-
-
-def head_sample(
-    model: nn.Module,
-    hidden: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B], logp [B])``: the keyed Gumbel-max draw from the head's tempered softmax, taken in the head's
-    launch (:func:`rlexact.ops.lm_head_sample`): the tokens of the rollout sampler on :func:`head_logits`' ``z``
-    without truncation, and ``logp`` bitwise :func:`head_logprobs` of them. Needs :func:`head_sample_supported`."""
-    if not head_sample_supported(model, hidden):
-        raise ValueError("head_sample needs the exact head on a CUDA device; use head_logits and the sampler")
-    return ops.lm_head_sample(hidden, lm_head_weight(model), temperature, seed, request_ids, positions)
-
-
 def _exact(model: nn.Module) -> bool:
     """The head uses the exact kernels unless the model is exactified and in ``"native"`` mode."""
     state = get_state(model)

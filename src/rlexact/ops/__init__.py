@@ -24,7 +24,6 @@ __all__ = [
     "interpreter_enabled",
     "linear",
     "lm_head_logits",
-    "lm_head_sample",
     "matmul",
     "matmul_k_splits",
     "moe_experts",
@@ -287,29 +286,6 @@ def lm_head_logits(
     """
     _check_head(hidden, w, temperature)
     return kernel_impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
-
-
-@torch.no_grad()
-def lm_head_sample(
-    hidden: torch.Tensor,
-    w: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B] int64, logp [B] fp32)``: the keyed Gumbel-max draw of :func:`lm_head_logits`' ``z`` (the rollout
-    sampler's draw without top-k / top-p, :mod:`rlexact.ops.triton_sampler`) taken inside the head's launch, so
-    ``z`` is never stored. ``logp = z[token] - lse``, bitwise :func:`token_logprobs` of the drawn tokens.
-    ``request_ids``, ``positions``: int64 ``[B]``. Triton backend only (CUDA, or the interpreter)."""
-    _check_head(hidden, w, temperature)
-    be = resolve_backend(hidden, backend)
-    if be != "triton":
-        raise ValueError("lm_head_sample runs on the Triton backend (CUDA tensors, or the interpreter); elsewhere "
-                         "call lm_head_logits and draw from its z (rlexact.rollout.sampler.sample)")  # fmt: skip
-    return kernel_impl(be, "lm_head_sample")(hidden.contiguous(), w, float(temperature), seed, request_ids, positions)
 
 
 def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

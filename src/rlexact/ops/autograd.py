@@ -30,7 +30,6 @@ _TRITON_MODULES = {
     "qk_norm_rope_write_kv": ".triton_rope",
     "token_logprobs": ".triton_logprob",
     "lm_head_logits": ".triton_logprob",
-    "lm_head_sample": ".triton_logprob",
     "attention_varlen": ".triton_attention",
     "attention_paged": ".triton_attention",
     "attention_varlen_backward": ".triton_attention",

@@ -36,10 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_enabled
-from .keyed_hash import C1, C2, MASK32, ROW_SALT
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_sampler import row_keys_u32, token_gumbel
 from .triton_shared import (
     COMPILE_OPTIONS,
     HAS_WS,
@@ -114,7 +111,7 @@ def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device)
     return _decode_head_config(H, V, dtype, device_key(device))
 
 
-@triton.jit(do_not_specialize=["T", "n_split", "seed_lo_salted", "seed_hi"])
+@triton.jit(do_not_specialize=["T", "n_split"])
 def _head_kernel(
     h_ptr,
     w_ptr,
@@ -124,9 +121,6 @@ def _head_kernel(
     z_ptr,
     part_ptr,
     zt_ptr,
-    rid_ptr,
-    pos_ptr,
-    idx_ptr,
     T,
     V,
     H,
@@ -135,8 +129,6 @@ def _head_kernel(
     stride_z,
     temperature,
     n_split,
-    seed_lo_salted,
-    seed_hi,
     VS: tl.constexpr,
     BM: tl.constexpr,
     BV: tl.constexpr,
@@ -150,11 +142,6 @@ def _head_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     FLATTEN: tl.constexpr,
-    SAMPLE: tl.constexpr,
-    FAST_LOG: tl.constexpr,
-    C1: tl.constexpr,
-    C2: tl.constexpr,
-    SALT: tl.constexpr,
 ):
     pdl_entry(PDL)
     pid_m, sid = tile_coords(tl.program_id(0), tl.cdiv(T, BM), n_split, GROUP_M)
@@ -169,13 +156,6 @@ def _head_kernel(
     s_i = tl.zeros((BM,), tl.float32)
     t_i = tl.zeros((BM,), tl.float32)
     zt = tl.full((BM,), float("-inf"), tl.float32)
-    if SAMPLE:
-        rid = tl.load(rid_ptr + rows64, mask=r_ok, other=0)
-        pos = tl.load(pos_ptr + rows64, mask=r_ok, other=0)
-        ka, kb = row_keys_u32(seed_lo_salted, seed_hi, rid, pos, C1, C2, SALT)
-        best = tl.full((BM,), float("-inf"), tl.float32)
-        best_z = tl.full((BM,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BM,), tl.int32) + V
     v0 = sid * VS
     v_end = tl.minimum(v0 + VS, V)
     k_tiles = tl.cdiv(H, BK)
@@ -222,16 +202,6 @@ def _head_kernel(
         m_i = m_new
         if HAS_TGT:
             zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), axis=1))
-        if SAMPLE:  # the chunk's largest score and its first index; a later chunk wins only with a larger score
-            score = z + token_gumbel(ka[:, None], kb[:, None], cols[None, :], C1, C2, FAST_LOG)
-            score = tl.where(c_ok[None, :], score, float("-inf"))
-            c_best = tl.max(score, axis=1)
-            c_idx = tl.min(tl.where(score == c_best[:, None], cols[None, :], V), axis=1)
-            c_z = tl.max(tl.where(cols[None, :] == c_idx[:, None], z, float("-inf")), axis=1)
-            upd = (c_best > best) | (best_idx == V)
-            best = tl.where(upd, c_best, best)
-            best_idx = tl.where(upd, c_idx, best_idx)
-            best_z = tl.where(upd, c_z, best_z)
     base = part_ptr + sid.to(tl.int64) * T + rows64
     stride_part = n_split.to(tl.int64) * T
     tl.store(base, m_i, mask=r_ok)
@@ -240,10 +210,6 @@ def _head_kernel(
     if HAS_TGT:
         mine = r_ok & (tgt >= v0) & (tgt < v_end)
         tl.store(zt_ptr + rows64, zt, mask=mine)
-    if SAMPLE:
-        tl.store(base + 3 * stride_part, best, mask=r_ok)
-        tl.store(base + 4 * stride_part, best_z, mask=r_ok)
-        tl.store(idx_ptr + sid.to(tl.int64) * T + rows64, best_idx, mask=r_ok)
 
 
 @triton.jit
@@ -252,34 +218,23 @@ def _take(tile, sel):
     return tl.max(tl.where(sel[None, :], tile, float("-inf")), 1)
 
 
-@triton.jit
-def _take_index(tile, sel):
-    """Column ``sel`` of the non-negative int32 ``tile [BLOCK, U]`` as ``[BLOCK]``."""
-    return tl.max(tl.where(sel[None, :], tile, -1), 1)
-
-
 @triton.jit(do_not_specialize=["T", "n_split"])
 def _head_merge_kernel(
     part_ptr,
     zt_ptr,
-    idx_ptr,
-    tok_ptr,
     logp_ptr,
     ent_ptr,
     lse_ptr,
     T,
-    V,
     n_split,
     BLOCK: tl.constexpr,
     UNROLL: tl.constexpr,
     HAS_TGT: tl.constexpr,
-    SAMPLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Fold each row's split partials ``(m, s, t)`` in ascending split order. The partials of ``UNROLL`` consecutive
     splits are loaded together (one memory round trip instead of ``UNROLL``) and then folded one split at a time,
-    so the arithmetic and its order do not depend on ``UNROLL``. ``SAMPLE``: also the drawn token, the first index
-    of the row's largest score (a later split wins only with a larger score), and its log-prob."""
+    so the arithmetic and its order do not depend on ``UNROLL``."""
     pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < T
@@ -289,20 +244,12 @@ def _head_merge_kernel(
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     t = tl.zeros((BLOCK,), tl.float32)
-    if SAMPLE:
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_z = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BLOCK,), tl.int32) + V
     for j0 in range(0, n_split, UNROLL):  # ascending split order
         base = part_ptr + (j0 + cols)[None, :].to(tl.int64) * T + rows64[:, None]
         live = ok[:, None] & ((j0 + cols) < n_split)[None, :]
         m_tile = tl.load(base, mask=live, other=0.0)
         s_tile = tl.load(base + stride_part, mask=live, other=1.0)
         t_tile = tl.load(base + 2 * stride_part, mask=live, other=0.0)
-        if SAMPLE:
-            b_tile = tl.load(base + 3 * stride_part, mask=live, other=float("-inf"))
-            bz_tile = tl.load(base + 4 * stride_part, mask=live, other=float("-inf"))
-            i_tile = tl.load(idx_ptr + (j0 + cols)[None, :].to(tl.int64) * T + rows64[:, None], mask=live, other=V)
         for u in tl.static_range(UNROLL):
             if j0 + u < n_split:
                 sel = cols == u
@@ -315,40 +262,18 @@ def _head_merge_kernel(
                 s = s * a + sj * b
                 t = t * a + tj * b
                 m = m_new
-                if SAMPLE:
-                    bj = _take(b_tile, sel)
-                    upd = (bj > best) | (best_idx == V)
-                    best = tl.where(upd, bj, best)
-                    best_z = tl.where(upd, _take(bz_tile, sel), best_z)
-                    best_idx = tl.where(upd, _take_index(i_tile, sel), best_idx)
     lse = m + tl.log(s)
     tl.store(lse_ptr + rows64, lse, mask=ok)
     tl.store(ent_ptr + rows64, lse - tl.math.div_rn(t, s), mask=ok)
     if HAS_TGT:
         ztv = tl.load(zt_ptr + rows64, mask=ok, other=0.0)
         tl.store(logp_ptr + rows64, ztv - lse, mask=ok)
-    if SAMPLE:
-        tl.store(tok_ptr + rows64, tl.minimum(best_idx, V - 1).to(tl.int64), mask=ok)
-        tl.store(logp_ptr + rows64, best_z - lse, mask=ok)
 
 
 MERGE_BLOCK = 128
 MERGE_UNROLL = 16
 """Splits whose partials :func:`_head_merge_kernel` loads together (speed only; the fastest of 1 ... 16 at 4, 64 and
 256 rows in ``benchmarks/results/sampler_merge_h200.json``, which also checks that every value gives the same bits)."""
-
-
-@dataclass(frozen=True)
-class Draw:
-    """A keyed Gumbel-max draw in the head's epilogue (:func:`lm_head_sample`): the noise of
-    :func:`rlexact.ops.triton_sampler.token_gumbel` under ``seed`` and each row's request id and position (int64
-    ``[T]``); the drawn tokens go to ``tokens`` (int64 ``[T]``)."""
-
-    seed: int
-    request_ids: torch.Tensor
-    positions: torch.Tensor
-    tokens: torch.Tensor
-    fast_log: bool
 
 
 def _run_head(
@@ -358,10 +283,8 @@ def _run_head(
     temperature: float,
     store_z: bool,
     cfg: HeadConfig | None = None,
-    draw: Draw | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(z or None, logp, entropy, lse)``: ``logp`` is the targets' log-probs, or with ``draw`` the drawn
-    tokens' (garbage when neither is given).
+    """Returns ``(z or None, logp, entropy, lse)`` (logp is garbage when ``targets`` is None).
 
     ``cfg`` overrides :func:`head_config` / :func:`decode_head_config` (tests and benchmarks only: exactness needs
     the library's configurations).
@@ -383,10 +306,8 @@ def _run_head(
     if cfg is None:
         cfg = (decode_head_config if T <= DECODE_ROWS else head_config)(H, V, hidden.dtype, dev)
     n_split = triton.cdiv(V, cfg.VS)
-    part = torch.empty((5 if draw is not None else 3, n_split, T), **f32)
+    part = torch.empty((3, n_split, T), **f32)
     zt = torch.empty(T, **f32)
-    idx = torch.empty((n_split, T), dtype=torch.int32, device=dev) if draw is not None else None
-    seed = draw.seed & ((1 << 64) - 1) if draw is not None else 0
     if cfg.tma:
         hidden, w = aligned(hidden), aligned(w)
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.BM, cfg.BK])
@@ -406,9 +327,6 @@ def _run_head(
         z if store_z else zt,
         part,
         zt,
-        draw.request_ids if draw is not None else zt,
-        draw.positions if draw is not None else zt,
-        idx if idx is not None else zt,
         T,
         V,
         H,
@@ -417,8 +335,6 @@ def _run_head(
         V,
         float(temperature),
         n_split,
-        (seed & MASK32) ^ ROW_SALT,
-        seed >> 32,
         VS=cfg.VS,
         BM=cfg.BM,
         BV=cfg.BV,
@@ -429,19 +345,13 @@ def _run_head(
         SCALE=float(temperature) != 1.0,
         TMA=cfg.tma,
         FLATTEN=cfg.flatten,
-        SAMPLE=draw is not None,
-        FAST_LOG=draw is not None and draw.fast_log,
-        C1=C1,
-        C2=C2,
-        SALT=ROW_SALT,
         **dot_flags(hidden.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
         **COMPILE_OPTIONS,
     )
-    tokens = draw.tokens if draw is not None else None
-    merge_splits(part, zt, has_tgt, logp, ent, lse, idx=idx, tokens=tokens, vocab=V)
+    merge_splits(part, zt, has_tgt, logp, ent, lse)
     return z, logp, ent, lse
 
 
@@ -453,24 +363,14 @@ def merge_splits(
     ent: torch.Tensor,
     lse: torch.Tensor,
     unroll: int = MERGE_UNROLL,
-    idx: torch.Tensor | None = None,
-    tokens: torch.Tensor | None = None,
-    vocab: int = 0,
 ) -> None:
     """Fold the head's split partials ``part [3, n_split, T]`` (max, sum of exponentials, sum of exponentials times
     ``z``) in ascending split order into ``lse``, ``ent`` and, with ``has_tgt``, ``logp = zt - lse`` (all ``[T]``
-    fp32, written in place). With ``idx [n_split, T]`` int32 (a draw's partials: ``part`` then has two more planes,
-    each split's largest score and its ``z``) the drawn token of a ``vocab``-entry vocabulary goes to ``tokens``
-    (int64 ``[T]``) and its log-prob to ``logp``. ``unroll`` (benchmarks) only sets how many splits' partials one
-    round trip loads."""
+    fp32, written in place). ``unroll`` (benchmarks) only sets how many splits' partials one round trip loads."""
     n_split, T = part.shape[1], part.shape[2]
-    sample = idx is not None
-    if sample and (tokens is None or part.shape[0] != 5 or has_tgt or vocab < 1):
-        raise ValueError("merge_splits: a draw needs idx, tokens, the vocabulary size, five partial planes and no "
-                         "targets")  # fmt: skip
     _head_merge_kernel[(triton.cdiv(T, MERGE_BLOCK),)](
-        part, zt, idx if sample else zt, tokens if sample else zt, logp, ent, lse, T, vocab, n_split,
-        BLOCK=MERGE_BLOCK, UNROLL=unroll, HAS_TGT=has_tgt, SAMPLE=sample, num_warps=4, **pdl_options(part.device),
+        part, zt, logp, ent, lse, T, n_split, BLOCK=MERGE_BLOCK, UNROLL=unroll, HAS_TGT=has_tgt, num_warps=4,
+        **pdl_options(part.device),
         **COMPILE_OPTIONS,
     )  # fmt: skip
 
@@ -492,36 +392,6 @@ def token_logprobs_lse(
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden rows {hidden.shape[0]}")
     _, logp, ent, lse = _run_head(hidden, w, targets.long(), temperature, store_z=False)
     return logp, ent, lse
-
-
-def lm_head_sample(
-    hidden: torch.Tensor,
-    w: torch.Tensor,
-    temperature: float,
-    seed: int,
-    request_ids: torch.Tensor,
-    positions: torch.Tensor,
-    fast_log: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [T] int64, logp [T] fp32)``: a keyed Gumbel-max draw from ``softmax(z)``, ``z = hidden @ w.T /
-    temperature``, in the head's epilogue, without storing ``z``.
-
-    The same draw as :func:`rlexact.ops.triton_sampler.gumbel_argmax_triton` on :func:`lm_head_logits`' ``z`` (no
-    threshold, same ``fast_log``): the first index of the row's largest ``z + noise``, a maximum and its first index
-    being exact whatever the tiles. ``logp`` is ``z[token] - lse``, the value :func:`token_logprobs` gives for the
-    drawn token. ``request_ids`` and ``positions``: int64 ``[T]``, non-negative. ``fast_log``: the noise's
-    logarithms (:func:`rlexact.ops.triton_sampler.noise_log2`; default: hardware ones on CUDA outside the
-    interpreter)."""
-    T = hidden.shape[0] if hidden.dim() == 2 else -1
-    if request_ids.shape != (T,) or positions.shape != (T,):
-        raise ValueError(f"lm_head_sample: request_ids {tuple(request_ids.shape)} and positions "
-                         f"{tuple(positions.shape)} must be [T] for hidden {tuple(hidden.shape)}")  # fmt: skip
-    if fast_log is None:
-        fast_log = hidden.is_cuda and not interpreter_enabled()
-    tokens = torch.empty(T, dtype=torch.int64, device=hidden.device)
-    draw = Draw(int(seed), request_ids.long().contiguous(), positions.long().contiguous(), tokens, fast_log)
-    _, logp, _, _ = _run_head(hidden, w, None, temperature, store_z=False, draw=draw)
-    return tokens, logp
 
 
 def lm_head_logits(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,10 +61,6 @@ class GeneratorConfig:
     """Exact kernels on CUDA: run each layer's q/k/v and gate/up projections as one matmul on concatenated copies of
     their weights (:mod:`rlexact.models.fusion`; bitwise the separate projections, so rollout == trainer still holds).
     Costs one copy of those weights while a call runs (kept with ``keep_kv_cache``)."""
-    fuse_head_sample: bool = True
-    """Exact kernels on CUDA, sampling without top-k / top-p: draw each step's tokens inside the lm head's launch
-    (:func:`rlexact.models.head_sample`) instead of storing the ``[B, V]`` logits and reading them back in the
-    sampler's launch. The same tokens and log-probs either way (tested); off for side-by-side timings."""
     overlap_decode: bool = True
     """With CUDA graphs: launch the next decode step before reading back the current one, its input tokens taken
     from the device, so the host's scheduling and bookkeeping run while the GPU decodes. Used while a step's

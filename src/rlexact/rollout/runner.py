@@ -31,21 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlexact.models import (
-    AttnMetadata,
-    PagedKV,
-    forward_hidden,
-    get_state,
-    head_logits,
-    head_logprobs,
-    head_sample,
-    head_sample_supported,
-    lm_head_weight,
-)
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.truncation import LogprobMode
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
-from rlexact.rollout.sampler import draws_in_head, sample
+from rlexact.rollout.sampler import sample
 from rlexact.rollout.scheduler import ScheduledBatch
 from rlexact.rollout.sequence import Sequence, Status
 
@@ -248,14 +238,6 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sp = self.sampling
         assert sp is not None
-        fused = (
-            self.config.fuse_head_sample
-            and head_sample_supported(self.model, hidden)
-            and draws_in_head(hidden, greedy=sp.greedy, top_k=sp.top_k, top_p=sp.top_p)
-        )
-        self.stats["head_draws"] = fused
-        if fused:
-            return head_sample(self.model, hidden, sp.temperature, sp.seed, request_ids, positions)
         z, lse = head_logits(self.model, hidden, sp.temperature)
         return sample(
             z,

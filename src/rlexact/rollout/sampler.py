@@ -32,7 +32,7 @@ import torch
 from rlexact.models.truncation import LogprobMode, kept_logsumexp, top_k_top_p_threshold
 from rlexact.ops.keyed_hash import row_keys, token_hash
 
-__all__ = ["draws_in_head", "gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
+__all__ = ["gumbel_argmax", "gumbel_from_hash", "gumbel_noise", "sample"]
 
 
 def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
@@ -80,13 +80,6 @@ def _draw(
 
         return gumbel_argmax_triton(z, threshold, seed, request_ids, positions, lse)
     return _gumbel_argmax_torch(z, threshold, seed, request_ids, positions), None
-
-
-def draws_in_head(hidden: torch.Tensor, *, greedy: bool, top_k: int, top_p: float) -> bool:
-    """Whether a draw with these settings may be taken in the exact head's launch
-    (:func:`rlexact.models.head_sample`, the fused Triton sampler's draw): a keyed draw without truncation where the
-    Triton sampler runs (:func:`sample` would run it on the stored logits)."""
-    return not greedy and top_k == 0 and top_p >= 1.0 and _use_triton(hidden)
 
 
 def gumbel_argmax(
