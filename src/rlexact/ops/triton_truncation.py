@@ -56,8 +56,8 @@ SEGMENT = 4096
 """Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
 WARPS = 8
 """Warps of every launch of this module."""
-LSE_BLOCK = 2048
-"""Vocabulary entries per loop iteration of :func:`kept_logsumexp` (part of its bit contract)."""
+LSE_WARPS = 4
+"""Warps of :func:`kept_logsumexp`'s segment launch (speed only: a segment is one tile whatever the warps)."""
 PROGRAMS_PER_SM = 2
 """Programs per SM the segmented plan aims at: a row gets ``ceil(PROGRAMS_PER_SM * SMs / B)`` programs (at most
 one per segment), each walking its share of the segments. Speed only: a segment's sums do not depend on it."""
@@ -421,36 +421,54 @@ def truncation_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return _top_p(z, top_p)
 
 
-@triton.jit(do_not_specialize=["V"])
-def _kept_lse_kernel(z_ptr, stride_z, V, t_ptr, out_ptr, BLOCK: tl.constexpr):
-    """Row ``program_id(0)``: ``m + log(sum(exp(z - m)))`` over the entries ``z >= t`` (``m`` their largest), each
-    thread accumulating its own lanes over the row, reduced once per pass."""
+@triton.jit(do_not_specialize=["V", "n_seg"])
+def _kept_lse_segment_kernel(z_ptr, stride_z, V, t_ptr, part_ptr, n_seg, SEG: tl.constexpr):
+    """Segment ``program_id(1)`` of row ``program_id(0)``: ``(m_s, s_s)``, the largest kept entry (``z >= t``) of the
+    segment and ``sum(exp(z - m_s))`` over its kept entries (``(-inf, 0)`` with none), as one tile."""
     r = tl.program_id(0)
-    row = z_ptr + r.to(tl.int64) * stride_z
+    seg = tl.program_id(1)
     t = tl.load(t_ptr + r)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for s in range(0, V, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-        mx = tl.maximum(mx, tl.where(z >= t, z, float("-inf")))
-    m = tl.max(mx, axis=0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, V, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
-        acc += tl.where(z >= t, tl.exp(z - m), 0.0)
-    tl.store(out_ptr + r, m + tl.log(tl.sum(acc, axis=0)))
+    offs = seg * SEG + tl.arange(0, SEG)
+    z = tl.load(z_ptr + r.to(tl.int64) * stride_z + offs, mask=offs < V, other=float("-inf"))
+    kept = z >= t
+    m = tl.max(tl.where(kept, z, float("-inf")), axis=0)
+    shift = tl.where(m > float("-inf"), m, 0.0)  # a segment with nothing kept sums no term (and computes no NaN)
+    total = tl.sum(tl.where(kept, tl.exp(z - shift), 0.0), axis=0)
+    out = part_ptr + r.to(tl.int64) * 2 * n_seg + seg
+    tl.store(out, m)
+    tl.store(out + n_seg, total)
+
+
+@triton.jit(do_not_specialize=["n_seg"])
+def _kept_lse_fold_kernel(part_ptr, out_ptr, n_seg, SEGS: tl.constexpr):
+    """Row ``program_id(0)``: ``M + log(sum_s s_s * exp(m_s - M))`` over its segment partials, ``M`` the largest
+    ``m_s``, the sum one reduction of a ``SEGS``-wide tile (a fixed order for a given row length)."""
+    r = tl.program_id(0)
+    i = tl.arange(0, SEGS)
+    base = part_ptr + r.to(tl.int64) * 2 * n_seg
+    m = tl.load(base + i, mask=i < n_seg, other=float("-inf"))
+    s = tl.load(base + n_seg + i, mask=i < n_seg, other=0.0)
+    top = tl.max(m, axis=0)
+    scaled = tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0)
+    tl.store(out_ptr + r, top + tl.log(tl.sum(scaled, axis=0)))
 
 
 def kept_logsumexp(z: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """``lse_K [B]`` fp32: logsumexp of ``z [B, V]`` fp32 over the entries ``z >= threshold [B, 1]`` (at least one
-    per row). One program per row, in an order fixed by :data:`LSE_BLOCK`: row-invariant."""
+    per row). One program per fixed :data:`SEGMENT`-entry segment of a row (its kept maximum and the sum of
+    ``exp(z - max)`` over it), then one per row folding the segments' partials: every value a function of the row
+    and ``V`` only, so row-invariant."""
     if z.dim() != 2 or z.dtype != torch.float32 or z.stride(-1) != 1 or threshold.shape != (z.shape[0], 1):
         raise ValueError(f"kept_logsumexp: z must be a row-major fp32 [B, V] tensor and threshold [B, 1], got "
                          f"{z.dtype} {tuple(z.shape)} and {tuple(threshold.shape)}")  # fmt: skip
-    out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
-    if z.shape[0]:
+    b, v = z.shape
+    out = torch.empty(b, dtype=torch.float32, device=z.device)
+    if b:
         t = threshold.float().contiguous()
-        _kept_lse_kernel[(z.shape[0],)](z, z.stride(0), z.shape[1], t, out, BLOCK=LSE_BLOCK, num_warps=WARPS,
-                                        **COMPILE_OPTIONS)  # fmt: skip
+        n_seg = triton.cdiv(v, SEGMENT)
+        part = torch.empty((b, 2, n_seg), dtype=torch.float32, device=z.device)
+        _kept_lse_segment_kernel[(b, n_seg)](z, z.stride(0), v, t, part, n_seg, SEG=SEGMENT, num_warps=LSE_WARPS,
+                                             **COMPILE_OPTIONS)  # fmt: skip
+        _kept_lse_fold_kernel[(b,)](part, out, n_seg, SEGS=max(16, triton.next_power_of_2(n_seg)), num_warps=1,
+                                    **COMPILE_OPTIONS)  # fmt: skip
     return out
