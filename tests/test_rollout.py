@@ -499,3 +499,26 @@ def test_native_score_slices_the_head(qwen, monkeypatch):
     assert len(rows) > 1 and max(rows) <= 3 and sum(rows) == sum(len(s) - 1 for s in seqs)
     for a, b in zip(sliced, whole):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_completions_convert_logprobs_per_sequence() -> None:
+    """A call's completions carry their own fp32 log-prob tensors (no shared storage), equal to converting each
+    sequence's log-probs alone, in the sequences' order; a sequence that generated nothing gets an empty tensor."""
+    from rlexact.rollout.sequence import Sequence, completions
+
+    seqs = [Sequence(i, [1, 2, 3][: i + 1], 10 + i, i, 8) for i in range(3)]
+    values = torch.randn(12, dtype=torch.float32).double().tolist()
+    for s, chunk in zip(seqs, (values[:5], values[5:], [])):
+        for v in chunk:
+            s.append(7, v)
+        s.finish_reason = "length"
+    out = completions(seqs)
+    for s, c in zip(seqs, out):
+        assert c.request_id == s.request_id and c.token_ids == [7] * s.num_generated
+        assert c.logprobs.dtype == torch.float32
+        assert torch.equal(c.logprobs, torch.tensor(s.generated_logprobs, dtype=torch.float32))
+        assert c.logprobs.untyped_storage().nbytes() == 4 * s.num_generated
+    assert out[2].logprobs.shape == (0,)
+    out[0].logprobs[0] = 99.0  # negative control: writing one completion leaves the others unchanged
+    assert not torch.equal(out[0].logprobs, torch.tensor(values[:5], dtype=torch.float32))
+    assert torch.equal(out[1].logprobs, torch.tensor(values[5:], dtype=torch.float32))

@@ -20,7 +20,7 @@ from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.params import Completion, SamplingParams
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
 from rlexact.rollout.scheduler import ScheduledBatch, Scheduler
-from rlexact.rollout.sequence import Sequence
+from rlexact.rollout.sequence import Sequence, completions
 
 
 def eos_token_ids(model: nn.Module, tokenizer: Any = None) -> set[int]:
@@ -285,7 +285,7 @@ class Generator:
             logprobs=params.logprobs,
         )
         self._run(seqs, sampling, stop, progress_total=total * params.max_new_tokens)
-        return [s.to_completion() for s in seqs]
+        return completions(seqs)
 
     @torch.no_grad()
     def score(

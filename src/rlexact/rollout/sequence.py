@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
+import numpy as np
 import torch
 
 from rlexact.rollout.params import Completion
@@ -103,14 +105,31 @@ class Sequence:
         self.tokens.append(token)
         self.generated_logprobs.append(logprob)
 
-    def to_completion(self) -> Completion:
-        assert self.finish_reason is not None
+    def to_completion(self, logprobs: torch.Tensor) -> Completion:
+        """The finished sequence as a :class:`Completion` whose log-probs are ``logprobs`` (its generated tokens')."""
+        assert self.finish_reason is not None and logprobs.shape == (self.num_generated,)
         return Completion(
             prompt_token_ids=self.tokens[: self.num_prompt_tokens],
             token_ids=self.tokens[self.num_prompt_tokens :],
-            logprobs=torch.tensor(self.generated_logprobs, dtype=torch.float32),
+            logprobs=logprobs,
             finish_reason=self.finish_reason,  # type: ignore[arg-type]
             request_id=self.request_id,
             prompt_index=self.prompt_index,
             num_preemptions=self.num_preemptions,
         )
+
+
+def completions(seqs: list[Sequence]) -> list[Completion]:
+    """The finished ``seqs`` as completions, their log-probs converted to fp32 in one pass over all of them (one
+    tensor construction per sequence is the slower part of a large call's end) and copied out per sequence, so
+    no completion's tensor holds another's storage."""
+    counts = [len(s.generated_logprobs) for s in seqs]
+    flat = np.fromiter(
+        itertools.chain.from_iterable(s.generated_logprobs for s in seqs), dtype=np.float32, count=sum(counts)
+    )
+    out = []
+    start = 0
+    for s, n in zip(seqs, counts):
+        out.append(s.to_completion(torch.from_numpy(flat[start : start + n].copy())))
+        start += n
+    return out
