@@ -53,7 +53,8 @@ CAP = 2048
 BLOCK = 512
 """Vocabulary entries per loop iteration of a pass."""
 SEGMENT = 4096
-"""Entries per program of the segmented plan (rows longer than this); part of the bit contract, like ``BLOCK``."""
+"""Entries per program of the segmented plan (rows longer than this) and per segment of :func:`kept_logsumexp`
+(every row); part of the bit contract, like ``BLOCK``."""
 WARPS = 8
 """Warps of every launch of this module."""
 LSE_WARPS = 4
