@@ -17,9 +17,11 @@ batch (``rows_alone_equal``). ``logits_read_us``: one read of the logits at the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,19 +40,26 @@ SETTINGS = ((50, 1.0), (0, 0.95), (50, 0.9), (0, 0.7))
 REFERENCE_ROWS = 4
 
 
-def threshold(z: torch.Tensor, k: int, p: float, impl: str) -> torch.Tensor:
-    """The library's threshold with the CUDA path (``impl="triton"``), its one-program plan for every row
-    (``"one_program"``) or the torch blocks (``"torch"``)."""
+@contextlib.contextmanager
+def implementation(impl: str, vocab: int) -> Iterator[None]:
+    """Inside the block the truncation functions run the CUDA path (``impl="triton"``), the top-p search's
+    one-program plan for every row (``"one_program"``) or the torch blocks (``"torch"``)."""
     segment = tt.SEGMENT
     if impl == "torch":
         os.environ["RLEXACT_TRUNCATION"] = "torch"
     if impl == "one_program":
-        tt.SEGMENT = z.shape[1]
+        tt.SEGMENT = vocab
     try:
-        return top_k_top_p_threshold(z, k, p)
+        yield
     finally:
         os.environ.pop("RLEXACT_TRUNCATION", None)
         tt.SEGMENT = segment
+
+
+def threshold(z: torch.Tensor, k: int, p: float, impl: str) -> torch.Tensor:
+    """The library's threshold under :func:`implementation` ``impl``."""
+    with implementation(impl, z.shape[1]):
+        return top_k_top_p_threshold(z, k, p)
 
 
 def case(b: int, scale: float, k: int, p: float) -> dict:
@@ -72,13 +81,9 @@ def case(b: int, scale: float, k: int, p: float) -> dict:
 
 
 def kept_lse(z: torch.Tensor, t: torch.Tensor, impl: str) -> torch.Tensor:
-    """``kept_logsumexp`` with the CUDA kernel (``impl="triton"``) or the torch blocks (``"torch"``)."""
-    if impl == "torch":
-        os.environ["RLEXACT_TRUNCATION"] = "torch"
-    try:
+    """``kept_logsumexp`` under :func:`implementation` ``impl`` (``"triton"`` or ``"torch"``)."""
+    with implementation(impl, z.shape[1]):
         return kept_logsumexp(z, t)
-    finally:
-        os.environ.pop("RLEXACT_TRUNCATION", None)
 
 
 def kept_lse_case(z: torch.Tensor, t: torch.Tensor) -> dict:

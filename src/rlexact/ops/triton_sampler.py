@@ -5,7 +5,7 @@ Two launches per sampling step, no ``[B, V]`` temporaries, no host synchronizati
 * ``_gumbel_argmax_kernel``, grid ``(B, S)``: program ``(r, s)`` derives row ``r``'s keys (the integer function of
   :func:`rlexact.ops.keyed_hash.row_keys`) and streams vocabulary slice ``s`` of its logits once: 32-bit hash
   (uint32 arithmetic, the same integer function as :func:`rlexact.ops.keyed_hash.token_hash`), Gumbel noise
-  (:func:`gumbel_u32`: a series near ``u = 1``, hardware base-2 logarithms elsewhere), optional threshold mask, running
+  (:func:`_gumbel`: a series near ``u = 1``, hardware base-2 logarithms elsewhere), optional threshold mask, running
   maximum. It stores the slice's maximum score and the first index attaining it.
 * ``_argmax_merge_kernel``, grid ``(B,)``: the largest of the ``S`` slice maxima and, among the slices attaining it,
   the smallest index; optionally the token's log-prob ``z[token] - lse``.
@@ -26,15 +26,7 @@ from rlexact.ops.keyed_hash import C1, C2, MASK32, ROW_SALT
 from rlexact.ops.triton_pdl import pdl_entry, pdl_options
 from rlexact.ops.triton_shared import COMPILE_OPTIONS, num_sms
 
-__all__ = [
-    "gumbel_argmax_triton",
-    "gumbel_u32",
-    "mix32_u32",
-    "noise_log2",
-    "row_keys_u32",
-    "token_gumbel",
-    "vocab_splits",
-]
+__all__ = ["gumbel_argmax_triton", "vocab_splits"]
 
 _BLOCK_V = 2048
 """Vocabulary entries per loop iteration of a program (and the granularity of a slice)."""
@@ -43,7 +35,7 @@ _PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def mix32_u32(x, c1, c2):
+def _mix32(x, c1, c2):
     """lowbias32 on uint32 tensors (``c1, c2``: the multipliers as uint32 tensors broadcastable to ``x``)."""
     x = x ^ (x >> 16)
     x = x * c1
@@ -62,7 +54,7 @@ enough relative accuracy."""
 
 
 @triton.jit
-def noise_log2(x, FAST: tl.constexpr):
+def _log2(x, FAST: tl.constexpr):
     """``log2(x)`` of positive normal fp32 ``x``: the GPU's ``lg2.approx.f32`` (one special-function instruction,
     absolute error below ``2**-22``) when ``FAST``, else ``tl.log2`` (libdevice on the GPU, exact under the
     interpreter)."""
@@ -72,45 +64,45 @@ def noise_log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def gumbel_u32(h, FAST: tl.constexpr):
+def _gumbel(h, FAST: tl.constexpr):
     """Standard Gumbel noise ``-ln(-ln u)`` from uint32 hashes ``h``, ``u = ((h >> 9) + 0.5) * 2**-23``.
 
     ``-ln u`` near ``u = 1`` (the largest noise values, the ones that win draws) comes from the series in
     ``d = 1 - u``, which is exact in fp32 there, so an approximate logarithm's absolute error never reaches it; the
-    two logarithms left are base-2 and need no more than absolute accuracy (:func:`noise_log2`)."""
+    two logarithms left are base-2 and need no more than absolute accuracy (:func:`_log2`)."""
     k = (h >> 9).to(tl.float32)  # < 2**23: exact, and so are u and d
     u = (k + 0.5) * _U_STEP
     d = ((8388607.0 - k) + 0.5) * _U_STEP
     series = d + d * d * (0.5 + d * (0.3333333432674408 + d * (0.25 + d * 0.20000000298023224)))
-    e = tl.where(d <= _SERIES_MAX, series, -_LN2 * noise_log2(u, FAST))
-    return -_LN2 * noise_log2(e, FAST)
+    e = tl.where(d <= _SERIES_MAX, series, -_LN2 * _log2(u, FAST))
+    return -_LN2 * _log2(e, FAST)
 
 
 @triton.jit
-def row_keys_u32(seed_lo_salted, seed_hi, rid, pos, C1: tl.constexpr, C2: tl.constexpr, SALT: tl.constexpr):
+def _row_keys(seed_lo_salted, seed_hi, rid, pos, C1: tl.constexpr, C2: tl.constexpr, SALT: tl.constexpr):
     """The row keys ``(ka, kb)`` (uint32, ``rid``'s shape) of :func:`rlexact.ops.keyed_hash.row_keys`, from int64
     request ids ``rid`` and positions ``pos`` and the seed's halves (``seed_lo_salted`` is the low half xor
     ``SALT``)."""
     k1 = tl.full(rid.shape, C1, tl.uint32)
     k2 = tl.full(rid.shape, C2, tl.uint32)
-    k = mix32_u32(tl.full(rid.shape, seed_lo_salted, tl.int64).to(tl.uint32), k1, k2)
-    k = mix32_u32(k ^ tl.full(rid.shape, seed_hi, tl.int64).to(tl.uint32), k1, k2)
-    k = mix32_u32(k ^ rid.to(tl.uint32), k1, k2)
-    k = mix32_u32(k ^ (rid >> 32).to(tl.uint32), k1, k2)
-    k = mix32_u32(k ^ pos.to(tl.uint32), k1, k2)
-    ka = mix32_u32(k ^ (pos >> 32).to(tl.uint32), k1, k2)
-    kb = mix32_u32(ka ^ tl.full(rid.shape, SALT, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(tl.full(rid.shape, seed_lo_salted, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ tl.full(rid.shape, seed_hi, tl.int64).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ rid.to(tl.uint32), k1, k2)
+    k = _mix32(k ^ (rid >> 32).to(tl.uint32), k1, k2)
+    k = _mix32(k ^ pos.to(tl.uint32), k1, k2)
+    ka = _mix32(k ^ (pos >> 32).to(tl.uint32), k1, k2)
+    kb = _mix32(ka ^ tl.full(rid.shape, SALT, tl.int64).to(tl.uint32), k1, k2)
     return ka, kb
 
 
 @triton.jit
-def token_gumbel(ka, kb, cols, C1: tl.constexpr, C2: tl.constexpr, FAST: tl.constexpr):
+def _token_gumbel(ka, kb, cols, C1: tl.constexpr, C2: tl.constexpr, FAST: tl.constexpr):
     """The keyed Gumbel noise of vocabulary ids ``cols`` (int32) under row keys ``ka, kb`` (broadcast against
-    ``cols``): :func:`gumbel_u32` of the hash ``mix32(mix32(ka ^ v) ^ kb)`` of
+    ``cols``): :func:`_gumbel` of the hash ``mix32(mix32(ka ^ v) ^ kb)`` of
     :func:`rlexact.ops.keyed_hash.token_hash`."""
     c1 = tl.full(cols.shape, C1, tl.uint32)
     c2 = tl.full(cols.shape, C2, tl.uint32)
-    return gumbel_u32(mix32_u32(mix32_u32(ka ^ cols.to(tl.uint32), c1, c2) ^ kb, c1, c2), FAST)
+    return _gumbel(_mix32(_mix32(ka ^ cols.to(tl.uint32), c1, c2) ^ kb, c1, c2), FAST)
 
 
 @triton.jit(do_not_specialize=["seed_lo_salted", "seed_hi"])  # a new seed never compiles a new kernel
@@ -140,7 +132,7 @@ def _gumbel_argmax_kernel(
     one = tl.arange(0, 1)
     rid = tl.load(rid_ptr + row + one)
     pos = tl.load(pos_ptr + row + one)
-    ka, kb = row_keys_u32(seed_lo_salted, seed_hi, rid, pos, C1, C2, SALT)
+    ka, kb = _row_keys(seed_lo_salted, seed_hi, rid, pos, C1, C2, SALT)
     lo = sl * SLICE_V
     hi = tl.minimum(V, lo + SLICE_V)
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -152,7 +144,7 @@ def _gumbel_argmax_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < hi
         z = tl.load(base + offs, mask=mask, other=float("-inf"))
-        s = z + token_gumbel(ka, kb, offs, C1, C2, FAST_LOG)
+        s = z + _token_gumbel(ka, kb, offs, C1, C2, FAST_LOG)
         if HAS_THR:
             s = tl.where(z >= thr, s, float("-inf"))
         s = tl.where(mask, s, float("-inf"))
@@ -217,7 +209,7 @@ def gumbel_argmax_triton(
 
     Returns ``(tokens [B] int64, z[tokens] - lse [B] fp32)``, the second None when ``lse`` is None. ``splits``
     overrides :func:`vocab_splits` (tests); it never changes the result. ``fast_log`` (tests and benchmarks; default:
-    on for CUDA tensors outside the interpreter) picks the noise's logarithms (:func:`noise_log2`); a draw may differ
+    on for CUDA tensors outside the interpreter) picks the noise's logarithms (:func:`_log2`); a draw may differ
     between the two only where two scores are within the approximation's error."""
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax_triton: z must be a row-major fp32 [B, V] tensor, got {z.dtype} {z.shape}")
