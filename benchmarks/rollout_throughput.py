@@ -41,10 +41,11 @@ profiled calls; ``host_ms_per_decode_step_unprofiled`` is the same split from th
 
 ``--grpo`` runs the GRPO-shaped load instead (``--grpo-prompts`` prompts of ``--prompt-len`` tokens (default 512),
 ``n = --grpo-n`` samples each, ``--new-tokens`` new tokens): exact generation with the prompt blocks shared by the
-``n`` samples and prefix caching (``shared``) and with neither (``unshared``), each with tokens/s, prompt tokens
-requested / prefilled / shared by siblings / taken from the prefix cache, and a bitwise check that both give the same
-completions. ``--shared-prefix N`` makes the first N tokens of every prompt the same (a system prompt). Default output
-``benchmarks/results/rollout_grpo_h200.json``.
+``n`` samples and prefix caching, their decode tiles read once per group of samples (``shared``), the same with them
+read once per sample (``shared_prefix_decode_off``), and with neither sharing nor prefix caching (``unshared``), each
+with tokens/s, decode step time, prompt tokens requested / prefilled / shared by siblings / taken from the prefix
+cache, and a bitwise check that all three give the same completions. ``--shared-prefix N`` makes the first N tokens
+of every prompt the same (a system prompt). Default output ``benchmarks/results/rollout_grpo_h200.json``.
 """
 
 from __future__ import annotations
@@ -221,8 +222,9 @@ def profile_decode(gen: Generator, prompts, args, device) -> dict:
 
 
 def make_generator(
-    model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False, overlap_prefill: bool = True
-) -> Generator:
+    model, kernels: str, batch: int, args, *, share: bool = True, keep: bool = False, overlap_prefill: bool = True,
+    prefix_decode: bool = True,
+) -> Generator:  # fmt: skip
     return Generator(
         model,
         kernels=kernels,
@@ -233,6 +235,7 @@ def make_generator(
         prefix_caching=share,
         keep_kv_cache=keep,
         overlap_prefill=overlap_prefill,
+        shared_prefix_decode=prefix_decode,
     )
 
 
@@ -333,9 +336,10 @@ def paged_gather_off(model, prompts, args, device, reference: list, *, n: int, s
 
 
 def run_rlexact(
-    model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True
-) -> tuple[dict, list]:
-    gen = make_generator(model, kernels, len(prompts) * n, args, share=share)
+    model, kernels: str, prompts, args, device, *, n: int = 1, share: bool = True, decode_step: bool = True,
+    prefix_decode: bool = True,
+) -> tuple[dict, list]:  # fmt: skip
+    gen = make_generator(model, kernels, len(prompts) * n, args, share=share, prefix_decode=prefix_decode)
 
     def timed(new_tokens: int, seed: int) -> tuple[float, list]:
         params = sampling(args, new_tokens, seed=seed, n=n)
@@ -404,7 +408,9 @@ def run_rlexact(
 
 
 def run_grpo(model, args, device, result: dict) -> None:
-    """The GRPO-shaped load with and without shared prompt blocks (same completions, bitwise)."""
+    """The GRPO-shaped load with shared prompt blocks (their decode tiles read once per group of samples), with
+    shared blocks read once per sample (``shared_prefix_decode=False``), and with neither sharing nor prefix caching:
+    the same completions, bitwise."""
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.grpo_prompts, args.prompt_len), generator=g).tolist()
     prefix = prompts[0][: args.shared_prefix]
@@ -412,9 +418,11 @@ def run_grpo(model, args, device, result: dict) -> None:
     grpo: dict = {"prompts": args.grpo_prompts, "n": args.grpo_n, "shared_prefix_tokens": len(prefix)}
     result["results"]["grpo"] = grpo
     outs = {}
-    for name, share in (("shared", True), ("unshared", False)):
+    for name, share, prefix_decode in (("shared", True, True), ("shared_prefix_decode_off", True, False),
+                                       ("unshared", False, False)):  # fmt: skip
         print(f"[rollout_throughput] grpo {name} ...", flush=True)
-        r, outs[name] = run_rlexact(model, "exact", prompts, args, device, n=args.grpo_n, share=share)
+        r, outs[name] = run_rlexact(model, "exact", prompts, args, device, n=args.grpo_n, share=share,
+                                    prefix_decode=prefix_decode)  # fmt: skip
         st = r["stats"]
         r["prompt_tokens_requested"] = st["prompt_tokens"]
         r["prompt_tokens_prefilled"] = st["prefill_tokens"]
@@ -426,7 +434,12 @@ def run_grpo(model, args, device, result: dict) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     grpo["speedup_shared_over_unshared"] = grpo["shared"]["tokens_per_s"] / grpo["unshared"]["tokens_per_s"]
-    grpo["same_completions_bitwise"] = same_completions(outs["shared"], outs["unshared"])
+    grpo["speedup_prefix_decode"] = (
+        grpo["shared"]["tokens_per_s"] / grpo["shared_prefix_decode_off"]["tokens_per_s"]
+    )
+    grpo["same_completions_bitwise"] = same_completions(outs["shared"], outs["unshared"]) and same_completions(
+        outs["shared"], outs["shared_prefix_decode_off"]
+    )
     grpo["exactness_spot_check"] = spot_check(model, outs["shared"], args)
 
 

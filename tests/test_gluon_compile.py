@@ -79,8 +79,10 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                                  num_warps=gp.WARPS)  # fmt: skip
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
-            "width", "n_rows")  # fmt: skip
+            "stride_mem", "width", "n_rows")  # fmt: skip
+    plan = dict.fromkeys(("start_ptr", "members_ptr", "tiles_ptr", "count_ptr"), "*i32")
     dec = dict(q_ptr="*bf16", o_ptr="*bf16", k_desc=pages, v_desc=pages, bt_ptr="*i32", seqlens_ptr="*i32",
-               qk_scale="fp32") | dict.fromkeys(ints, "i32")  # fmt: skip
-    k = compile_gluon_for_hopper(gd._attn_decode_kernel, dec, dict(HP=2, D=128), **gd.LAUNCH_OPTIONS)
-    assert _wgmmas(k) > 0 and k.metadata.shared > 0
+               ml_ptr="*fp32", sacc_ptr="*fp32", qk_scale="fp32") | plan | dict.fromkeys(ints, "i32")  # fmt: skip
+    for mode in (0, 1, 2):  # plain, from a shared prefix's state, the shared prefix
+        k = compile_gluon_for_hopper(gd.kernel(mode), dec, dict(HP=2, D=128), **gd.LAUNCH_OPTIONS)
+        assert _wgmmas(k) > 0 and k.metadata.shared > 0

@@ -280,6 +280,28 @@ def test_gpu_prefix_cache_equals_uncached(qwen):
     assert cached.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
 
+def test_gpu_shared_prefix_decode_equals_plain(llama, monkeypatch):
+    """Head dim 128 (the Gluon decode launch): n = 8 samples of each prompt, and prompts behind a shared system
+    prefix, decode with their prompt's tiles read once per group of sequences; the completions equal those with
+    ``shared_prefix_decode=False`` bitwise, and the trainer's. The decode launches did read a plan."""
+    from rlexact.ops import gluon_decode
+
+    plans = []
+    real = gluon_decode.forward
+    monkeypatch.setattr(gluon_decode, "forward", lambda *a: plans.append(a[8] is not None) or real(*a))
+    system = prompts_for(1, 517, lo=130, hi=130, seed=40)[0]
+    prompts = prompts_for(5, 517, lo=64, hi=300, seed=41)
+    prompts += [system + p for p in prompts_for(4, 517, lo=1, hi=90, seed=42)]
+    params = SamplingParams(max_new_tokens=40, seed=3, n=8, temperature=0.9)
+    gen = Generator(llama, max_num_batched_tokens=512)
+    outs = gen.generate(prompts, params)
+    off = Generator(llama, max_num_batched_tokens=512, shared_prefix_decode=False)
+    assert same(outs, off.generate(prompts, params))
+    assert gen.stats["decode_shared_prefix_keys"] > 0 and off.stats["decode_shared_prefix_keys"] == 0
+    assert any(plans) and not all(plans)
+    assert_exact(llama, outs)
+
+
 def test_gpu_split_kv_generator(qwen, monkeypatch):
     """KV splits of 128 keys (prompts spanning several splits): split-parallel decode in CUDA graphs, chunked prefill
     with in-program split loops, and the trainer's packed forward agree bitwise."""

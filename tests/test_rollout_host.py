@@ -11,6 +11,7 @@ import torch
 
 import rlexact
 from models import prompts_for, tiny_model
+from rlexact.ops import group_capacity
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
 from rlexact.rollout.runner import GraphState, ModelRunner
@@ -24,15 +25,20 @@ class EagerGraphRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.use_graphs = self.sampling is not None
         self.bm.record_updates = self.use_graphs
+        cfg = self.model.config
+        if self.config.shared_prefix_decode and not self.native:  # staged, then ignored by the CPU kernels
+            self.prefix_capacity = group_capacity(cfg.num_attention_heads, cfg.num_key_value_heads)
         self._signature = self.signature()
         kept = kwargs.get("graph_state")  # the engine's reuse rule, now that this runner has a signature
         self.graph_state = kept if kept is not None and kept.signature == self._signature else None
 
-    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
+    def _capture(
+        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
+    ) -> SimpleNamespace:
         self.stats["graph_captures"] += 1
         self.stats["graph_captures_ahead"] += int(ahead)
-        self.warmed.add(self._warm_key(bucket, kv_len))
-        return SimpleNamespace(replay=self._graph_fn(gs, bucket, kv_len))
+        self.warmed.add(self._warm_key(bucket, kv_len, prefix))
+        return SimpleNamespace(replay=self._graph_fn(gs, bucket, kv_len, prefix))
 
 
 class StalePositions(EagerGraphRunner):
@@ -118,9 +124,11 @@ class CapturesAheadForOneRow(EagerGraphRunner):
     """Negative control: the graph captured ahead runs the step of one row only, so the decode steps that replay
     it leave the other rows' outputs stale."""
 
-    def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
-        graph = super()._capture(gs, bucket, kv_len, ahead)
-        return SimpleNamespace(replay=self._graph_fn(gs, 1, kv_len)) if ahead else graph
+    def _capture(
+        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
+    ) -> SimpleNamespace:
+        graph = super()._capture(gs, bucket, kv_len, prefix, ahead)
+        return SimpleNamespace(replay=self._graph_fn(gs, 1, kv_len, prefix)) if ahead else graph
 
 
 def test_graph_captured_ahead_during_prefill(qwen, monkeypatch) -> None:
@@ -210,9 +218,11 @@ def test_capture_warm_key_leaves_out_only_addresses_and_seed(qwen, monkeypatch) 
     keys: list[tuple] = []
 
     class KeyRunner(EagerGraphRunner):
-        def _capture(self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False) -> SimpleNamespace:
-            keys.append(self._warm_key(bucket, kv_len))
-            return super()._capture(gs, bucket, kv_len, ahead)
+        def _capture(
+            self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
+        ) -> SimpleNamespace:
+            keys.append(self._warm_key(bucket, kv_len, prefix))
+            return super()._capture(gs, bucket, kv_len, prefix, ahead)
 
     def first_key(params: SamplingParams, prompts: list) -> tuple:
         keys.clear()
@@ -227,3 +237,44 @@ def test_capture_warm_key_leaves_out_only_addresses_and_seed(qwen, monkeypatch) 
     assert first_key(replace(params, seed=77), PROMPTS) == base
     assert first_key(replace(params, temperature=0.5), PROMPTS) != base
     assert first_key(params, PROMPTS * 3) != base  # twelve rows: another bucket
+
+
+class CheckedPlanRunner(EagerGraphRunner):
+    """Checks, at every replay of a graph that reads a shared-prefix plan, that the staged buffer holds the step's
+    plan in the layout the graph's views read."""
+
+    replays = 0
+
+    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool):
+        run = super()._graph_fn(gs, bucket, kv_len, prefix)
+
+        def checked() -> None:
+            if prefix:
+                plan, view = self._prefix_plan, self._prefix_views(gs, bucket)
+                n, b = len(plan.groups), len(plan.start)
+                assert view.start[:b].tolist() == plan.start and not view.start[b:].any()
+                assert view.count.tolist() == [n] and view.tiles[:n].tolist() == plan.tiles
+                for g, rows in enumerate(plan.groups):
+                    assert view.members[g].tolist() == rows + [-1] * (self.prefix_capacity - len(rows))
+                CheckedPlanRunner.replays += 1
+            run()
+
+        return checked
+
+
+def test_graph_host_path_stages_shared_prefix_plans(qwen, monkeypatch) -> None:
+    """Samples of prompts with a whole 64-key tile: the graph path stages each step's shared-prefix plan (checked at
+    every replay; the CPU kernels compute the same rows without it), also as samples stop and the batch shrinks, and
+    the completions equal the eager engine's bitwise. A second call captures the graph that reads the plan ahead,
+    during its prefill, and needs no other."""
+    prompts = prompts_for(3, 97, lo=66, hi=110, seed=9)
+    params = SamplingParams(max_new_tokens=8, seed=4, n=4, stop_token_ids=[3, 11])
+    ref = Generator(qwen, share_prompt_blocks=False, prefix_caching=False, max_num_seqs=16).generate(prompts, params)
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", CheckedPlanRunner)
+        gen = Generator(qwen, max_num_seqs=16, block_size=16)
+        outs = gen.generate(prompts, params)
+        assert gen.stats["decode_shared_prefix_keys"] > 0 and CheckedPlanRunner.replays > 0
+        again = gen.generate(prompts, params)  # its first graph, captured ahead, reads the plan
+    assert gen.stats["graph_captures_ahead"] == 1 and gen.stats["graph_captures"] == 1
+    assert _same(outs, ref) and _same(again, ref) and any(o.finish_reason == "stop" for o in outs)

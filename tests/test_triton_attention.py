@@ -139,6 +139,70 @@ def test_gpu_decode_large_batch(checks) -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (32, 4, 128)], ids=str)
+def test_gpu_gluon_decode_shared_prefix(heads) -> None:
+    """A decode step whose sequences hold their prompts' first tiles in the same blocks reads those tiles once per
+    group (``rlexact.ops.shared_prefix``): its rows equal the launch without the plan bitwise, with groups of one to
+    eight tiles, members at and past tile edges, more members than one group holds, a row alone, pages shuffled and
+    NaN past every sequence. Negative controls: a perturbed shared key changes every member's rows and no other; a
+    plan that starts a row which holds other blocks from the group's state changes that row (the state is read)."""
+    from rlexact.ops import SharedPrefix, gluon_decode, group_capacity
+    from rlexact.ops import triton_attention as ta
+    from rlexact.rollout.prefix_plan import plan_shared_prefix
+
+    hq, hkv, d = heads
+    page, cap = gluon_decode.PAGE, group_capacity(hq, hkv)
+    prompts = [520] * 8 + [64] * 3 + [300] + [200] * (cap + 1)  # 8 tiles; 1 tile; alone; one group and one row
+    lens = [521, 540, 583, 584, 585, 600, 521, 700] + [65, 100, 128] + [301] + list(range(201, 202 + cap))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc, vc, tables = nan_paged_caches(lens, hkv, d, page, g)
+    for first, n, p in ((0, 8, 520), (8, 3, 64), (12, cap + 1, 200)):  # members hold the first member's full pages
+        tables[first : first + n, : p // page] = tables[first, : p // page]
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    if not gluon_decode.supported(q, kc, vc, 64, ta.SPLIT_KEYS_16BIT):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    blocks = [tables[i, : -(-n // page)].tolist() for i, n in enumerate(lens)]
+    plan = plan_shared_prefix(blocks, [n - 1 for n in lens], prompts, page, cap)
+    assert [len(m) for m in plan.groups] == [8, 3, cap] and plan.tiles == [8, 1, 3]
+    assert plan.start[11] == 0 and plan.start[-1] == 0 and plan.start[-2] == 3
+
+    def shared(start: list[int]) -> SharedPrefix:
+        members = torch.full((len(lens) // 2, cap), -1, dtype=torch.int32)
+        for i, rows in enumerate(plan.groups):
+            members[i, : len(rows)] = torch.tensor(rows)
+        tiles = torch.zeros(len(lens) // 2, dtype=torch.int32)
+        tiles[: len(plan.tiles)] = torch.tensor(plan.tiles)
+        parts = (torch.tensor(start), members, tiles, torch.tensor([len(plan.groups)]))
+        return SharedPrefix(*(t.to("cuda", torch.int32) for t in parts))
+
+    cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+
+    def run(prefix: SharedPrefix | None, k: torch.Tensor = kc) -> torch.Tensor:
+        out = torch.empty_like(q)
+        ta._forward(q, k, vc, cu, seqlens, tables, d**-0.5, out, max_seqlen_q=1, prefix=prefix)
+        return out
+
+    ref = run(None)
+    assert torch.isfinite(ref).all()
+    assert torch.equal(run(shared(plan.start)), ref)
+    k2 = kc.clone()
+    k2[int(tables[0, 3]), 5] += 1.0  # a key of the first group's fourth page: read once, for every member
+    out = run(shared(plan.start), k=k2)
+    members = torch.zeros(len(lens), dtype=torch.bool, device="cuda")
+    members[:8] = True
+    assert all(not torch.equal(out[i], ref[i]) for i in range(8))
+    assert torch.equal(out[~members], ref[~members]) and torch.equal(out, run(None, k=k2))
+    wrong = list(plan.start)
+    wrong[11] = 1  # row 11 holds its own blocks: started from a state it never had, its row changes
+    plan.groups[1].append(11)
+    out = run(shared(wrong))
+    assert not torch.equal(out[11], ref[11])
+    assert torch.equal(out[:11], ref[:11]) and torch.equal(out[12:], ref[12:])
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
 @pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
 def test_gpu_gluon_forward_equals_tl(heads, pair) -> None:

@@ -730,7 +730,7 @@ def rlexact_attention(
         elif exact:
             out = ops.attention_paged(
                 q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale,
-                max_seqlen_q=paged.max_seqlen_q, split_counters=paged.split_counters,
+                max_seqlen_q=paged.max_seqlen_q, split_counters=paged.split_counters, prefix=paged.prefix,
             )  # fmt: skip
         else:
             out = _native_paged(q, rlexact_meta, kc, vc, scale)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlexact.ops.shared_prefix import SharedPrefix
+
 
 @dataclass
 class PagedKV:
@@ -30,6 +32,8 @@ class PagedKV:
         fresh: every sequence of this forward starts at position 0 (its keys are this forward's tokens alone), so
             exact attention runs packed over the new keys (:func:`rlexact.ops.attention_varlen`, the training
             kernels), which gives the paged launch's rows bitwise; the keys are still written to the cache.
+        prefix: optional key tiles that groups of a decode step's sequences share (the same cache blocks), read once
+            per group by the exact decode launch (:class:`rlexact.ops.shared_prefix.SharedPrefix`; same rows).
     """
 
     caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -40,6 +44,7 @@ class PagedKV:
     max_seqlen_k: int | None = None
     split_counters: torch.Tensor | None = None
     fresh: bool = False
+    prefix: SharedPrefix | None = None
 
 
 @dataclass

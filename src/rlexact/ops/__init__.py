@@ -13,13 +13,16 @@ import torch
 from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, kernel_impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
+from .shared_prefix import SharedPrefix, group_capacity
 
 __all__ = [
     "Backend",
+    "SharedPrefix",
     "add_rms_norm",
     "attention_paged",
     "attention_varlen",
     "gate_up_silu",
+    "group_capacity",
     "grouped_matmul",
     "interpreter_enabled",
     "linear",
@@ -330,6 +333,7 @@ def attention_paged(
     *,
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
+    prefix: SharedPrefix | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks or decode) over a paged KV cache. Inference only.
@@ -341,7 +345,9 @@ def attention_paged(
     backend checks it; the GPU kernel cannot without a host sync) and lets the GPU launch one program per sequence.
     ``split_counters``: optional int32 zeros on the GPU from which a split-parallel launch takes its per-tile tickets
     and which it leaves zeroed, so one buffer serves every layer of a forward; too small or None, the launch
-    allocates zeroed counters itself. It never changes a result; the CPU backend ignores it.
+    allocates zeroed counters itself. It never changes a result; the CPU backend ignores it. ``prefix``: key tiles
+    that groups of this decode step's sequences share (:class:`rlexact.ops.shared_prefix.SharedPrefix`), which the
+    Gluon decode launch reads once per group; it never changes a result either, and other launches ignore it.
     """
     _check_attn(q, k_cache, v_cache)
     if max_seqlen_q is not None and max_seqlen_q < 1:
@@ -352,7 +358,7 @@ def attention_paged(
         )
     return kernel_impl(resolve_backend(q, backend), "attention_paged")(
         q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q,
-        split_counters,
+        split_counters, prefix,
     )  # fmt: skip
 
 

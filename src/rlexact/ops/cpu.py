@@ -306,13 +306,15 @@ def attention_paged(
     scale: float,
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
+    prefix: object = None,
 ) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache (prefill chunks and decode).
 
     Sequence ``b`` has ``nq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, the last ``nq_b`` of its
     ``seqlens_k[b]`` keys, already written to the cache. Row results equal :func:`attention_varlen` bitwise.
     ``max_seqlen_q`` (a launch hint on the GPU) is checked against the actual query counts; ``split_counters`` (the
-    GPU's ticket counters) is not used here.
+    GPU's ticket counters) and ``prefix`` (the GPU's shared-tile plan, :mod:`rlexact.ops.shared_prefix`) are not
+    used here: neither changes a row.
     """
     cu = cu_seqlens_q.tolist()
     longest = max((e - s for s, e in zip(cu[:-1], cu[1:])), default=0)

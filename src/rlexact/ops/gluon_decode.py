@@ -18,17 +18,24 @@ ring and a V ring that run ahead across item boundaries; a 4-warp consumer parti
 and prefetches the next item's query rows and length. V rows past the sequence are zeroed before their P @ V, so
 stale cache contents never enter a row. An item of zero keys gets one tile of padding, wholly masked, so producer
 and consumer agree on every item's tile count.
+
+Key tiles that a group of sequences shares (:mod:`rlexact.ops.shared_prefix`) are read once per group: a first
+launch (:data:`DECODE_MODE` 2) walks them with the group's query rows stacked in the tile (``HP`` per member) and
+stores each row's walk state (maximum, sum, accumulator; fp32), and the decode launch (mode 1) starts a member's
+walk at its first own tile from that state. The operations on a row and their order are the uninterrupted walk's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
 
-from .gluon_attention import gluon
+from .gluon_attention import gluon, rebind
+from .shared_prefix import QUERY_ROWS, SharedPrefix
 from .triton_shared import num_sms
 
 if gluon is not None:
@@ -78,6 +85,9 @@ if gluon is not None:
     PAGES = gl.constexpr(BLOCK_N // PAGE)
     """Pages per key tile."""
     PRODUCER_REGS = gl.constexpr(40)
+    DECODE_MODE = gl.constexpr(0)
+    """What a launch of the kernel bound by :func:`kernel` computes: 0 every item's rows from the empty state, 1 from
+    the walk state a shared-prefix launch stored (items whose first tile is past 0), 2 that shared-prefix launch."""
 
     @gluon.jit
     def _copy_tile(desc, dst, bar, rows0, rows1, rows2, rows3, col):
@@ -96,19 +106,20 @@ if gluon is not None:
         return gl.where(page >= 0, gl.sum(gl.where(idx == page, blocks, 0), axis=0) * PAGE_N, n_rows)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
-                 n_groups, hp, group, stride_bt, width, n_rows):  # fmt: skip
+    def _producer(k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, k_smem, v_smem, k_ready,
+                  k_empty, v_ready, v_empty, n_items, n_groups, hp, group, stride_bt, stride_mem, width,
+                  n_rows):  # fmt: skip
         """Copy every item's key tiles (K, then V) into the rings, each slot once the consumer released it."""
         lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         idx = gl.arange(0, 64, layout=lay)
         d: gl.constexpr = k_desc.block_type.shape[1]
         x = 0
         for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b = it // n_groups
+            b, seqlen, j0 = _item_span(it, n_groups, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, stride_mem,
+                                       DECODE_MODE)  # fmt: skip
             kv_col = ((it % n_groups) * hp) // group * d
-            seqlen = gl.load(seqlens_ptr + b)
             blocks = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + idx, mask=idx < width, other=0)
-            for j in range(0, gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)):  # an empty item: one padding tile
+            for j in range(j0, gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)):  # an empty item: one padding tile
                 slot = x % SLOTS
                 phase = ((x // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
                 n_pg = gl.minimum((seqlen - j * TILE_N + PAGE_N - 1) // PAGE_N, PAGES)
@@ -124,24 +135,67 @@ if gluon is not None:
                 x += 1
 
     @gluon.jit
-    def _query_rows(q_ptr, seqlens_ptr, it, n_items, n_groups, stride_qt, stride_qh, HP: gl.constexpr,
-                   D: gl.constexpr, blk: gl.constexpr):  # fmt: skip
-        """Item ``it``'s query rows (``HP`` heads of one sequence, zero rows after them) and its key count; an index
-        past the last item reads the last item again (a prefetch nobody uses)."""
-        it = gl.minimum(it, n_items - 1)
-        b = it // n_groups
-        rows = gl.arange(0, 16 * W, layout=gl.SliceLayout(1, blk))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        q_rows = b.to(gl.int64) * stride_qt + ((it % n_groups) * HP + rows) * stride_qh
-        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(rows < HP)[:, None], other=0.0)
-        return q, gl.load(seqlens_ptr + b)
+    def _item_span(it, n_groups, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, stride_mem, MODE: gl.constexpr):
+        """``(table row, key count, first tile)`` of item ``it``: a sequence's head group from tile 0 (``MODE`` 0), from
+        its ``start`` tile (1), or a shared-prefix group's head group over its shared tiles, read through its first
+        member's table row (2). Both partitions derive an item's tiles from it, so they agree on every item's count."""
+        if MODE == 2:
+            grp = it // n_groups
+            b = gl.load(members_ptr + grp * stride_mem)
+            seqlen = gl.load(tiles_ptr + grp) * TILE_N
+            j0 = seqlen * 0
+        else:
+            b = it // n_groups
+            seqlen = gl.load(seqlens_ptr + b)
+            if MODE == 1:  # never past the last tile, whatever the plan says: the partitions cannot disagree
+                j0 = gl.minimum(gl.load(start_ptr + b), gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1) - 1)
+            else:
+                j0 = seqlen * 0
+        return b, seqlen, j0
 
     @gluon.jit
-    def _consumer(q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items,
-                  n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP: gl.constexpr,
-                  D: gl.constexpr):  # fmt: skip
+    def _row_seqs(members_ptr, it, n_groups, stride_mem, rows, HP: gl.constexpr, MODE: gl.constexpr):
+        """``(batch row, live)`` of each tile row ``rows`` of item ``it``: a sequence's item holds its ``HP`` heads,
+        zero rows after them; a shared-prefix group's item (``MODE`` 2) the ``HP`` heads of each member in turn
+        (row ``r``: member ``r // HP``, ``-1`` past the group's members)."""
+        if MODE == 2:
+            mem = rows // HP
+            seq = gl.load(members_ptr + (it // n_groups) * stride_mem + mem, mask=mem < (16 * W) // HP, other=-1)
+            return seq, seq >= 0
+        else:
+            return rows * 0 + it // n_groups, rows < HP
+
+    @gluon.jit
+    def _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, it, n_items, n_groups, stride_qt,
+                   stride_qh, stride_mem, HP: gl.constexpr, D: gl.constexpr, blk: gl.constexpr,
+                   MODE: gl.constexpr):  # fmt: skip
+        """Item ``it``'s query rows (:func:`_row_seqs`; dead rows zero) and :func:`_item_span`'s key count and first
+        tile. An index past the last item reads the last item again (a prefetch nobody uses)."""
+        it = gl.maximum(gl.minimum(it, n_items - 1), 0)
+        _, seqlen, j0 = _item_span(it, n_groups, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, stride_mem, MODE)
+        rows = gl.arange(0, 16 * W, layout=gl.SliceLayout(1, blk))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        seq, live = _row_seqs(members_ptr, it, n_groups, stride_mem, rows, HP, MODE)
+        q_rows = seq.to(gl.int64) * stride_qt + ((it % n_groups) * HP + rows % HP) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=live[:, None], other=0.0)
+        return q, seqlen, j0
+
+    @gluon.jit
+    def _state(members_ptr, it, n_groups, stride_mem, HP: gl.constexpr, row_layout: gl.constexpr, MODE: gl.constexpr):
+        """``(state row, live)`` per tile row of item ``it``: the walk state of query head ``h`` of batch row ``b``
+        is state row ``b * Hq + h`` (:func:`_row_seqs`)."""
+        rows = gl.arange(0, 16 * W, layout=row_layout)
+        seq, live = _row_seqs(members_ptr, it, n_groups, stride_mem, rows, HP, MODE)
+        return (seq * n_groups + it % n_groups).to(gl.int64) * HP + rows % HP, live
+
+    @gluon.jit
+    def _consumer(q_ptr, o_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, ml_ptr, sacc_ptr, ones_smem, k_smem,
+                  v_smem, k_ready, k_empty, v_ready, v_empty, n_items, n_groups, qk_scale, stride_qt, stride_qh,
+                  stride_ot, stride_oh, stride_mem, HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
         """Every item of this program, one at a time: its key tiles from the rings (tile ``j + 1``'s scores and softmax
-        while tile ``j``'s P @ V runs; an empty item's one padding tile is wholly masked), then its rows' output."""
+        while tile ``j``'s P @ V runs; an empty item's one padding tile is wholly masked), then its rows' output (in
+        ``DECODE_MODE`` 2 their walk state). In ``DECODE_MODE`` 1 an item whose first tile is past 0 starts from the
+        walk state a ``DECODE_MODE`` 2 launch stored."""
         BLOCK_M: gl.constexpr = 16 * W
         dt: gl.constexpr = q_ptr.dtype.element_ty
         s_layout: gl.constexpr = wgmma_layout(W, TILE_N)
@@ -154,34 +208,46 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         offs_n = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         s_zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, layout=s_layout)
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
         step = gl.num_programs(0)
-        q_next, len_next = _query_rows(q_ptr, seqlens_ptr, gl.program_id(0), n_items, n_groups, stride_qt, stride_qh,
-                                       HP, D, blk)  # fmt: skip
+        q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
+                                                gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, stride_mem,
+                                                HP, D, blk, DECODE_MODE)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
             seqlen = len_next
-            q_next, len_next = _query_rows(q_ptr, seqlens_ptr, it + step, n_items, n_groups, stride_qt, stride_qh, HP,
-                                           D, blk)  # fmt: skip
+            j0 = j0_next
+            q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, it + step,
+                                                    n_items, n_groups, stride_qt, stride_qh, stride_mem, HP, D, blk,
+                                                    DECODE_MODE)  # fmt: skip
             n_tiles = gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)
             n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-            acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+            if DECODE_MODE == 1:  # the state the shared tiles left (the empty state when there are none)
+                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE)
+                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE)
+                m_i = gl.load(ml_ptr + 2 * srow_s, mask=live_s & (j0 > 0), other=float("-inf"))
+                l_i = gl.load(ml_ptr + 2 * srow_s + 1, mask=live_s & (j0 > 0), other=0.0)
+                acc = gl.load(sacc_ptr + srow_o[:, None] * D + cols_o[None, :], mask=(live_o & (j0 > 0))[:, None],
+                              other=0.0)  # fmt: skip
+            else:
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+                acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
             slot = x % SLOTS
             phase = (x // SLOTS) & 1
             mbarrier.wait(k_ready.index(slot), phase)
             s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(slot), count=1)
-            if n_full == 0:
-                s = gl.where((offs_n < seqlen)[None, :], s, float("-inf"))
+            if j0 >= n_full:
+                s = gl.where((j0 * TILE_N + offs_n < seqlen)[None, :], s, float("-inf"))
             m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
             l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             p_op = gl.convert_layout(p, pv_op)
-            for j in range(0, n_tiles - 1):  # tile j's P @ V under tile j + 1's scores and softmax
+            for j in range(j0, n_tiles - 1):  # tile j's P @ V under tile j + 1's scores and softmax
                 nxt = (x + 1) % SLOTS
                 nphase = ((x + 1) // SLOTS) & 1
                 mbarrier.wait(k_ready.index(nxt), nphase)
@@ -209,8 +275,15 @@ if gluon is not None:
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc)
             mbarrier.arrive(v_empty.index(slot), count=1)
             x += 1
-            store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, it // n_groups, 1, 0, it % n_groups, stride_ot, stride_oh, 0,
-                       0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
+            if DECODE_MODE == 2:  # the walk state after the shared tiles, per member row
+                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE)
+                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE)
+                gl.store(ml_ptr + 2 * srow_s, m_i, mask=live_s)
+                gl.store(ml_ptr + 2 * srow_s + 1, l_i, mask=live_s)
+                gl.store(sacc_ptr + srow_o[:, None] * D + cols_o[None, :], acc, mask=live_o[:, None])
+            else:
+                store_rows(o_ptr, o_ptr, o_ptr, acc, m_i, l_i, it // n_groups, 1, 0, it % n_groups, stride_ot,
+                           stride_oh, 0, 0, HP, BLOCK_M // HP, D, BLOCK_M, False, o_layout)  # fmt: skip
 
     @gluon.jit
     def _rings(k_desc, v_desc):
@@ -218,16 +291,21 @@ if gluon is not None:
         return rings(k_desc, v_desc, SLOTS, TILE_N, W, 1)
 
     @gluon.jit
-    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, n_items, n_groups, hp, group, qk_scale,
-                            stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, width, n_rows, HP: gl.constexpr,
+    def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
+                            count_ptr, ml_ptr, sacc_ptr, n_items, n_groups, hp, group, qk_scale, stride_qt, stride_qh,
+                            stride_ot, stride_oh, stride_bt, stride_mem, width, n_rows, HP: gl.constexpr,
                             D: gl.constexpr):  # fmt: skip
+        if DECODE_MODE == 2:  # the groups in use, read on the device (n_items is the launch's bound)
+            n_items = gl.minimum(gl.load(count_ptr) * n_groups, n_items)
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc)
         gl.warp_specialize(
             [
-                (_consumer, (q_ptr, o_ptr, seqlens_ptr, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                             n_items, n_groups, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, HP, D)),
-                (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                             n_items, n_groups, hp, group, stride_bt, width, n_rows)),
+                (_consumer, (q_ptr, o_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, ml_ptr, sacc_ptr, ones_smem,
+                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items, n_groups, qk_scale,
+                             stride_qt, stride_qh, stride_ot, stride_oh, stride_mem, HP, D)),
+                (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, k_smem, v_smem,
+                             k_ready, k_empty, v_ready, v_empty, n_items, n_groups, hp, group, stride_bt, stride_mem,
+                             width, n_rows)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -248,25 +326,58 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     return gluon is not None and packed_supported(q, rows, v_cache.view(rows.shape), block_n)
 
 
+@functools.cache
+def kernel(mode: int) -> object:
+    """The decode kernel bound to :data:`DECODE_MODE` ``mode`` (built once per mode and kept alive, since the cached
+    launchers key on the kernel object)."""
+    if mode == 0:
+        return _attn_decode_kernel
+    consts = {"DECODE_MODE": gl.constexpr(mode)}
+    producer = rebind(_producer, **consts)
+    consumer = rebind(_consumer, **consts)
+    return rebind(_attn_decode_kernel, _producer=producer, _consumer=consumer, **consts)
+
+
 def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int) -> None:  # fmt: skip
+            seqlens_k: torch.Tensor, scale: float, out: torch.Tensor, hp: int,
+            prefix: SharedPrefix | None = None) -> None:  # fmt: skip
     """One decode step, ``q [B, Hq, 128]`` (one query per sequence) over the paged caches ``[NB, PAGE, Hkv, 128]``
     with ``block_tables [B, width]`` (int32, rows dense, ``width * PAGE`` at most the split) and ``seqlens_k [B]``
     (int32), into ``out``; ``hp`` query heads per item, :data:`PROGRAMS_PER_SM` programs per SM. Call only where
-    :func:`supported` holds."""
+    :func:`supported` holds.
+
+    With ``prefix`` (its ``members`` ``64 // hp`` wide) a first launch walks each group's shared tiles once and
+    stores the walk state of its members' rows (fp32, in scratch of this call); the decode launch then starts each
+    member at its ``start`` tile from that state. The rows are those of the launch without ``prefix``."""
     b, hq, d = q.shape
     nb, page, hkv, _ = k_cache.shape
     layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
     v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
     n_groups, group = hq // hp, hq // hkv
-    n_items = b * n_groups
-    grid = (min(n_items, PROGRAMS_PER_SM * num_sms(q.device)), 1)
+    programs = PROGRAMS_PER_SM * num_sms(q.device)
     sq, so, sb = q.stride(), out.stride(), block_tables.stride(0)
     width = block_tables.shape[1]
-    scalars = (n_items, n_groups, hp, group)
-    strides = (sq[0], sq[1], so[0], so[1], sb, width, nb * page)
-    args = (q, out, k_desc, v_desc, block_tables, seqlens_k, *scalars, scale * math.log2(math.e), *strides, hp,
-            HEAD_DIM)  # fmt: skip
     tensors = (q, out, block_tables, seqlens_k, k_cache, v_cache)
-    launch(_attn_decode_kernel, grid, args, tensors, (*scalars, *strides, hkv * d), LAUNCH_OPTIONS)
+    qk_scale = scale * math.log2(math.e)
+
+    def run(mode: int, n_items: int, plan: tuple[torch.Tensor, ...], stride_mem: int) -> None:
+        scalars = (n_items, n_groups, hp, group)
+        strides = (sq[0], sq[1], so[0], so[1], sb, stride_mem, width, nb * page)
+        args = (q, out, k_desc, v_desc, block_tables, seqlens_k, *plan, *scalars, qk_scale, *strides, hp, HEAD_DIM)
+        launch(kernel(mode), (min(n_items, programs), 1), args, (*tensors, *plan), (*scalars, *strides, hkv * d),
+               LAUNCH_OPTIONS)  # fmt: skip
+
+    if prefix is None:
+        run(0, b * n_groups, (seqlens_k,) * 6, 0)
+        return
+    if prefix.members.shape[1] != QUERY_ROWS // hp or prefix.start.shape[0] != b:
+        raise ValueError(
+            f"SharedPrefix: members must be {QUERY_ROWS // hp} wide and start hold {b} rows for this launch, got "
+            f"{tuple(prefix.members.shape)} and {prefix.start.shape[0]}"
+        )
+    ml = torch.empty((b * hq, 2), dtype=torch.float32, device=q.device)
+    acc = torch.empty((b * hq, d), dtype=torch.float32, device=q.device)
+    plan = (prefix.start, prefix.members, prefix.tiles, prefix.count, ml, acc)
+    run(2, prefix.members.shape[0] * n_groups, plan, prefix.members.stride(0))
+    run(1, b * n_groups, plan, prefix.members.stride(0))

@@ -71,6 +71,7 @@ import triton.language as tl
 
 from . import gluon_attention, gluon_attention_pair, gluon_decode, kv_gather
 from .backend import interpreter_enabled
+from .shared_prefix import SharedPrefix, heads_per_tile
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
 
@@ -184,12 +185,6 @@ def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, int, 
         return {"dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
     # measured on an H200 (head_dim 128, bf16): 64x64 tiles, 4 warps, 2 stages beat 32x128 / 128x64 / 8 warps
     return {"dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
-
-
-def _heads_per_tile(hq: int, hkv: int, block_m: int) -> int:
-    """Query heads packed into one tile: the largest divisor of the GQA group size that fits ``block_m`` rows."""
-    group = hq // hkv
-    return max(d for d in range(1, min(group, block_m) + 1) if group % d == 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -797,6 +792,7 @@ def _forward(
     cfg: dict[str, int] | None = None,
     max_seqlen_q: int | None = None,
     counters: torch.Tensor | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> None:
     """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
 
@@ -810,7 +806,9 @@ def _forward(
     ``max_seqlen_q``: an upper bound of every sequence's query count; when it fits one query tile, grid axis 0 has one
     program per sequence (``DIRECT``). A bound of 1 with as many queries as sequences means one query each, so ``cu_q``
     is ``arange`` and the kernel does not read it (``ONE_Q``). ``counters``: int32 zeros for the split-parallel tickets
-    (left zeroed); allocated here when None or too small.
+    (left zeroed); allocated here when None or too small. ``prefix``: the decode step's shared key tiles, which the
+    Gluon decode launch reads once per group (:mod:`rlexact.ops.shared_prefix`); other launches compute the same rows
+    without it.
     """
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -829,7 +827,7 @@ def _forward(
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
         _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta)
         return
-    hp = _heads_per_tile(hq, hkv, cfg["BLOCK_M"])
+    hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
     if paged:
         page_size = k.shape[1]
@@ -859,7 +857,7 @@ def _forward(
         and cfg.get("GLUON", True)
         and gluon_decode.supported(q, k, v, cfg["BLOCK_N"], split)
     ):
-        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, _heads_per_tile(hq, hkv, 64))
+        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, 64), prefix)
         return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
@@ -950,7 +948,7 @@ def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
     """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
     tiles if ``pair``, with the model's query heads per tile."""
-    hp = _heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
+    hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
     kernel = gluon_attention_pair if pair else gluon_attention
     kernel.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
 
@@ -985,6 +983,7 @@ def attention_paged(
     scale: float,
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks and decode, mixed in one launch) over a paged KV cache.
 
@@ -993,7 +992,7 @@ def attention_paged(
     key ``p`` lives at slot ``block_tables[b, p // BS] * BS + p % BS``. Slots past ``seqlens_k[b]`` are never read.
     ``max_seqlen_q``, if given, must bound every ``nq_b`` (the device cannot check it without a host sync: a
     sequence with more queries than a small bound would get only its first tile); it only changes the launch grid,
-    never a row's bits. ``split_counters``: see :func:`_forward`'s ``counters``.
+    never a row's bits. ``split_counters``: see :func:`_forward`'s ``counters``; ``prefix`` its ``prefix``.
     """
     _check_inputs(q, k_cache, v_cache)
     if k_cache.dim() != 4:
@@ -1011,6 +1010,7 @@ def attention_paged(
         out,
         max_seqlen_q=max_seqlen_q,
         counters=split_counters,
+        prefix=prefix,
     )
     return out
 

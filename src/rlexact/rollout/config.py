@@ -44,6 +44,11 @@ class GeneratorConfig:
     a preempted sequence's recompute). Blocks are found by their exact token prefix and kept while free blocks last.
     Bitwise the same tokens and log-probs as without it in exact mode (row-invariant kernels). Nothing is kept
     across calls: the weights may change in between."""
+    shared_prefix_decode: bool = True
+    """Exact kernels with CUDA graphs: decode steps read the key tiles that several running sequences hold in the
+    same cache blocks (the ``n`` samples' prompt, a prefix-cache hit) once per group of them instead of once per
+    sequence (:mod:`rlexact.rollout.prefix_plan`, :mod:`rlexact.ops.shared_prefix`); the Gluon decode launch on sm_90
+    does so. Bitwise the same tokens and log-probs as without it."""
     num_kv_blocks: int | None = None
     """KV-cache size in blocks (overrides ``kv_cache_tokens`` and ``kv_cache_memory_fraction``)."""
     kv_cache_tokens: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -18,6 +19,7 @@ from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.params import Completion, SamplingParams
+from rlexact.rollout.prefix_plan import TILE_KEYS
 from rlexact.rollout.runner import GraphState, KVCache, ModelRunner, SamplingSetup, model_kv_shape
 from rlexact.rollout.scheduler import ScheduledBatch, Scheduler
 from rlexact.rollout.sequence import Sequence, completions
@@ -59,7 +61,10 @@ class Generator:
 
     - work: ``num_sequences``, ``steps``, ``generated_tokens``, ``prompt_tokens`` (requested), ``prefill_tokens``
       (computed, recomputes after a preemption included), ``shared_prompt_tokens`` / ``prompt_forks`` (taken from a
-      sibling's blocks), ``prefix_cached_tokens``, ``preemptions``, ``kv_blocks``, ``block_size``;
+      sibling's blocks), ``prefix_cached_tokens``, ``preemptions``, ``kv_blocks``, ``block_size``,
+      ``decode_shared_prefix_keys`` (per layer and KV head, the keys graph decode steps read once for a group of
+      sequences holding them in the same blocks instead of once per sequence, summed over steps;
+      :attr:`GeneratorConfig.shared_prefix_decode`);
     - path: ``kernels``, ``fused_projections``, ``cuda_graphs``, ``graph_steps`` / ``eager_steps``,
       ``overlapped_steps`` (decode steps launched before the previous one was read back), ``overlapped_eager_steps``
       (prefill steps launched before the previous eager step was read back), ``graph_captures`` (of
@@ -383,6 +388,7 @@ class Generator:
                     graph_state=self._graph_state if cfg.keep_kv_cache else None,
                     stats=stats,
                     warmed=self._warmed,
+                    shared_prompts=sched.share_prompts and _samples_share_tiles(seqs),
                 )
                 stats.update(kv_blocks=cache.num_blocks, block_size=cfg.block_size, cuda_graphs=runner.use_graphs)
                 for s in seqs:
@@ -527,3 +533,10 @@ class Generator:
         self._cache = None
         self._graph_state = None
         self._fused = None
+
+
+def _samples_share_tiles(seqs: list[Sequence]) -> bool:
+    """Whether two of ``seqs`` are samples of one prompt with a whole key tile before its last token (with prompt
+    sharing they hold it in the same blocks)."""
+    counts = Counter(s.prompt_index for s in seqs if s.num_prompt_tokens > TILE_KEYS)
+    return any(c > 1 for c in counts.values())

@@ -33,8 +33,10 @@ from torch import nn
 
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.truncation import LogprobMode
+from rlexact.ops import SharedPrefix, group_capacity
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
+from rlexact.rollout.prefix_plan import TILE_KEYS, PrefixPlan, plan_shared_prefix
 from rlexact.rollout.sampler import sample
 from rlexact.rollout.scheduler import ScheduledBatch
 from rlexact.rollout.sequence import Sequence, Status
@@ -126,9 +128,11 @@ class GraphState:
     cu_seqlens: torch.Tensor  # [max_bs + 1] int32 = arange
     split_counters: torch.Tensor  # [(max_bs + 1) * query heads] int32 zeros: the attention launches' tickets
     out: torch.Tensor  # [2, max_bs] float64: sampled tokens and their log-probs (both exact in float64)
+    prefix: torch.Tensor | None  # int32 shared-prefix plan (ModelRunner._prefix_views); None: no plans
     host_out: tuple[torch.Tensor, torch.Tensor]  # two [2, max_bs] float64 host buffers out is read back into, in turn
     pool: object = None
-    graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[tuple[int, int | None, bool], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    """Captured decode graphs by (batch bucket, padded key length in native mode, shared-prefix plan read)."""
 
 
 @dataclass
@@ -176,7 +180,10 @@ class ModelRunner:
         graph_state: GraphState | None = None,
         stats: dict | None = None,
         warmed: set[tuple] | None = None,
+        shared_prompts: bool = False,
     ) -> None:
+        """``shared_prompts``: samples of this call share a prompt of a whole key tile or more (and its blocks), so
+        :meth:`capture_ahead` captures the graph that reads a shared-prefix plan."""
         self.model = model
         self.config = config
         self.cache = cache
@@ -191,15 +198,27 @@ class ModelRunner:
         self.stats.setdefault("graph_captures_warmed", 0)
         self.stats.setdefault("graph_captures_ahead", 0)
         self.stats.setdefault("cuda_graphs_disabled", None)
+        self.stats.setdefault("decode_shared_prefix_keys", 0)
         for key in ("graph_s", "eager_s", "capture_s", "capture_ahead_s"):
             self.stats.setdefault(key, 0.0)
         self._pin = self.device.type == "cuda"
         self.buckets = config.batch_buckets()
         self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
+        mcfg = model.config
+        hq = int(mcfg.num_attention_heads)
+        self.prefix_capacity = (
+            group_capacity(hq, int(getattr(mcfg, "num_key_value_heads", None) or hq))
+            if config.shared_prefix_decode and self.use_graphs and not native
+            else 0
+        )
+        """Sequences per shared-prefix group of the graph decode steps (:meth:`_stage_prefix`); 0: no plans."""
+        self._prefix_for: list[Sequence] | None = None
+        self._shared_prompts = shared_prompts
+        self._prefix_plan: PrefixPlan | None = None
         block_manager.record_updates = self.use_graphs  # only the graph path mirrors the table on the device
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
-        self._reuse_count: dict[tuple[int, int | None], int] = {}
+        self._reuse_count: dict[tuple[int, int | None, bool], int] = {}
         self.warmed: set[tuple] = warmed if warmed is not None else set()
         """:meth:`_warm_key` of every graph captured so far (by this runner, or by earlier runners of the same
         generator): a capture with a known key needs no eager warm-up run, its kernels are compiled already."""
@@ -400,6 +419,7 @@ class ModelRunner:
             self.buckets,
             self._sampling_in_graph(),
             self.native,
+            self.prefix_capacity,
             hash(params),
             hash(fused),
         )
@@ -428,6 +448,7 @@ class ModelRunner:
                 (max_bs + 1) * int(self.model.config.num_attention_heads), dtype=torch.int32, device=dev
             ),
             out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
+            prefix=self._prefix_buffer(max_bs),
             host_out=tuple(torch.zeros((2, max_bs), dtype=torch.float64, pin_memory=self._pin) for _ in range(2)),
             pool=torch.cuda.graph_pool_handle() if dev.type == "cuda" else None,
         )
@@ -461,35 +482,38 @@ class ModelRunner:
             nblk = half if nblk >= 2 and half >= width_used else 2 * nblk
         return min(nblk, self.bm.width) * self.cache.block_size
 
-    def _pick_graph(self, gs: GraphState, b: int, kv_len: int | None) -> tuple[int, torch.cuda.CUDAGraph | None]:
+    def _pick_graph(
+        self, gs: GraphState, b: int, kv_len: int | None, prefix: bool
+    ) -> tuple[int, torch.cuda.CUDAGraph | None]:
         """The bucket to replay for ``b`` rows. Prefer the smallest bucket that fits; while it is not captured yet,
         replay an already captured larger one (padding) for up to ``REUSE_STEPS`` steps before paying a capture —
         a shrinking tail batch would otherwise capture a new graph for every one or two steps."""
         bucket = next(x for x in self.buckets if x >= b)
-        graph = gs.graphs.get((bucket, kv_len))
+        graph = gs.graphs.get((bucket, kv_len, prefix))
         if graph is not None:
             return bucket, graph
-        larger = [x for x in self.buckets if x > bucket and (x, kv_len) in gs.graphs]
+        larger = [x for x in self.buckets if x > bucket and (x, kv_len, prefix) in gs.graphs]
         if larger:
-            waited = self._reuse_count.get((bucket, kv_len), 0)
+            waited = self._reuse_count.get((bucket, kv_len, prefix), 0)
             if waited < self.REUSE_STEPS:
-                self._reuse_count[(bucket, kv_len)] = waited + 1
-                return larger[0], gs.graphs[(larger[0], kv_len)]
-        graph = self._capture(gs, bucket, kv_len)
+                self._reuse_count[(bucket, kv_len, prefix)] = waited + 1
+                return larger[0], gs.graphs[(larger[0], kv_len, prefix)]
+        graph = self._capture(gs, bucket, kv_len, prefix)
         if graph is not None:
-            gs.graphs[(bucket, kv_len)] = graph
+            gs.graphs[(bucket, kv_len, prefix)] = graph
         return bucket, graph
 
-    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None):
+    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool):
         ids, pos, rid, rows = gs.ints[:, :bucket].unbind(0)
         bs = self.cache.block_size
+        plan = self._prefix_views(gs, bucket) if prefix else None
 
         def run() -> None:
             tables = gs.table.index_select(0, rows)
             slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
             paged = PagedKV(
                 self.cache.caches, tables, (pos + 1).to(torch.int32), slots, max_seqlen_q=1, max_seqlen_k=kv_len,
-                split_counters=gs.split_counters,
+                split_counters=gs.split_counters, prefix=plan,
             )  # fmt: skip
             hidden = forward_hidden(self.model, ids, pos, AttnMetadata(gs.cu_seqlens[: bucket + 1], paged))
             tok, lp = self._head_sample(hidden, rid, pos + 1)
@@ -499,11 +523,11 @@ class ModelRunner:
         return run
 
     def _capture(
-        self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool = False
+        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
     ) -> torch.cuda.CUDAGraph | None:
         t0 = time.perf_counter()
         try:
-            return self._capture_inner(gs, bucket, kv_len, ahead)
+            return self._capture_inner(gs, bucket, kv_len, prefix, ahead)
         finally:
             self.stats["capture_ahead_s" if ahead else "capture_s"] += time.perf_counter() - t0
 
@@ -514,18 +538,21 @@ class ModelRunner:
         A capture is host work, one launch call per kernel of the step; done between the last prefill step and the
         first decode step it leaves the device idle for as long. Exact mode only (native graphs are also keyed by the
         padded key length, which is not known ahead). A failed capture here changes nothing: it is recorded in
-        ``stats["capture_ahead_failed"]`` and the decode step captures as usual, with its inputs staged."""
+        ``stats["capture_ahead_failed"]`` and the decode step captures as usual, with its inputs staged. The graph
+        reads a shared-prefix plan when samples of this call share prompts of a whole key tile (``shared_prompts``);
+        a plan of other shared blocks (prefix-cache hits) captures its graph at its first decode step."""
         if not (self.use_graphs and not self.native and 0 < rows <= self.buckets[-1]):
             return
         gs = self._ensure_graph_state()
         bucket = next(x for x in self.buckets if x >= rows)
-        if (bucket, None) in gs.graphs or self._warm_key(bucket, None) not in self.warmed:
+        prefix = self.prefix_capacity > 0 and self._shared_prompts
+        if (bucket, None, prefix) in gs.graphs or self._warm_key(bucket, None, prefix) not in self.warmed:
             return
-        graph = self._capture(gs, bucket, None, ahead=True)
+        graph = self._capture(gs, bucket, None, prefix, ahead=True)
         if graph is not None:
-            gs.graphs[(bucket, None)] = graph
+            gs.graphs[(bucket, None, prefix)] = graph
 
-    def _warm_key(self, bucket: int, kv_len: int | None) -> tuple:
+    def _warm_key(self, bucket: int, kv_len: int | None, prefix: bool) -> tuple:
         """What decides the kernels a decode graph launches (shapes, constexprs, dtypes), without the addresses and
         the seed of :meth:`signature`: graphs with the same key launch the same compiled kernels."""
         sp = self._sampling_in_graph()
@@ -533,6 +560,7 @@ class ModelRunner:
         return (
             bucket,
             kv_len,
+            prefix,
             self.bm.width,
             self.cache.block_size,
             self.cache.dtype,
@@ -543,7 +571,7 @@ class ModelRunner:
         )
 
     def _capture_inner(
-        self, gs: GraphState, bucket: int, kv_len: int | None, ahead: bool
+        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool
     ) -> torch.cuda.CUDAGraph | None:
         """Capture the decode step of ``bucket`` rows. The first capture of a :meth:`_warm_key` runs the step eagerly
         first (compiles kernels, fills caches outside the capture); a later one captures directly and, should that
@@ -553,9 +581,9 @@ class ModelRunner:
         The capture is recorded on a side stream without synchronizing the device first (unlike
         ``torch.cuda.graph``, which also empties the allocator's caches): recording executes nothing, so work in
         flight on the current stream may go on meanwhile."""
-        run = self._graph_fn(gs, bucket, kv_len)
+        run = self._graph_fn(gs, bucket, kv_len, prefix)
         dev = self.device
-        key = self._warm_key(bucket, kv_len)
+        key = self._warm_key(bucket, kv_len, prefix)
         prev_stream = torch.cuda.current_stream(dev)
         for warm in (False,) if ahead else (False, True) if key in self.warmed else (True,):
             try:
@@ -641,6 +669,60 @@ class ModelRunner:
         gs.ints.copy_(host, non_blocking=True)
         self._staged = list(seqs)
 
+    @staticmethod
+    def _prefix_layout(max_bs: int) -> tuple[int, int]:
+        """``(groups, count_at)`` of the plan buffer: ``start`` of every row at ``[0, max_bs)``, the tiles of each
+        group (at most half the largest bucket; a group has two members or more) at ``[max_bs, count_at)``, the group
+        count at ``count_at``, the members from ``count_at + 1``."""
+        groups = max(max_bs // 2, 1)
+        return groups, max_bs + groups
+
+    def _prefix_buffer(self, max_bs: int) -> torch.Tensor | None:
+        """The device buffer of the decode graphs' shared-prefix plans (:meth:`_prefix_views`); None: no plans."""
+        if not self.prefix_capacity:
+            return None
+        groups, count_at = self._prefix_layout(max_bs)
+        return torch.zeros(count_at + 1 + groups * self.prefix_capacity, dtype=torch.int32, device=self.device)
+
+    def _prefix_views(self, gs: GraphState, bucket: int) -> SharedPrefix:
+        """The plan of a ``bucket``-row graph, as views of ``gs.prefix`` (:meth:`_prefix_layout`)."""
+        assert gs.prefix is not None
+        max_bs = gs.ints.shape[1]
+        groups, count_at = self._prefix_layout(max_bs)
+        buf = gs.prefix
+        members = buf[count_at + 1 :].view(groups, self.prefix_capacity)
+        return SharedPrefix(buf[:bucket], members, buf[max_bs:count_at], buf[count_at : count_at + 1])
+
+    def _stage_prefix(self, gs: GraphState, seqs: list[Sequence]) -> bool:
+        """Put the shared-prefix plan of ``seqs`` (:func:`rlexact.rollout.prefix_plan.plan_shared_prefix`) into
+        ``gs.prefix``, unless it holds theirs already (the same sequences in the same order: their shared tiles do
+        not change as they decode); returns whether it has a group, i.e. whether the step replays a graph that reads
+        it. Adds the step's shared keys to ``stats["decode_shared_prefix_keys"]``."""
+        if not self.prefix_capacity:
+            return False
+        if self._prefix_for != seqs:
+            bs, cap = self.cache.block_size, self.prefix_capacity
+            tables, positions = [s.block_table for s in seqs], [s.num_computed for s in seqs]
+            plan = plan_shared_prefix(tables, positions, [s.num_prompt_tokens for s in seqs], bs, cap)
+            if plan.groups:
+                max_bs = gs.ints.shape[1]
+                groups, count_at = self._prefix_layout(max_bs)
+                host = np.zeros(gs.prefix.numel(), dtype=np.int32)
+                host[: len(seqs)] = plan.start
+                host[max_bs : max_bs + len(plan.tiles)] = plan.tiles
+                host[count_at] = len(plan.groups)
+                members = host[count_at + 1 :].reshape(groups, cap)
+                members[:] = -1
+                for g, rows in enumerate(plan.groups):
+                    members[g, : len(rows)] = rows
+                src = torch.from_numpy(host)
+                gs.prefix.copy_(src.pin_memory() if self._pin else src, non_blocking=self._pin)
+            self._prefix_for, self._prefix_plan = list(seqs), plan
+        plan = self._prefix_plan
+        assert plan is not None
+        self.stats["decode_shared_prefix_keys"] += plan.tiles_saved * TILE_KEYS
+        return bool(plan.groups)
+
     def launch(self, batch: ScheduledBatch) -> DecodeLaunch | None:
         """Replay the decode graph of ``batch`` without waiting for it: advances ``num_computed`` and queues the
         read-back of the sampled tokens; :meth:`collect` returns them. None (nothing launched) when ``batch`` is not
@@ -662,7 +744,8 @@ class ModelRunner:
         # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
         self._sync_table(gs)
         self._stage_inputs(gs, seqs)
-        bucket, graph = self._pick_graph(gs, b, kv_len)
+        prefix = self._stage_prefix(gs, seqs)
+        bucket, graph = self._pick_graph(gs, b, kv_len, prefix)
         if graph is None:
             self._staged = None
             return None
