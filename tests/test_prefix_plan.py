@@ -26,14 +26,32 @@ def test_samples_of_a_prompt_share_its_whole_tiles() -> None:
 
 
 def test_shared_tiles_stop_before_the_position_and_the_prompt() -> None:
-    """A row keeps at least one tile of its own: a sample feeding its prompt's last token at position 128 shares one
-    tile, not two; rows whose candidate tiles differ in length or blocks form separate groups."""
+    """A row keeps at least one tile of its own: a sample feeding its prompt's last token at position 128 shares two
+    tiles, not three. Grouped at two tiles the four samples save more reads (2 x 3) than in two groups at three and
+    two tiles (3 + 2), and more than with the row that shares one tile (1 x 4)."""
     prompt = blocks(0, 12)  # a 192-token prompt: three whole tiles
     tables = [prompt + [50], prompt + [51], prompt, prompt + [52], prompt[:4] + [60, 61, 62, 63]]
     positions = [192, 193, 128, 130, 140]
     plan = plan_shared_prefix(tables, positions, [192, 192, 129, 192, 192], 16, 8)
-    assert plan.groups == [[0, 1], [2, 3]] and plan.tiles == [3, 2]
-    assert plan.start == [3, 3, 2, 2, 0]
+    assert plan.groups == [[0, 1, 2, 3]] and plan.tiles == [2]
+    assert plan.start == [2, 2, 2, 2, 0] and plan.tiles_saved == 6
+
+
+def test_forked_samples_share_the_tiles_before_their_copied_page() -> None:
+    """Samples forked at the last prompt token (a 512-token prompt) hold copies of its last page, so the first
+    sample and its forks share 7 tiles, not 8; prompts behind a shared 2-tile system prefix are grouped per prompt,
+    where that saves more, and across prompts where it does not."""
+    system = blocks(0, 8)
+    tables = []
+    for p in range(3):
+        prompt = system + blocks(100 * (p + 1), 24)  # 32 full pages; the forks copy page 31
+        tables += [prompt + [1000 + 10 * p]] + [prompt[:31] + [2000 + 10 * p + i, 3000 + i] for i in range(3)]
+    positions = [512, 511, 511, 511] * 3
+    plan = plan_shared_prefix(tables, positions, [512] * 12, 16, 32)
+    assert plan.groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] and plan.tiles == [7, 7, 7]
+    short = [system + [500 + r] for r in range(6)]  # six prompts of 144 tokens: two shared tiles, one row each
+    plan = plan_shared_prefix(short, [144] * 6, [144] * 6, 16, 32)
+    assert plan.groups == [list(range(6))] and plan.tiles == [2] and plan.tiles_saved == 10
 
 
 def test_groups_hold_at_most_capacity_rows() -> None:

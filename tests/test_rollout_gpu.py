@@ -299,7 +299,7 @@ def test_gpu_shared_prefix_decode_equals_plain(llama, monkeypatch):
     assert same(outs, off.generate(prompts, params))
     assert gen.stats["decode_shared_prefix_keys"] > 0 and off.stats["decode_shared_prefix_keys"] == 0
     assert any(plans) and not all(plans)
-    assert_exact(llama, outs)
+    assert_exact(llama, outs, temperature=0.9)
 
 
 def test_gpu_split_kv_generator(qwen, monkeypatch):

@@ -26,6 +26,27 @@ class PrefixPlan:
         return sum(t * (len(g) - 1) for g, t in zip(self.groups, self.tiles))
 
 
+class _Node:
+    """A trie node: the rows whose first ``depth`` tiles are the same blocks, and the tiles that follow."""
+
+    __slots__ = ("children", "depth", "rows")
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.rows: list[int] = []
+        self.children: dict[int, _Node] = {}
+
+
+def _best(node: _Node, capacity: int) -> tuple[int, list[_Node]]:
+    """``(tiles saved, nodes whose rows form groups)`` of the best split of ``node``'s subtree: its rows grouped at
+    its depth (in groups of at most ``capacity``), or each child's best; a tie keeps the shallower, fewer groups."""
+    below = [_best(c, capacity) for c in node.children.values() if len(c.rows) > 1]
+    deeper = sum(b[0] for b in below), [n for b in below for n in b[1]]
+    n = len(node.rows)
+    here = node.depth * (n - -(-n // capacity)) if node.depth else 0
+    return (here, [node]) if here and here >= deeper[0] else deeper
+
+
 def plan_shared_prefix(
     tables: list[list[int]], positions: list[int], prompt_lens: list[int], block_size: int, capacity: int
 ) -> PrefixPlan:
@@ -34,9 +55,11 @@ def plan_shared_prefix(
     ``tables[i]``: batch row ``i``'s cache blocks in position order; ``positions[i]``: the position of the token it
     feeds this step (its keys are ``0 .. positions[i]``); ``prompt_lens[i]``: its prompt's tokens. A row's candidate
     tiles are the whole tiles of its prompt before its position (only prompt blocks are held by several sequences:
-    forked samples, prefix-cache hits), so it keeps at least one tile of its own; rows whose candidate tiles are the
-    same blocks form a group, of at most ``capacity`` rows (:func:`rlexact.ops.group_capacity`). A row left alone,
-    and every row when ``block_size`` does not divide a tile, walks all its tiles itself.
+    forked samples, prefix-cache hits), so it keeps at least one tile of its own. Rows are grouped at the depth (in
+    tiles) that saves the most tile reads: the samples of a prompt at its depth, or all prompts behind a shared
+    system prefix at that prefix's, whichever reads less. A group holds at most ``capacity`` rows
+    (:func:`rlexact.ops.group_capacity`) and every member's table holds its first member's blocks there; a row left
+    alone, and every row when ``block_size`` does not divide a tile, walks all its tiles itself.
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -48,18 +71,23 @@ def plan_shared_prefix(
     if TILE_KEYS % block_size or capacity < 2:
         return PrefixPlan(start, groups, tiles)
     per_tile = TILE_KEYS // block_size
-    by_blocks: dict[tuple[int, ...], list[int]] = {}
+    root = _Node(0)
     for i, (table, pos, prompt) in enumerate(zip(tables, positions, prompt_lens)):
-        t = min(pos, prompt) // TILE_KEYS
-        if t > 0 and len(table) >= t * per_tile:
-            by_blocks.setdefault(tuple(table[: t * per_tile]), []).append(i)
-    for blocks, rows in by_blocks.items():
+        node = root
+        for t in range(min(min(pos, prompt) // TILE_KEYS, len(table) // per_tile)):
+            last = table[(t + 1) * per_tile - 1]  # shared blocks come as prefixes: checked whole below
+            node = node.children.setdefault(last, _Node(t + 1))
+            node.rows.append(i)
+    for node in _best(root, capacity)[1]:
+        n = node.depth * per_tile
+        lead = tables[node.rows[0]][:n]
+        rows = [i for i in node.rows if tables[i][:n] == lead]
         for c in range(0, len(rows) - 1, capacity):
             chunk = rows[c : c + capacity]
             if len(chunk) < 2:
                 continue
             groups.append(chunk)
-            tiles.append(len(blocks) // per_tile)
+            tiles.append(node.depth)
             for i in chunk:
-                start[i] = tiles[-1]
+                start[i] = node.depth
     return PrefixPlan(start, groups, tiles)
