@@ -214,6 +214,7 @@ def test_short_runs_per_mode(mode: str, kernels: str) -> None:
         "rollout/prefill_tokens",
         "rollout/shared_prompt_tokens",
         "rollout/prefix_cached_tokens",
+        "rollout/decode_shared_prefix_keys",
         "rollout/preemptions",
         "rollout_step",
     ):

@@ -107,10 +107,18 @@ def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int)
     return prompts
 
 
-ENGINE_COUNTERS = ("prompt_tokens", "prefill_tokens", "shared_prompt_tokens", "prefix_cached_tokens", "preemptions")
+ENGINE_COUNTERS = (
+    "prompt_tokens",
+    "prefill_tokens",
+    "shared_prompt_tokens",
+    "prefix_cached_tokens",
+    "decode_shared_prefix_keys",
+    "preemptions",
+)
 """Counters of a ``generate`` call (``Generator.stats``) that the module logs as ``rollout/<name>``, summed over
 ranks: prompt tokens requested, tokens prefilled (recomputes after a preemption included), prompt tokens taken from a
-sibling's blocks or from the prefix cache, and preemptions (a KV cache too small for the batch)."""
+sibling's blocks or from the prefix cache, keys the decode steps read once for a group of sequences instead of once
+per sequence, and preemptions (a KV cache too small for the batch)."""
 
 
 def engine_counters(generator: Generator | None, before: dict | None) -> dict[str, float]:
