@@ -30,7 +30,7 @@ import rlexact
 from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
-from rlexact.rollout.runner import EagerLaunch, GraphState, ModelRunner
+from rlexact.rollout.runner import EagerLaunch, GraphState, GraphVariant, ModelRunner
 from rlexact.rollout.scheduler import ScheduledBatch
 
 STUB_TOKEN = 5
@@ -57,12 +57,10 @@ class StubRunner(ModelRunner):
         self.bm.record_updates = True
         self._signature = self.signature()
 
-    def _capture(
-        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
-    ) -> _StubGraph:
+    def _capture(self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool = False) -> _StubGraph:
         self.stats["graph_captures"] += 1
         self.stats["graph_captures_ahead"] += int(ahead)
-        self.warmed.add(self._warm_key(bucket, kv_len, prefix))  # as a real capture: later calls capture ahead
+        self.warmed.add(self._warm_key(bucket, var))  # as a real capture: later calls capture ahead
         return _StubGraph(gs, bucket)
 
     def launch_eager(self, batch: ScheduledBatch, decode_rows: int = 0) -> EagerLaunch:

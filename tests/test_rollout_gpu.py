@@ -280,17 +280,24 @@ def test_gpu_prefix_cache_equals_uncached(qwen):
     assert cached.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
 
-def test_gpu_shared_prefix_decode_equals_plain(llama, monkeypatch):
+@pytest.mark.parametrize("split", [None, 256], ids=["one_split", "narrow_then_wide"])
+def test_gpu_shared_prefix_decode_equals_plain(llama, monkeypatch, split):
     """Head dim 128 (the Gluon decode launch): n = 8 samples of each prompt, and prompts behind a shared system
     prefix, decode with their prompt's tiles read once per group of sequences; the completions equal those with
-    ``shared_prefix_decode=False`` bitwise, and the trainer's. The decode launches did read a plan."""
+    ``shared_prefix_decode=False`` bitwise, and the trainer's. The decode launches did read a plan. With KV splits of
+    256 keys the call's table spans two splits: its decode graphs read only one split's columns (the one-split
+    launches, with the plan) until a sequence passes 256 keys, then the whole table (split-parallel, no plan)."""
     from rlexact.ops import gluon_decode
+    from rlexact.ops import triton_attention as ta
 
+    if split is not None:
+        orig = ta._fwd_config
+        monkeypatch.setattr(ta, "_fwd_config", lambda hd, dt: orig(hd, dt) | {"SPLIT": split})
     plans = []
     real = gluon_decode.forward
     monkeypatch.setattr(gluon_decode, "forward", lambda *a: plans.append(a[8] is not None) or real(*a))
     system = prompts_for(1, 517, lo=130, hi=130, seed=40)[0]
-    prompts = prompts_for(5, 517, lo=64, hi=300, seed=41)
+    prompts = prompts_for(5, 517, lo=64, hi=200, seed=41)
     prompts += [system + p for p in prompts_for(4, 517, lo=1, hi=90, seed=42)]
     params = SamplingParams(max_new_tokens=40, seed=3, n=8, temperature=0.9)
     gen = Generator(llama, max_num_batched_tokens=512)

@@ -14,7 +14,7 @@ from models import prompts_for, tiny_model
 from rlexact.ops import group_capacity
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout import engine as engine_mod
-from rlexact.rollout.runner import GraphState, ModelRunner
+from rlexact.rollout.runner import GraphState, GraphVariant, ModelRunner
 from rlexact.rollout.sequence import Sequence, Status
 
 
@@ -32,13 +32,11 @@ class EagerGraphRunner(ModelRunner):
         kept = kwargs.get("graph_state")  # the engine's reuse rule, now that this runner has a signature
         self.graph_state = kept if kept is not None and kept.signature == self._signature else None
 
-    def _capture(
-        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
-    ) -> SimpleNamespace:
+    def _capture(self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool = False) -> SimpleNamespace:
         self.stats["graph_captures"] += 1
         self.stats["graph_captures_ahead"] += int(ahead)
-        self.warmed.add(self._warm_key(bucket, kv_len, prefix))
-        return SimpleNamespace(replay=self._graph_fn(gs, bucket, kv_len, prefix))
+        self.warmed.add(self._warm_key(bucket, var))
+        return SimpleNamespace(replay=self._graph_fn(gs, bucket, var))
 
 
 class StalePositions(EagerGraphRunner):
@@ -124,11 +122,9 @@ class CapturesAheadForOneRow(EagerGraphRunner):
     """Negative control: the graph captured ahead runs the step of one row only, so the decode steps that replay
     it leave the other rows' outputs stale."""
 
-    def _capture(
-        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
-    ) -> SimpleNamespace:
-        graph = super()._capture(gs, bucket, kv_len, prefix, ahead)
-        return SimpleNamespace(replay=self._graph_fn(gs, 1, kv_len, prefix)) if ahead else graph
+    def _capture(self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool = False) -> SimpleNamespace:
+        graph = super()._capture(gs, bucket, var, ahead)
+        return SimpleNamespace(replay=self._graph_fn(gs, 1, var)) if ahead else graph
 
 
 def test_graph_captured_ahead_during_prefill(qwen, monkeypatch) -> None:
@@ -218,11 +214,9 @@ def test_capture_warm_key_leaves_out_only_addresses_and_seed(qwen, monkeypatch) 
     keys: list[tuple] = []
 
     class KeyRunner(EagerGraphRunner):
-        def _capture(
-            self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
-        ) -> SimpleNamespace:
-            keys.append(self._warm_key(bucket, kv_len, prefix))
-            return super()._capture(gs, bucket, kv_len, prefix, ahead)
+        def _capture(self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool = False) -> SimpleNamespace:
+            keys.append(self._warm_key(bucket, var))
+            return super()._capture(gs, bucket, var, ahead)
 
     def first_key(params: SamplingParams, prompts: list) -> tuple:
         keys.clear()
@@ -245,11 +239,11 @@ class CheckedPlanRunner(EagerGraphRunner):
 
     replays = 0
 
-    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool):
-        run = super()._graph_fn(gs, bucket, kv_len, prefix)
+    def _graph_fn(self, gs: GraphState, bucket: int, var: GraphVariant):
+        run = super()._graph_fn(gs, bucket, var)
 
         def checked() -> None:
-            if prefix:
+            if var.prefix:
                 plan, view = self._prefix_plan, self._prefix_views(gs, bucket)
                 n, b = len(plan.groups), len(plan.start)
                 assert view.start[:b].tolist() == plan.start and not view.start[b:].any()
@@ -278,3 +272,38 @@ def test_graph_host_path_stages_shared_prefix_plans(qwen, monkeypatch) -> None:
         again = gen.generate(prompts, params)  # its first graph, captured ahead, reads the plan
     assert gen.stats["graph_captures_ahead"] == 1 and gen.stats["graph_captures"] == 1
     assert _same(outs, ref) and _same(again, ref) and any(o.finish_reason == "stop" for o in outs)
+
+
+class NarrowRunner(EagerGraphRunner):
+    """Graph steps whose sequences fit the first three table columns read only those (as they read one KV split's
+    columns on a GPU); records the variants it replays."""
+
+    replayed: set[GraphVariant] = set()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.narrow_blocks = 3
+
+    def _graph_fn(self, gs: GraphState, bucket: int, var: GraphVariant):
+        run = super()._graph_fn(gs, bucket, var)
+
+        def recorded() -> None:
+            NarrowRunner.replayed.add(var)
+            run()
+
+        return recorded
+
+
+def test_graph_host_path_narrow_tables(qwen, monkeypatch) -> None:
+    """Decode steps whose sequences all fit the first table columns replay graphs that gather only those, the later
+    ones the whole table (one graph each, the narrow one captured ahead in a second call), and the completions equal
+    the eager engine's bitwise."""
+    ref = Generator(qwen, block_size=4, max_num_seqs=8).generate(PROMPTS, PARAMS)
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "ModelRunner", NarrowRunner)
+        gen = Generator(qwen, block_size=4, max_num_seqs=8)
+        outs = gen.generate(PROMPTS, PARAMS)
+        assert {v.narrow for v in NarrowRunner.replayed} == {True, False}
+        again = gen.generate(PROMPTS, PARAMS)
+    assert _same(outs, ref) and _same(again, ref)
+    assert gen.stats["graph_captures_ahead"] == 1

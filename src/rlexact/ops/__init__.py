@@ -21,6 +21,7 @@ __all__ = [
     "add_rms_norm",
     "attention_paged",
     "attention_varlen",
+    "decode_split_keys",
     "gate_up_silu",
     "group_capacity",
     "grouped_matmul",
@@ -360,6 +361,17 @@ def attention_paged(
         q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q,
         split_counters, prefix,
     )  # fmt: skip
+
+
+def decode_split_keys(head_dim: int, dtype: torch.dtype) -> int | None:
+    """Keys per KV split of the GPU attention kernels at ``(head_dim, dtype)``, or None without Triton. A paged decode
+    launch whose block table spans at most this many keys runs one split per sequence: on sm_90 the Gluon decode
+    kernel, which reads shared prefixes (:class:`SharedPrefix`) once per group."""
+    if not triton_available():
+        return None
+    from .triton_attention import split_keys
+
+    return split_keys(head_dim, dtype)
 
 
 @torch.no_grad()

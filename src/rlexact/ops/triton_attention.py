@@ -75,7 +75,7 @@ from .shared_prefix import SharedPrefix, heads_per_tile
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
 
-__all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward"]
+__all__ = ["attention_paged", "attention_varlen", "attention_varlen_backward", "split_keys"]
 
 _INTERPRET = interpreter_enabled()
 _LOG2E = math.log2(math.e)
@@ -167,6 +167,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str,
     if not _swept_launch(head_dim, dtype):
         return cfg
     return cfg | (DECODE_LAUNCH_16BIT if decode else PREFILL_LAUNCH_16BIT)
+
+
+def split_keys(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per KV split (``SPLIT``, part of the bit contract) at ``(head_dim, dtype)``."""
+    return _fwd_config(head_dim, dtype)["SPLIT"]
 
 
 def _swept_launch(head_dim: int, dtype: torch.dtype) -> bool:

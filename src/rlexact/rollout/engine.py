@@ -389,6 +389,7 @@ class Generator:
                     stats=stats,
                     warmed=self._warmed,
                     shared_prompts=sched.share_prompts and _samples_share_tiles(seqs),
+                    prompt_keys=max(s.num_prompt_tokens for s in seqs),
                 )
                 stats.update(kv_blocks=cache.num_blocks, block_size=cfg.block_size, cuda_graphs=runner.use_graphs)
                 for s in seqs:

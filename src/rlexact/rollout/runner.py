@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.truncation import LogprobMode
-from rlexact.ops import SharedPrefix, group_capacity
+from rlexact.ops import SharedPrefix, decode_split_keys, group_capacity
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.config import GeneratorConfig
 from rlexact.rollout.prefix_plan import TILE_KEYS, PrefixPlan, plan_shared_prefix
@@ -111,6 +112,18 @@ class SamplingSetup:
     logprobs: LogprobMode = "full"
 
 
+class GraphVariant(NamedTuple):
+    """What besides the batch bucket decides the launches of a decode graph."""
+
+    kv_len: int | None
+    """Native mode: the padded key length (:meth:`ModelRunner._kv_bucket`); exact mode: None."""
+    prefix: bool
+    """Whether the graph reads a shared-prefix plan (:meth:`ModelRunner._stage_prefix`)."""
+    narrow: bool
+    """Whether it reads only the block-table columns of one KV split (every sequence's keys within it), so that
+    exact attention runs its one-split decode launch (on sm_90 the Gluon kernel, which reads the plan)."""
+
+
 @dataclass
 class GraphState:
     """Static buffers and captured decode graphs of one generate call (or several, with ``keep_kv_cache``).
@@ -131,8 +144,8 @@ class GraphState:
     prefix: torch.Tensor | None  # int32 shared-prefix plan (ModelRunner._prefix_views); None: no plans
     host_out: tuple[torch.Tensor, torch.Tensor]  # two [2, max_bs] float64 host buffers out is read back into, in turn
     pool: object = None
-    graphs: dict[tuple[int, int | None, bool], torch.cuda.CUDAGraph] = field(default_factory=dict)
-    """Captured decode graphs by (batch bucket, padded key length in native mode, shared-prefix plan read)."""
+    graphs: dict[tuple[int, GraphVariant], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    """Captured decode graphs by batch bucket and variant."""
 
 
 @dataclass
@@ -181,9 +194,12 @@ class ModelRunner:
         stats: dict | None = None,
         warmed: set[tuple] | None = None,
         shared_prompts: bool = False,
+        prompt_keys: int = 0,
     ) -> None:
         """``shared_prompts``: samples of this call share a prompt of a whole key tile or more (and its blocks), so
-        :meth:`capture_ahead` captures the graph that reads a shared-prefix plan."""
+        :meth:`capture_ahead` captures the graph that reads a shared-prefix plan; ``prompt_keys``: the call's longest
+        prompt, so that it captures the narrow graph (:class:`GraphVariant`) when the first decode steps fit one KV
+        split."""
         self.model = model
         self.config = config
         self.cache = cache
@@ -214,11 +230,18 @@ class ModelRunner:
         """Sequences per shared-prefix group of the graph decode steps (:meth:`_stage_prefix`); 0: no plans."""
         self._prefix_for: list[Sequence] | None = None
         self._shared_prompts = shared_prompts
+        self._prompt_keys = prompt_keys
+        bs = cache.block_size
+        split = decode_split_keys(model_kv_shape(model)[2], cache.dtype) if self.use_graphs and not native else None
+        self.narrow_blocks = split // bs if split and split % bs == 0 and block_manager.width * bs > split else 0
+        """Block-table columns of one KV split where the call's table is wider (0: graphs read the whole table). A
+        graph step whose sequences all fit them reads only these, so exact attention runs its one-split decode launch
+        (on sm_90 the Gluon kernel, which reads shared prefixes once) for as long as the contexts allow."""
         self._prefix_plan: PrefixPlan | None = None
         block_manager.record_updates = self.use_graphs  # only the graph path mirrors the table on the device
         self._signature = self.signature() if self.use_graphs else None
         self.graph_state = graph_state if graph_state is not None and graph_state.signature == self._signature else None
-        self._reuse_count: dict[tuple[int, int | None, bool], int] = {}
+        self._reuse_count: dict[tuple[int, GraphVariant], int] = {}
         self.warmed: set[tuple] = warmed if warmed is not None else set()
         """:meth:`_warm_key` of every graph captured so far (by this runner, or by earlier runners of the same
         generator): a capture with a known key needs no eager warm-up run, its kernels are compiled already."""
@@ -482,34 +505,34 @@ class ModelRunner:
             nblk = half if nblk >= 2 and half >= width_used else 2 * nblk
         return min(nblk, self.bm.width) * self.cache.block_size
 
-    def _pick_graph(
-        self, gs: GraphState, b: int, kv_len: int | None, prefix: bool
-    ) -> tuple[int, torch.cuda.CUDAGraph | None]:
+    def _pick_graph(self, gs: GraphState, b: int, var: GraphVariant) -> tuple[int, torch.cuda.CUDAGraph | None]:
         """The bucket to replay for ``b`` rows. Prefer the smallest bucket that fits; while it is not captured yet,
         replay an already captured larger one (padding) for up to ``REUSE_STEPS`` steps before paying a capture —
         a shrinking tail batch would otherwise capture a new graph for every one or two steps."""
         bucket = next(x for x in self.buckets if x >= b)
-        graph = gs.graphs.get((bucket, kv_len, prefix))
+        graph = gs.graphs.get((bucket, var))
         if graph is not None:
             return bucket, graph
-        larger = [x for x in self.buckets if x > bucket and (x, kv_len, prefix) in gs.graphs]
+        larger = [x for x in self.buckets if x > bucket and (x, var) in gs.graphs]
         if larger:
-            waited = self._reuse_count.get((bucket, kv_len, prefix), 0)
+            waited = self._reuse_count.get((bucket, var), 0)
             if waited < self.REUSE_STEPS:
-                self._reuse_count[(bucket, kv_len, prefix)] = waited + 1
-                return larger[0], gs.graphs[(larger[0], kv_len, prefix)]
-        graph = self._capture(gs, bucket, kv_len, prefix)
+                self._reuse_count[(bucket, var)] = waited + 1
+                return larger[0], gs.graphs[(larger[0], var)]
+        graph = self._capture(gs, bucket, var)
         if graph is not None:
-            gs.graphs[(bucket, kv_len, prefix)] = graph
+            gs.graphs[(bucket, var)] = graph
         return bucket, graph
 
-    def _graph_fn(self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool):
+    def _graph_fn(self, gs: GraphState, bucket: int, var: GraphVariant):
         ids, pos, rid, rows = gs.ints[:, :bucket].unbind(0)
         bs = self.cache.block_size
-        plan = self._prefix_views(gs, bucket) if prefix else None
+        plan = self._prefix_views(gs, bucket) if var.prefix else None
+        table = gs.table[:, : self.narrow_blocks] if var.narrow else gs.table
+        kv_len = var.kv_len
 
         def run() -> None:
-            tables = gs.table.index_select(0, rows)
+            tables = table.index_select(0, rows)
             slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
             paged = PagedKV(
                 self.cache.caches, tables, (pos + 1).to(torch.int32), slots, max_seqlen_q=1, max_seqlen_k=kv_len,
@@ -523,11 +546,11 @@ class ModelRunner:
         return run
 
     def _capture(
-        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool = False
+        self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool = False
     ) -> torch.cuda.CUDAGraph | None:
         t0 = time.perf_counter()
         try:
-            return self._capture_inner(gs, bucket, kv_len, prefix, ahead)
+            return self._capture_inner(gs, bucket, var, ahead)
         finally:
             self.stats["capture_ahead_s" if ahead else "capture_s"] += time.perf_counter() - t0
 
@@ -545,22 +568,21 @@ class ModelRunner:
             return
         gs = self._ensure_graph_state()
         bucket = next(x for x in self.buckets if x >= rows)
-        prefix = self.prefix_capacity > 0 and self._shared_prompts
-        if (bucket, None, prefix) in gs.graphs or self._warm_key(bucket, None, prefix) not in self.warmed:
+        var = GraphVariant(None, self.prefix_capacity > 0 and self._shared_prompts, self._narrow(self._prompt_keys))
+        if (bucket, var) in gs.graphs or self._warm_key(bucket, var) not in self.warmed:
             return
-        graph = self._capture(gs, bucket, None, prefix, ahead=True)
+        graph = self._capture(gs, bucket, var, ahead=True)
         if graph is not None:
-            gs.graphs[(bucket, None, prefix)] = graph
+            gs.graphs[(bucket, var)] = graph
 
-    def _warm_key(self, bucket: int, kv_len: int | None, prefix: bool) -> tuple:
+    def _warm_key(self, bucket: int, var: GraphVariant) -> tuple:
         """What decides the kernels a decode graph launches (shapes, constexprs, dtypes), without the addresses and
         the seed of :meth:`signature`: graphs with the same key launch the same compiled kernels."""
         sp = self._sampling_in_graph()
         state = get_state(self.model)
         return (
             bucket,
-            kv_len,
-            prefix,
+            var,
             self.bm.width,
             self.cache.block_size,
             self.cache.dtype,
@@ -571,7 +593,7 @@ class ModelRunner:
         )
 
     def _capture_inner(
-        self, gs: GraphState, bucket: int, kv_len: int | None, prefix: bool, ahead: bool
+        self, gs: GraphState, bucket: int, var: GraphVariant, ahead: bool
     ) -> torch.cuda.CUDAGraph | None:
         """Capture the decode step of ``bucket`` rows. The first capture of a :meth:`_warm_key` runs the step eagerly
         first (compiles kernels, fills caches outside the capture); a later one captures directly and, should that
@@ -581,9 +603,9 @@ class ModelRunner:
         The capture is recorded on a side stream without synchronizing the device first (unlike
         ``torch.cuda.graph``, which also empties the allocator's caches): recording executes nothing, so work in
         flight on the current stream may go on meanwhile."""
-        run = self._graph_fn(gs, bucket, kv_len, prefix)
+        run = self._graph_fn(gs, bucket, var)
         dev = self.device
-        key = self._warm_key(bucket, kv_len, prefix)
+        key = self._warm_key(bucket, var)
         prev_stream = torch.cuda.current_stream(dev)
         for warm in (False,) if ahead else (False, True) if key in self.warmed else (True,):
             try:
@@ -669,6 +691,10 @@ class ModelRunner:
         gs.ints.copy_(host, non_blocking=True)
         self._staged = list(seqs)
 
+    def _narrow(self, pos: int) -> bool:
+        """Whether a graph step whose sequences feed positions up to ``pos`` reads only :attr:`narrow_blocks`."""
+        return 0 < self.narrow_blocks and pos < self.narrow_blocks * self.cache.block_size
+
     @staticmethod
     def _prefix_layout(max_bs: int) -> tuple[int, int]:
         """``(groups, count_at)`` of the plan buffer: ``start`` of every row at ``[0, max_bs)``, the tiles of each
@@ -744,8 +770,8 @@ class ModelRunner:
         # writes the same K/V the replay writes); stale rows could write into blocks that changed hands
         self._sync_table(gs)
         self._stage_inputs(gs, seqs)
-        prefix = self._stage_prefix(gs, seqs)
-        bucket, graph = self._pick_graph(gs, b, kv_len, prefix)
+        var = GraphVariant(kv_len, self._stage_prefix(gs, seqs), self._narrow(max(s.num_computed for s in seqs)))
+        bucket, graph = self._pick_graph(gs, b, var)
         if graph is None:
             self._staged = None
             return None
