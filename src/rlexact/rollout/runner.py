@@ -360,7 +360,7 @@ class ModelRunner:
         ``prepare`` and ``launch`` parts of ``eager_host_s``."""
         t0 = time.perf_counter()
         self._copy_blocks(batch.copies)
-        self._staged = None
+        self._staged = self._prefix_for = None  # an eager step may preempt, re-admit or fork: plan anew
         inp = self._prepare(batch)
         sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.tokens)]
         if sampled:
@@ -721,9 +721,9 @@ class ModelRunner:
 
     def _stage_prefix(self, gs: GraphState, seqs: list[Sequence]) -> bool:
         """Put the shared-prefix plan of ``seqs`` (:func:`rlexact.rollout.prefix_plan.plan_shared_prefix`) into
-        ``gs.prefix``, unless it holds theirs already (the same sequences in the same order: their shared tiles do
-        not change as they decode); returns whether it has a group, i.e. whether the step replays a graph that reads
-        it. Adds the step's shared keys to ``stats["decode_shared_prefix_keys"]``."""
+        ``gs.prefix``, unless it holds theirs already (the same sequences in the same order since the last eager
+        step: their shared tiles do not change as they decode); returns whether it has a group, i.e. whether the
+        step replays a graph that reads it. Adds the step's shared keys to ``stats["decode_shared_prefix_keys"]``."""
         if not self.prefix_capacity:
             return False
         if self._prefix_for != seqs:
