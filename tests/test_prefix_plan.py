@@ -66,6 +66,22 @@ def test_groups_hold_at_most_capacity_rows() -> None:
     assert not plan_shared_prefix(tables, [128] * 20, [128] * 20, 16, 1).groups
 
 
+def test_subset_keeps_the_groups_of_the_rows_that_run() -> None:
+    """After some rows finish, each group keeps its running members at its depth; a member left alone starts at 0.
+    Planned anew, the same rows give the same plan here."""
+    prompt = blocks(0, 8)
+    tables = [prompt + [100 + i] for i in range(4)] + [blocks(50, 8) + [200 + i] for i in range(3)]
+    plan = plan_shared_prefix(tables, [130] * 7, [128] * 7, 16, 8)
+    assert plan.groups == [[0, 1, 2, 3], [4, 5, 6]] and plan.tiles == [2, 2]
+    rows = [6, 1, 3, 4]  # rows 0, 2 and 5 finished; the order changes too
+    sub = plan.subset(rows)
+    assert sub.groups == [[1, 2], [3, 0]] and sub.tiles == [2, 2] and sub.start == [2, 2, 2, 2]
+    anew = plan_shared_prefix([tables[r] for r in rows], [131] * 4, [128] * 4, 16, 8)
+    assert sorted(map(sorted, anew.groups)) == sorted(map(sorted, sub.groups)) and anew.start == sub.start
+    alone = plan.subset([0, 4])
+    assert not alone.groups and alone.start == [0, 0] and alone.tiles_saved == 0
+
+
 def test_plan_rejects_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="positions"):
         plan_shared_prefix([[1]], [], [1], 16, 8)

@@ -19,6 +19,24 @@ class PrefixPlan:
     groups: list[list[int]]
     tiles: list[int]
 
+    def subset(self, rows: list[int]) -> PrefixPlan:
+        """The plan of a later step whose row ``i`` is row ``rows[i]`` of this one (the others finished): each
+        group keeps its members that run, and its tiles (they do not depend on the position once shared); a member
+        left alone walks all its tiles itself."""
+        new_of = {old: new for new, old in enumerate(rows)}
+        start = [self.start[r] for r in rows]
+        groups: list[list[int]] = []
+        tiles: list[int] = []
+        for members, t in zip(self.groups, self.tiles):
+            kept = [new_of[r] for r in members if r in new_of]
+            if len(kept) > 1:
+                groups.append(kept)
+                tiles.append(t)
+            else:
+                for r in kept:
+                    start[r] = 0
+        return PrefixPlan(start, groups, tiles)
+
     @property
     def tiles_saved(self) -> int:
         """Key tiles per KV head and layer that the step does not read again: each group's tiles, read once instead

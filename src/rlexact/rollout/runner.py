@@ -727,9 +727,7 @@ class ModelRunner:
         if not self.prefix_capacity:
             return False
         if self._prefix_for != seqs:
-            bs, cap = self.cache.block_size, self.prefix_capacity
-            tables, positions = [s.block_table for s in seqs], [s.num_computed for s in seqs]
-            plan = plan_shared_prefix(tables, positions, [s.num_prompt_tokens for s in seqs], bs, cap)
+            plan = self._next_plan(seqs)
             if plan.groups:
                 max_bs = gs.ints.shape[1]
                 groups, count_at = self._prefix_layout(max_bs)
@@ -737,7 +735,7 @@ class ModelRunner:
                 host[: len(seqs)] = plan.start
                 host[max_bs : max_bs + len(plan.tiles)] = plan.tiles
                 host[count_at] = len(plan.groups)
-                members = host[count_at + 1 :].reshape(groups, cap)
+                members = host[count_at + 1 :].reshape(groups, self.prefix_capacity)
                 members[:] = -1
                 for g, rows in enumerate(plan.groups):
                     members[g, : len(rows)] = rows
@@ -748,6 +746,19 @@ class ModelRunner:
         assert plan is not None
         self.stats["decode_shared_prefix_keys"] += plan.tiles_saved * TILE_KEYS
         return bool(plan.groups)
+
+    def _next_plan(self, seqs: list[Sequence]) -> PrefixPlan:
+        """The shared-prefix plan of ``seqs``: the last plan's :meth:`PrefixPlan.subset` when they are some of its
+        sequences (others finished), else planned anew."""
+        prev, plan = self._prefix_for, self._prefix_plan
+        if prev is not None and plan is not None:
+            where = {id(s): i for i, s in enumerate(prev)}
+            rows = [where.get(id(s), -1) for s in seqs]
+            if min(rows, default=-1) >= 0:
+                return plan.subset(rows)
+        tables, positions = [s.block_table for s in seqs], [s.num_computed for s in seqs]
+        prompts = [s.num_prompt_tokens for s in seqs]
+        return plan_shared_prefix(tables, positions, prompts, self.cache.block_size, self.prefix_capacity)
 
     def launch(self, batch: ScheduledBatch) -> DecodeLaunch | None:
         """Replay the decode graph of ``batch`` without waiting for it: advances ``num_computed`` and queues the
