@@ -71,7 +71,7 @@ import triton.language as tl
 
 from . import gluon_attention, gluon_attention_pair, gluon_decode, kv_gather
 from .backend import interpreter_enabled
-from .shared_prefix import SharedPrefix, heads_per_tile
+from .shared_prefix import QUERY_ROWS, SharedPrefix, heads_per_tile
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import COMPILE_OPTIONS, num_sms
 
@@ -862,7 +862,7 @@ def _forward(
         and cfg.get("GLUON", True)
         and gluon_decode.supported(q, k, v, cfg["BLOCK_N"], split)
     ):
-        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, 64), prefix)
+        gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, QUERY_ROWS), prefix)
         return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile

@@ -220,10 +220,9 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.buckets = config.batch_buckets()
         self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
-        mcfg = model.config
-        hq = int(mcfg.num_attention_heads)
+        _, kv_heads, head_dim = model_kv_shape(model)
         self.prefix_capacity = (
-            group_capacity(hq, int(getattr(mcfg, "num_key_value_heads", None) or hq))
+            group_capacity(int(model.config.num_attention_heads), kv_heads)
             if config.shared_prefix_decode and self.use_graphs and not native
             else 0
         )
@@ -232,7 +231,7 @@ class ModelRunner:
         self._shared_prompts = shared_prompts
         self._prompt_keys = prompt_keys
         bs = cache.block_size
-        split = decode_split_keys(model_kv_shape(model)[2], cache.dtype) if self.use_graphs and not native else None
+        split = decode_split_keys(head_dim, cache.dtype) if self.use_graphs and not native else None
         self.narrow_blocks = split // bs if split and split % bs == 0 and block_manager.width * bs > split else 0
         """Block-table columns of one KV split where the call's table is wider (0: graphs read the whole table). A
         graph step whose sequences all fit them reads only these, so exact attention runs its one-split decode launch
@@ -695,29 +694,28 @@ class ModelRunner:
         """Whether a graph step whose sequences feed positions up to ``pos`` reads only :attr:`narrow_blocks`."""
         return 0 < self.narrow_blocks and pos < self.narrow_blocks * self.cache.block_size
 
-    @staticmethod
-    def _prefix_layout(max_bs: int) -> tuple[int, int]:
-        """``(groups, count_at)`` of the plan buffer: ``start`` of every row at ``[0, max_bs)``, the tiles of each
-        group (at most half the largest bucket; a group has two members or more) at ``[max_bs, count_at)``, the group
-        count at ``count_at``, the members from ``count_at + 1``."""
-        groups = max(max_bs // 2, 1)
-        return groups, max_bs + groups
-
-    def _prefix_buffer(self, max_bs: int) -> torch.Tensor | None:
-        """The device buffer of the decode graphs' shared-prefix plans (:meth:`_prefix_views`); None: no plans."""
+    def _prefix_buffer(self, max_bs: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """A zeroed buffer of the decode graphs' shared-prefix plans (:meth:`_plan_views`), on the runner's device
+        unless ``device`` is given; None: no plans."""
         if not self.prefix_capacity:
             return None
-        groups, count_at = self._prefix_layout(max_bs)
-        return torch.zeros(count_at + 1 + groups * self.prefix_capacity, dtype=torch.int32, device=self.device)
+        groups = max(max_bs // 2, 1)
+        size = max_bs + groups + 1 + groups * self.prefix_capacity
+        return torch.zeros(size, dtype=torch.int32, device=device or self.device)
+
+    def _plan_views(self, buf: torch.Tensor, max_bs: int, rows: int) -> SharedPrefix:
+        """The plan of a ``rows``-row step as views of a plan buffer (:meth:`_prefix_buffer`): ``start`` of every row
+        first, then the tiles of each group (at most half the largest bucket; a group has two members or more), the
+        group count, and the members of each group."""
+        groups = max(max_bs // 2, 1)
+        count_at = max_bs + groups
+        members = buf[count_at + 1 :].view(groups, self.prefix_capacity)
+        return SharedPrefix(buf[:rows], members, buf[max_bs:count_at], buf[count_at : count_at + 1])
 
     def _prefix_views(self, gs: GraphState, bucket: int) -> SharedPrefix:
-        """The plan of a ``bucket``-row graph, as views of ``gs.prefix`` (:meth:`_prefix_layout`)."""
+        """The plan a ``bucket``-row graph reads: :meth:`_plan_views` of ``gs.prefix``."""
         assert gs.prefix is not None
-        max_bs = gs.ints.shape[1]
-        groups, count_at = self._prefix_layout(max_bs)
-        buf = gs.prefix
-        members = buf[count_at + 1 :].view(groups, self.prefix_capacity)
-        return SharedPrefix(buf[:bucket], members, buf[max_bs:count_at], buf[count_at : count_at + 1])
+        return self._plan_views(gs.prefix, gs.ints.shape[1], bucket)
 
     def _stage_prefix(self, gs: GraphState, seqs: list[Sequence]) -> bool:
         """Put the shared-prefix plan of ``seqs`` (:func:`rlexact.rollout.prefix_plan.plan_shared_prefix`) into
@@ -730,17 +728,17 @@ class ModelRunner:
             plan = self._next_plan(seqs)
             if plan.groups:
                 max_bs = gs.ints.shape[1]
-                groups, count_at = self._prefix_layout(max_bs)
-                host = np.zeros(gs.prefix.numel(), dtype=np.int32)
-                host[: len(seqs)] = plan.start
-                host[max_bs : max_bs + len(plan.tiles)] = plan.tiles
-                host[count_at] = len(plan.groups)
-                members = host[count_at + 1 :].reshape(groups, self.prefix_capacity)
+                host = self._prefix_buffer(max_bs, torch.device("cpu"))
+                assert host is not None
+                view = self._plan_views(host, max_bs, len(seqs))
+                view.start.copy_(torch.tensor(plan.start, dtype=torch.int32))
+                view.tiles[: len(plan.tiles)] = torch.tensor(plan.tiles, dtype=torch.int32)
+                view.count.fill_(len(plan.groups))
+                members = view.members.numpy()  # the same memory: row writes without a tensor op each
                 members[:] = -1
                 for g, rows in enumerate(plan.groups):
                     members[g, : len(rows)] = rows
-                src = torch.from_numpy(host)
-                gs.prefix.copy_(src.pin_memory() if self._pin else src, non_blocking=self._pin)
+                gs.prefix.copy_(host.pin_memory() if self._pin else host, non_blocking=self._pin)
             self._prefix_for, self._prefix_plan = list(seqs), plan
         plan = self._prefix_plan
         assert plan is not None
