@@ -100,10 +100,20 @@ def variant_run(case: tuple, spec: str) -> torch.Tensor:
         return probe(case, per_sm)
 
 
-def probe(case: tuple, per_sm: int) -> torch.Tensor:
-    """The library's launch of ``case`` (the Gluon kernel) with ``per_sm`` programs per SM."""
-    with swapped(gluon_decode, "PROGRAMS_PER_SM", per_sm):
+def probe(case: tuple, per_sm: int, wide: bool = False) -> torch.Tensor:
+    """The library's launch of ``case`` (the Gluon kernel) with ``per_sm`` programs per SM; ``wide`` keeps every item
+    in the 64-row tile (no transposed consumer)."""
+    with swapped(gluon_decode, "PROGRAMS_PER_SM", per_sm), swapped(gluon_decode, "TRANSPOSED_MAX_HP",
+                                                                    0 if wide else gluon_decode.TRANSPOSED_MAX_HP):
         return run(case, None)
+
+
+LAUNCHES = ((1, False), (2, False), (3, False), (2, True))
+"""``(programs per SM, wide)`` of the library kernel's launches each check and shape runs."""
+
+
+def launch_name(per_sm: int, wide: bool) -> str:
+    return f"gluon{per_sm}" + ("_wide" if wide else "")
 
 
 def check(lens: list[int], variants: list[str]) -> dict:
@@ -113,11 +123,13 @@ def check(lens: list[int], variants: list[str]) -> dict:
         raise SystemExit("gluon_decode_probe: needs an sm_90 GPU and a Triton with Gluon")
     ref = run(case, TL)
     row: dict = {"n": len(lens), "max_len": max(lens), "tl_finite": bool(torch.isfinite(ref).all())}
-    for per_sm in (1, 2):
-        row[f"bitwise_equal_tl_{per_sm}"] = bool(torch.equal(probe(case, per_sm), ref))
     k2 = k.clone()
     k2[int(tables[-1, 0]), 0, 0, 0] += 1.0  # the last sequence's first key
-    row["negative_control_differs"] = not torch.equal(probe((q, k2, v, cu, lens_t, tables), 2), ref)
+    for per_sm, wide in LAUNCHES:
+        name = launch_name(per_sm, wide)
+        row[f"bitwise_equal_tl_{name}"] = bool(torch.equal(probe(case, per_sm, wide), ref))
+        row[f"negative_control_differs_{name}"] = not torch.equal(probe((q, k2, v, cu, lens_t, tables), per_sm, wide),
+                                                                  ref)  # fmt: skip
     for spec in variants:
         row[f"bitwise_equal_tl_{spec}"] = bool(torch.equal(variant_run(case, spec), ref))
         row[f"negative_control_differs_{spec}"] = not torch.equal(variant_run((q, k2, v, cu, lens_t, tables), spec),
@@ -132,9 +144,10 @@ def measure(shape: str, variants: list[str]) -> dict:
     case = mixed_case(lens) if mixed else decode_case(b, ctx)
     ref = run(case, TL)
     row: dict = {"tl_us": bench_graph(lambda: run(case, TL)) * 1e3}
-    for per_sm in (1, 2):
-        row[f"gluon{per_sm}_bitwise_equal_tl"] = bool(torch.equal(probe(case, per_sm), ref))
-        row[f"gluon{per_sm}_us"] = bench_graph(lambda per_sm=per_sm: probe(case, per_sm)) * 1e3
+    for per_sm, wide in LAUNCHES:
+        name = launch_name(per_sm, wide)
+        row[f"{name}_bitwise_equal_tl"] = bool(torch.equal(probe(case, per_sm, wide), ref))
+        row[f"{name}_us"] = bench_graph(lambda per_sm=per_sm, wide=wide: probe(case, per_sm, wide)) * 1e3
     for spec in variants:
         row[f"{spec}_bitwise_equal_tl"] = bool(torch.equal(variant_run(case, spec), ref))
         row[f"{spec}_us"] = bench_graph(lambda spec=spec: variant_run(case, spec)) * 1e3

@@ -323,12 +323,13 @@ def test_gpu_gluon_cached_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128), (64, 2, 128)], ids=str)
 def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm_90 a decode step whose contexts fit one KV split runs the persistent Gluon kernel
     (``rlexact.ops.gluon_decode``): its rows equal the ``tl`` decode launch's bitwise, with pages shuffled across
     sequences, lengths at and around every page and tile edge up to the split, NaN in every cache slot past a
-    sequence and in the table entries past it, one and two programs per SM. A table wider than one split keeps the
+    sequence and in the table entries past it, one to three programs per SM, in transposed tiles (query heads per
+    item up to ``TRANSPOSED_MAX_HP``) and in the wide 64-row tile. A table wider than one split keeps the
     ``tl`` launch; a sequence of no keys leaves the others' rows unchanged. Negative control: a perturbed key changes
     its sequence's rows and no other."""
     from rlexact.ops import gluon_decode
@@ -357,10 +358,15 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     ref = run({"GLUON": False})
     assert torch.isfinite(ref).all() and not calls
     assert torch.equal(run(None), ref) and len(calls) == 1
+    with monkeypatch.context() as m:
+        m.setattr(gluon_decode, "TRANSPOSED_MAX_HP", 0)
+        assert torch.equal(run(None), ref) and len(calls) == 2
+    monkeypatch.setattr(gluon_decode, "PROGRAMS_PER_SM", 3)
+    assert torch.equal(run(None), ref) and len(calls) == 3
     monkeypatch.setattr(gluon_decode, "PROGRAMS_PER_SM", 1)
-    assert torch.equal(run(None), ref) and len(calls) == 2
+    assert torch.equal(run(None), ref) and len(calls) == 4
     wide = torch.cat([tables, tables[:, :1]], dim=1)  # one entry past a split: the tl launch
-    assert torch.equal(run(None, bt=wide), ref) and len(calls) == 2
+    assert torch.equal(run(None, bt=wide), ref) and len(calls) == 4
     k2 = kc.clone()
     k2[int(tables[5, 0]), 0] += 1.0  # sequence 5's first key
     out = run(None, k=k2)
@@ -371,7 +377,7 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
     empty[2] = 0  # a sequence of no keys gets one masked padding tile: the launch ends, the other rows are unchanged
     out = run(None, lens_k=empty)
     others = torch.arange(len(lens), device="cuda") != 2
-    assert torch.equal(out[others], ref[others]) and len(calls) == 4
+    assert torch.equal(out[others], ref[others]) and len(calls) == 6
 
 
 @pytest.mark.gpu

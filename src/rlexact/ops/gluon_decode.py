@@ -41,6 +41,7 @@ from .triton_shared import num_sms
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -50,6 +51,7 @@ if gluon is not None:
     from .gluon_attention import (
         BLOCK_N,
         HEAD_DIM,
+        cta_barrier,
         kv_layout,
         launch,
         rings,
@@ -71,6 +73,8 @@ Measured against one in ``benchmarks/results/gluon_decode_probe_h200.json``."""
 WARPS = 4
 MAXNREG = 128
 """Registers per thread at launch (the producer's warp group gives most of its share to the consumer's)."""
+TRANSPOSED_MAX_HP = 16
+"""The most query heads per item that the decode launches (modes 0 and 1) compute in transposed tiles."""
 LAUNCH_OPTIONS: Mapping[str, int] = MappingProxyType({"num_warps": WARPS, "maxnreg": MAXNREG})
 """The compile options of every launch of the kernel."""
 
@@ -167,13 +171,13 @@ if gluon is not None:
 
     @gluon.jit
     def _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, it, n_items, n_groups, stride_qt,
-                   stride_qh, stride_mem, HP: gl.constexpr, D: gl.constexpr, blk: gl.constexpr,
-                   MODE: gl.constexpr):  # fmt: skip
-        """Item ``it``'s query rows (:func:`_row_seqs`; dead rows zero) and :func:`_item_span`'s key count and first
-        tile. An index past the last item reads the last item again (a prefetch nobody uses)."""
+                   stride_qh, stride_mem, HP: gl.constexpr, D: gl.constexpr, blk: gl.constexpr, MODE: gl.constexpr,
+                   ROWS: gl.constexpr):  # fmt: skip
+        """Item ``it``'s ``ROWS`` query rows (:func:`_row_seqs`; dead rows zero) and :func:`_item_span`'s key count and
+        first tile. An index past the last item reads the last item again (a prefetch nobody uses)."""
         it = gl.maximum(gl.minimum(it, n_items - 1), 0)
         _, seqlen, j0 = _item_span(it, n_groups, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, stride_mem, MODE)
-        rows = gl.arange(0, 16 * W, layout=gl.SliceLayout(1, blk))
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
         seq, live = _row_seqs(members_ptr, it, n_groups, stride_mem, rows, HP, MODE)
         q_rows = seq.to(gl.int64) * stride_qt + ((it % n_groups) * HP + rows % HP) * stride_qh
@@ -181,10 +185,11 @@ if gluon is not None:
         return q, seqlen, j0
 
     @gluon.jit
-    def _state(members_ptr, it, n_groups, stride_mem, HP: gl.constexpr, row_layout: gl.constexpr, MODE: gl.constexpr):
-        """``(state row, live)`` per tile row of item ``it``: the walk state of query head ``h`` of batch row ``b``
-        is state row ``b * Hq + h`` (:func:`_row_seqs`)."""
-        rows = gl.arange(0, 16 * W, layout=row_layout)
+    def _state(members_ptr, it, n_groups, stride_mem, HP: gl.constexpr, row_layout: gl.constexpr, MODE: gl.constexpr,
+               ROWS: gl.constexpr):  # fmt: skip
+        """``(state row, live)`` per tile row (of ``ROWS``) of item ``it``: the walk state of query head ``h`` of batch
+        row ``b`` is state row ``b * Hq + h`` (:func:`_row_seqs`)."""
+        rows = gl.arange(0, ROWS, layout=row_layout)
         seq, live = _row_seqs(members_ptr, it, n_groups, stride_mem, rows, HP, MODE)
         return (seq * n_groups + it % n_groups).to(gl.int64) * HP + rows % HP, live
 
@@ -214,7 +219,7 @@ if gluon is not None:
         step = gl.num_programs(0)
         q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
                                                 gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, stride_mem,
-                                                HP, D, blk, DECODE_MODE)  # fmt: skip
+                                                HP, D, blk, DECODE_MODE, BLOCK_M)  # fmt: skip
         x = 0
         for it in range(gl.program_id(0), n_items, step):
             q = gl.convert_layout(q_next, q_op)
@@ -222,12 +227,12 @@ if gluon is not None:
             j0 = j0_next
             q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, it + step,
                                                     n_items, n_groups, stride_qt, stride_qh, stride_mem, HP, D, blk,
-                                                    DECODE_MODE)  # fmt: skip
+                                                    DECODE_MODE, BLOCK_M)  # fmt: skip
             n_tiles = gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)
             n_full = seqlen // TILE_N  # tiles below it are wholly inside the sequence
             if DECODE_MODE == 1:  # the state the shared tiles left (the empty state when there are none)
-                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE)
-                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE)
+                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE, BLOCK_M)
+                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE, BLOCK_M)
                 m_i = gl.load(ml_ptr + 2 * srow_s, mask=live_s & (j0 > 0), other=float("-inf"))
                 l_i = gl.load(ml_ptr + 2 * srow_s + 1, mask=live_s & (j0 > 0), other=0.0)
                 acc = gl.load(sacc_ptr + srow_o[:, None] * D + cols_o[None, :], mask=(live_o & (j0 > 0))[:, None],
@@ -276,8 +281,8 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(slot), count=1)
             x += 1
             if DECODE_MODE == 2:  # the walk state after the shared tiles, per member row
-                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE)
-                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE)
+                srow_s, live_s = _state(members_ptr, it, n_groups, stride_mem, HP, row_s, DECODE_MODE, BLOCK_M)
+                srow_o, live_o = _state(members_ptr, it, n_groups, stride_mem, HP, row_o, DECODE_MODE, BLOCK_M)
                 gl.store(ml_ptr + 2 * srow_s, m_i, mask=live_s)
                 gl.store(ml_ptr + 2 * srow_s + 1, l_i, mask=live_s)
                 gl.store(sacc_ptr + srow_o[:, None] * D + cols_o[None, :], acc, mask=live_o[:, None])
@@ -289,6 +294,145 @@ if gluon is not None:
     def _rings(k_desc, v_desc):
         """The ones tile and the K and V rings (:data:`SLOTS` deep, each slot released by the one consumer)."""
         return rings(k_desc, v_desc, SLOTS, TILE_N, W, 1)
+
+    @gluon.constexpr_function
+    def query_columns(hp: int) -> int:
+        """Columns of the transposed tiles (:func:`_consumer_t`): an item's ``hp`` query rows, at least the wgmma's
+        eight."""
+        return max(8, hp)
+
+    @gluon.jit
+    def _softmax_t(s, m_s, qk_scale, dt: gl.constexpr):
+        """:func:`~rlexact.ops.gluon_attention.tile_softmax` on transposed scores (keys down, query rows across): the
+        same operations per query row."""
+        m_new = gl.maximum(m_s, gl.max(s, 0) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[None, :])).to(dt)
+
+    @gluon.jit
+    def _stage_p(p, p_smem, x):
+        """Tile ``x``'s probabilities (keys down) into buffer ``x % 2`` as the query-major rows the wgmmas read; the
+        view ``[keys, rows]`` returned is their B operand."""
+        pt = p_smem.index(x % 2).permute((1, 0))
+        pt.store(p)
+        fence_async_shared()
+        cta_barrier()
+        return pt
+
+    @gluon.jit
+    def _consumer_t(q_ptr, o_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, ml_ptr, sacc_ptr, q_smem, p_smem,
+                    k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items, n_groups, qk_scale, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_mem, HP: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        """:func:`_consumer` with the tiles transposed: an item's scores are ``K @ Q^T`` (the 64 keys as the wgmma's
+        rows, the item's query rows as its ``TN`` columns), its row sums ``ones @ P^T`` and its output ``V^T @ P^T``,
+        so a wgmma computes ``TN`` query rows instead of 64 of which ``HP`` are live. Each row's products, their K
+        chains and every per-row operation are :func:`_consumer`'s; only the operands' roles swap. Modes 0 and 1."""
+        TN: gl.constexpr = query_columns(HP)
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        t_layout: gl.constexpr = wgmma_layout(W, TN)
+        one_op: gl.constexpr = gl.DotOperandLayout(0, t_layout, 2)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        col: gl.constexpr = gl.SliceLayout(0, t_layout)
+        down: gl.constexpr = gl.SliceLayout(1, t_layout)
+        offs_n = gl.arange(0, TILE_N, layout=down)
+        offs_d = gl.arange(0, D, layout=down)
+        s_zero = gl.zeros([TILE_N, TN], gl.float32, layout=t_layout)
+        ones = gl.full([TILE_N, TILE_N], 1.0, dt, layout=one_op)
+        q_t = q_smem.permute((1, 0))
+        step = gl.num_programs(0)
+        q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
+                                                gl.program_id(0), n_items, n_groups, stride_qt, stride_qh, stride_mem,
+                                                HP, D, blk, DECODE_MODE, TN)  # fmt: skip
+        x = 0
+        for it in range(gl.program_id(0), n_items, step):
+            q_smem.store(q_next)
+            fence_async_shared()
+            cta_barrier()
+            seqlen = len_next
+            j0 = j0_next
+            q_next, len_next, j0_next = _query_rows(q_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, it + step,
+                                                    n_items, n_groups, stride_qt, stride_qh, stride_mem, HP, D, blk,
+                                                    DECODE_MODE, TN)  # fmt: skip
+            n_tiles = gl.maximum((seqlen + TILE_N - 1) // TILE_N, 1)
+            n_full = seqlen // TILE_N
+            if DECODE_MODE == 1:
+                srow, live = _state(members_ptr, it, n_groups, stride_mem, HP, col, DECODE_MODE, TN)
+                m_i = gl.load(ml_ptr + 2 * srow, mask=live & (j0 > 0), other=float("-inf"))
+                l_i = gl.load(ml_ptr + 2 * srow + 1, mask=live & (j0 > 0), other=0.0)
+                acc = gl.load(sacc_ptr + srow[None, :] * D + offs_d[:, None], mask=(live & (j0 > 0))[None, :],
+                              other=0.0)  # fmt: skip
+            else:
+                m_i = gl.full([TN], float("-inf"), gl.float32, layout=col)
+                l_i = gl.zeros([TN], gl.float32, layout=col)
+                acc = gl.zeros([D, TN], gl.float32, layout=t_layout)
+            slot = x % SLOTS
+            phase = (x // SLOTS) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(k_smem.index(slot), q_t, s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if j0 >= n_full:
+                s = gl.where((j0 * TILE_N + offs_n < seqlen)[:, None], s, float("-inf"))
+            m_i, alpha, p = _softmax_t(s, m_i, qk_scale, dt)
+            p_t = _stage_p(p, p_smem, x)
+            rsum = warpgroup_mma(ones, p_t, s_zero, use_acc=False)
+            l_i = gl.fma(l_i, alpha, gl.max(rsum, 0))
+            for j in range(j0, n_tiles - 1):  # tile j's P @ V under tile j + 1's scores and softmax
+                nxt = (x + 1) % SLOTS
+                nphase = ((x + 1) // SLOTS) & 1
+                mbarrier.wait(k_ready.index(nxt), nphase)
+                s_tok = warpgroup_mma(k_smem.index(nxt), q_t, s_zero, use_acc=False, is_async=True)
+                acc = acc * alpha[None, :]
+                mbarrier.wait(v_ready.index(slot), phase)
+                acc_tok = warpgroup_mma(v_smem.index(slot).permute((1, 0)), p_t, acc, is_async=True)
+                s, acc = warpgroup_mma_wait(1, deps=(s_tok, acc_tok))  # the scores; P @ V may run
+                mbarrier.arrive(k_empty.index(nxt), count=1)
+                if j + 1 >= n_full:
+                    s = gl.where(((j + 1) * TILE_N + offs_n < seqlen)[:, None], s, float("-inf"))
+                m_i, alpha, p = _softmax_t(s, m_i, qk_scale, dt)
+                p_t = _stage_p(p, p_smem, x + 1)
+                r_tok = warpgroup_mma(ones, p_t, s_zero, use_acc=False, is_async=True)
+                rsum, acc = warpgroup_mma_wait(0, deps=(r_tok, acc))
+                mbarrier.arrive(v_empty.index(slot), count=1)
+                l_i = gl.fma(l_i, alpha, gl.max(rsum, 0))
+                x += 1
+                slot = nxt
+                phase = nphase
+            acc = acc * alpha[None, :]  # the last tile's P @ V
+            mbarrier.wait(v_ready.index(slot), phase)
+            if n_full < n_tiles:  # V rows past the sequence (stale cache rows or zero fill): zeros
+                zero_tail_rows(v_smem.index(slot), (n_tiles - 1) * TILE_N, seqlen, TILE_N, blk)
+            acc = warpgroup_mma(v_smem.index(slot).permute((1, 0)), p_t, acc)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            x += 1
+            out = acc / l_i[None, :]
+            heads = gl.arange(0, TN, layout=col)
+            orow = (it // n_groups).to(gl.int64) * stride_ot + ((it % n_groups) * HP + heads) * stride_oh
+            gl.store(o_ptr + orow[None, :] + offs_d[:, None], out.to(o_ptr.dtype.element_ty),
+                     mask=(heads < HP)[None, :])  # fmt: skip
+
+    @gluon.jit
+    def _attn_decode_kernel_t(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
+                              count_ptr, ml_ptr, sacc_ptr, n_items, n_groups, hp, group, qk_scale, stride_qt,
+                              stride_qh, stride_ot, stride_oh, stride_bt, stride_mem, width, n_rows, HP: gl.constexpr,
+                              D: gl.constexpr):  # fmt: skip
+        """:func:`_attn_decode_kernel` with the transposed consumer (:func:`_consumer_t`; modes 0 and 1)."""
+        TN: gl.constexpr = query_columns(HP)
+        dt: gl.constexpr = k_desc.dtype
+        _, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = _rings(k_desc, v_desc)
+        q_smem = gl.allocate_shared_memory(dt, [TN, D], gl.NVMMASharedLayout.get_default_for([TN, D], dt))
+        p_smem = gl.allocate_shared_memory(dt, [2, TN, TILE_N], gl.NVMMASharedLayout.get_default_for([TN, TILE_N], dt))
+        gl.warp_specialize(
+            [
+                (_consumer_t, (q_ptr, o_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, ml_ptr, sacc_ptr, q_smem,
+                               p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, n_items, n_groups,
+                               qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_mem, HP, D)),
+                (_producer, (k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr, k_smem, v_smem,
+                             k_ready, k_empty, v_ready, v_empty, n_items, n_groups, hp, group, stride_bt, stride_mem,
+                             width, n_rows)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )  # fmt: skip
 
     @gluon.jit
     def _attn_decode_kernel(q_ptr, o_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, start_ptr, members_ptr, tiles_ptr,
@@ -327,15 +471,25 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
 
 
 @functools.cache
-def kernel(mode: int) -> object:
+def kernel(mode: int, transposed: bool = False) -> object:
     """The decode kernel bound to :data:`DECODE_MODE` ``mode`` (built once per mode and kept alive, since the cached
-    launchers key on the kernel object)."""
+    launchers key on the kernel object); ``transposed`` selects :func:`_consumer_t` (modes 0 and 1)."""
+    if transposed and mode == 2:
+        raise ValueError("the shared-prefix launch (mode 2) stacks its members' rows in the wide tile: not transposed")
+    base = _attn_decode_kernel_t if transposed else _attn_decode_kernel
     if mode == 0:
-        return _attn_decode_kernel
+        return base
     consts = {"DECODE_MODE": gl.constexpr(mode)}
     producer = rebind(_producer, **consts)
-    consumer = rebind(_consumer, **consts)
-    return rebind(_attn_decode_kernel, _producer=producer, _consumer=consumer, **consts)
+    if transposed:
+        return rebind(base, _producer=producer, _consumer_t=rebind(_consumer_t, **consts), **consts)
+    return rebind(base, _producer=producer, _consumer=rebind(_consumer, **consts), **consts)
+
+
+def transposes(hp: int) -> bool:
+    """Whether the decode launches (modes 0 and 1) of items with ``hp`` query heads run the transposed consumer: a
+    power of two up to :data:`TRANSPOSED_MAX_HP` (wider items fill the 64-row tile well)."""
+    return hp <= TRANSPOSED_MAX_HP and hp & (hp - 1) == 0
 
 
 def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -365,8 +519,8 @@ def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         scalars = (n_items, n_groups, hp, group)
         strides = (sq[0], sq[1], so[0], so[1], sb, stride_mem, width, nb * page)
         args = (q, out, k_desc, v_desc, block_tables, seqlens_k, *plan, *scalars, qk_scale, *strides, hp, HEAD_DIM)
-        launch(kernel(mode), (min(n_items, programs), 1), args, (*tensors, *plan), (*scalars, *strides, hkv * d),
-               LAUNCH_OPTIONS)  # fmt: skip
+        fn = kernel(mode, mode != 2 and transposes(hp))
+        launch(fn, (min(n_items, programs), 1), args, (*tensors, *plan), (*scalars, *strides, hkv * d), LAUNCH_OPTIONS)
 
     if prefix is None:
         run(0, b * n_groups, (seqlens_k,) * 6, 0)
