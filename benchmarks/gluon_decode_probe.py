@@ -10,7 +10,8 @@ programs per SM, a producer warp streaming their pages through K/V rings that ru
 be the ``tl`` kernel's bits: checked on mixed lengths with shuffled pages and NaN in every cache slot past a
 sequence, with a perturbed-key negative control, and at every timing shape. Timings are CUDA-graph replays of both
 launches (``{"GLUON": False}`` selects the ``tl`` one) on the same paged caches (pages in random order), with one
-and with two programs per SM (``gluon_decode.PROGRAMS_PER_SM``).
+to three programs per SM (``gluon_decode.PROGRAMS_PER_SM``), and with two in the wide 64-row tile instead of the
+transposed one (``gluon_decode.TRANSPOSED_MAX_HP`` 0: ``gluon2_wide``).
 
 ``--variants`` adds launches of the same kernel in other shapes, each ``PxS``: ``P`` programs per SM and ``S``-deep K
 and V rings (``gluon_decode.SLOTS``; three programs fit the SM's shared memory and registers with two-deep rings). A
