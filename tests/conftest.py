@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from interpreter_jobs import DEFAULT_TIMEOUT_S, InterpreterJobs
+from interpreter_jobs import DEFAULT_TIMEOUT_S, InterpreterJobs, interpreter_defect
 
 JOBS = pytest.StashKey[InterpreterJobs]()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -30,11 +30,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not HAS_TRITON:
-        skip_interp = pytest.mark.skip(reason="needs triton")
-        for item in items:
-            if item.get_closest_marker("interpreter") is not None:
-                item.add_marker(skip_interp)
+    interpreted = [item for item in items if item.get_closest_marker("interpreter") is not None]
+    if interpreted:
+        reason = "needs triton" if not HAS_TRITON else interpreter_defect()
+        if reason is not None:
+            for item in interpreted:
+                item.add_marker(pytest.mark.skip(reason=reason))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -44,12 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not HAS_TRITON:
-        return
     jobs = session.config.stash[JOBS]
     for item in session.items:
         marker = item.get_closest_marker("interpreter")
-        if marker is not None:
+        if marker is not None and item.get_closest_marker("skip") is None:
             jobs.submit(tuple(marker.args), marker.kwargs.get("timeout", DEFAULT_TIMEOUT_S))
 
 

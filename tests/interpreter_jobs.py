@@ -53,5 +53,37 @@ class InterpreterJobs:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+SCALAR_LOOP_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit(do_not_specialize=["n"])
+def count(out, n, STEP: tl.constexpr):
+    acc = tl.program_id(0) * 0
+    for _ in range(0, n, STEP):
+        acc += 1
+    tl.store(out, acc)
+
+out = torch.zeros(1, dtype=torch.int32)
+count[(1,)](out, 10, 4)
+assert out.item() == 3, out
+"""
+
+
+def interpreter_defect() -> str | None:
+    """Why this environment's Triton interpreter cannot run the checks, or ``None``. Known defect: the
+    interpreters of some triton releases (3.6; 3.9 is fixed) convert a runtime scalar argument to a Python ``int``
+    with ``int()`` of a one-element array, which NumPy 2.4 and later refuse, so a kernel loop bounded by a scalar
+    argument fails."""
+    proc = run_interpreter(("-c", SCALAR_LOOP_PROBE), 300.0)
+    if proc.returncode == 0:
+        return None
+    if "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
+        return (
+            "this triton's interpreter cannot bound a loop by a scalar argument under NumPy >= 2.4 (int() of a "
+            "one-element array); install a fixed triton (3.9) or numpy < 2.4 to run the interpreter checks"
+        )
+    raise RuntimeError(f"the Triton interpreter probe failed for another reason:\n{proc.stderr[-3000:]}")
+
+
 def failure_report(proc: subprocess.CompletedProcess, tail: int = 5000) -> str:
     return f"interpreter checks failed (exit {proc.returncode}):\n{proc.stdout[-tail:]}\n{proc.stderr[-tail:]}"
