@@ -12,17 +12,20 @@ waves of them at large batches, and each program's dependent loads (length, bloc
 once per program. Here a grid of two programs per SM walks the (sequence, head group) items in turn. In each program
 a producer warp reads an item's length and block-table row and copies its key tiles page by page (one 16-key TMA box
 per page; pages past the sequence are read from past the cache's last row, which TMA fills with zeros) through a K
-ring and a V ring that run ahead across item boundaries; a 4-warp consumer partition computes one item at a time
-(64-row wgmma tiles of which the item's query heads use ``HP``), issues tile ``j + 1``'s score wgmma with tile
-``j``'s P @ V and runs tile ``j + 1``'s softmax while that P @ V is in flight (no wgmma is in flight across an item),
-and prefetches the next item's query rows and length. V rows past the sequence are zeroed before their P @ V, so
-stale cache contents never enter a row. An item of zero keys gets one tile of padding, wholly masked, so producer
+ring and a V ring that run ahead across item boundaries; a 4-warp consumer partition computes one item at a time in
+transposed tiles (the scores as ``K @ Q^T``: a tile's keys are the wgmma's rows and the item's ``HP`` query heads,
+padded to the wgmma's smallest width, its columns; the row sums as ``ones @ P^T``, the output as ``V^T @ P^T``, so
+each entry is the same dot product in the same K chain as the wide tile's), issues tile ``j + 1``'s score wgmma with
+tile ``j``'s P @ V and runs tile ``j + 1``'s softmax while that P @ V is in flight (no wgmma is in flight across an
+item), and prefetches the next item's query rows and length. V rows past the sequence are zeroed before their P @ V,
+so stale cache contents never enter a row. An item of zero keys gets one tile of padding, wholly masked, so producer
 and consumer agree on every item's tile count.
 
 Key tiles that a group of sequences shares (:mod:`rlexact.ops.shared_prefix`) are read once per group: a first
-launch (:data:`DECODE_MODE` 2) walks them with the group's query rows stacked in the tile (``HP`` per member) and
-stores each row's walk state (maximum, sum, accumulator; fp32), and the decode launch (mode 1) starts a member's
-walk at its first own tile from that state. The operations on a row and their order are the uninterrupted walk's.
+launch (:data:`DECODE_MODE` 2) walks them with the group's query rows stacked in a wide 64-row tile (``HP`` per
+member) and stores each row's walk state (maximum, sum, accumulator; fp32), and the decode launch (mode 1) starts a
+member's walk at its first own tile from that state. The operations on a row and their order are the uninterrupted
+walk's.
 """
 
 from __future__ import annotations
