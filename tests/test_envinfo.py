@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from rlexact.envinfo import host_cpu, result_header
+from rlexact.envinfo import digest_files, host_cpu, is_source, result_header, source_digest
 
 
 def test_host_cpu_reads_the_first_model_name(tmp_path: Path) -> None:
@@ -25,4 +25,28 @@ def test_host_cpu_falls_back_without_a_model_name(tmp_path: Path) -> None:
 def test_result_header_records_the_host_cpu() -> None:
     header = result_header("probe")
     assert header["host_cpu"] == host_cpu() and header["host_cpu"] != ""
-    assert list(header)[:7] == ["benchmark", "command", "commit", "date", "device", "host_cpu", "cpu_count"]
+    assert list(header)[:8] == [
+        "benchmark", "command", "commit", "source_digest", "date", "device", "host_cpu", "cpu_count"
+    ]  # fmt: skip
+
+
+def test_source_files_are_the_library_and_the_benchmark_scripts() -> None:
+    assert is_source("src/rlexact/ops/gluon_decode.py") and is_source("benchmarks/rollout_throughput.py")
+    assert not is_source("benchmarks/results/x.py") and not is_source("tests/test_envinfo.py")
+    assert not is_source("src/rlexact/demo/assets/data/train.jsonl") and not is_source("README.md")
+
+
+def test_source_digest_changes_with_any_file(tmp_path: Path) -> None:
+    files = {"src/rlexact/a.py": b"x = 1\n", "benchmarks/b.py": b"y = 2\n"}
+    base = digest_files(files)
+    assert digest_files(dict(reversed(files.items()))) == base
+    assert digest_files({**files, "src/rlexact/a.py": b"x = 2\n"}) != base
+    assert digest_files({"src/rlexact/c.py": b"x = 1\n", "benchmarks/b.py": b"y = 2\n"}) != base
+    assert digest_files({"src/rlexact/a.py": b"x = 1\n"}) != base
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    (tmp_path / "benchmarks" / "results").mkdir()
+    (tmp_path / "benchmarks" / "results" / "ignored.py").write_bytes(b"z = 3\n")
+    assert source_digest(tmp_path) == base
+    assert source_digest(tmp_path / "benchmarks") is None  # not a checkout

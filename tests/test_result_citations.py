@@ -1,4 +1,5 @@
-"""Every result file a results table cites exists, and records the commit the citation names.
+"""Every result file a results table cites exists, and records the commit the citation names; a result that records
+its source digest ran that commit's code.
 
 The results tables of README.md and docs/benchmarks.md cite their evidence in the last column as
 ``` `name.json` (abc1234)``` (several names may share one commit; ``{a,b}`` and ``*`` patterns expand to files, and a
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+
+from rlexact.envinfo import SOURCE_DIRS, digest_files, is_source, source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -84,3 +88,62 @@ def test_citation_check_catches_wrong_commit_and_missing_file(tmp_path: Path) ->
         f"c_h200.json (1234567): no such file in {tmp_path}"
     ]
     assert citation_errors("`a_h200.json` (89abcde) outside a table", tmp_path) == (0, [])
+
+
+def commit_sources(commit: str, root: Path = ROOT) -> dict[str, bytes]:
+    """The :func:`rlexact.envinfo.is_source` files of ``commit`` in the repository at ``root``, read through git."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "-r", "-z", "--name-only", commit, "--", *SOURCE_DIRS],
+        cwd=root, capture_output=True, check=True, timeout=60,
+    ).stdout.decode()  # fmt: skip
+    paths = sorted(p for p in listing.split("\0") if p and is_source(p))
+    request = "".join(f"{commit}:{p}\n" for p in paths).encode()
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=request, capture_output=True, check=True,
+                         timeout=60).stdout  # fmt: skip
+    files, at = {}, 0
+    for path in paths:
+        header_end = out.index(b"\n", at)
+        size = int(out[at:header_end].split()[2])
+        files[path] = out[header_end + 1 : header_end + 1 + size]
+        at = header_end + 1 + size + 1
+    return files
+
+
+def _git_checkout(root: Path) -> bool:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, timeout=30).returncode == 0
+
+
+def test_results_ran_the_code_of_their_commit() -> None:
+    """A result that records a ``source_digest`` was written by the recorded commit's library and benchmark scripts
+    (a run whose ``RLEXACT_COMMIT`` named another commit, or whose tree had changes, fails here)."""
+    if not _git_checkout(ROOT):
+        pytest.skip("not a git checkout")
+    problems = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        recorded = data.get("source_digest") if isinstance(data, dict) else None
+        if recorded is None:
+            continue
+        commit = str(data.get("commit", ""))
+        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
+        if known.returncode != 0:
+            problems.append(f"{path.name}: commit {commit!r} is not in this repository")
+        elif digest_files(commit_sources(commit)) != recorded:
+            problems.append(f"{path.name}: its code is not commit {commit[:7]}'s (source_digest differs)")
+    assert not problems, "; ".join(problems)
+
+
+def test_source_digest_of_a_clean_tree_is_its_commits() -> None:
+    """The working tree's digest equals the one read through git for ``HEAD`` when no source file differs from it,
+    and not once one of those files has one byte more."""
+    if not _git_checkout(ROOT):
+        pytest.skip("not a git checkout")
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", *SOURCE_DIRS], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout  # fmt: skip
+    if any(is_source(line[3:]) for line in changed.splitlines()):
+        pytest.skip("source files differ from HEAD")
+    head = commit_sources("HEAD")
+    tree = source_digest(ROOT)
+    assert digest_files(head) == tree
+    assert digest_files({**head, "src/rlexact/envinfo.py": head["src/rlexact/envinfo.py"] + b"#"}) != tree

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 COMMIT_ENV = "RLEXACT_COMMIT"
@@ -46,6 +48,45 @@ def git_commit(path: str | Path | None = None) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+SOURCE_DIRS = ("src/rlexact", "benchmarks")
+"""The repository folders whose Python files make up a result's code: the library and the benchmark scripts."""
+
+
+def is_source(path: str) -> bool:
+    """Whether the repository-relative POSIX ``path`` is one of a result's source files: a ``.py`` file anywhere under
+    ``src/rlexact`` or directly in ``benchmarks``."""
+    if not path.endswith(".py"):
+        return False
+    return path.startswith("src/rlexact/") or path.count("/") == 1 and path.startswith("benchmarks/")
+
+
+def digest_files(files: Mapping[str, bytes]) -> str:
+    """SHA-256 over ``{repository-relative path: contents}`` in path order, each path and length framed, so renaming,
+    moving or editing any file changes it."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        data = files[path]
+        h.update(f"{path}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def source_digest(root: str | Path | None = None) -> str | None:
+    """:func:`digest_files` of the :func:`is_source` files of the working tree at ``root`` (default: the repository
+    holding this package), or ``None`` where this package is not in a ``src/`` checkout (an installed wheel). A
+    result records it beside its commit, so a check can tell whether the tree that ran was that commit's."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    if not (root / "src" / "rlexact").is_dir():
+        return None
+    files = {}
+    for folder in SOURCE_DIRS:
+        for p in (root / folder).rglob("*.py"):
+            rel = p.relative_to(root).as_posix()
+            if is_source(rel):
+                files[rel] = p.read_bytes()
+    return digest_files(files)
+
+
 def device_name() -> str:
     """The CUDA device's name when one is visible, else the CPU's."""
     import torch
@@ -70,12 +111,14 @@ def host_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
 
 def result_header(name: str, *libraries: str) -> dict:
     """The provenance block every committed result starts with: ``benchmark`` name, ``command`` line, git
-    ``commit``, UTC ``date``, ``device``, the host's CPU model and count, library ``versions`` and the ``RLEXACT_*``
-    environment variables that change how kernels are chosen or launched."""
+    ``commit`` and the :func:`source_digest` of the tree that ran, UTC ``date``, ``device``, the host's CPU model and
+    count, library ``versions`` and the ``RLEXACT_*`` environment variables that change how kernels are chosen or
+    launched."""
     return {
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": git_commit(),
+        "source_digest": source_digest(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
         "host_cpu": host_cpu(),
