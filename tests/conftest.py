@@ -30,12 +30,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    interpreted = [item for item in items if item.get_closest_marker("interpreter") is not None]
-    if interpreted:
-        reason = "needs triton" if not HAS_TRITON else interpreter_defect()
-        if reason is not None:
-            for item in interpreted:
-                item.add_marker(pytest.mark.skip(reason=reason))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -45,10 +39,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    """Submit the interpreter job of every selected ``interpreter`` test, or skip them all where this environment
+    cannot run them (no triton; :func:`interpreter_jobs.interpreter_defect`, probed only when one is selected)."""
+    interpreted = [item for item in session.items if item.get_closest_marker("interpreter") is not None]
+    if not interpreted:
+        return
+    reason = "needs triton" if not HAS_TRITON else interpreter_defect()
     jobs = session.config.stash[JOBS]
-    for item in session.items:
-        marker = item.get_closest_marker("interpreter")
-        if marker is not None and item.get_closest_marker("skip") is None:
+    for item in interpreted:
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        else:
+            marker = item.get_closest_marker("interpreter")
             jobs.submit(tuple(marker.args), marker.kwargs.get("timeout", DEFAULT_TIMEOUT_S))
 
 
