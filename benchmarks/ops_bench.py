@@ -163,19 +163,22 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
 
 
 def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> dict:
-    """The packed forward through each sm_90 Gluon kernel (``ta._forward``'s ``PAIR`` override), which the launch's
-    default picked, and whether the two give the same bits."""
+    """The packed forward through each sm_90 Gluon kernel (``ta._forward``'s ``PAIR`` override; the pair persistent,
+    as by default, and with a program per item), which the launch's default picked, and whether each pair launch gives
+    the single kernel's bits."""
     from rlexact.ops import gluon_attention_pair
     from rlexact.ops import triton_attention as ta
 
     res: dict[str, object] = {}
     outs = []
-    for name, pair in (("single", False), ("pair", True)):
+    per_item = {"PAIR": True, "PROGRAMS": 1 << 30}
+    variants = (("single", {"PAIR": False}), ("pair", {"PAIR": True}), ("pair_per_item", per_item))
+    for name, cfg in variants:
         out = torch.empty_like(q)
-        res[f"{name}_ms"] = bench(lambda out=out, pair=pair: ta._forward(q, k, v, cu, None, None, scale, out,
-                                                                         cfg={"PAIR": pair}))  # fmt: skip
+        res[f"{name}_ms"] = bench(lambda out=out, cfg=cfg: ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg))
         outs.append(out)
-    res["pair_bitwise_equal_single"] = bool(torch.equal(*outs))
+    res["pair_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[1]))
+    res["pair_per_item_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[2]))
     res["default"] = "pair" if gluon_attention_pair.chosen(q.shape[0], cu.shape[0] - 1) else "single"
     return res
 

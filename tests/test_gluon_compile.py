@@ -70,13 +70,11 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                      GATHERED=gathered)  # fmt: skip
         k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
-        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep), ptrs | strides,
-                                        dict(GROUP=2, SCAN=ga.SCAN, GATHERED=gathered), num_warps=gp.WARPS,
-                                        maxnreg=gp.MAXNREG)  # fmt: skip
+        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | {"heads": "i32"}, {},
+                                        num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
-        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides, dict(GROUP=2, SCAN=ga.SCAN, GATHERED=False),
-                                 num_warps=gp.WARPS)  # fmt: skip
+        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | {"heads": "i32"}, {}, num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "stride_mem", "width", "n_rows")  # fmt: skip

@@ -203,13 +203,15 @@ def test_gpu_gluon_decode_shared_prefix(heads) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
+@pytest.mark.parametrize("gl_cfg", [{"PAIR": False}, {"PAIR": True}, {"PAIR": True, "PROGRAMS": 3},
+                                    {"PAIR": True, "PROGRAMS": 1 << 20}], ids=["single", "pair", "pair-3", "pair-all"])
 @pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128), (8, 8, 128)], ids=str)
-def test_gpu_gluon_forward_equals_tl(heads, pair) -> None:
-    """On sm_90 the packed forward runs a Gluon kernel (``rlexact.ops.gluon_attention``, or with ``pair`` its
-    warp-specialized pair of query tiles, ``rlexact.ops.gluon_attention_pair``): its rows equal the ``tl`` kernel's
-    bitwise (mixed lengths, partial tiles, several sequences per tile slot, KV splits, NaN in another sequence's
-    keys), a non-contiguous K/V view gives the same rows, and the backward's preprocessing gives the ``tl`` kernel's
+def test_gpu_gluon_forward_equals_tl(heads, gl_cfg) -> None:
+    """On sm_90 the packed forward runs a Gluon kernel (``rlexact.ops.gluon_attention``, or with ``PAIR`` its
+    warp-specialized pair of query tiles, ``rlexact.ops.gluon_attention_pair``, persistent by default, over three
+    programs each looping over many items, or with a program per item): its rows equal the ``tl`` kernel's bitwise
+    (mixed lengths, partial tiles, several sequences per tile slot, KV splits, NaN in another sequence's keys), a
+    non-contiguous K/V view gives the same rows, and the backward's preprocessing gives the ``tl`` kernel's
     log-sum-exp. Negative control: another key tile changes bits."""
     from rlexact.ops import gluon_attention
     from rlexact.ops import triton_attention as ta
@@ -231,7 +233,6 @@ def test_gpu_gluon_forward_equals_tl(heads, pair) -> None:
         return out
 
     ref = run({"GLUON": False})
-    gl_cfg = {"PAIR": pair}
     assert torch.equal(run(gl_cfg), ref)
     assert torch.equal(run(gl_cfg, k.contiguous(), v.contiguous()), ref)
     k_nan, v_nan = k.clone(), v.clone()
@@ -382,9 +383,10 @@ def test_gpu_gluon_decode_equals_tl(heads, monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
+@pytest.mark.parametrize("gl_cfg", [{"PAIR": False}, {"PAIR": True}, {"PAIR": True, "PROGRAMS": 3}],
+                         ids=["single", "pair", "pair-3"])
 @pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128)], ids=str)
-def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_gathered_paged_equals_tl(heads, gl_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
     """A paged launch with many queries per sequence gathers its keys out of the caches and runs the packed Gluon
     kernel (``rlexact.ops.kv_gather``): its rows equal the ``tl`` paged launch's bitwise, for prefill chunks after
     earlier keys (across KV splits and tile edges), a fresh prompt and decode rows in the same launch, with pages
@@ -421,7 +423,7 @@ def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPat
 
     ref = run({"GLUON": False})
     assert torch.isfinite(ref).all() and not calls
-    assert torch.equal(run({"GATHER": True, "PAIR": pair}), ref) and len(calls) == 1
+    assert torch.equal(run({"GATHER": True, **gl_cfg}), ref) and len(calls) == 1
     assert torch.equal(run(None), ref) and len(calls) == 2  # 2,960 queries over 9 sequences: gathered by default
     tail = slice(5, 9)  # 259 queries over 4 sequences: below MIN_MEAN_QUERIES, the tl launch
     assert kv_gather.MIN_MEAN_QUERIES * 4 > 259
@@ -433,7 +435,7 @@ def test_gpu_gathered_paged_equals_tl(heads, pair, monkeypatch: pytest.MonkeyPat
     assert torch.equal(outs[0], outs[1]) and len(calls) == 2
     k2 = kc.clone()
     k2[int(tables[3, 100 // page]), 100 % page] += 1.0  # sequence 3's key at position 100, visible to all its queries
-    out = run({"GATHER": True, "PAIR": pair}, k=k2)
+    out = run({"GATHER": True, **gl_cfg}, k=k2)
     rows3 = slice(int(cu[3]), int(cu[4]))
     assert not torch.equal(out[rows3], ref[rows3])
     others = torch.ones(sum(new), dtype=torch.bool, device="cuda")

@@ -405,12 +405,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
                   out: torch.Tensor, hp: int, rows: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
-                  constexprs: tuple, options: Mapping[str, int],
-                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+                  constexprs: tuple, options: Mapping[str, int], gathered: tuple[torch.Tensor, int] | None = None,
+                  programs: int | None = None) -> None:  # fmt: skip
     """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are ``q, out, lse, delta``,
     the K and V descriptors, ``cu``, the sequence count, the base-2 scale, the q / out / lse strides, the key counts
-    and rows per sequence of a gathered launch, then ``constexprs``; each program takes ``rows`` query rows
-    (``rows // hp`` positions) of one head group."""
+    and rows per sequence of a gathered launch, then ``constexprs``. An item is ``rows`` query rows (``rows // hp``
+    positions) of one head group. Without ``programs`` the grid has one program per item, ``(tile slot, head
+    group)``; with it, the grid is one-dimensional, at most ``programs`` programs, and the kernel takes the number of
+    head groups after the rows per sequence (a persistent kernel finds its items itself)."""
     t, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     num_seqs = cu.shape[0] - 1
@@ -420,11 +422,14 @@ def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
     seqk, kv_rows = gathered if gathered is not None else (cu, 0)  # unread in a packed launch
     grid = (t // (rows // hp) + num_seqs, hq // hp)
+    heads: tuple[int, ...] = ()
+    if programs is not None:
+        grid, heads = (min(programs, grid[0] * grid[1]), 1), (grid[1],)
     sq, so, sl = q.stride(), out.stride(), lse.stride()
     args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], seqk, kv_rows, *constexprs)  # fmt: skip
+            sl[0], sl[1], seqk, kv_rows, *heads, *constexprs)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
-    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], kv_rows, tk, k.stride(0), v.stride(0))
+    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], kv_rows, *heads, tk, k.stride(0), v.stride(0))
     launch(kernel, grid, args, (q, out, lse, delta, cu, seqk, k, v), ints, options)
 
 
@@ -455,11 +460,11 @@ def launch(kernel: object, grid: tuple[int, int], args: tuple, tensors: tuple[to
     A cached launch does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no
     launch hooks (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
     dev = tensors[0].get_device()
-    n_const = _constexpr_count(kernel)
+    n_args = len(args) - _constexpr_count(kernel)
     key = (
         id(kernel),
         dev,
-        args[-n_const:],
+        args[n_args:],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
         tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints),
     )
@@ -474,8 +479,7 @@ def launch(kernel: object, grid: tuple[int, int], args: tuple, tensors: tuple[to
             except LAUNCHER_ERRORS as e:
                 _DIRECT[0] = False
                 warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
-    names = kernel.arg_names
-    constexprs = dict(zip(names[-n_const:], args[-n_const:]))
-    compiled = kernel[grid](*args[:-n_const], **constexprs, **options, **COMPILE_OPTIONS)
+    constexprs = dict(zip(kernel.arg_names[n_args:], args[n_args:]))
+    compiled = kernel[grid](*args[:n_args], **constexprs, **options, **COMPILE_OPTIONS)
     if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
         _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)

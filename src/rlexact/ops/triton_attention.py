@@ -807,7 +807,8 @@ def _forward(
     ``tl`` kernel where :mod:`rlexact.ops.gluon_attention` (packed, or paged with gathered keys) or
     :mod:`rlexact.ops.gluon_decode` (a decode step within one KV split) would take it; ``{"PAIR": bool}`` picks the
     packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise (a gathered launch: the
-    pair); ``{"GATHER": bool}`` decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise).
+    pair); ``{"PROGRAMS": n}`` caps the pair's programs (:func:`rlexact.ops.gluon_attention_pair.forward`);
+    ``{"GATHER": bool}`` decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise).
     ``max_seqlen_q``: an upper bound of every sequence's query count; when it fits one query tile, grid axis 0 has one
     program per sequence (``DIRECT``). A bound of 1 with as many queries as sequences means one query each, so ``cu_q``
     is ``arange`` and the kernel does not read it (``ONE_Q``). ``counters``: int32 zeros for the split-parallel tickets
@@ -830,7 +831,7 @@ def _forward(
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
-        _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta)
+        _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
         return
     hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
@@ -944,18 +945,22 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     if not gluon_attention.supported(q, flat_k, flat_v, cfg["BLOCK_N"]):
         return False
     kk, vv = kv_gather.gather(k, v, block_tables, seqlens_k, max_keys)
-    _gluon_packed(cfg.get("PAIR", True), q, kk, vv, cu_q, scale, out, cfg["SPLIT"], gathered=(seqlens_k, max_keys))
+    _gluon_packed(cfg.get("PAIR", True), q, kk, vv, cu_q, scale, out, cfg["SPLIT"], gathered=(seqlens_k, max_keys),
+                  programs=cfg.get("PROGRAMS"))  # fmt: skip
     return True
 
 
 def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, scale: float,
                   out: torch.Tensor, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+                  gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None) -> None:  # fmt: skip
     """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
-    tiles if ``pair``, with the model's query heads per tile."""
+    tiles if ``pair`` (over at most ``programs`` programs; None: the kernel's default), with the model's query heads
+    per tile."""
     hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
-    kernel = gluon_attention_pair if pair else gluon_attention
-    kernel.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
+    if pair:
+        gluon_attention_pair.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered, programs)
+    else:
+        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
