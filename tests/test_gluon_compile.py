@@ -25,12 +25,15 @@ def _gluon():  # noqa: ANN202
     return gluon_attention
 
 
-def _desc(rows: int, cols: int, block: list[int], layout: object) -> str:
+def _desc(rows: int, cols: int, block: list[int], layout: object, heads: int = 0) -> str:
+    """The type string of a bf16 TMA descriptor over ``[rows, cols]``, or with ``heads`` over ``[rows, heads,
+    cols]``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    t = torch.empty(rows, cols, dtype=torch.bfloat16)
-    return mangle_type(TensorDescriptor(t, [rows, cols], [cols, 1], block, layout))
+    shape = [rows, heads, cols] if heads else [rows, cols]
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    return mangle_type(TensorDescriptor(t, shape, list(t.stride()), block, layout))
 
 
 def _wgmmas(kernel: object) -> int:
@@ -65,16 +68,18 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                 cu_ptr="*i32", num_seqs="i32", qk_scale="fp32")  # fmt: skip
     strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
     strides |= dict(seqk_ptr="*i32", kv_rows="i32")
+    q_desc = _desc(4096, ga.HEAD_DIM, [32, 2, ga.HEAD_DIM], gp.q_layout(False, 32, 2), heads=16)
+    persistent = dict(heads="i32", q_desc=q_desc, counter_ptr="*i32")
     for prep, gathered in ((False, False), (True, False), (False, True)):
         const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS,
                      GATHERED=gathered)  # fmt: skip
         k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
-        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | {"heads": "i32"}, {},
+        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | persistent, {},
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
-        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | {"heads": "i32"}, {}, num_warps=gp.WARPS)
+        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "stride_mem", "width", "n_rows")  # fmt: skip

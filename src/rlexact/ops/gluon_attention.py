@@ -65,6 +65,7 @@ __all__ = [
     "kv_layout",
     "launch",
     "launch_packed",
+    "packed_args",
     "rebind",
     "rings",
     "sm90",
@@ -405,32 +406,34 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
                   out: torch.Tensor, hp: int, rows: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
-                  constexprs: tuple, options: Mapping[str, int], gathered: tuple[torch.Tensor, int] | None = None,
-                  programs: int | None = None) -> None:  # fmt: skip
-    """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are ``q, out, lse, delta``,
-    the K and V descriptors, ``cu``, the sequence count, the base-2 scale, the q / out / lse strides, the key counts
-    and rows per sequence of a gathered launch, then ``constexprs``. An item is ``rows`` query rows (``rows // hp``
-    positions) of one head group. Without ``programs`` the grid has one program per item, ``(tile slot, head
-    group)``; with it, the grid is one-dimensional, at most ``programs`` programs, and the kernel takes the number of
-    head groups after the rows per sequence (a persistent kernel finds its items itself)."""
-    t, hq, d = q.shape
-    tk, hkv = k.shape[0], k.shape[1]
+                  constexprs: tuple, options: Mapping[str, int],
+                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+    """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are :func:`packed_args`'s,
+    then ``constexprs``; each program takes ``rows`` query rows (``rows // hp`` positions) of one head group."""
+    args, tensors, ints = packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
+    grid = (q.shape[0] // (rows // hp) + cu.shape[0] - 1, q.shape[1] // hp)
+    launch(kernel, grid, (*args, *constexprs), tensors, ints, options)
+
+
+def packed_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
+                lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
+                gathered: tuple[torch.Tensor, int] | None) -> tuple[tuple, tuple, tuple]:  # fmt: skip
+    """``(args, tensors, ints)`` of a packed forward launch (:func:`forward`'s arguments; :func:`launch`'s meaning):
+    ``q, out, lse, delta``, the K and V descriptors, ``cu``, the sequence count, the base-2 scale, the q / out / lse
+    strides, the key counts and rows per sequence of a gathered launch."""
+    tk, hkv, d = k.shape
     num_seqs = cu.shape[0] - 1
     layout = kv_layout(q.dtype == torch.float16)
     k_desc = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
     v_desc = GluonDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
     seqk, kv_rows = gathered if gathered is not None else (cu, 0)  # unread in a packed launch
-    grid = (t // (rows // hp) + num_seqs, hq // hp)
-    heads: tuple[int, ...] = ()
-    if programs is not None:
-        grid, heads = (min(programs, grid[0] * grid[1]), 1), (grid[1],)
     sq, so, sl = q.stride(), out.stride(), lse.stride()
     args = (q, out, lse, delta, k_desc, v_desc, cu, num_seqs, scale * math.log2(math.e), sq[0], sq[1], so[0], so[1],
-            sl[0], sl[1], seqk, kv_rows, *heads, *constexprs)  # fmt: skip
+            sl[0], sl[1], seqk, kv_rows)  # fmt: skip
     # the integer arguments, and the descriptors' row count and row strides
-    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], kv_rows, *heads, tk, k.stride(0), v.stride(0))
-    launch(kernel, grid, args, (q, out, lse, delta, cu, seqk, k, v), ints, options)
+    ints = (num_seqs, sq[0], sq[1], so[0], so[1], sl[0], sl[1], kv_rows, tk, k.stride(0), v.stride(0))
+    return args, (q, out, lse, delta, cu, seqk, k, v), ints
 
 
 _LAUNCHERS: dict = {}

@@ -30,11 +30,11 @@ if ga.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
         cta_barrier,
@@ -46,11 +46,12 @@ if ga.gluon is not None:
         rings,
         store_rows,
         tile_softmax,
+        tma_load,
         wgmma_layout,
         zero_tail_rows,
     )
 
-__all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel"]
+__all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel", "q_layout", "takes"]
 
 MIN_MEAN_KEYS = 4096
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
@@ -84,41 +85,85 @@ if ga.gluon is not None:
     PAIR_GATHERED = gl.constexpr(False)
     """Whether a bound specialization reads gathered keys (:func:`kernel`)."""
     PAIR_SCAN = gl.constexpr(ga.SCAN)
+    ITEM_SLOTS = gl.constexpr(2)
+    """Item records (and their query tiles) the producer may publish ahead of the consumers."""
+    INFO = gl.constexpr(8)
+    """Entries of an item record: first query row, pair, head group, queries, keys, first query's position, key
+    tiles, 1 (0: no further item)."""
 
     @gluon.jit
-    def _item(cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, i, LANES: gl.constexpr):
+    def _item(cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, i):
         """Work item ``i`` of a launch over ``n_slots`` pair slots and ``heads`` head groups, the costliest first:
         ``(has rows, first query row, pair, head group, queries, keys, first key row, first query's position, key
-        tiles)`` of pair slot ``n_slots - 1 - i // heads`` and head group ``i % heads`` (``LANES``: the warps that
-        look it up)."""
+        tiles)`` of pair slot ``n_slots - 1 - i // heads`` and head group ``i % heads``."""
         P: gl.constexpr = 16 * W // PAIR_HP
         hgroup = i % heads
-        b, q_begin, pair = locate(cu_ptr, num_seqs, n_slots - 1 - i // heads, 2 * P, PAIR_SCAN, LANES)
+        b, q_begin, pair = locate(cu_ptr, num_seqs, n_slots - 1 - i // heads, 2 * P, PAIR_SCAN, 1)
         nq = gl.load(cu_ptr + b + 1) - q_begin
         nk, kv_begin, q_start = key_rows(seqk_ptr, kv_rows, b, q_begin, nq, PAIR_GATHERED)
         n_tiles = (q_start + gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
         return pair * 2 * P < nq, q_begin, pair, hgroup, nq, nk, kv_begin, q_start, n_tiles
 
     @gluon.jit
-    def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr,
-                 kv_rows, n_slots, heads):  # fmt: skip
-        """For each item of this program, copy its K tile x and then V tile x into ring slot ``(x0 + x) % SLOTS``
-        (``x0``: the tiles of the program's items before it), each once both consumers released it."""
-        nbytes: gl.constexpr = k_desc.block_type.nbytes
+    def _ticket(counter_ptr, lay: gl.constexpr):
+        """The next item number drawn from the launch's counter (one atomic, its result in every lane)."""
+        lane = gl.arange(0, 32, layout=lay)
+        old = gl.atomic_add(counter_ptr + lane * 0, gl.full([32], 1, gl.int32, layout=lay), mask=lane == 0)
+        return gl.max(gl.where(lane == 0, old, -1), 0)
+
+    @gluon.jit
+    def _field(rec, k: gl.constexpr, lay: gl.constexpr):
+        """Entry ``k`` of an item record held whole by every thread."""
+        return gl.sum(gl.where(gl.arange(0, INFO, layout=lay) == k, rec, 0), 0)
+
+    @gluon.jit
+    def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, info_smem, item_ready, item_empty, k_ready, k_empty,
+                 v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr):  # fmt: skip
+        """Draw items from the counter until none is left; for each that has rows, publish its record in item slot
+        ``n % ITEM_SLOTS`` (``n``: this program's items so far) with both query tiles' Q, then copy its K tile x and
+        V tile x into ring slot ``(x0 + x) % SLOTS`` (``x0``: the key tiles of this program's items before it), each
+        slot once both consumers released it. Then publish the end record."""
+        P: gl.constexpr = 16 * W // PAIR_HP
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        rec_lay: gl.constexpr = gl.BlockedLayout([INFO], [32], [1], [0])
+        idx = gl.arange(0, INFO, layout=rec_lay)
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes
+        n_items = n_slots * heads
         x0 = gl.program_id(0) * 0
-        for i in range(gl.program_id(0), n_slots * heads, gl.num_programs(0)):
+        n = x0
+        i = _ticket(counter_ptr, lay)
+        while i < n_items:
             valid, q_begin, pair, hgroup, nq, nk, kv_begin, q_start, n_tiles = _item(cu_ptr, num_seqs, seqk_ptr,
-                                                                                     kv_rows, n_slots, heads, i, 1)
+                                                                                     kv_rows, n_slots, heads, i)
             if valid:
+                s = n % ITEM_SLOTS
+                mbarrier.wait(item_empty.index(s), ((n // ITEM_SLOTS) & 1) ^ 1)
+                rec = gl.where(idx == 0, q_begin, 0) + gl.where(idx == 1, pair, 0) + gl.where(idx == 2, hgroup, 0)
+                rec += gl.where(idx == 3, nq, 0) + gl.where(idx == 4, nk, 0) + gl.where(idx == 5, q_start, 0)
+                rec += gl.where(idx == 6, n_tiles, 0) + gl.where(idx == 7, 1, 0)
+                info_smem.index(s).store(rec)
+                cta_barrier()
+                mbarrier.expect(item_ready.index(s), 2 * q_bytes)  # both tiles: the second may lie past the rows
+                for c in gl.static_range(2):
+                    tma_load(q_desc, [q_begin + (2 * pair + c) * P, hgroup * PAIR_HP, 0], item_ready.index(s),
+                             q_smem.index(2 * s + c))  # fmt: skip
                 kv_col = (hgroup * PAIR_HP) // PAIR_GROUP * HEAD_D
                 base = kv_begin - x0 * TILE_N  # ring tile r is key tile r - x0
                 for r in range(x0, x0 + n_tiles):
                     phase = ((r // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
                     mbarrier.wait(k_empty.index(r % SLOTS), phase)
-                    load_rows(k_desc, k_smem, k_ready, r, base, kv_col, SLOTS, TILE_N, nbytes)
+                    load_rows(k_desc, k_smem, k_ready, r, base, kv_col, SLOTS, TILE_N, kv_bytes)
                     mbarrier.wait(v_empty.index(r % SLOTS), phase)
-                    load_rows(v_desc, v_smem, v_ready, r, base, kv_col, SLOTS, TILE_N, nbytes)
+                    load_rows(v_desc, v_smem, v_ready, r, base, kv_col, SLOTS, TILE_N, kv_bytes)
                 x0 += n_tiles
+                n += 1
+            i = _ticket(counter_ptr, lay)
+        s = n % ITEM_SLOTS
+        mbarrier.wait(item_empty.index(s), ((n // ITEM_SLOTS) & 1) ^ 1)
+        info_smem.index(s).store(gl.zeros([INFO], gl.int32, rec_lay))  # entry 7 zero: no item
+        cta_barrier()
+        mbarrier.arrive(item_ready.index(s), count=1)
 
     @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
@@ -200,94 +245,105 @@ if ga.gluon is not None:
                       stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
 
     @gluon.jit
-    def _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                 v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, qk_scale, stride_qt,
-                 stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, C: gl.constexpr):  # fmt: skip
-        """Consumer ``C``: for each item of this program, query tile ``2 * pair + C`` (its Q loaded here), the key
-        tiles its rows need, then the release of those only the other consumer needs. ``tail_parity`` holds, per
-        ring slot, the phase of its tail barrier's next completion (both consumers count every item's tail)."""
+    def _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
+                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                 C: gl.constexpr):  # fmt: skip
+        """Consumer ``C``: for each item the producer publishes, query tile ``2 * pair + C`` over the key tiles its
+        rows need, then the release of those only the other consumer needs and of the item slot. ``tail_parity``
+        holds, per ring slot, the phase of its tail barrier's next completion (both consumers count every item's
+        tail)."""
         HP: gl.constexpr = PAIR_HP
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        rec_lay: gl.constexpr = gl.BlockedLayout([INFO], [32], [W], [0])
         dt: gl.constexpr = k_smem.dtype
         x0 = gl.program_id(0) * 0
         tail_parity = x0
-        for i in range(gl.program_id(0), n_slots * heads, gl.num_programs(0)):
-            valid, q_begin, pair, hgroup, nq, nk, kv_begin, q_start, n_tiles = _item(cu_ptr, num_seqs, seqk_ptr,
-                                                                                     kv_rows, n_slots, heads, i, W)
-            if valid:
-                tile = 2 * pair + C
-                n_mine = gl.where(tile * P < nq, (q_start + gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
-                n_first = (q_start + gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 has rows
-                tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile past the sequence, if any
-                zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
-                tail_slot = (x0 + n_tiles - 1) % SLOTS
-                if n_mine > 0:
-                    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-                    cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-                    qi = tile * P + rows // HP
-                    q_rows = (q_begin + qi).to(gl.int64) * stride_qt + (hgroup * HP + rows % HP) * stride_qh
-                    q = gl.load(q_ptr + q_rows[:, None] + cols[None, :], mask=(qi < nq)[:, None], other=0.0)
-                    cta_barrier()  # the last item's wgmmas read q_smem in every warp
-                    q_smem.store(q)
-                    fence_async_shared()
-                    cta_barrier()
-                    _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                          v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zeroer == C,
-                          (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP,
-                          PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
-                for r in range(x0 + n_mine, x0 + n_tiles):
-                    mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
-                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                if tail >= 0:
-                    tail_parity = tail_parity ^ (1 << tail_slot)
-                x0 += n_tiles
+        n = x0
+        mbarrier.wait(item_ready.index(0), 0)
+        rec = info_smem.index(0).load(rec_lay)
+        while _field(rec, 7, rec_lay) != 0:
+            s = n % ITEM_SLOTS
+            q_begin = _field(rec, 0, rec_lay)
+            pair = _field(rec, 1, rec_lay)
+            hgroup = _field(rec, 2, rec_lay)
+            nq = _field(rec, 3, rec_lay)
+            nk = _field(rec, 4, rec_lay)
+            q_start = _field(rec, 5, rec_lay)
+            n_tiles = _field(rec, 6, rec_lay)
+            tile = 2 * pair + C
+            n_mine = gl.where(tile * P < nq, (q_start + gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
+            n_first = (q_start + gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 has rows
+            tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile past the sequence, if any
+            zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
+            tail_slot = (x0 + n_tiles - 1) % SLOTS
+            if n_mine > 0:
+                _rows(o_ptr, lse_ptr, delta_ptr, q_smem.index(2 * s + C).reshape([BLOCK_M, D]), ones_smem, k_smem,
+                      v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup,
+                      n_mine, x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh,
+                      stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
+            for r in range(x0 + n_mine, x0 + n_tiles):
+                mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
+                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+            mbarrier.arrive(item_empty.index(s), count=1)
+            if tail >= 0:
+                tail_parity = tail_parity ^ (1 << tail_slot)
+            x0 += n_tiles
+            n += 1
+            mbarrier.wait(item_ready.index(n % ITEM_SLOTS), (n // ITEM_SLOTS) & 1)
+            rec = info_smem.index(n % ITEM_SLOTS).load(rec_lay)
 
     @gluon.jit
-    def _worker_consumer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots,
-                         heads, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                         stride_lh):  # fmt: skip
+    def _worker_consumer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
+                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                         num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                         stride_lt, stride_lh):  # fmt: skip
         """Consumer 1 (the worker partitions share one argument list)."""
-        _consume(q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(1), ones_smem, k_smem, v_smem, k_ready, k_empty,
-                 v_ready, v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, qk_scale,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 1)  # fmt: skip
+        _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
+                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                 1)  # fmt: skip
 
     @gluon.jit
-    def _worker_producer(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots,
-                         heads, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                         stride_lh):  # fmt: skip
+    def _worker_producer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
+                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                         num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                         stride_lt, stride_lh):  # fmt: skip
         """The producer (the worker partitions share one argument list)."""
-        _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr,
-                 kv_rows, n_slots, heads)  # fmt: skip
+        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, info_smem, item_ready, item_empty, k_ready, k_empty,
+                 v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr)  # fmt: skip
 
     @gluon.jit
     def _pair_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
-                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, heads):  # fmt: skip
+                     stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, heads, q_desc,
+                     counter_ptr):  # fmt: skip
+        """The packed launch's arguments (``q_ptr`` and its strides unread: Q arrives through ``q_desc``, boxes of a
+        query tile's positions and heads), the head groups and the launch's item counter (zero, advanced here)."""
         gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
-        D: gl.constexpr = HEAD_D
-        BLOCK_M: gl.constexpr = 16 * W
-        P: gl.constexpr = BLOCK_M // PAIR_HP
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dt, [2, BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt))
+        P: gl.constexpr = 16 * W // PAIR_HP
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * ITEM_SLOTS, P, PAIR_HP, HEAD_D], q_desc.layout)
+        info_smem = gl.allocate_shared_memory(gl.int32, [ITEM_SLOTS, INFO], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
+        item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
         tail_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(ITEM_SLOTS):
+            mbarrier.init(item_ready.index(s), count=1)
+            mbarrier.init(item_empty.index(s), count=2)
         for s in gl.static_range(SLOTS):
             mbarrier.init(tail_bars.index(s), count=1)
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W, 2)
         n_slots = gl.load(cu_ptr + num_seqs) // (2 * P) + num_seqs
-        worker_args = (q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem, k_ready,
-                       k_empty, v_ready, v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads,
-                       qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh)  # fmt: skip
+        worker_args = (o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
+                       info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                       num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                       stride_lt, stride_lh)  # fmt: skip
         gl.warp_specialize(
             [
-                (_consume, (q_ptr, o_ptr, lse_ptr, delta_ptr, q_smem.index(0), ones_smem, k_smem, v_smem, k_ready,
-                            k_empty, v_ready, v_empty, tail_bars, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads,
-                            qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, 0)),
+                (_consume, (o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
+                            item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot,
+                            stride_oh, stride_lt, stride_lh, 0)),
                 (_worker_consumer, worker_args),
                 (_worker_producer, worker_args),
             ],
@@ -305,7 +361,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool) -> o
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    consume = ga.rebind(_consume, _item=item, **consts)
+    consume = ga.rebind(_consume, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
     producer = ga.rebind(_worker_producer, _produce=produce)
@@ -318,14 +374,34 @@ def chosen(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens >= MIN_MEAN_KEYS * num_seqs
 
 
+def takes(q: torch.Tensor) -> bool:
+    """Whether TMA reads ``q``'s query tiles (positions and heads 16-byte aligned), which this kernel needs on top of
+    :func:`rlexact.ops.gluon_attention.supported`."""
+    return q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0
+
+
+@functools.cache
+def q_layout(fp16: bool, positions: int, hp: int) -> object:
+    """The shared-memory layout of a query tile, ``[positions, hp, head dim]`` (built once per shape)."""
+    return gl.NVMMASharedLayout.get_default_for([positions, hp, ga.HEAD_DIM], gl.float16 if fp16 else gl.bfloat16)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
-    at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM; each takes every ``programs``-th item).
-    Call only where :func:`rlexact.ops.gluon_attention.supported` holds."""
+    at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
+    counter. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` hold."""
+    t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * cuda_props(q.get_device())[1]
-    bound = kernel(hp, split, lse_delta is not None, q.shape[1] // k.shape[1], gathered is not None)
-    ga.launch_packed(bound, q, k, v, cu, scale, out, hp, 2 * 16 * WARPS, lse_delta, (),
-                     {"num_warps": WARPS, "maxnreg": MAXNREG}, gathered, programs)  # fmt: skip
+    positions = 16 * WARPS // hp
+    heads = hq // hp
+    n_items = (t // (2 * positions) + cu.shape[0] - 1) * heads
+    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None)
+    q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d],
+                             q_layout(q.dtype == torch.float16, positions, hp))  # fmt: skip
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
+    ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter), (*tensors, counter),
+              (*ints, heads, t), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip

@@ -954,10 +954,10 @@ def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
                   gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None) -> None:  # fmt: skip
     """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
-    tiles if ``pair`` (over at most ``programs`` programs; None: the kernel's default), with the model's query heads
-    per tile."""
+    tiles if ``pair`` and TMA reads ``q`` (over at most ``programs`` programs; None: the kernel's default), with the
+    model's query heads per tile. Either kernel gives the same bits."""
     hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
-    if pair:
+    if pair and gluon_attention_pair.takes(q):
         gluon_attention_pair.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered, programs)
     else:
         gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
