@@ -269,7 +269,7 @@ def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(gluon_attention_pair, "forward", lambda *a: calls.append(1) or real(*a))
     n = gluon_attention_pair.MIN_MEAN_KEYS
     g = torch.Generator(device="cuda").manual_seed(1)
-    for lens, paired in (([2 * n - 3, 3], True), ([n - 1] * 2, False), ([n + 700, n - 700], True)):
+    for lens, paired in (([2 * n - 3, 3], True), ([n - 1] * 2, False), ([n + n // 2, n - n // 2], True)):
         t = sum(lens)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
         q, k, v = (torch.randn(t, h, d, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv))

@@ -1,20 +1,25 @@
-"""The exact packed attention forward for long sequences: :mod:`rlexact.ops.gluon_attention`'s rows, warp-specialized.
+"""The exact packed attention forward, persistent and warp-specialized: :mod:`rlexact.ops.gluon_attention`'s rows.
 
-One program holds two adjacent query tiles of one sequence and head group, each in its own 4-warp consumer partition
-(the default partition and a worker), beside a one-warp producer partition that streams K and V tiles through
-four-deep TMA rings. Every K/V tile is copied once for both query tiles, and the consumers issue no copies; a slot is
-released once both consumers are done with it (a consumer whose rows need fewer tiles releases the rest unread). Each
-consumer runs the library kernel's pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row
-operations and fold order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two
-kernels changes the speed only. The V tile that runs past the sequence is zeroed past it by the consumer that reads
-it last in tile order (consumer 0 when it needs that tile), which then signals the other.
+An item is two adjacent query tiles of one sequence and head group. Each program, one per SM, runs two 4-warp
+consumer partitions (the default partition and a worker), one per query tile, beside a one-warp producer partition.
+The producer draws items from a counter in the launch's order (the last pair slots first: within a sequence the
+costliest), looks each up, publishes its record and both query tiles (TMA) up to two items ahead, and streams its K
+and V tiles through four-deep TMA rings that run on across items. Every K/V tile is copied once for both query tiles,
+and the consumers issue no copies and look nothing up: between two items they store one tile's rows and start the
+next, whose Q and first keys are already in shared memory. A ring slot is released once both consumers are done with
+it (a consumer whose rows need fewer tiles releases the rest unread). Each consumer runs the library kernel's
+pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row operations and fold order, so its
+rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed only. The
+V tile that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when
+it needs that tile), which then signals the other through the ring slot's tail barrier; both consumers count the
+tails per slot, so each waits for the right phase however far the other has run ahead.
 
-The program uses most of an SM's shared memory, so one runs per SM: long sequences gain from the shared copies,
-short ones lose the overlap of two resident programs' prologues and epilogues (:data:`MIN_MEAN_KEYS`).
+Query rows past a sequence's end arrive with the tile (the next sequence's rows, or TMA's zero fill); rows are
+independent in every operation and those are never stored.
 
-Triton 3.6's Gluon passes a worker partition's arguments without their constexpr-ness, so the worker consumer's
-compile-time parameters (query heads per tile, the backward's preprocessing) are module globals bound per
-specialization (:func:`kernel`); only the bound copies are launched.
+Triton 3.6's Gluon passes a worker partition's arguments without their constexpr-ness, so the partitions'
+compile-time parameters (query heads per tile, KV split, the backward's preprocessing, the GQA group, gathered keys)
+are module globals bound per specialization (:func:`kernel`); only the bound copies are launched.
 """
 
 from __future__ import annotations
@@ -53,15 +58,13 @@ if ga.gluon is not None:
 
 __all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel", "q_layout", "takes"]
 
-MIN_MEAN_KEYS = 4096
+MIN_MEAN_KEYS = 512
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
-each prefill case's ``gluon_kernels``: faster at this mean and, in most runs, at twice it; equal at half it; slower
-below)."""
+each prefill case's ``gluon_kernels``: faster than the single-tile kernel at every case from this mean on)."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 PROGRAMS_PER_SM = 1
-"""Programs launched per SM, each looping over its share of the items (one fits: the rings take most of the shared
-memory); more items than programs makes the kernel persistent."""
+"""Programs launched per SM (one fits: the rings and query tiles take most of the shared memory)."""
 MAXNREG = 168
 """Registers per thread at launch over the program's nine warps; the partitions then take :data:`CONSUMER_REGS` and
 :data:`PRODUCER_REGS`."""
@@ -404,4 +407,4 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
     ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter), (*tensors, counter),
-              (*ints, heads, t), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
+              (*ints, heads, t, hq), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
