@@ -97,10 +97,9 @@ if ga.gluon is not None:
 
     @gluon.jit
     def _item(cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, i):
-        """Work item ``i`` of a launch over ``n_slots`` pair slots and ``heads`` head groups, the last slots first
-        (within a sequence, the costliest): ``(has rows, first query row, pair, head group, queries, keys, first key
-        row, first query's position, key tiles)`` of pair slot ``n_slots - 1 - i // heads`` and head group
-        ``i % heads``."""
+        """Work item ``i`` of a launch over ``n_slots`` pair slots and ``heads`` head groups, the costliest first:
+        ``(has rows, first query row, pair, head group, queries, keys, first key row, first query's position, key
+        tiles)`` of pair slot ``n_slots - 1 - i // heads`` and head group ``i % heads``."""
         P: gl.constexpr = 16 * W // PAIR_HP
         hgroup = i % heads
         b, q_begin, pair = locate(cu_ptr, num_seqs, n_slots - 1 - i // heads, 2 * P, PAIR_SCAN, 1)
