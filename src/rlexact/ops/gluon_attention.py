@@ -70,6 +70,7 @@ __all__ = [
     "rings",
     "sm90",
     "supported",
+    "tile_slots",
     "tma_load",
     "wgmma_layout",
 ]
@@ -411,8 +412,15 @@ def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are :func:`packed_args`'s,
     then ``constexprs``; each program takes ``rows`` query rows (``rows // hp`` positions) of one head group."""
     args, tensors, ints = packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
-    grid = (q.shape[0] // (rows // hp) + cu.shape[0] - 1, q.shape[1] // hp)
+    grid = (tile_slots(q.shape[0], cu.shape[0] - 1, rows // hp), q.shape[1] // hp)
     launch(kernel, grid, (*args, *constexprs), tensors, ints, options)
+
+
+def tile_slots(tokens: int, num_seqs: int, positions: int) -> int:
+    """Tile slots of a packed launch of ``tokens`` query rows over ``num_seqs`` sequences, ``positions`` per tile:
+    sequence ``b`` owns the slots from ``cu[b] // positions + b`` (:func:`locate`), so these cover every sequence's
+    tiles (a slot past a sequence's last tile is empty)."""
+    return tokens // positions + num_seqs
 
 
 def packed_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,

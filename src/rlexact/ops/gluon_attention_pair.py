@@ -29,7 +29,7 @@ import functools
 import torch
 
 from . import gluon_attention as ga
-from .triton_shared import cuda_props
+from .triton_shared import num_sms
 
 if ga.gluon is not None:
     from triton.experimental import gluon
@@ -398,10 +398,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     counter. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` hold."""
     t, hq, d = q.shape
     if programs is None:
-        programs = PROGRAMS_PER_SM * cuda_props(q.get_device())[1]
+        programs = PROGRAMS_PER_SM * num_sms(q.device)
     positions = 16 * WARPS // hp
     heads = hq // hp
-    n_items = (t // (2 * positions) + cu.shape[0] - 1) * heads
+    n_items = ga.tile_slots(t, cu.shape[0] - 1, 2 * positions) * heads
     bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None)
     q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d],
                              q_layout(q.dtype == torch.float16, positions, hp))  # fmt: skip

@@ -867,7 +867,8 @@ def _forward(
         return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
-    grid = (num_seqs if direct else tq // pos_per_tile + num_seqs, hq // hp, n_split if par else 1)
+    slots = num_seqs if direct else gluon_attention.tile_slots(tq, num_seqs, pos_per_tile)
+    grid = (slots, hq // hp, n_split if par else 1)
     if par:
         pacc = torch.empty((tq, hq, n_split, block_d), dtype=torch.float32, device=q.device)
         pml = torch.empty((tq, hq, n_split, 2), dtype=torch.float32, device=q.device)
