@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 
 import lightning as L
 import torch
@@ -34,6 +35,11 @@ from rlexact.callbacks.base import RLCallback
 from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.export import save_pretrained
 from rlexact.module import RLModule
+
+# Lightning's notices about this setup (no validation loader; a deprecated pytree check inside Lightning): every other
+# warning, the library's included, reaches the output the calling test prints on failure
+warnings.filterwarnings("ignore", message=".*val_dataloader.*")
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 class Check(RLCallback):

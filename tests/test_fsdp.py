@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
 def test_fsdp2_two_ranks_exact(tmp_path: Path, precision: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path), precision],

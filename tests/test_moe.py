@@ -384,7 +384,7 @@ def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
     """FSDP2 (``fully_shard`` per decoder layer, 3-D expert weights sharded on the expert dim; 2 CPU ranks, gloo,
     bf16 compute over fp32 master weights): rollout == trainer and ratio exactly 1 on every rank, the generator's
     scoring == the trainer after updates, identical parameters on both ranks, export. Runs ``tests/_fsdp_worker.py``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
         [sys.executable, str(HERE / "_fsdp_worker.py"), str(tmp_path), "bf16-mixed", "exact", "moe"],
