@@ -121,27 +121,6 @@ if ga.gluon is not None:
         return gl.sum(gl.where(gl.arange(0, INFO, layout=lay) == k, rec, 0), 0)
 
     @gluon.jit
-    def _take_turn(turn_bars, turn, paced, C: gl.constexpr):
-        """With ``paced``, wait for consumer ``C``'s turn ``turn`` to issue tensor-core products: the consumers
-        take turns, consumer 0 first, so one's softmax overlaps the other's products."""
-        mbarrier.wait(turn_bars.index(C), (turn & 1) ^ (1 - C), pred=paced)
-
-    @gluon.jit
-    def _pass_turn(turn_bars, turn, paced, C: gl.constexpr):
-        """With ``paced``, end consumer ``C``'s turn ``turn`` (its products issued): the other consumer's turn.
-        Returns this consumer's next turn."""
-        mbarrier.arrive(turn_bars.index(1 - C), count=1, pred=paced)
-        return turn + paced.to(gl.int32)
-
-    @gluon.jit
-    def _turns(tile, nq, q_start):
-        """The turns of the consumer of query tile ``tile``: one per key tile it reads and one per KV split."""
-        P: gl.constexpr = 16 * W // PAIR_HP
-        TPS: gl.constexpr = PAIR_SPLIT // TILE_N
-        n = gl.where(tile * P < nq, (q_start + gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
-        return n + (n + TPS - 1) // TPS
-
-    @gluon.jit
     def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, info_smem, item_ready, item_empty, k_ready, k_empty,
                  v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr):  # fmt: skip
         """Draw items from the counter until none is left; for each that has rows, publish its record in item slot
@@ -192,16 +171,14 @@ if ga.gluon is not None:
 
     @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              tail_bars, turn_bars, turn, paced, pad, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail,
-              zero_here, tail_phase, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr,
-              SPLIT: gl.constexpr, BWD_PREP: gl.constexpr, dt: gl.constexpr, C: gl.constexpr):  # fmt: skip
+              tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase, qk_scale,
+              stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
+              BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
         """Query tile ``tile`` (its Q in ``q_smem``; query ``i`` at position ``q_start + i`` of ``nk`` keys) over key
         tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot ``(x0 + j) % SLOTS``: the library's pipelined loop,
         each K slot released once its scores are done and each V slot once its P @ V is. Key tile ``tail`` runs past
         the sequence: its V rows there are zeroed here (``zero_here``, then the slot's tail barrier is signalled) or
-        by the other consumer (the barrier's phase ``tail_phase`` is waited for). Consumer ``C`` issues its products
-        in its turns where ``paced`` (:func:`_take_turn`, from its turn ``turn``; then ``pad`` turns without
-        products, before the rows are stored) and returns its next turn."""
+        by the other consumer (the barrier's phase ``tail_phase`` is waited for)."""
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         BLOCK_N: gl.constexpr = TILE_N
@@ -231,11 +208,7 @@ if ga.gluon is not None:
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
             r0 = x0 + t0
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
-            _take_turn(turn_bars, turn, paced, C)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)  # fmt: skip
-            turn = _pass_turn(turn_bars, turn, paced, C)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                             dt)  # fmt: skip
@@ -245,13 +218,11 @@ if ga.gluon is not None:
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                _take_turn(turn_bars, turn, paced, C)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
-                turn = _pass_turn(turn_bars, turn, paced, C)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
                 mbarrier.arrive(k_empty.index(nxt), count=1)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s,
@@ -271,29 +242,20 @@ if ga.gluon is not None:
                     mbarrier.arrive(tail_bars.index(rl), count=1)
                 else:
                     mbarrier.wait(tail_bars.index(rl), tail_phase)
-            _take_turn(turn_bars, turn, paced, C)
-            acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
-            turn = _pass_turn(turn_bars, turn, paced, C)
-            acc_s = warpgroup_mma_wait(0, deps=(acc_tok, p_op))[0]
+            acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-        for _ in range(pad):
-            _take_turn(turn_bars, turn, paced, C)
-            turn = _pass_turn(turn_bars, turn, paced, C)
         store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
                       stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
-        return turn
 
     @gluon.jit
     def _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
-                 k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars, qk_scale, stride_ot, stride_oh, stride_lt,
-                 stride_lh, C: gl.constexpr):  # fmt: skip
+                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                 C: gl.constexpr):  # fmt: skip
         """Consumer ``C``: for each item the producer publishes, query tile ``2 * pair + C`` over the key tiles its
         rows need, then the release of those only the other consumer needs and of the item slot. ``tail_parity``
         holds, per ring slot, the phase of its tail barrier's next completion (both consumers count every item's
-        tail); ``turn`` counts this consumer's turns, as many per item as the other's (turns without products where
-        it has fewer). An item whose second tile has no rows is not paced: turns there would make consumer 0 wait
-        for consumer 1's, and consumer 1 could not release the item's tiles in step with them."""
+        tail)."""
         HP: gl.constexpr = PAIR_HP
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
@@ -303,7 +265,6 @@ if ga.gluon is not None:
         x0 = gl.program_id(0) * 0
         tail_parity = x0
         n = x0
-        turn = x0
         mbarrier.wait(item_ready.index(0), 0)
         rec = info_smem.index(0).load(rec_lay)
         while _field(rec, 7, rec_lay) != 0:
@@ -321,15 +282,11 @@ if ga.gluon is not None:
             tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile past the sequence, if any
             zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
             tail_slot = (x0 + n_tiles - 1) % SLOTS
-            paced = (2 * pair + 1) * P < nq
-            mine = _turns(tile, nq, q_start)
-            pad = gl.where(paced, gl.maximum(_turns(2 * pair + 1 - C, nq, q_start), mine) - mine, 0)
             if n_mine > 0:
-                turn = _rows(o_ptr, lse_ptr, delta_ptr, q_smem.index(2 * s + C).reshape([BLOCK_M, D]), ones_smem,
-                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars, turn, paced,
-                             pad, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zeroer == C,
-                             (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP,
-                             PAIR_SPLIT, PAIR_BWD_PREP, dt, C)  # fmt: skip
+                _rows(o_ptr, lse_ptr, delta_ptr, q_smem.index(2 * s + C).reshape([BLOCK_M, D]), ones_smem, k_smem,
+                      v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup,
+                      n_mine, x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh,
+                      stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
             for r in range(x0 + n_mine, x0 + n_tiles):
                 mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
@@ -345,19 +302,19 @@ if ga.gluon is not None:
 
     @gluon.jit
     def _worker_consumer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars,
-                         cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot,
-                         stride_oh, stride_lt, stride_lh):  # fmt: skip
+                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                         num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                         stride_lt, stride_lh):  # fmt: skip
         """Consumer 1 (the worker partitions share one argument list)."""
         _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
-                 k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars, qk_scale, stride_ot, stride_oh, stride_lt,
-                 stride_lh, 1)  # fmt: skip
+                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                 1)  # fmt: skip
 
     @gluon.jit
     def _worker_producer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars,
-                         cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot,
-                         stride_oh, stride_lt, stride_lh):  # fmt: skip
+                         info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                         num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                         stride_lt, stride_lh):  # fmt: skip
         """The producer (the worker partitions share one argument list)."""
         _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, info_smem, item_ready, item_empty, k_ready, k_empty,
                  v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr)  # fmt: skip
@@ -375,9 +332,6 @@ if ga.gluon is not None:
         item_ready = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
         item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
         tail_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(turn_bars.index(s), count=1)
         for s in gl.static_range(ITEM_SLOTS):
             mbarrier.init(item_ready.index(s), count=1)
             mbarrier.init(item_empty.index(s), count=2)
@@ -386,14 +340,14 @@ if ga.gluon is not None:
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W, 2)
         n_slots = gl.load(cu_ptr + num_seqs) // (2 * P) + num_seqs
         worker_args = (o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
-                       info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars,
-                       cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot,
-                       stride_oh, stride_lt, stride_lh)  # fmt: skip
+                       info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
+                       num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
+                       stride_lt, stride_lh)  # fmt: skip
         gl.warp_specialize(
             [
                 (_consume, (o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
-                            item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, turn_bars, qk_scale,
-                            stride_ot, stride_oh, stride_lt, stride_lh, 0)),
+                            item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot,
+                            stride_oh, stride_lt, stride_lh, 0)),
                 (_worker_consumer, worker_args),
                 (_worker_producer, worker_args),
             ],
@@ -411,8 +365,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool) -> o
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    turns = ga.rebind(_turns, **consts)
-    consume = ga.rebind(_consume, _turns=turns, **consts)
+    consume = ga.rebind(_consume, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
     producer = ga.rebind(_worker_producer, _produce=produce)
