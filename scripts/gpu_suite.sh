@@ -2,7 +2,7 @@
 # Runs the GPU test suite and the benchmarks on a CUDA machine (used on the H200s through the device tool).
 #
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests          # every test marked gpu, one log
-#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests "0 2"    # only these of the three test groups (below)
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests "0 2"    # only these of the four test groups (below)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | sweeps | all (default all)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
 #
@@ -13,7 +13,7 @@
 #   the pytest command; every test file that uses the gpu marker runs (three pytest processes in parallel: Triton
 #   compilation is CPU-bound and the GPU has room for all three). Each group also writes $OUT/gpu_tests_groupN.log as
 #   it runs, so a run cut short by the device call's limit still returns what finished. With cold Triton caches the
-#   three groups can exceed one device call (600 s): run them as two calls, e.g. "0 1" and then "2".
+#   four groups can exceed one device call (600 s): run them as two calls, e.g. "0 1" and then "2 3".
 # bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
 #   $RESULTS (default /tmp/rlexact_results), packed into $OUT/bench_<SET>.tgz at the end (the device returns at most
 #   eight files). Unpack into benchmarks/results/ to commit them.
@@ -25,8 +25,8 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
 set_name=${2:-all}
-groups="0 1 2"
-[[ $what == tests ]] && groups=${2:-0 1 2}
+groups="0 1 2 3"
+[[ $what == tests ]] && groups=${2:-0 1 2 3}
 # $RLEXACT_COMMIT, else HEAD with "+dirty" when tracked files differ from it (a copied tree may carry a stale .git)
 commit=$(python3 -c 'from rlexact.envinfo import git_commit; print(git_commit("."))')
 export RLEXACT_COMMIT=$commit
@@ -39,17 +39,19 @@ gpu_test_files() {
 if [[ $what == tests || $what == all ]]; then
   log=$OUT/gpu_tests_h200.log
   cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -q -rfE --durations=5"
-  # three groups of about equal length (measured): the kernel tests, the MoE tests, the model/rollout tests
+  # four groups (the longest measured files apart): the kernel tests, the attention tests, the model/rollout tests,
+  # the MoE tests
   mapfile -t files < <(gpu_test_files)
-  g0="" g1="" g2=""
+  g0="" g1="" g2="" g3=""
   for f in "${files[@]}"; do
     case $f in
       tests/test_triton_kernels.py | tests/test_segment_sum.py | tests/test_repro_gpu.py | tests/test_gluon_matmul.py) g0+=" $f" ;;
-      tests/test_triton_attention.py | tests/test_moe.py) g1+=" $f" ;;
+      tests/test_triton_attention.py) g1+=" $f" ;;
+      tests/test_moe.py) g3+=" $f" ;;
       *) g2+=" $f" ;;
     esac
   done
-  parts=("$g0" "$g1" "$g2")
+  parts=("$g0" "$g1" "$g2" "$g3")
   {
     echo "# rlexact GPU test suite, one run at commit $commit"
     echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -59,7 +61,7 @@ if [[ $what == tests || $what == all ]]; then
     echo "# groups run: $groups"
   } > "$log"
   for i in $groups; do
-    [[ $i == [012] ]] || { echo "gpu_suite.sh: unknown test group '$i' (0 | 1 | 2)" >&2; exit 2; }
+    [[ $i == [0123] ]] || { echo "gpu_suite.sh: unknown test group '$i' (0 | 1 | 2 | 3)" >&2; exit 2; }
     ( $cmd ${parts[$i]} > "$OUT/gpu_tests_group$i.log" 2>&1; echo "# exit code $?" >> "$OUT/gpu_tests_group$i.log" ) &
   done
   wait
