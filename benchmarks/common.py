@@ -172,3 +172,14 @@ def swapped(owner: object, name: str, value: object) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, saved)
+
+
+def variant_pair(spec: str, script: str, form: str, minimum: tuple[int, int]) -> tuple[int, int]:
+    """A probe's ``AxB`` variant as two integers of at least ``minimum``; else exits naming ``script`` and ``form``."""
+    try:
+        a, b = (int(x) for x in spec.split("x"))
+    except ValueError:
+        a = b = -1
+    if a < minimum[0] or b < minimum[1]:
+        raise SystemExit(f"{script}: bad variant {spec!r}; expected {form}")
+    return a, b

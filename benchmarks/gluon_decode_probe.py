@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from attention_configs import DT, HKV, HQ, PAGE, D, decode_case, run
-from common import ROOT, bench_graph, header, swapped
+from common import ROOT, bench_graph, header, swapped, variant_pair
 from rlexact.ops import gluon_decode
 from rlexact.ops.gluon_attention import gluon, rebind
 
@@ -86,13 +86,7 @@ def ring_kernel(slots: int) -> object:
 
 def parse_variant(spec: str) -> tuple[int, int]:
     """``PxS`` -> ``(programs per SM, ring depth)``."""
-    try:
-        per_sm, slots = (int(x) for x in spec.split("x"))
-    except ValueError:
-        per_sm = slots = 0
-    if per_sm < 1 or slots < 1:
-        raise SystemExit(f"gluon_decode_probe: bad variant {spec!r}; expected PxS, e.g. 2x3")
-    return per_sm, slots
+    return variant_pair(spec, "gluon_decode_probe", "PxS, e.g. 2x3", (1, 1))
 
 
 def variant_run(case: tuple, spec: str) -> torch.Tensor:

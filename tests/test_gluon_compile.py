@@ -78,6 +78,9 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
         pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | persistent, {},
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
+    deeper = gp.kernel(2, 1024, False, 2, False, ring_depth=3, item_depth=3)
+    deeper = compile_gluon_for_hopper(deeper, ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
+    assert _wgmmas(deeper) > 0 and deeper.metadata.shared <= 227 * 1024
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
         compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))

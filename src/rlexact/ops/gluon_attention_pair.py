@@ -69,10 +69,15 @@ PROGRAMS_PER_SM = 1
 MAXNREG = 168
 """Registers per thread at launch over the program's nine warps; the partitions then take :data:`CONSUMER_REGS` and
 :data:`PRODUCER_REGS`."""
+RING_DEPTH = 4
+"""Depth of the K ring and of the V ring (the library's; :func:`kernel` builds others)."""
+ITEM_DEPTH = 2
+"""Item records, with their query tiles, the producer may publish ahead of the consumers (the library's;
+:func:`kernel` builds others)."""
 
 if ga.gluon is not None:
-    SLOTS = gl.constexpr(4)
-    """Depth of the K ring and of the V ring."""
+    SLOTS = gl.constexpr(RING_DEPTH)
+    """Depth of the K ring and of the V ring of a bound specialization (:func:`kernel`)."""
     TILE_N = gl.constexpr(ga.BLOCK_N)
     HEAD_D = gl.constexpr(ga.HEAD_DIM)
     W = gl.constexpr(WARPS)
@@ -89,8 +94,8 @@ if ga.gluon is not None:
     PAIR_GATHERED = gl.constexpr(False)
     """Whether a bound specialization reads gathered keys (:func:`kernel`)."""
     PAIR_SCAN = gl.constexpr(ga.SCAN)
-    ITEM_SLOTS = gl.constexpr(2)
-    """Item records (and their query tiles) the producer may publish ahead of the consumers."""
+    ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
+    """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
     """Entries of an item record: first query row, pair, head group, queries, keys, first query's position, key
     tiles, 1 (0: no further item)."""
@@ -357,15 +362,18 @@ if ga.gluon is not None:
 
 
 @functools.cache
-def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool) -> object:
+def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
+           item_depth: int = ITEM_DEPTH) -> object:  # fmt: skip
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
-    preprocessing, ``group`` query heads per KV head and, with ``gathered``, gathered keys: the call tree bound to
-    these constants (built once per specialization and kept alive, since the cached launchers key on the kernel
-    object)."""
+    preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, and K/V rings and item slots
+    of the given depths (any depths give the same bits): the call tree bound to these constants (built once per
+    specialization and kept alive, since the cached launchers key on the kernel object)."""
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
-                  PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered))  # fmt: skip
+                  PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
+                  SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    consume = ga.rebind(_consume, **consts)
+    rows = ga.rebind(_rows, **consts)
+    consume = ga.rebind(_consume, _rows=rows, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
     producer = ga.rebind(_worker_producer, _produce=produce)
