@@ -14,6 +14,9 @@ and batch, ratios exact/native and exact/hf_generate, generator stats, and an ex
         --name rollout_long_h200                            # long contexts: decode step time per batch
     python benchmarks/rollout_throughput.py --grpo          # 64 prompts x n=8, 512-token prompts, sharing on/off
 
+Transformers' ``generate`` is host-bound and varies from call to call, so ``hf_generate`` is the median of
+``--hf-calls`` timed calls after the warm-up (each call's wall under ``walls_s``).
+
 Every exact run also times ``generate`` with half the new tokens (same prompts, same warm engine); the difference of
 the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_walls_s``) divided by the difference
 in new tokens is ``results[batch]["exact"]["decode_step_ms"]``, the wall time of one decode step with prefill and
@@ -461,14 +464,17 @@ def run_hf(model, prompts, args, device) -> dict:
             warm = min(8, args.new_tokens)
             model.generate(ids, max_new_tokens=warm, min_new_tokens=warm, **kw)
             sync(device)
-            t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kw)
-            sync(device)
-            elapsed = time.perf_counter() - t0
+            walls = []
+            for _ in range(args.hf_calls):
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kw)
+                sync(device)
+                walls.append(time.perf_counter() - t0)
     finally:
         rlexact.exactify(model)
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
-    return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    elapsed = statistics.median(walls)
+    return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed, "walls_s": walls}
 
 
 SPOT_CHECK_TOKENS = 65536
@@ -494,6 +500,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
     ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
+    ap.add_argument("--hf-calls", type=int, default=3,
+                    help="timed transformers generate calls per batch; the median is reported (default 3)")  # fmt: skip
     ap.add_argument(
         "--step-reps", type=int, default=3, help="timed calls of each length for decode_step_ms (median, default 3)"
     )
@@ -522,6 +530,8 @@ def main() -> int:
         ap.error(f"--step-reps must be at least 1, got {args.step_reps}")
     if args.profile_start < 1:
         ap.error(f"--profile-start must be at least 1, got {args.profile_start}")
+    if args.hf_calls < 1:
+        ap.error(f"--hf-calls must be at least 1, got {args.hf_calls}")
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))

@@ -19,8 +19,9 @@ def _run(script: str, *args: str) -> None:
 
 def test_rollout_throughput_tiny(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
-    _run("rollout_throughput.py", "--tiny", "--engines", "exact", "native", "--batches", "4", "--profile", "2",
-         "--top-k", "20", "--top-p", "0.9", "--logprobs", "sampled", "--out", str(out))  # fmt: skip
+    _run("rollout_throughput.py", "--tiny", "--engines", "exact", "native", "hf_generate", "--batches", "4",
+         "--profile", "2", "--top-k", "20", "--top-p", "0.9", "--logprobs", "sampled", "--hf-calls", "3", "--out",
+         str(out))  # fmt: skip
     res = json.loads(out.read_text())
     assert res["errors"] == {}
     assert "logprobs sampled" in res["setup"]["sampling"]
@@ -32,6 +33,9 @@ def test_rollout_throughput_tiny(tmp_path: Path) -> None:
     assert exact["kept_engine"]["same_as_default"] is True
     assert row["exactness_spot_check"]["all_bitwise_equal"] is True
     assert "ratio_exact_over_native" in row
+    hf = row["hf_generate"]  # the median of the timed calls
+    assert len(hf["walls_s"]) == 3 and hf["seconds"] == sorted(hf["walls_s"])[1]
+    assert "ratio_exact_over_hf_generate" in row
 
 
 def test_train_step_small(tmp_path: Path) -> None:
