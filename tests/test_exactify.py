@@ -151,6 +151,10 @@ def test_bad_sequences() -> None:
         rlexact.sequence_logprobs(model, [[1, 2], []])
     with pytest.raises(ValueError, match="token ids"):
         rlexact.sequence_logprobs(model, [[1, 200]])
+    with pytest.raises(ValueError, match=r"sequence 1 is text, not token ids: tokenize it first"):
+        rlexact.sequence_logprobs(model, [[1, 2], "12"])
+    with pytest.raises(ValueError, match=r"sequence 0 must hold integer token ids, got dtype torch.float32"):
+        rlexact.sequence_logprobs(model, [torch.tensor([1.0, 2.5])])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         rlexact.sequence_logprobs(model, [list(range(70))])
 

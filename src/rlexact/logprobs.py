@@ -30,15 +30,26 @@ class Packed:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
 
+def _token_ids(seq: Sequence[int] | torch.Tensor, i: int) -> torch.Tensor:
+    """Sequence ``i``'s token ids as a flat ``long`` tensor; text, empty sequences and non-integer values raise."""
+    if isinstance(seq, (str, bytes)):
+        raise ValueError(f"pack: sequence {i} is text, not token ids: tokenize it first, e.g. "
+                         "tokenizer(text)['input_ids']")  # fmt: skip
+    ids = torch.as_tensor(seq).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError(f"pack: sequence {i} is empty")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"pack: sequence {i} must hold integer token ids, got dtype {ids.dtype}")
+    return ids.long()
+
+
 def pack(sequences: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str = "cpu") -> Packed:
-    """Concatenate token sequences into a :class:`Packed` stream. Empty sequences are rejected."""
+    """Concatenate token sequences into a :class:`Packed` stream. Empty sequences, text and non-integer values are
+    rejected."""
     if len(sequences) == 0:
         raise ValueError("pack: no sequences")
-    tensors = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    tensors = [_token_ids(s, i) for i, s in enumerate(sequences)]
     lengths = [t.numel() for t in tensors]
-    for i, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"pack: sequence {i} is empty")
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     pos = torch.cat([torch.arange(n) for n in lengths])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import time
 from collections import Counter
 from collections.abc import Sequence as Seq
@@ -126,13 +127,18 @@ class Generator:
         vocab = self.vocab_size
         out = []
         for i, s in enumerate(seqs):
+            if isinstance(s, (str, bytes)):
+                raise ValueError(f"{what}[{i}] is text, not token ids: tokenize it first, e.g. "
+                                 "tokenizer(text)['input_ids']")  # fmt: skip
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
             try:
-                toks = [int(t) for t in toks]
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{what}[{i}] must contain integer token ids") from exc
+                toks = [operator.index(t) for t in toks]  # ints of any integer type; floats are refused
+            except TypeError as exc:
+                bad = next(t for t in toks if not hasattr(t, "__index__"))
+                raise ValueError(f"{what}[{i}] must contain integer token ids, got {bad!r} "
+                                 f"({type(bad).__name__})") from exc  # fmt: skip
             lo, hi = min(toks), max(toks)
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
