@@ -426,6 +426,18 @@ def test_bad_sampling_params_and_misc(qwen):
     for p in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="top_p"):
             SamplingParams(top_p=p)
+    # values of the wrong type raise instead of being coerced or accepted
+    for kwargs, match in ((dict(max_new_tokens=True), "max_new_tokens must be a positive int"),
+                          (dict(temperature="1"), "temperature must be a finite number"),
+                          (dict(temperature=float("nan")), "temperature must be a finite number"),
+                          (dict(top_k=2.5), "top_k must be an int"), (dict(top_k=-1), "top_k must be >= 0"),
+                          (dict(seed="abc"), "seed must be an int"), (dict(seed=1.5), "seed must be an int"),
+                          (dict(n=2.0), "n must be a positive int"), (dict(ignore_eos=1), "ignore_eos must be a bool"),
+                          (dict(stop_token_ids=[3, 1.5]), r"stop_token_ids\[1\] must be an int"),
+                          (dict(stop_token_ids=[-2]), r"stop_token_ids\[0\] must be >= 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)
+    assert SamplingParams(stop_token_ids=[3, 5]).stop_token_ids == (3, 5)
     gen = Generator(qwen)
     with pytest.raises(ValueError, match="request_ids has 1 entries"):
         gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), request_ids=[0])

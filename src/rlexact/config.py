@@ -19,13 +19,13 @@ tokens): the paper's "mini-batch 16 prompts x 8 samples" is ``mini_batch_size: 1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from rlexact.checks import choice, finite, positive_int
 from rlexact.models.exactify import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
@@ -60,25 +60,6 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype names accepted by ``RLModule(dtype=...)`` and :class:`FSDPConfig`."""
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _finite(name: str, value: Any, *, low: float | None = None, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
 
 
 def _check_generator_kwargs(kwargs: dict[str, Any]) -> None:
@@ -127,25 +108,25 @@ class RolloutConfig:
     prefill budget, ...), passed through unchanged."""
 
     def __post_init__(self) -> None:
-        _positive_int("rollout.n", self.n)
-        _positive_int("rollout.max_new_tokens", self.max_new_tokens)
-        _finite("rollout.temperature", self.temperature, low=0.0, low_open=True)
-        _finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
+        positive_int("rollout.n", self.n)
+        positive_int("rollout.max_new_tokens", self.max_new_tokens)
+        finite("rollout.temperature", self.temperature, low=0.0, low_open=True)
+        finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
         if self.top_p > 1.0:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"rollout.seed must be an int >= 0, got {self.seed!r}")
-        _choice("rollout.kernels", self.kernels, KERNELS)
-        _choice("rollout.logprobs", self.logprobs, LOGPROB_MODES)
+        choice("rollout.kernels", self.kernels, KERNELS)
+        choice("rollout.logprobs", self.logprobs, LOGPROB_MODES)
         if self.logprobs == "full" and self.kernels == "exact" and (self.top_p < 1.0 or self.top_k > 0):
             rank_zero_warn(
                 f"rollout.top_p={self.top_p}, top_k={self.top_k} with rollout.logprobs='full': tokens are drawn from "
                 "the truncated distribution but the rollout and trainer log-probs (pi_old) are of the full one, so "
                 "the update is off-policy. Set rollout.logprobs='sampled' for exact log-probs of what was sampled."
             )
-        _positive_int("rollout.max_context", self.max_context, allow_none=True)
+        positive_int("rollout.max_context", self.max_context, allow_none=True)
         if self.max_context is not None and self.max_context <= self.max_new_tokens:
             raise ValueError(
                 f"rollout.max_context={self.max_context} leaves no room for a prompt with "
@@ -224,33 +205,33 @@ class AlgorithmConfig:
     group is dropped the rollout step makes no optimizer step (with a warning)."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm.objective", self.objective, OBJECTIVES)
+        choice("algorithm.objective", self.objective, OBJECTIVES)
         if self.estimator is None:
             object.__setattr__(self, "estimator", "reinforce" if self.objective == "reinforce" else "grpo")
-        _choice("algorithm.estimator", self.estimator, ESTIMATORS)
-        _choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _choice("algorithm.old_logprob_mode", self.old_logprob_mode, OLD_LOGPROB_MODES)
-        _choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _finite("algorithm.adv_eps", self.adv_eps, low=0.0)
-        _finite("algorithm.clip_low", self.clip_low, low=0.0)
+        choice("algorithm.estimator", self.estimator, ESTIMATORS)
+        choice("algorithm.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        choice("algorithm.old_logprob_mode", self.old_logprob_mode, OLD_LOGPROB_MODES)
+        choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        finite("algorithm.adv_eps", self.adv_eps, low=0.0)
+        finite("algorithm.clip_low", self.clip_low, low=0.0)
         if self.clip_low >= 1.0:
             raise ValueError(f"algorithm.clip_low must be in [0, 1), got {self.clip_low}")
-        _finite("algorithm.clip_high", self.clip_high, low=0.0)
+        finite("algorithm.clip_high", self.clip_high, low=0.0)
         if self.dual_clip is not None:
-            _finite("algorithm.dual_clip", self.dual_clip)
+            finite("algorithm.dual_clip", self.dual_clip)
             if self.dual_clip <= 1.0:
                 raise ValueError(f"algorithm.dual_clip must be > 1 (or None), got {self.dual_clip}")
-        _positive_int("algorithm.ppo_epochs", self.ppo_epochs)
-        _positive_int("algorithm.mini_batch_size", self.mini_batch_size, allow_none=True)
-        _positive_int("algorithm.micro_batch_size", self.micro_batch_size, allow_none=True)
+        positive_int("algorithm.ppo_epochs", self.ppo_epochs)
+        positive_int("algorithm.mini_batch_size", self.mini_batch_size, allow_none=True)
+        positive_int("algorithm.micro_batch_size", self.micro_batch_size, allow_none=True)
         if self.mini_batch_size is not None and (self.micro_batch_size or 0) > self.mini_batch_size:
             raise ValueError(
                 f"algorithm.micro_batch_size ({self.micro_batch_size}) exceeds mini_batch_size "
                 f"({self.mini_batch_size}): a micro-batch is a part of a mini-batch; set micro_batch_size <= "
                 "mini_batch_size (or None for the whole mini-batch in one forward)"
             )
-        _finite("algorithm.kl_coef", self.kl_coef, low=0.0)
-        _finite("algorithm.entropy_coef", self.entropy_coef)
+        finite("algorithm.kl_coef", self.kl_coef, low=0.0)
+        finite("algorithm.entropy_coef", self.entropy_coef)
         if self.objective == "reinforce":
             if self.ppo_epochs != 1:
                 raise ValueError(
@@ -293,15 +274,15 @@ class OptimConfig:
     """Linear warmup from ``lr / warmup_steps`` to ``lr`` over this many optimizer steps; 0 disables it."""
 
     def __post_init__(self) -> None:
-        _finite("optim.lr", self.lr, low=0.0, low_open=True)
+        finite("optim.lr", self.lr, low=0.0, low_open=True)
         betas = tuple(float(b) for b in self.betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", betas)
-        _finite("optim.eps", self.eps, low=0.0, low_open=True)
-        _finite("optim.weight_decay", self.weight_decay, low=0.0)
+        finite("optim.eps", self.eps, low=0.0, low_open=True)
+        finite("optim.weight_decay", self.weight_decay, low=0.0)
         if self.grad_clip is not None:
-            _finite("optim.grad_clip", self.grad_clip, low=0.0, low_open=True)
+            finite("optim.grad_clip", self.grad_clip, low=0.0, low_open=True)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
 
@@ -328,4 +309,4 @@ class FSDPConfig:
         for name in ("param_dtype", "reduce_dtype"):
             v = getattr(self, name)
             if v is not None:
-                _choice(f"fsdp.{name}", v, ("float32", "bfloat16", "float16"))
+                choice(f"fsdp.{name}", v, ("float32", "bfloat16", "float16"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from rlexact.checks import choice, positive_int
 from rlexact.models.exactify import KERNELS, Kernels
 
 
@@ -92,16 +93,11 @@ class GeneratorConfig:
     """Show a tqdm bar with generated tokens/s."""
 
     def __post_init__(self) -> None:
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        choice("kernels", self.kernels, KERNELS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "kv_cache_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            positive_int(name, getattr(self, name), allow_none=True)
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from rlexact.checks import choice, finite, integer, positive_int
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 FinishReason = Literal["stop", "length"]
@@ -43,20 +45,27 @@ class SamplingParams:
     logprobs: LogprobMode = "full"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        positive_int("max_new_tokens", self.max_new_tokens)
+        finite("temperature", self.temperature, low=0.0)
+        finite("top_p", self.top_p, low=0.0, low_open=True)
+        if self.top_p > 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.logprobs not in LOGPROB_MODES:
-            raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {self.logprobs!r}")
+        integer("top_k", self.top_k, low=0)
+        integer("seed", self.seed)
+        positive_int("n", self.n)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        choice("logprobs", self.logprobs, LOGPROB_MODES)
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            stops = []
+            for i, t in enumerate(self.stop_token_ids):  # ints of any integer type (numpy, torch); floats refused
+                try:
+                    t = t if isinstance(t, bool) else operator.index(t)
+                except TypeError:
+                    pass  # not an integer: integer() names it
+                integer(f"stop_token_ids[{i}]", t, low=0)
+                stops.append(t)
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
 
     @property
     def greedy(self) -> bool:
