@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "batch": 0,
     "char_tokenizer": 0,
     "checkpoint": 0,
+    "checks": 0,
     "envinfo": 0,
     "reduction": 0,
     "resources": 0,
