@@ -36,12 +36,17 @@ def parse(spec: str) -> tuple[int, int]:
     return variant_pair(spec, "pair_depth_probe", "RxI with R >= 2 and I >= 1, e.g. 3x3", (2, 1))
 
 
+@functools.cache
+def builder(spec: str) -> functools.partial:
+    """:func:`rlexact.ops.gluon_attention_pair.kernel` at depths ``spec`` (parsed once per variant)."""
+    ring, items = parse(spec)
+    return functools.partial(gluon_attention_pair.kernel, ring_depth=ring, item_depth=items)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, spec: str) -> torch.Tensor:
     """The library's packed forward through the pair built at depths ``spec``."""
-    ring, items = parse(spec)
-    built = functools.partial(gluon_attention_pair.kernel, ring_depth=ring, item_depth=items)
     out = torch.empty_like(q)
-    with swapped(gluon_attention_pair, "kernel", built):
+    with swapped(gluon_attention_pair, "kernel", builder(spec)):
         ta._forward(q, k, v, cu, None, None, D**-0.5, out, cfg=PAIR)
     return out
 

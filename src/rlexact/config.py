@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.checks import choice, finite, positive_int
+from rlexact.checks import choice, finite, integer, positive_int
 from rlexact.models.exactify import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
@@ -114,10 +114,8 @@ class RolloutConfig:
         finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
         if self.top_p > 1.0:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"rollout.seed must be an int >= 0, got {self.seed!r}")
+        integer("rollout.top_k", self.top_k, low=0)
+        integer("rollout.seed", self.seed, low=0)
         choice("rollout.kernels", self.kernels, KERNELS)
         choice("rollout.logprobs", self.logprobs, LOGPROB_MODES)
         if self.logprobs == "full" and self.kernels == "exact" and (self.top_p < 1.0 or self.top_k > 0):
@@ -283,8 +281,7 @@ class OptimConfig:
         finite("optim.weight_decay", self.weight_decay, low=0.0)
         if self.grad_clip is not None:
             finite("optim.grad_clip", self.grad_clip, low=0.0, low_open=True)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        integer("optim.warmup_steps", self.warmup_steps, low=0)
 
 
 @dataclass(frozen=True)

@@ -133,12 +133,14 @@ class Generator:
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
-            try:
-                toks = [operator.index(t) for t in toks]  # ints of any integer type; floats are refused
-            except TypeError as exc:
-                bad = next(t for t in toks if not hasattr(t, "__index__"))
-                raise ValueError(f"{what}[{i}] must contain integer token ids, got {bad!r} "
-                                 f"({type(bad).__name__})") from exc  # fmt: skip
+            ids = []
+            for t in toks:  # ints of any integer type; floats are refused
+                try:
+                    ids.append(operator.index(t))
+                except TypeError:
+                    raise ValueError(f"{what}[{i}] must contain integer token ids, got {t!r} "
+                                     f"({type(t).__name__})") from None  # fmt: skip
+            toks = ids
             lo, hi = min(toks), max(toks)
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
