@@ -424,16 +424,16 @@ def tile_slots(tokens: int, num_seqs: int, positions: int) -> int:
 
 
 def packed_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
-                lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
-                gathered: tuple[torch.Tensor, int] | None) -> tuple[tuple, tuple, tuple]:  # fmt: skip
+                lse_delta: tuple[torch.Tensor, torch.Tensor] | None, gathered: tuple[torch.Tensor, int] | None,
+                block_n: int = BLOCK_N) -> tuple[tuple, tuple, tuple]:  # fmt: skip
     """``(args, tensors, ints)`` of a packed forward launch (:func:`forward`'s arguments; :func:`launch`'s meaning):
-    ``q, out, lse, delta``, the K and V descriptors, ``cu``, the sequence count, the base-2 scale, the q / out / lse
-    strides, the key counts and rows per sequence of a gathered launch."""
+    ``q, out, lse, delta``, the K and V descriptors (boxes of ``block_n`` keys), ``cu``, the sequence count, the
+    base-2 scale, the q / out / lse strides, the key counts and rows per sequence of a gathered launch."""
     tk, hkv, d = k.shape
     num_seqs = cu.shape[0] - 1
     layout = kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout)
-    v_desc = GluonDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout)
+    k_desc = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [block_n, d], layout)
+    v_desc = GluonDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [block_n, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
     seqk, kv_rows = gathered if gathered is not None else (cu, 0)  # unread in a packed launch
     sq, so, sl = q.stride(), out.stride(), lse.stride()

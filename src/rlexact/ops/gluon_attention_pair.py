@@ -363,14 +363,16 @@ if ga.gluon is not None:
 
 @functools.cache
 def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
-           item_depth: int = ITEM_DEPTH) -> object:  # fmt: skip
+           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N) -> object:  # fmt: skip
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
-    preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, and K/V rings and item slots
-    of the given depths (any depths give the same bits): the call tree bound to these constants (built once per
-    specialization and kept alive, since the cached launchers key on the kernel object)."""
+    preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, K/V rings and item slots of
+    the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
+    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes): the call tree bound to these constants
+    (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
-                  SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth))  # fmt: skip
+                  SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),
+                  TILE_N=gl.constexpr(tile_n))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -400,20 +402,22 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-            gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None) -> None:  # fmt: skip
+            gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
+            build: tuple[int, int, int] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N)) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` hold."""
+    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n)``. Call only where
+    :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` hold."""
     t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * num_sms(q.device)
     positions = 16 * WARPS // hp
     heads = hq // hp
     n_items = ga.tile_slots(t, cu.shape[0] - 1, 2 * positions) * heads
-    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None)
+    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, *build)
     q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d],
                              q_layout(q.dtype == torch.float16, positions, hp))  # fmt: skip
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
+    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build[2])
     ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter), (*tensors, counter),
               (*ints, heads, t, hq), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
