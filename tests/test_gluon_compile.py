@@ -69,7 +69,7 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
     strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
     strides |= dict(seqk_ptr="*i32", kv_rows="i32")
     q_desc = _desc(4096, ga.HEAD_DIM, [32, 2, ga.HEAD_DIM], gp.q_layout(False, 32, 2), heads=16)
-    persistent = dict(heads="i32", q_desc=q_desc, counter_ptr="*i32")
+    persistent = dict(heads="i32", q_desc=q_desc, counter_ptr="*i32", o_desc=q_desc)
     for prep, gathered in ((False, False), (True, False), (False, True)):
         const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS,
                      GATHERED=gathered)  # fmt: skip

@@ -83,13 +83,17 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(triton_missing, reason="needs triton")
-def test_pair_kernel_takes_only_queries_tma_reads() -> None:
-    """The persistent pair reads query tiles by TMA, so it takes only 16-byte aligned queries and rows (a fused
-    projection's strided view qualifies); other queries stay on the single kernel, whose bits are the same."""
+def test_pair_kernel_takes_only_tiles_tma_moves() -> None:
+    """The persistent pair reads query tiles and writes output tiles by TMA, so it takes only 16-byte aligned queries
+    and outputs with contiguous heads (a fused projection's strided view qualifies); others stay on the single
+    kernel, whose bits are the same."""
     from rlexact.ops import gluon_attention_pair as gp
 
     t, hq, d = 10, 16, 128
-    assert gp.takes(torch.zeros(t, hq, d, dtype=torch.bfloat16))
+    good = torch.zeros(t, hq, d, dtype=torch.bfloat16)
+    assert gp.takes(good) and gp.takes(good, torch.empty_like(good))
+    assert not gp.takes(good, torch.zeros(t, d, hq, dtype=torch.bfloat16).transpose(1, 2))  # head dim strided
+    assert not gp.takes(good, torch.zeros(t * hq * d + 1, dtype=torch.bfloat16)[1:].view(t, hq, d))
     assert gp.takes(torch.zeros(t, hq + 16, d, dtype=torch.bfloat16)[:, :hq])
     assert not gp.takes(torch.zeros(t * hq * d + 1, dtype=torch.bfloat16)[1:].view(t, hq, d))  # base off by 2 bytes
     assert not gp.takes(torch.zeros(t, hq, d + 4, dtype=torch.bfloat16)[:, :, :d])  # head stride of 264 bytes

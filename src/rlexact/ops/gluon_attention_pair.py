@@ -35,7 +35,9 @@ if ga.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -175,15 +177,18 @@ if ga.gluon is not None:
         mbarrier.arrive(item_ready.index(s), count=1)
 
     @gluon.jit
-    def _rows(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase, qk_scale,
-              stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
+    def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
+              v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
+              qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
               BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
-        """Query tile ``tile`` (its Q in ``q_smem``; query ``i`` at position ``q_start + i`` of ``nk`` keys) over key
-        tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot ``(x0 + j) % SLOTS``: the library's pipelined loop,
-        each K slot released once its scores are done and each V slot once its P @ V is. Key tile ``tail`` runs past
-        the sequence: its V rows there are zeroed here (``zero_here``, then the slot's tail barrier is signalled) or
-        by the other consumer (the barrier's phase ``tail_phase`` is waited for)."""
+        """Query tile ``tile`` (its Q in ``q_tile``, ``[positions, heads, head dim]``; query ``i`` at position
+        ``q_start + i`` of ``nk`` keys) over key tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot
+        ``(x0 + j) % SLOTS``: the library's pipelined loop, each K slot released once its scores are done and each V
+        slot once its P @ V is. Key tile ``tail`` runs past the sequence: its V rows there are zeroed here
+        (``zero_here``, then the slot's tail barrier is signalled) or by the other consumer (the barrier's phase
+        ``tail_phase`` is waited for). A tile whose rows all lie in the sequence leaves through ``q_tile`` (its
+        query no longer read) and one TMA store, finished reading before this returns; other tiles, and the
+        backward's preprocessing, store from registers (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         BLOCK_N: gl.constexpr = TILE_N
@@ -197,6 +202,7 @@ if ga.gluon is not None:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q_smem = q_tile.reshape([BLOCK_M, D])
 
         n_full = (q_start + tile * P + 1) // BLOCK_N
         pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
@@ -250,19 +256,26 @@ if ga.gluon is not None:
             acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-        store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
-                      stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+        if BWD_PREP or tile * P + P > nq:
+            store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
+                          stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
+        else:  # store_rows' values, through shared memory
+            q_smem.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dt))
+            fence_async_shared()
+            cta_barrier()
+            tma.async_copy_shared_to_global(o_desc, [q_begin + tile * P, hgroup * HP, 0], q_tile)
+            tma.store_wait(0)
+            cta_barrier()
 
     @gluon.jit
-    def _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
-                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
-                 C: gl.constexpr):  # fmt: skip
+    def _consume(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
+                 item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt,
+                 stride_lh, C: gl.constexpr):  # fmt: skip
         """Consumer ``C``: for each item the producer publishes, query tile ``2 * pair + C`` over the key tiles its
         rows need, then the release of those only the other consumer needs and of the item slot. ``tail_parity``
         holds, per ring slot, the phase of its tail barrier's next completion (both consumers count every item's
         tail)."""
         HP: gl.constexpr = PAIR_HP
-        D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
         rec_lay: gl.constexpr = gl.BlockedLayout([INFO], [32], [W], [0])
@@ -288,9 +301,9 @@ if ga.gluon is not None:
             zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
             tail_slot = (x0 + n_tiles - 1) % SLOTS
             if n_mine > 0:
-                _rows(o_ptr, lse_ptr, delta_ptr, q_smem.index(2 * s + C).reshape([BLOCK_M, D]), ones_smem, k_smem,
-                      v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup,
-                      n_mine, x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh,
+                _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem.index(2 * s + C), ones_smem, k_smem, v_smem,
+                      k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine,
+                      x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh,
                       stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
             for r in range(x0 + n_mine, x0 + n_tiles):
                 mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
@@ -309,17 +322,17 @@ if ga.gluon is not None:
     def _worker_consumer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
                          info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
                          num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
-                         stride_lt, stride_lh):  # fmt: skip
+                         stride_lt, stride_lh, o_desc):  # fmt: skip
         """Consumer 1 (the worker partitions share one argument list)."""
-        _consume(o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready, item_empty,
-                 k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh,
-                 1)  # fmt: skip
+        _consume(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
+                 item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt,
+                 stride_lh, 1)  # fmt: skip
 
     @gluon.jit
     def _worker_producer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
                          info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
                          num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
-                         stride_lt, stride_lh):  # fmt: skip
+                         stride_lt, stride_lh, o_desc):  # fmt: skip
         """The producer (the worker partitions share one argument list)."""
         _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, info_smem, item_ready, item_empty, k_ready, k_empty,
                  v_ready, v_empty, cu_ptr, num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr)  # fmt: skip
@@ -327,9 +340,10 @@ if ga.gluon is not None:
     @gluon.jit
     def _pair_kernel(q_ptr, o_ptr, lse_ptr, delta_ptr, k_desc, v_desc, cu_ptr, num_seqs, qk_scale, stride_qt,
                      stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, heads, q_desc,
-                     counter_ptr):  # fmt: skip
+                     counter_ptr, o_desc):  # fmt: skip
         """The packed launch's arguments (``q_ptr`` and its strides unread: Q arrives through ``q_desc``, boxes of a
-        query tile's positions and heads), the head groups and the launch's item counter (zero, advanced here)."""
+        query tile's positions and heads), the head groups, the launch's item counter (zero, advanced here) and the
+        output's descriptor (``out`` in ``q_desc``'s boxes)."""
         gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
         P: gl.constexpr = 16 * W // PAIR_HP
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * ITEM_SLOTS, P, PAIR_HP, HEAD_D], q_desc.layout)
@@ -347,12 +361,12 @@ if ga.gluon is not None:
         worker_args = (o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
                        info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
                        num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
-                       stride_lt, stride_lh)  # fmt: skip
+                       stride_lt, stride_lh, o_desc)  # fmt: skip
         gl.warp_specialize(
             [
-                (_consume, (o_ptr, lse_ptr, delta_ptr, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
-                            item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot,
-                            stride_oh, stride_lt, stride_lh, 0)),
+                (_consume, (o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem,
+                            item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale,
+                            stride_ot, stride_oh, stride_lt, stride_lh, 0)),
                 (_worker_consumer, worker_args),
                 (_worker_producer, worker_args),
             ],
@@ -388,10 +402,12 @@ def chosen(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens >= MIN_MEAN_KEYS * num_seqs
 
 
-def takes(q: torch.Tensor) -> bool:
-    """Whether TMA reads ``q``'s query tiles (positions and heads 16-byte aligned), which this kernel needs on top of
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether TMA reads and writes query tiles of each of ``tensors`` (the queries and the output: positions and
+    heads 16-byte aligned, head dim contiguous), which this kernel needs on top of
     :func:`rlexact.ops.gluon_attention.supported`."""
-    return q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0
+    return all(t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.stride(2) == 1 and t.data_ptr() % 16 == 0
+               for t in tensors)  # fmt: skip
 
 
 @functools.cache
@@ -407,7 +423,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
     counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n)``. Call only where
-    :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` hold."""
+    :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
     t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * num_sms(q.device)
@@ -415,9 +431,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     heads = hq // hp
     n_items = ga.tile_slots(t, cu.shape[0] - 1, 2 * positions) * heads
     bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, *build)
-    q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d],
-                             q_layout(q.dtype == torch.float16, positions, hp))  # fmt: skip
+    layout = q_layout(q.dtype == torch.float16, positions, hp)
+    q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d], layout)
+    o_desc = GluonDescriptor(out, [t, hq, d], list(out.stride()), [positions, hp, d], layout)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build[2])
-    ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter), (*tensors, counter),
+    ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter, o_desc), (*tensors, counter),
               (*ints, heads, t, hq), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip

@@ -958,7 +958,7 @@ def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tiles if ``pair`` and TMA reads ``q`` (over at most ``programs`` programs; None: the kernel's default), with the
     model's query heads per tile. Either kernel gives the same bits."""
     hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
-    if pair and gluon_attention_pair.takes(q):
+    if pair and gluon_attention_pair.takes(q, out):
         gluon_attention_pair.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered, programs)
     else:
         gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
