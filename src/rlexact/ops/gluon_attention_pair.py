@@ -1,17 +1,17 @@
 """The exact packed attention forward, persistent and warp-specialized: :mod:`rlexact.ops.gluon_attention`'s rows.
 
-An item is two adjacent query tiles of one sequence and head group. Each program, one per SM, runs two 4-warp
-consumer partitions (the default partition and a worker), one per query tile, beside a one-warp producer partition.
-The producer draws items from a counter in the launch's order (the last pair slots first: within a sequence the
-costliest), looks each up, publishes its record and both query tiles (TMA) up to two items ahead, and streams its K
-and V tiles through four-deep TMA rings that run on across items. Every K/V tile is copied once for both query tiles,
-and the consumers issue no copies and look nothing up: between two items they store one tile's rows and start the
-next, whose Q and first keys are already in shared memory. A ring slot is released once both consumers are done with
-it (a consumer whose rows need fewer tiles releases the rest unread). Each consumer runs the library kernel's
-pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row operations and fold order, so its
-rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed only. The
-V tile that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when
-it needs that tile), which then signals the other through the ring slot's tail barrier; both consumers count the
+An item is two adjacent query tiles of one sequence and head group. Each program, one per SM, runs two 4-warp consumer
+partitions (the default partition and a worker), one per query tile, beside a one-warp producer partition. The producer
+draws items from a counter in the launch's order (the last pair slots first: within a sequence the costliest), looks
+each up, publishes its record and both query tiles (TMA) an item ahead, and streams its K and V tiles through three-deep
+TMA rings that run on across items. Every K/V tile is copied once for both query tiles, and the consumers issue no
+copies and look nothing up: between two items they write one tile's output over its query tile in shared memory, start
+its TMA store and the next item, whose Q and first keys are already in shared memory. A ring slot is released once both
+consumers are done with it (a consumer whose rows need fewer tiles releases the rest unread). Each consumer runs the
+library kernel's pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row operations and fold
+order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed
+only. The V tile that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer
+0 when it needs that tile), which then signals the other through the ring slot's tail barrier; both consumers count the
 tails per slot, so each waits for the right phase however far the other has run ahead.
 
 Query rows past a sequence's end arrive with the tile (the next sequence's rows, or TMA's zero fill); rows are
@@ -71,11 +71,11 @@ PROGRAMS_PER_SM = 1
 MAXNREG = 168
 """Registers per thread at launch over the program's nine warps; the partitions then take :data:`CONSUMER_REGS` and
 :data:`PRODUCER_REGS`."""
-RING_DEPTH = 4
+RING_DEPTH = 3
 """Depth of the K ring and of the V ring (the library's; :func:`kernel` builds others)."""
-ITEM_DEPTH = 2
-"""Item records, with their query tiles, the producer may publish ahead of the consumers (the library's;
-:func:`kernel` builds others)."""
+ITEM_DEPTH = 3
+"""Item slots: records with their query tiles, which the producer fills ahead of the consumers and a consumer
+releases one item late (the library's; :func:`kernel` builds others; at least 2)."""
 
 if ga.gluon is not None:
     SLOTS = gl.constexpr(RING_DEPTH)
@@ -187,8 +187,9 @@ if ga.gluon is not None:
         slot once its P @ V is. Key tile ``tail`` runs past the sequence: its V rows there are zeroed here
         (``zero_here``, then the slot's tail barrier is signalled) or by the other consumer (the barrier's phase
         ``tail_phase`` is waited for). A tile whose rows all lie in the sequence leaves through ``q_tile`` (its
-        query no longer read) and one TMA store, finished reading before this returns; other tiles, and the
-        backward's preprocessing, store from registers (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
+        query no longer read) and one TMA store, which may still be reading ``q_tile`` when this returns; other
+        tiles, and the backward's preprocessing, store from registers
+        (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         BLOCK_N: gl.constexpr = TILE_N
@@ -264,17 +265,16 @@ if ga.gluon is not None:
             fence_async_shared()
             cta_barrier()
             tma.async_copy_shared_to_global(o_desc, [q_begin + tile * P, hgroup * HP, 0], q_tile)
-            tma.store_wait(0)
-            cta_barrier()
 
     @gluon.jit
     def _consume(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
                  item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh, stride_lt,
                  stride_lh, C: gl.constexpr):  # fmt: skip
         """Consumer ``C``: for each item the producer publishes, query tile ``2 * pair + C`` over the key tiles its
-        rows need, then the release of those only the other consumer needs and of the item slot. ``tail_parity``
-        holds, per ring slot, the phase of its tail barrier's next completion (both consumers count every item's
-        tail)."""
+        rows need, then the release of those only the other consumer needs and of the previous item's slot, whose
+        query tile the previous output's TMA store had until then to read (so the producer runs ``ITEM_SLOTS - 2``
+        items ahead). ``tail_parity`` holds, per ring slot, the phase of its tail barrier's next completion (both
+        consumers count every item's tail)."""
         HP: gl.constexpr = PAIR_HP
         BLOCK_M: gl.constexpr = 16 * W
         P: gl.constexpr = BLOCK_M // HP
@@ -310,13 +310,20 @@ if ga.gluon is not None:
                 mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-            mbarrier.arrive(item_empty.index(s), count=1)
+            if n > 0:  # the previous item's output has left its query tile (this item's may still be leaving)
+                if (n_mine > 0) & (tile * P + P <= nq):
+                    tma.store_wait(1)
+                else:
+                    tma.store_wait(0)
+                cta_barrier()
+                mbarrier.arrive(item_empty.index((n - 1) % ITEM_SLOTS), count=1)
             if tail >= 0:
                 tail_parity = tail_parity ^ (1 << tail_slot)
             x0 += n_tiles
             n += 1
             mbarrier.wait(item_ready.index(n % ITEM_SLOTS), (n // ITEM_SLOTS) & 1)
             rec = info_smem.index(n % ITEM_SLOTS).load(rec_lay)
+        tma.store_wait(0)  # shared memory outlives the last output's store
 
     @gluon.jit
     def _worker_consumer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
