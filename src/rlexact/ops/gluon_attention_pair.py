@@ -60,10 +60,10 @@ if ga.gluon is not None:
 
 __all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel", "q_layout", "takes"]
 
-MIN_MEAN_KEYS = 128
+MIN_MEAN_KEYS = 512
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
-each prefill case's ``gluon_kernels``: faster than the single-tile kernel, or equal, at every case, the shortest
-sequences measured having this many keys)."""
+each prefill case's ``gluon_kernels``: faster than the single-tile kernel at every case from this mean on; below it
+the eager call's launch, four TMA descriptors and an item counter, cost more host time than the kernel saved)."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 PROGRAMS_PER_SM = 1
