@@ -45,6 +45,9 @@ try:  # triton >= 3.5 with Gluon's Hopper language
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     """A TMA copy of one box into shared memory, signalling an mbarrier (``async_copy_global_to_shared`` up to Triton
     3.6, ``async_load`` since; the same positional arguments)."""
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    """A TMA copy of one box from shared memory to global memory (``async_copy_shared_to_global`` up to Triton 3.6,
+    ``async_store`` since; the same positional arguments)."""
 except ImportError:  # pragma: no cover - old triton
     gluon = None
 
@@ -72,6 +75,7 @@ __all__ = [
     "supported",
     "tile_slots",
     "tma_load",
+    "tma_store",
     "wgmma_layout",
 ]
 

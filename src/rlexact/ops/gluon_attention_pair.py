@@ -54,6 +54,7 @@ if ga.gluon is not None:
         store_rows,
         tile_softmax,
         tma_load,
+        tma_store,
         wgmma_layout,
         zero_tail_rows,
     )
@@ -264,7 +265,7 @@ if ga.gluon is not None:
             q_smem.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dt))
             fence_async_shared()
             cta_barrier()
-            tma.async_copy_shared_to_global(o_desc, [q_begin + tile * P, hgroup * HP, 0], q_tile)
+            tma_store(o_desc, [q_begin + tile * P, hgroup * HP, 0], q_tile)
 
     @gluon.jit
     def _consume(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
