@@ -204,11 +204,37 @@ def parse(report: str) -> list[dict]:
 
 SOURCE_TOP = 60
 """Instructions kept per kernel by ``--source`` (the most stall samples first)."""
+HOT = 12
+"""Instructions of the most stall samples whose neighbourhood ``--source`` keeps as text (``hot_regions``)."""
+CONTEXT = (12, 4)
+"""Instructions kept before and after each of the :data:`HOT` ones: enough to tell which loop or barrier wait holds
+it, since the addresses of one build do not map onto another's listing."""
+
+
+def hot_regions(rows: list[dict], samples: str) -> list[list[str]]:
+    """The neighbourhoods of the :data:`HOT` instructions of ``rows`` (in address order) with the most ``samples``
+    (none without samples), overlapping ones merged: one line per instruction, ``offset from the kernel's first
+    instruction | samples | times executed | SASS``."""
+    if not rows:
+        return []
+    base = int(rows[0]["Address"], 16)
+    hot = [i for i in sorted(range(len(rows)), key=lambda i: -rows[i][samples])[:HOT] if rows[i][samples] > 0]
+    spans: list[list[int]] = []
+    for i in sorted(hot):
+        lo, hi = max(0, i - CONTEXT[0]), min(len(rows), i + CONTEXT[1] + 1)
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    line = "{:#07x} | {:>7.0f} | {:>8} | {}"
+    return [[line.format(int(r["Address"], 16) - base, r[samples], r.get("Instructions Executed", ""),
+                         r["Source"].strip()) for r in rows[lo:hi]] for lo, hi in spans]  # fmt: skip
 
 
 def parse_source(report: str) -> list[dict]:
     """Kernels of ncu's ``--csv --page source --print-source sass`` report: per kernel the :data:`SOURCE_TOP`
-    instructions with the most warp-stall samples (every column ncu gives) and the samples summed by opcode."""
+    instructions with the most warp-stall samples (every column ncu gives), the samples summed by opcode and the
+    listing around the hottest instructions (:func:`hot_regions`)."""
     kernels, rows, head = [], [], None
     for row in csv.reader(io.StringIO(report)):
         if "Source" in row and "Address" in row:  # each kernel's table starts with its header row
@@ -239,6 +265,7 @@ def parse_source(report: str) -> list[dict]:
                 "instructions": len(rows),
                 "samples_by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
                 "top_instructions": top,
+                "hot_regions": hot_regions(rows, samples),
             }
         )
     return out

@@ -110,6 +110,27 @@ def test_kernel_counters_parses_ncu_source_csv() -> None:
     assert kern["samples_by_opcode"] == {"LDG": 1320.0, "BAR": 30.0}
     assert [r["Address"] for r in kern["top_instructions"]] == ["0x30", "0x10", "0x20"]
     assert kern["total_samples"] == 1350.0 and kern["instructions"] == 3
+    (region,) = kern["hot_regions"]  # three instructions, each within the others' context: one region
+    assert [line.split("|")[0].strip() for line in region] == ["0x00000", "0x00010", "0x00020"]
+    assert region[2].split("|")[1].strip() == "1200" and region[2].endswith("LDG.E.128 R8, desc[UR4][R6.64]")
+
+
+def test_kernel_counters_hot_regions_split_and_merge() -> None:
+    """Neighbourhoods of hot instructions far apart stay separate regions; close ones merge into one."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernel_counters as kc
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    col = "samples"
+    rows = [{"Address": hex(0x100 + 16 * i), "Source": f"NOP{i}", col: 0.0} for i in range(100)]
+    for i in (20, 22, 80):
+        rows[i][col] = 10.0
+    regions = kc.hot_regions(rows, col)
+    before, after = kc.CONTEXT
+    assert len(regions) == 2
+    assert len(regions[0]) == (22 + after + 1) - (20 - before) and regions[0][0].endswith(f"NOP{20 - before}")
+    assert len(regions[1]) == before + after + 1 and regions[1][before].endswith("NOP80")
 
 
 def test_kernel_resources_compiles_on_the_host(tmp_path: Path) -> None:
