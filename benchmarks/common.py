@@ -174,12 +174,13 @@ def swapped(owner: object, name: str, value: object) -> Iterator[None]:
         setattr(owner, name, saved)
 
 
-def variant_pair(spec: str, script: str, form: str, minimum: tuple[int, int]) -> tuple[int, int]:
-    """A probe's ``AxB`` variant as two integers of at least ``minimum``; else exits naming ``script`` and ``form``."""
+def variant_ints(spec: str, script: str, form: str, minimum: tuple[int, ...]) -> tuple[int, ...]:
+    """A probe's ``AxB...`` variant as ``len(minimum)`` integers, each at least its ``minimum``; else exits naming
+    ``script`` and ``form``."""
     try:
-        a, b = (int(x) for x in spec.split("x"))
+        values = tuple(int(x) for x in spec.split("x"))
     except ValueError:
-        a = b = -1
-    if a < minimum[0] or b < minimum[1]:
+        values = ()
+    if len(values) != len(minimum) or any(v < m for v, m in zip(values, minimum)):
         raise SystemExit(f"{script}: bad variant {spec!r}; expected {form}")
-    return a, b
+    return values

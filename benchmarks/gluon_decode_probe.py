@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from attention_configs import DT, HKV, HQ, PAGE, D, decode_case, run
-from common import ROOT, bench_graph, header, swapped, variant_pair
+from common import ROOT, bench_graph, header, swapped, variant_ints
 from rlexact.ops import gluon_decode
 from rlexact.ops.gluon_attention import gluon, rebind
 
@@ -86,7 +86,8 @@ def ring_kernel(slots: int) -> object:
 
 def parse_variant(spec: str) -> tuple[int, int]:
     """``PxS`` -> ``(programs per SM, ring depth)``."""
-    return variant_pair(spec, "gluon_decode_probe", "PxS, e.g. 2x3", (1, 1))
+    per_sm, slots = variant_ints(spec, "gluon_decode_probe", "PxS, e.g. 2x3", (1, 1))
+    return per_sm, slots
 
 
 def variant_run(case: tuple, spec: str) -> torch.Tensor:

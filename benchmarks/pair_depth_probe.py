@@ -1,29 +1,32 @@
 """The paired prefill attention's build: its K/V ring depth, item slots and key tile, per prefill shape.
 
-    timeout 300 python benchmarks/pair_depth_probe.py [--variants 4x2 3x3 2x4 3x2 2x2x128] [--out ...]
+    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 4x3 3x4 2x4 4x2 2x2x128] [--out ...]
 
-The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and publishes up to ``I``
-items (their records and query tiles) ahead of its consumers; the shared memory holds about ``R = 4, I = 2``. At
-short sequences an item needs few key tiles (4.5 on average at 64 × 512), so two items are all the producer can run
-ahead however deep the rings are, and the next item's lookup and query copy are exposed between items. This builds
-the kernel at other depths ``RxI`` and, as ``RxIxN``, with key tiles of ``N`` keys (:func:`~rlexact.ops.
-gluon_attention_pair.kernel`), and times the packed forward at each of ``ops_bench.py``'s prefill shapes
-(Qwen3-1.7B's heads, the same timer as that file's ``gluon_kernels``). Checks first, on packed mixed lengths with NaN
-in one sequence's keys (which no other sequence's row may read): a variant at the library's key tile must give the
-library kernel's bits; one at another key tile changes the bit contract (the online softmax runs per tile), so it
-must instead be deterministic and as close to a float32 reference as the library; and a perturbed key must change
-every variant's output.
+The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and ``I`` item slots
+(records and query tiles); a consumer releases a slot one item late, while the item's output store still reads its query
+tile, so the producer runs ``I - 2`` items ahead. At short sequences an item needs few key tiles, so the item slots, not
+the rings, bound how far the producer runs ahead, and an item's lookup and query copy not started early are exposed;
+shared memory bounds both depths together.
+
+This builds the kernel at other depths ``RxI`` and, as ``RxIxN``, with key tiles of ``N`` keys
+(:func:`rlexact.ops.gluon_attention_pair.kernel`), and times the packed forward at each of ``ops_bench.py``'s prefill
+shapes (Qwen3-1.7B's heads, the same timer as that file's ``gluon_kernels``). Checks first, on packed mixed lengths with
+NaN in one sequence's keys (which no other sequence's row may read): a variant at the library's key tile must give the
+library kernel's bits; one at another key tile changes the bit contract (the online softmax runs per tile), so it must
+instead be deterministic and as close to a float32 reference as the library; and a perturbed key must change every
+variant's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, header, packed_attention_inputs
+from common import ROOT, bench, header, packed_attention_inputs, variant_ints
 from ops_bench import PREFILL_CASES
 from rlexact.ops import gluon_attention, gluon_attention_pair
 from rlexact.ops import triton_attention as ta
@@ -34,24 +37,28 @@ CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
 LIBRARY = (gluon_attention_pair.RING_DEPTH, gluon_attention_pair.ITEM_DEPTH, gluon_attention.BLOCK_N)
 
 
+@functools.cache
 def parse(spec: str) -> tuple[int, int, int]:
     """``RxI`` or ``RxIxN`` -> ``(ring depth, item depth, key tile)``; exits on a malformed spec."""
-    try:
-        parts = [int(x) for x in spec.split("x")]
-    except ValueError:
-        parts = []
-    if len(parts) == 2:
-        parts.append(gluon_attention.BLOCK_N)
-    if len(parts) != 3 or parts[0] < 2 or parts[1] < 1 or parts[2] not in (64, 128):
-        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected RxI or RxIxN (R >= 2, I >= 1, N 64 or 128)")
-    return parts[0], parts[1], parts[2]
+    form = "RxI or RxIxN (R >= 2, I >= 2, N 64 or 128)"
+    minimum = (2, 2) if spec.count("x") == 1 else (2, 2, 64)
+    ring, items, *tile = variant_ints(spec, "pair_depth_probe", form, minimum)
+    tile_n = tile[0] if tile else gluon_attention.BLOCK_N
+    if tile_n not in (64, 128):
+        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {form}")
+    return ring, items, tile_n
+
+
+@functools.cache
+def geometry(dtype: torch.dtype) -> tuple[int, int]:
+    """The library's ``(query heads per tile, KV split)`` for these heads in ``dtype`` (outside the timed calls)."""
+    return ta.heads_per_tile(HQ, HKV, 16 * gluon_attention.WARPS), ta._launch_config(D, dtype, False)["SPLIT"]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, spec: str) -> torch.Tensor:
     """The packed forward through the pair built as ``spec``, with the library's heads per tile and KV split."""
     out = torch.empty_like(q)
-    split = ta._launch_config(D, q.dtype, False)["SPLIT"]
-    hp = ta.heads_per_tile(HQ, HKV, 16 * gluon_attention.WARPS)
+    hp, split = geometry(q.dtype)
     gluon_attention_pair.forward(q, k, v, cu, D**-0.5, out, hp, split, build=parse(spec))
     return out
 
@@ -110,7 +117,8 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "x".join(map(str, LIBRARY[:2]))
-    ap.add_argument("--variants", nargs="+", default=[default, "3x3", "2x4", "3x2", "2x2x128", "2x1x128"])
+    others = ["4x3", "3x4", "2x4", "4x2", "2x2x128"]
+    ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
     for spec in args.variants:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlexact.checks import not_text
 from rlexact.models import AttnMetadata, forward_hidden, head_logprobs, lm_head_weight
 
 
@@ -32,9 +33,7 @@ class Packed:
 
 def _token_ids(seq: Sequence[int] | torch.Tensor, i: int) -> torch.Tensor:
     """Sequence ``i``'s token ids as a flat ``long`` tensor; text, empty sequences and non-integer values raise."""
-    if isinstance(seq, (str, bytes)):
-        raise ValueError(f"pack: sequence {i} is text, not token ids: tokenize it first, e.g. "
-                         "tokenizer(text)['input_ids']")  # fmt: skip
+    not_text(f"pack: sequence {i}", seq)
     ids = torch.as_tensor(seq).reshape(-1)
     if ids.numel() == 0:
         raise ValueError(f"pack: sequence {i} is empty")

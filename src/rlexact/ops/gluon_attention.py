@@ -74,6 +74,7 @@ __all__ = [
     "sm90",
     "supported",
     "tile_slots",
+    "normalized",
     "tma_load",
     "tma_store",
     "wgmma_layout",
@@ -192,13 +193,18 @@ if gluon is not None:
         return m_new, gl.fma(l_i, fa, l_s * fb), acc
 
     @gluon.jit
+    def normalized(acc, l_i, o_layout: gl.constexpr):
+        """A query tile's output rows, ``acc / l`` in fp32 (whichever way they are then stored)."""
+        return acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+
+    @gluon.jit
     def store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
                    stride_lt, stride_lh, HP: gl.constexpr, P: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BWD_PREP: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
         """Store a query tile's rows ``acc / l`` into ``o_ptr``; with ``BWD_PREP``, read dO from ``o_ptr`` and store
         the base-2 log-sum-exp and ``delta = rowsum(dO * O)`` instead."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        out = normalized(acc, l_i, o_layout)
         orows = gl.arange(0, BLOCK_M, layout=row_o)
         ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         oqi = tile * P + orows // HP

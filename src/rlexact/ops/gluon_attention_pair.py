@@ -50,6 +50,7 @@ if ga.gluon is not None:
         load_rows,
         locate,
         mask_scores,
+        normalized,
         rings,
         store_rows,
         tile_softmax,
@@ -180,16 +181,16 @@ if ga.gluon is not None:
     @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
               v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
-              qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
+              by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
               BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
         """Query tile ``tile`` (its Q in ``q_tile``, ``[positions, heads, head dim]``; query ``i`` at position
         ``q_start + i`` of ``nk`` keys) over key tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot
         ``(x0 + j) % SLOTS``: the library's pipelined loop, each K slot released once its scores are done and each V
         slot once its P @ V is. Key tile ``tail`` runs past the sequence: its V rows there are zeroed here
         (``zero_here``, then the slot's tail barrier is signalled) or by the other consumer (the barrier's phase
-        ``tail_phase`` is waited for). A tile whose rows all lie in the sequence leaves through ``q_tile`` (its
-        query no longer read) and one TMA store, which may still be reading ``q_tile`` when this returns; other
-        tiles, and the backward's preprocessing, store from registers
+        ``tail_phase`` is waited for). With ``by_tma`` (the tile's rows all lie in the sequence) the output leaves
+        through ``q_tile`` (its query no longer read) and one TMA store, which may still be reading ``q_tile`` when
+        this returns; otherwise, and for the backward's preprocessing, it is stored from registers
         (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
@@ -258,11 +259,11 @@ if ga.gluon is not None:
             acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-        if BWD_PREP or tile * P + P > nq:
+        if BWD_PREP or not by_tma:
             store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
                           stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
-        else:  # store_rows' values, through shared memory
-            q_smem.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dt))
+        else:
+            q_smem.store(normalized(acc, l_i, o_layout).to(dt))
             fence_async_shared()
             cta_barrier()
             tma_store(o_desc, [q_begin + tile * P, hgroup * HP, 0], q_tile)
@@ -301,10 +302,11 @@ if ga.gluon is not None:
             tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile past the sequence, if any
             zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
             tail_slot = (x0 + n_tiles - 1) % SLOTS
+            by_tma = tile * P + P <= nq  # every row in the sequence: the output leaves by TMA
             if n_mine > 0:
                 _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem.index(2 * s + C), ones_smem, k_smem, v_smem,
                       k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine,
-                      x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, qk_scale, stride_ot, stride_oh,
+                      x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, by_tma, qk_scale, stride_ot, stride_oh,
                       stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
             for r in range(x0 + n_mine, x0 + n_tiles):
                 mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
@@ -312,7 +314,7 @@ if ga.gluon is not None:
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
             if n > 0:  # the previous item's output has left its query tile (this item's may still be leaving)
-                if (n_mine > 0) & (tile * P + P <= nq):
+                if (n_mine > 0) & by_tma:
                     tma.store_wait(1)
                 else:
                     tma.store_wait(0)
@@ -391,6 +393,8 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring
     the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
     :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes): the call tree bound to these constants
     (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
+    if item_depth < 2:  # a slot is released an item late: with one, the producer would wait on itself
+        raise ValueError(f"gluon_attention_pair.kernel: item_depth must be >= 2, got {item_depth}")
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
                   SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import time
 from collections import Counter
 from collections.abc import Sequence as Seq
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlexact.checks import as_index, not_text
 from rlexact.distributed import gathered_params
 from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
@@ -127,19 +127,14 @@ class Generator:
         vocab = self.vocab_size
         out = []
         for i, s in enumerate(seqs):
-            if isinstance(s, (str, bytes)):
-                raise ValueError(f"{what}[{i}] is text, not token ids: tokenize it first, e.g. "
-                                 "tokenizer(text)['input_ids']")  # fmt: skip
+            not_text(f"{what}[{i}]", s)
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
-            ids = []
-            for t in toks:  # ints of any integer type; floats are refused
-                try:
-                    ids.append(operator.index(t))
-                except TypeError:
-                    raise ValueError(f"{what}[{i}] must contain integer token ids, got {t!r} "
-                                     f"({type(t).__name__})") from None  # fmt: skip
+            ids = [as_index(t) for t in toks]  # ints of any integer type; floats are refused
+            if None in ids:
+                t = toks[ids.index(None)]
+                raise ValueError(f"{what}[{i}] must contain integer token ids, got {t!r} ({type(t).__name__})")
             toks = ids
             lo, hi = min(toks), max(toks)
             if lo < 0 or hi >= vocab:

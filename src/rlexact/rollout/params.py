@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from rlexact.checks import choice, finite, integer, positive_int
+from rlexact.checks import as_index, choice, finite, integer, positive_int
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 FinishReason = Literal["stop", "length"]
@@ -59,10 +58,8 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             stops = []
             for i, t in enumerate(self.stop_token_ids):  # ints of any integer type (numpy, torch); floats refused
-                try:
-                    t = t if isinstance(t, bool) else operator.index(t)
-                except TypeError:
-                    pass  # not an integer: integer() names it
+                idx = None if isinstance(t, bool) else as_index(t)
+                t = t if idx is None else idx  # not an integer: integer() names it
                 integer(f"stop_token_ids[{i}]", t, low=0)
                 stops.append(t)
             object.__setattr__(self, "stop_token_ids", tuple(stops))
