@@ -9,10 +9,10 @@ split, :mod:`rlexact.ops.gluon_decode`. What differs is only how the work is
 carried: Q in shared memory, K tiles through a three-deep and V tiles through a two-deep TMA ring with mbarriers,
 the three wgmmas per key tile explicit, the ones tile stored once per program, 16 query rows per warp. Inside a KV
 split the wgmmas of neighbouring tiles overlap: tile ``j + 1``'s scores and tile ``j``'s P @ V are issued together,
-and tile ``j + 1``'s softmax runs while that P @ V is in flight; no wgmma is in flight across a loop edge (``ptxas``
-keeps them asynchronous). Keys past a sequence arrive through TMA
-(the next sequence's rows or zero fill): their scores are masked and their V rows zeroed, so nothing of another
-sequence enters a row.
+tile ``j + 1``'s softmax runs while that P @ V is in flight, and its row-sum wgmma while the split's sum is
+rescaled and P converted for its P @ V; no wgmma is in flight across a loop edge (``ptxas`` would serialize them).
+Keys past a sequence arrive through TMA (the next sequence's rows or zero fill): their scores are masked and their V
+rows zeroed, so nothing of another sequence enters a row.
 
 ``BWD_PREP`` is the backward's preprocessing, as in the ``tl`` kernel: ``o_ptr`` holds dO; the base-2 log-sum-exp
 and ``delta = rowsum(dO * O)`` (fp32 ``O``) are stored instead of the output.
@@ -327,9 +327,10 @@ if gluon is not None:
         r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
 
         # K tile x sits in slot x % KS of its ring (K tile x + KS is copied once tile x's scores are done), V tile x
-        # in slot x % VS of its ring (V tile x + VS is copied once tile x's P @ V is done). Inside a
-        # split, tile j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight; no MMA is in
-        # flight across a loop edge. Every row sees the operations of the library kernel in its order.
+        # in slot x % VS of its ring (V tile x + VS is copied once tile x's P @ V is done). Inside a split, tile
+        # j + 1's scores are computed and its softmax runs while tile j's P @ V is in flight, its row sum while the
+        # sum is rescaled and P converted; no MMA is in flight across a loop edge. Every row sees the operations of
+        # the library kernel in its order.
         for t0 in range(0, n_tiles, TPS):
             t1 = gl.minimum(t0 + TPS, n_tiles)
             m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # the split's partial
@@ -340,14 +341,16 @@ if gluon is not None:
             if t0 + KS < n_tiles:
                 load_rows(k_desc, k_smem, k_bars, t0 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale, dt)
-            rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
-            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            p_r = gl.convert_layout(p, r_op)
+            rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p, pv_op)
+            rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 mbarrier.wait(k_bars.index((j + 1) % KS), ((j + 1) // KS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % KS).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)  # fmt: skip
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bars.index(j % VS), (j // VS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(j % VS), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
@@ -355,14 +358,16 @@ if gluon is not None:
                     load_rows(k_desc, k_smem, k_bars, j + 1 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                              dt)  # fmt: skip
-                r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
-                rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc_s, p_op))
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-                p_op = gl.convert_layout(p, pv_op)
+                p_r = gl.convert_layout(p, r_op)
+                rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+                acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))  # P @ V; the row sum may run
                 if j + VS < n_tiles:
                     load_rows(v_desc, v_smem, v_bars, j + VS, kv_begin, kv_col, VS, BLOCK_N, nbytes)
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p, pv_op)
+                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
-            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(v_bars.index(jl % VS), (jl // VS) & 1)
             if (jl + 1) * BLOCK_N > nk:  # V rows past the sequence: zeros, whatever the next rows hold
                 zero_tail_rows(v_smem.index(jl % VS), jl * BLOCK_N, nk, BLOCK_N, blk)

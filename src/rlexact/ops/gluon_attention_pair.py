@@ -78,9 +78,6 @@ RING_DEPTH = 3
 ITEM_DEPTH = 3
 """Item slots: records with their query tiles, which the producer fills ahead of the consumers and a consumer
 releases one item late (the library's; :func:`kernel` builds others; at least 2)."""
-LATE_SUM = False
-"""Whether a consumer waits for a key tile's row-sum wgmma only at the next tile's scores (the library's;
-:func:`kernel` builds the other; the same bits either way)."""
 
 if ga.gluon is not None:
     SLOTS = gl.constexpr(RING_DEPTH)
@@ -101,9 +98,6 @@ if ga.gluon is not None:
     PAIR_GATHERED = gl.constexpr(False)
     """Whether a bound specialization reads gathered keys (:func:`kernel`)."""
     PAIR_SCAN = gl.constexpr(ga.SCAN)
-    PAIR_LATE_SUM = gl.constexpr(False)
-    """Whether a bound specialization waits for a key tile's row-sum wgmma only after rescaling the split's sum and
-    converting P for its P @ V (:func:`kernel`)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -233,22 +227,16 @@ if ga.gluon is not None:
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                             dt)  # fmt: skip
             p_r = gl.convert_layout(p, r_op)
-            rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=PAIR_LATE_SUM)
-            if PAIR_LATE_SUM:
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p, pv_op)
-                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-            else:
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-                p_op = gl.convert_layout(p, pv_op)
+            rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p, pv_op)
+            rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if not PAIR_LATE_SUM:
-                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
                 s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
@@ -257,22 +245,14 @@ if ga.gluon is not None:
                                                 qk_scale, dt)  # fmt: skip
                 p_r = gl.convert_layout(p, r_op)
                 rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
-                if PAIR_LATE_SUM:  # P @ V done; the row sum runs under the rescale of its sum and the P conversion
-                    acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
-                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                    p_op = gl.convert_layout(p, pv_op)
-                    rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                    l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-                else:
-                    rsum, acc_s, p_op = warpgroup_mma_wait(0, deps=(rsum, acc_s, p_op))
-                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
-                    p_op = gl.convert_layout(p, pv_op)
+                acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))  # P @ V; the row sum may run
+                mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p, pv_op)
+                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
-            if not PAIR_LATE_SUM:
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
                 if zero_here:
@@ -411,19 +391,18 @@ if ga.gluon is not None:
 
 @functools.cache
 def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
-           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N, late_sum: bool = LATE_SUM) -> object:  # fmt: skip
+           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N) -> object:  # fmt: skip
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
     preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, K/V rings and item slots of
     the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
-    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes), with ``late_sum`` each key tile's
-    row-sum wgmma waited for only at the next tile's scores (the same bits): the call tree bound to these constants
+    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes): the call tree bound to these constants
     (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
     if item_depth < 2:  # a slot is released an item late: with one, the producer would wait on itself
         raise ValueError(f"gluon_attention_pair.kernel: item_depth must be >= 2, got {item_depth}")
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
                   SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),
-                  TILE_N=gl.constexpr(tile_n), PAIR_LATE_SUM=gl.constexpr(late_sum))  # fmt: skip
+                  TILE_N=gl.constexpr(tile_n))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -456,10 +435,10 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
-            build: tuple[int, int, int, bool] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N, LATE_SUM)) -> None:  # fmt: skip
+            build: tuple[int, int, int] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N)) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n, late_sum)``. Call only where
+    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n)``. Call only where
     :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
     t, hq, d = q.shape
     if programs is None:
