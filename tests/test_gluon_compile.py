@@ -8,6 +8,7 @@ any machine with Triton's CUDA backend. The bits are checked on the GPU (``test_
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -38,6 +39,16 @@ def _desc(rows: int, cols: int, block: list[int], layout: object, heads: int = 0
 
 def _wgmmas(kernel: object) -> int:
     return kernel.asm["ptx"].count("wgmma.mma_async")
+
+
+def _assert_overlapped(sass: str, consumers: int) -> None:
+    """Each consumer's key-tile loop waits twice with a product still in flight (``WARPGROUP.DEPBAR`` at 1): for the
+    scores while the previous tile's P @ V runs, and for that P @ V while the row sum runs (``gluon_attention``'s
+    module docstring). ``ptxas`` that cannot keep the wgmmas asynchronous (an accumulator touched while its product
+    runs, a product in flight across a loop edge) serializes them: every wait then drains all, one after each wgmma."""
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+    assert sum(w == "0x1" for w in waits) == 2 * consumers, waits
+    assert len(waits) < sass.count("HGMMA") // 4, (len(waits), sass.count("HGMMA"))
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
@@ -75,9 +86,11 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                      GATHERED=gathered)  # fmt: skip
         k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
+        _assert_overlapped(k.asm["sass"], 1)
         pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | persistent, {},
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
+        _assert_overlapped(pair.asm["sass"], 2)
     deeper = gp.kernel(2, 1024, False, 2, False, ring_depth=3, item_depth=3)
     deeper = compile_gluon_for_hopper(deeper, ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
     assert _wgmmas(deeper) > 0 and deeper.metadata.shared <= 227 * 1024
@@ -92,3 +105,12 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
     for mode in (0, 1, 2):  # plain, from a shared prefix's state, the shared prefix
         k = compile_gluon_for_hopper(gd.kernel(mode), dec, dict(HP=2, D=128), **gd.LAUNCH_OPTIONS)
         assert _wgmmas(k) > 0 and k.metadata.shared > 0
+
+
+def test_overlap_check_flags_serialized_wgmmas() -> None:
+    """The negative control of :func:`_assert_overlapped`: SASS whose every wgmma is drained at once fails it, the
+    same products with two waits in flight pass."""
+    product = "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;\n"
+    with pytest.raises(AssertionError):
+        _assert_overlapped((product + "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n") * 12, 1)
+    _assert_overlapped(product * 12 + "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n" * 2, 1)
