@@ -15,7 +15,9 @@ and batch, ratios exact/native and exact/hf_generate, generator stats, and an ex
     python benchmarks/rollout_throughput.py --grpo          # 64 prompts x n=8, 512-token prompts, sharing on/off
 
 Transformers' ``generate`` is host-bound and varies from call to call, so ``hf_generate`` is the median of
-``--hf-calls`` timed calls after the warm-up (each call's wall under ``walls_s``).
+``--hf-calls`` timed calls after the warm-up (each call's wall under ``walls_s``, the median per decode step under
+``ms_per_step``); since its speed follows the host's, ``host_python_loop_ms`` records the time of a fixed pure-Python
+loop on the run's host.
 
 Every exact run also times ``generate`` with half the new tokens (same prompts, same warm engine); the difference of
 the median walls (``--step-reps`` calls of each, walls kept under ``decode_step_walls_s``) divided by the difference
@@ -474,7 +476,19 @@ def run_hf(model, prompts, args, device) -> dict:
         rlexact.exactify(model)
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
     elapsed = statistics.median(walls)
-    return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed, "walls_s": walls}
+    return {"tokens": int(tokens), "seconds": elapsed, "tokens_per_s": tokens / elapsed, "walls_s": walls,
+            "ms_per_step": elapsed * 1e3 / args.new_tokens}  # fmt: skip
+
+
+def host_loop_ms(reps: int = 5) -> float:
+    """The median time of a fixed pure-Python loop: the host's single-thread speed, which bounds ``generate``'s
+    per-step Python work (compare runs on different hosts by it)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 SPOT_CHECK_TOKENS = 65536
@@ -561,6 +575,7 @@ def main() -> int:
     }
     if args.note:
         result["note"] = args.note
+    result["host_python_loop_ms"] = host_loop_ms()
     t_start = time.perf_counter()
     try:
         model = build_model(args, device, dtype)

@@ -35,6 +35,8 @@ def test_rollout_throughput_tiny(tmp_path: Path) -> None:
     assert "ratio_exact_over_native" in row
     hf = row["hf_generate"]  # the median of the timed calls
     assert len(hf["walls_s"]) == 3 and hf["seconds"] == sorted(hf["walls_s"])[1]
+    assert hf["ms_per_step"] == hf["seconds"] * 1e3 / res["setup"]["new_tokens"]
+    assert res["host_python_loop_ms"] > 0
     assert "ratio_exact_over_hf_generate" in row
 
 
