@@ -41,13 +41,15 @@ def _wgmmas(kernel: object) -> int:
     return kernel.asm["ptx"].count("wgmma.mma_async")
 
 
-def _assert_overlapped(sass: str, consumers: int) -> None:
-    """Each consumer's key-tile loop waits twice with a product still in flight (``WARPGROUP.DEPBAR`` at 1): for the
-    scores while the previous tile's P @ V runs, and for that P @ V while the row sum runs (``gluon_attention``'s
-    module docstring). ``ptxas`` that cannot keep the wgmmas asynchronous (an accumulator touched while its product
-    runs, a product in flight across a loop edge) serializes them: every wait then drains all, one after each wgmma."""
+def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | None = None) -> None:
+    """Each consumer's key-tile loop waits with products still in flight as ``in_flight`` says (``WARPGROUP.DEPBAR``
+    level -> waits per loop); by default twice at 1: for the scores while the previous tile's P @ V runs, and for that
+    P @ V while the row sum runs (``gluon_attention``'s module docstring). ``ptxas`` that cannot keep the wgmmas
+    asynchronous (an accumulator touched while its product runs, a product in flight across a loop edge) serializes
+    them: every wait then drains all, one after each wgmma."""
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
-    assert sum(w == "0x1" for w in waits) == 2 * consumers, waits
+    for level, per_loop in (in_flight or {"0x1": 2}).items():
+        assert waits.count(level) == per_loop * consumers, waits
     assert len(waits) < sass.count("HGMMA") // 4, (len(waits), sass.count("HGMMA"))
 
 
@@ -91,6 +93,9 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
         _assert_overlapped(pair.asm["sass"], 2)
+        with_pv = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered, sum_with_pv=True),
+                                           ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
+        _assert_overlapped(with_pv.asm["sass"], 2, {"0x2": 1, "0x1": 0})  # the scores under P @ V and the row sum
     deeper = gp.kernel(2, 1024, False, 2, False, ring_depth=3, item_depth=3)
     deeper = compile_gluon_for_hopper(deeper, ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
     assert _wgmmas(deeper) > 0 and deeper.metadata.shared <= 227 * 1024

@@ -98,6 +98,9 @@ if ga.gluon is not None:
     PAIR_GATHERED = gl.constexpr(False)
     """Whether a bound specialization reads gathered keys (:func:`kernel`)."""
     PAIR_SCAN = gl.constexpr(ga.SCAN)
+    PAIR_SUM_WITH_PV = gl.constexpr(False)
+    """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
+    the next tile's softmax (:func:`kernel`)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -226,12 +229,17 @@ if ga.gluon is not None:
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                             dt)  # fmt: skip
-            p_r = gl.convert_layout(p, r_op)
-            rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
-            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p, pv_op)
-            rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p, pv_op)
+                alpha_sum = alpha
+            else:
+                p_r = gl.convert_layout(p, r_op)
+                rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p, pv_op)
+                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
@@ -239,18 +247,30 @@ if ga.gluon is not None:
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
-                s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
+                if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
+                    r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
+                    s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
+                else:  # the scores; P @ V may run
+                    s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
                 mbarrier.arrive(k_empty.index(nxt), count=1)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s,
                                                 qk_scale, dt)  # fmt: skip
-                p_r = gl.convert_layout(p, r_op)
-                rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
-                acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))  # P @ V; the row sum may run
-                mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p, pv_op)
-                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
+                    acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    l_s = gl.fma(l_s, alpha_sum, gl.convert_layout(gl.max(rsum, 1), row_s))
+                    alpha_sum = alpha
+                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                    p_op = gl.convert_layout(p, pv_op)
+                else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
+                    p_r = gl.convert_layout(p, r_op)
+                    rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+                    acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                    p_op = gl.convert_layout(p, pv_op)
+                    rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+                    l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
             mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
@@ -260,7 +280,13 @@ if ga.gluon is not None:
                     mbarrier.arrive(tail_bars.index(rl), count=1)
                 else:
                     mbarrier.wait(tail_bars.index(rl), tail_phase)
-            acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
+            if PAIR_SUM_WITH_PV:
+                acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
+                r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
+                acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
+                l_s = gl.fma(l_s, alpha_sum, gl.convert_layout(gl.max(rsum, 1), row_s))
+            else:
+                acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
             m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
         if BWD_PREP or not by_tma:
@@ -391,18 +417,20 @@ if ga.gluon is not None:
 
 @functools.cache
 def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
-           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N) -> object:  # fmt: skip
+           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N, sum_with_pv: bool = False) -> object:  # fmt: skip
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
     preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, K/V rings and item slots of
     the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
-    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes): the call tree bound to these constants
+    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes), and with ``sum_with_pv`` each key
+    tile's row-sum wgmma issued with its P @ V, both waited for after the next tile's softmax (the same operations in
+    the same order; for probes): the call tree bound to these constants
     (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
     if item_depth < 2:  # a slot is released an item late: with one, the producer would wait on itself
         raise ValueError(f"gluon_attention_pair.kernel: item_depth must be >= 2, got {item_depth}")
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
                   SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),
-                  TILE_N=gl.constexpr(tile_n))  # fmt: skip
+                  TILE_N=gl.constexpr(tile_n), PAIR_SUM_WITH_PV=gl.constexpr(sum_with_pv))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -435,10 +463,10 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
-            build: tuple[int, int, int] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N)) -> None:  # fmt: skip
+            build: tuple[int, int, int, bool] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N, False)) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n)``. Call only where
+    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n, sum_with_pv)``. Call only where
     :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
     t, hq, d = q.shape
     if programs is None:
