@@ -1,6 +1,6 @@
 """The paired prefill attention's build: its K/V ring depth, item slots and key tile, per prefill shape.
 
-    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 4x3 2x2x128] [--out ...]
+    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3F 3x3SF 4x3 2x2x128] [--out ...]
 
 The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and ``I`` item slots
 (records and query tiles); a consumer releases a slot one item late, while the item's output store still reads its query
@@ -10,7 +10,9 @@ shared memory bounds both depths together.
 
 This builds the kernel at other depths ``RxI`` and, as ``RxIxN``, with key tiles of ``N`` keys
 (:func:`rlexact.ops.gluon_attention_pair.kernel`), with an ``S`` after either, issuing each key tile's row-sum wgmma
-with its P @ V and waiting for both after the next tile's softmax (the same operations in the same order), and times
+with its P @ V and waiting for both after the next tile's softmax (the same operations in the same order), then with
+an ``F``, taking a query tile's first KV split as its state (``+0`` added) rather than folding it into the empty
+state (the same bits), and times
 the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
 ``gluon_kernels``). Checks first, on packed mixed lengths with
 NaN in one sequence's keys (which no other sequence's row may read): a variant at the library's key tile must give the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -36,22 +39,25 @@ from rlexact.ops import triton_attention as ta
 HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
-LIBRARY = (gluon_attention_pair.RING_DEPTH, gluon_attention_pair.ITEM_DEPTH, gluon_attention.BLOCK_N, False)
+LIBRARY = (gluon_attention_pair.RING_DEPTH, gluon_attention_pair.ITEM_DEPTH, gluon_attention.BLOCK_N, False, False)
 
 
 @functools.cache
-def parse(spec: str) -> tuple[int, int, int, bool]:
-    """``RxI`` or ``RxIxN``, either with an ``S`` after it -> ``(ring depth, item depth, key tile, row sum with P @
-    V)``; exits on a malformed spec."""
-    form = "RxI or RxIxN, then S for the row sum issued with P @ V (R >= 2, I >= 2, N 64 or 128)"
-    with_pv = spec.endswith("S")
-    dims = spec[:-1] if with_pv else spec
+def parse(spec: str) -> tuple[int, int, int, bool, bool]:
+    """``RxI`` or ``RxIxN``, then optionally ``S`` and ``F`` -> ``(ring depth, item depth, key tile, row sum with P @
+    V, first split without the fold)``; exits on a malformed spec."""
+    form = ("RxI or RxIxN, then S for the row sum issued with P @ V and F for the first split unfolded (R >= 2, I >= 2,"
+            " N 64 or 128)")
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)", spec)
+    if m is None:
+        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {form}")
+    dims, with_pv, first_fold = m[1], m[2] == "S", m[3] == "F"
     minimum = (2, 2) if dims.count("x") == 1 else (2, 2, 64)
     ring, items, *tile = variant_ints(dims, "pair_depth_probe", form, minimum)
     tile_n = tile[0] if tile else gluon_attention.BLOCK_N
     if tile_n not in (64, 128):
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {form}")
-    return ring, items, tile_n, with_pv
+    return ring, items, tile_n, with_pv, first_fold
 
 
 @functools.cache
@@ -122,7 +128,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "x".join(map(str, LIBRARY[:2]))
-    others = ["3x3S", "4x3", "3x4", "2x4", "4x2", "2x2x128"]
+    others = ["3x3S", "3x3F", "3x3SF", "4x3", "3x4"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()

@@ -93,9 +93,12 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
         _assert_overlapped(pair.asm["sass"], 2)
-        with_pv = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered, sum_with_pv=True),
-                                           ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
-        _assert_overlapped(with_pv.asm["sass"], 2, {"0x2": 1, "0x1": 0})  # the scores under P @ V and the row sum
+    for with_pv, first_fold in ((True, False), (False, True), (True, True)):  # the probe builds
+        build = gp.kernel(2, 1024, False, 2, False, sum_with_pv=with_pv, first_fold=first_fold)
+        build = compile_gluon_for_hopper(build, ptrs | strides | persistent, {}, num_warps=gp.WARPS,
+                                         maxnreg=gp.MAXNREG)  # fmt: skip
+        # with the row sum issued with P @ V: the scores under that P @ V and the row sum
+        _assert_overlapped(build.asm["sass"], 2, {"0x2": 1, "0x1": 0} if with_pv else None)
     deeper = gp.kernel(2, 1024, False, 2, False, ring_depth=3, item_depth=3)
     deeper = compile_gluon_for_hopper(deeper, ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
     assert _wgmmas(deeper) > 0 and deeper.metadata.shared <= 227 * 1024

@@ -98,6 +98,11 @@ if ga.gluon is not None:
     PAIR_GATHERED = gl.constexpr(False)
     """Whether a bound specialization reads gathered keys (:func:`kernel`)."""
     PAIR_SCAN = gl.constexpr(ga.SCAN)
+    PAIR_FIRST_FOLD = gl.constexpr(False)
+    """Whether a bound specialization takes a query tile's first KV split as its state without the fold's products
+    (:func:`kernel`): folding into the empty state (``m = -inf``, ``l = 0``, zero sums) multiplies the state by
+    ``exp2(-inf) = 0`` and the split by ``exp2(0) = 1`` (or by 0 with the split's ``m = -inf``, whose sums are zero),
+    so it adds ``+0`` to each of the split's values."""
     PAIR_SUM_WITH_PV = gl.constexpr(False)
     """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
     the next tile's softmax (:func:`kernel`)."""
@@ -288,7 +293,10 @@ if ga.gluon is not None:
             else:
                 acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
-            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
+            if PAIR_FIRST_FOLD and t0 == 0:  # the fold into the empty state: +0 plus each term, bit for bit
+                m_i, l_i, acc = m_s, l_s + 0.0, acc_s + 0.0
+            else:
+                m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
         if BWD_PREP or not by_tma:
             store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
                           stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
@@ -417,20 +425,23 @@ if ga.gluon is not None:
 
 @functools.cache
 def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
-           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N, sum_with_pv: bool = False) -> object:  # fmt: skip
+           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N, sum_with_pv: bool = False,
+           first_fold: bool = False) -> object:  # fmt: skip
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
     preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, K/V rings and item slots of
     the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
     :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes), and with ``sum_with_pv`` each key
     tile's row-sum wgmma issued with its P @ V, both waited for after the next tile's softmax (the same operations in
-    the same order; for probes): the call tree bound to these constants
+    the same order; for probes), and with ``first_fold`` a query tile's first KV split taken as its state by adding
+    ``+0`` instead of folded into the empty state (the same bits; for probes): the call tree bound to these constants
     (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
     if item_depth < 2:  # a slot is released an item late: with one, the producer would wait on itself
         raise ValueError(f"gluon_attention_pair.kernel: item_depth must be >= 2, got {item_depth}")
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
                   SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),
-                  TILE_N=gl.constexpr(tile_n), PAIR_SUM_WITH_PV=gl.constexpr(sum_with_pv))  # fmt: skip
+                  TILE_N=gl.constexpr(tile_n), PAIR_SUM_WITH_PV=gl.constexpr(sum_with_pv),
+                  PAIR_FIRST_FOLD=gl.constexpr(first_fold))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -463,11 +474,12 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
-            build: tuple[int, int, int, bool] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N, False)) -> None:  # fmt: skip
+            build: tuple[int, int, int, bool, bool] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N, False, False)
+            ) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n, sum_with_pv)``. Call only where
-    :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
+    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n, sum_with_pv, first_fold)``. Call only
+    where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
     t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * num_sms(q.device)
