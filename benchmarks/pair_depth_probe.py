@@ -1,6 +1,6 @@
-"""The paired prefill attention's build: its K/V ring depth, item slots and key tile, per prefill shape.
+"""The paired prefill attention's build: its K/V ring depth, item slots, key tile and schedules, per prefill shape.
 
-    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3F 3x3SF 4x3 2x2x128] [--out ...]
+    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3F 3x3T 3x3SFT 4x3 2x2x128] [--out ...]
 
 The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and ``I`` item slots
 (records and query tiles); a consumer releases a slot one item late, while the item's output store still reads its query
@@ -8,13 +8,11 @@ tile, so the producer runs ``I - 2`` items ahead. At short sequences an item nee
 the rings, bound how far the producer runs ahead, and an item's lookup and query copy not started early are exposed;
 shared memory bounds both depths together.
 
-This builds the kernel at other depths ``RxI`` and, as ``RxIxN``, with key tiles of ``N`` keys
-(:func:`rlexact.ops.gluon_attention_pair.kernel`), with an ``S`` after either, issuing each key tile's row-sum wgmma
-with its P @ V and waiting for both after the next tile's softmax (the same operations in the same order), then with
-an ``F``, taking a query tile's first KV split as its state (``+0`` added) rather than folding it into the empty
-state (the same bits), and times
-the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
-``gluon_kernels``). Checks first, on packed mixed lengths with
+This builds the kernel (:class:`rlexact.ops.gluon_attention_pair.Build`) at other depths ``RxI`` and, as ``RxIxN``,
+with key tiles of ``N`` keys, then with any of the schedules that keep the bits, one letter each in this order: ``S``
+issues each key tile's row-sum wgmma with its P @ V, ``F`` takes a query tile's first KV split as its state without
+the fold, ``T`` takes each row's maximum as a tree. It times the packed forward at each of ``ops_bench.py``'s prefill
+shapes (Qwen3-1.7B's heads, the same timer as that file's ``gluon_kernels``). Checks first, on packed mixed lengths with
 NaN in one sequence's keys (which no other sequence's row may read): a variant at the library's key tile must give the
 library kernel's bits; one at another key tile changes the bit contract (the online softmax runs per tile), so it must
 instead be deterministic and as close to a float32 reference as the library; and a perturbed key must change every
@@ -39,25 +37,29 @@ from rlexact.ops import triton_attention as ta
 HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
-LIBRARY = (gluon_attention_pair.RING_DEPTH, gluon_attention_pair.ITEM_DEPTH, gluon_attention.BLOCK_N, False, False)
+LIBRARY = gluon_attention_pair.LIBRARY_BUILD
+FORM = "RxI or RxIxN, then any of S, F, T in this order (R >= 2, I >= 2, N 64 or 128)"
 
 
 @functools.cache
-def parse(spec: str) -> tuple[int, int, int, bool, bool]:
-    """``RxI`` or ``RxIxN``, then optionally ``S`` and ``F`` -> ``(ring depth, item depth, key tile, row sum with P @
-    V, first split without the fold)``; exits on a malformed spec."""
-    form = ("RxI or RxIxN, then S for the row sum issued with P @ V and F for the first split unfolded (R >= 2, I >= 2,"
-            " N 64 or 128)")
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)", spec)
+def parse(spec: str) -> gluon_attention_pair.Build:
+    """``RxI[xN][S][F][T]`` -> the build; exits on a malformed spec."""
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)", spec)
     if m is None:
-        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {form}")
-    dims, with_pv, first_fold = m[1], m[2] == "S", m[3] == "F"
-    minimum = (2, 2) if dims.count("x") == 1 else (2, 2, 64)
-    ring, items, *tile = variant_ints(dims, "pair_depth_probe", form, minimum)
-    tile_n = tile[0] if tile else gluon_attention.BLOCK_N
-    if tile_n not in (64, 128):
-        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {form}")
-    return ring, items, tile_n, with_pv, first_fold
+        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
+    minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
+    ring, items, *tile = variant_ints(m[1], "pair_depth_probe", FORM, minimum)
+    try:
+        return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
+                                          m[4] == "T")  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
+
+
+def name(build: gluon_attention_pair.Build) -> str:
+    """The spec of ``build`` (:func:`parse`'s inverse, the key tile always written)."""
+    flags = "S" * build.sum_with_pv + "F" * build.first_fold + "T" * build.tree_max
+    return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 
 @functools.cache
@@ -102,7 +104,7 @@ def check(specs: list[str]) -> dict:
                  "library_max_abs_err_vs_fp32": lib_err}  # fmt: skip
     for spec in specs:
         out = forward(q, k, v, cu, spec)[keep]
-        if parse(spec)[2] == gluon_attention.BLOCK_N:
+        if parse(spec).tile_n == gluon_attention.BLOCK_N:
             row[f"{spec}_bitwise_equal_library"] = bool(torch.equal(out, lib[keep]))
         else:
             err = (out.float() - exact).abs().max().item()
@@ -119,7 +121,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
     ta._forward(q, k, v, cu, None, None, D**-0.5, lib, cfg=PAIR)
     row: dict = {}
     for spec in specs:
-        if parse(spec)[2] == gluon_attention.BLOCK_N:
+        if parse(spec).tile_n == gluon_attention.BLOCK_N:
             row[f"{spec}_bitwise_equal_library"] = bool(torch.equal(forward(q, k, v, cu, spec), lib))
         row[f"{spec}_ms"] = bench(lambda spec=spec: forward(q, k, v, cu, spec))
     return row
@@ -127,8 +129,8 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = "x".join(map(str, LIBRARY[:2]))
-    others = ["3x3S", "3x3F", "3x3SF", "4x3", "3x4"]
+    default = f"{LIBRARY.ring_depth}x{LIBRARY.item_depth}"
+    others = ["3x3S", "3x3F", "3x3T", "3x3SFT", "4x3", "3x4"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
@@ -140,7 +142,7 @@ def main() -> int:
     if not (gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) and gluon_attention_pair.takes(q)):
         raise SystemExit("pair_depth_probe: needs an sm_90 GPU and a Triton with Gluon")
     result: dict = header("pair_depth_probe", "triton") | {
-        "library_build": "x".join(map(str, LIBRARY[:3])),
+        "library_build": name(LIBRARY),
         "heads": [HQ, HKV, D],
         "timing": "bench (triton.testing.do_bench, median ms, L2 flushed), as ops_bench.py's gluon_kernels",
         "checks": check(args.variants),

@@ -93,15 +93,13 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
         _assert_overlapped(pair.asm["sass"], 2)
-    for with_pv, first_fold in ((True, False), (False, True), (True, True)):  # the probe builds
-        build = gp.kernel(2, 1024, False, 2, False, sum_with_pv=with_pv, first_fold=first_fold)
-        build = compile_gluon_for_hopper(build, ptrs | strides | persistent, {}, num_warps=gp.WARPS,
-                                         maxnreg=gp.MAXNREG)  # fmt: skip
+    for build in (gp.Build(sum_with_pv=True), gp.Build(first_fold=True),  # the probe builds
+                  gp.Build(sum_with_pv=True, first_fold=True, tree_max=True), gp.Build(ring_depth=4, item_depth=2)):
+        k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build), ptrs | strides | persistent, {},
+                                     num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
+        assert k.metadata.shared <= 227 * 1024
         # with the row sum issued with P @ V: the scores under that P @ V and the row sum
-        _assert_overlapped(build.asm["sass"], 2, {"0x2": 1, "0x1": 0} if with_pv else None)
-    deeper = gp.kernel(2, 1024, False, 2, False, ring_depth=3, item_depth=3)
-    deeper = compile_gluon_for_hopper(deeper, ptrs | strides | persistent, {}, num_warps=gp.WARPS, maxnreg=gp.MAXNREG)
-    assert _wgmmas(deeper) > 0 and deeper.metadata.shared <= 227 * 1024
+        _assert_overlapped(k.asm["sass"], 2, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
         compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
@@ -122,3 +120,14 @@ def test_overlap_check_flags_serialized_wgmmas() -> None:
     with pytest.raises(AssertionError):
         _assert_overlapped((product + "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n") * 12, 1)
     _assert_overlapped(product * 12 + "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n" * 2, 1)
+
+
+def test_pair_build_refuses_what_cannot_run() -> None:
+    ga = _gluon()
+    from rlexact.ops import gluon_attention_pair as gp
+
+    assert gp.Build() == gp.LIBRARY_BUILD and gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
+    with pytest.raises(ValueError, match="item_depth must be >= 2"):
+        gp.Build(item_depth=1)  # a slot released an item late: the producer would wait on itself
+    with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
+        gp.Build(tile_n=96)

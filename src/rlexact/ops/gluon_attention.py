@@ -64,6 +64,7 @@ from .triton_shared import (
 __all__ = [
     "cta_barrier",
     "forward",
+    "halve_max",
     "key_rows",
     "kv_layout",
     "launch",
@@ -156,10 +157,25 @@ if gluon is not None:
         return nk, kv_begin, q_start
 
     @gluon.jit
-    def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr):
+    def halve_max(x):
+        """``maximum(x[:, c], x[:, c + n / 2])`` of ``x [m, n]``: in each thread's registers where both columns lie in
+        one thread, as in a wgmma accumulator's rows."""
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        a, b = gl.split(x.reshape([M, 2, N // 2]).permute((0, 2, 1)))
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr, TREE: gl.constexpr = False):
         """One key tile's step of the running softmax (the ``tl`` kernel's operations): ``(m_new, alpha, p)`` with
-        ``p = exp2(fma(s, scale, -m))`` in ``dt`` and ``alpha`` the rescale of the state so far."""
-        m_new = gl.maximum(m_s, gl.max(s, 1) * qk_scale)
+        ``p = exp2(fma(s, scale, -m))`` in ``dt`` and ``alpha`` the rescale of the state so far. With ``TREE`` each
+        row's maximum is taken as a tree of three halvings before the reduction instead of one chain (the maximum of
+        the same values, so the same bits)."""
+        if TREE:
+            row_max = gl.convert_layout(gl.max(halve_max(halve_max(halve_max(s))), 1), m_s.type.layout)
+        else:
+            row_max = gl.max(s, 1)
+        m_new = gl.maximum(m_s, row_max * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
 

@@ -24,6 +24,7 @@ are module globals bound per specialization (:func:`kernel`); only the bound cop
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -60,7 +61,7 @@ if ga.gluon is not None:
         zero_tail_rows,
     )
 
-__all__ = ["MIN_MEAN_KEYS", "chosen", "forward", "kernel", "q_layout", "takes"]
+__all__ = ["LIBRARY_BUILD", "MIN_MEAN_KEYS", "Build", "chosen", "forward", "kernel", "q_layout", "takes"]
 
 MIN_MEAN_KEYS = 512
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
@@ -74,10 +75,10 @@ MAXNREG = 168
 """Registers per thread at launch over the program's nine warps; the partitions then take :data:`CONSUMER_REGS` and
 :data:`PRODUCER_REGS`."""
 RING_DEPTH = 3
-"""Depth of the K ring and of the V ring (the library's; :func:`kernel` builds others)."""
+"""Depth of the K ring and of the V ring (the library's; :class:`Build` sets others)."""
 ITEM_DEPTH = 3
 """Item slots: records with their query tiles, which the producer fills ahead of the consumers and a consumer
-releases one item late (the library's; :func:`kernel` builds others; at least 2)."""
+releases one item late (the library's; :class:`Build` sets others; at least 2)."""
 
 if ga.gluon is not None:
     SLOTS = gl.constexpr(RING_DEPTH)
@@ -104,6 +105,9 @@ if ga.gluon is not None:
     ``exp2(-inf) = 0`` and the split by ``exp2(0) = 1`` (or by 0 with the split's ``m = -inf``, whose sums are zero),
     so it adds ``+0`` to each of the split's values."""
     PAIR_SUM_WITH_PV = gl.constexpr(False)
+    PAIR_TREE_MAX = gl.constexpr(False)
+    """Whether a bound specialization takes each row's maximum as a tree (:func:`kernel`;
+    :func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
     """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
     the next tile's softmax (:func:`kernel`)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
@@ -233,7 +237,7 @@ if ga.gluon is not None:
             s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
-                                            dt)  # fmt: skip
+                                            dt, PAIR_TREE_MAX)  # fmt: skip
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
                 acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p, pv_op)
@@ -259,7 +263,7 @@ if ga.gluon is not None:
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
                 mbarrier.arrive(k_empty.index(nxt), count=1)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s,
-                                                qk_scale, dt)  # fmt: skip
+                                                qk_scale, dt, PAIR_TREE_MAX)  # fmt: skip
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
@@ -423,25 +427,47 @@ if ga.gluon is not None:
         )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any
+    depths give the same bits; at least two item slots, since a slot is released an item late), key tiles of
+    ``tile_n`` keys (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and three schedules
+    that keep the bits, for probes: ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V, both waited
+    for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by adding
+    ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a tree
+    (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
+
+    ring_depth: int = RING_DEPTH
+    item_depth: int = ITEM_DEPTH
+    tile_n: int = ga.BLOCK_N
+    sum_with_pv: bool = False
+    first_fold: bool = False
+    tree_max: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ring_depth < 2 or self.item_depth < 2:
+            raise ValueError(f"gluon_attention_pair.Build: ring_depth and item_depth must be >= 2 (an item slot is "
+                             f"released an item late), got {self.ring_depth} and {self.item_depth}")  # fmt: skip
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
+
+
+LIBRARY_BUILD = Build()
+"""The library's build."""
+
+
 @functools.cache
-def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, ring_depth: int = RING_DEPTH,
-           item_depth: int = ITEM_DEPTH, tile_n: int = ga.BLOCK_N, sum_with_pv: bool = False,
-           first_fold: bool = False) -> object:  # fmt: skip
+def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, build: Build = LIBRARY_BUILD) -> object:
     """The kernel for ``hp`` query heads per tile, KV splits of ``split`` keys, with ``bwd_prep`` the backward's
-    preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, K/V rings and item slots of
-    the given depths (any depths give the same bits) and key tiles of ``tile_n`` keys (the library's bits only at
-    :data:`rlexact.ops.gluon_attention.BLOCK_N`; other sizes are for probes), and with ``sum_with_pv`` each key
-    tile's row-sum wgmma issued with its P @ V, both waited for after the next tile's softmax (the same operations in
-    the same order; for probes), and with ``first_fold`` a query tile's first KV split taken as its state by adding
-    ``+0`` instead of folded into the empty state (the same bits; for probes): the call tree bound to these constants
-    (built once per specialization and kept alive, since the cached launchers key on the kernel object)."""
-    if item_depth < 2:  # a slot is released an item late: with one, the producer would wait on itself
-        raise ValueError(f"gluon_attention_pair.kernel: item_depth must be >= 2, got {item_depth}")
+    preprocessing, ``group`` query heads per KV head, with ``gathered`` gathered keys, built as ``build``: the call
+    tree bound to these constants (built once per specialization and kept alive, since the cached launchers key on
+    the kernel object)."""
     consts = dict(PAIR_HP=gl.constexpr(hp), PAIR_SPLIT=gl.constexpr(split), PAIR_BWD_PREP=gl.constexpr(bwd_prep),
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
-                  SLOTS=gl.constexpr(ring_depth), ITEM_SLOTS=gl.constexpr(item_depth),
-                  TILE_N=gl.constexpr(tile_n), PAIR_SUM_WITH_PV=gl.constexpr(sum_with_pv),
-                  PAIR_FIRST_FOLD=gl.constexpr(first_fold))  # fmt: skip
+                  SLOTS=gl.constexpr(build.ring_depth), ITEM_SLOTS=gl.constexpr(build.item_depth),
+                  TILE_N=gl.constexpr(build.tile_n), PAIR_SUM_WITH_PV=gl.constexpr(build.sum_with_pv),
+                  PAIR_FIRST_FOLD=gl.constexpr(build.first_fold),
+                  PAIR_TREE_MAX=gl.constexpr(build.tree_max))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -474,23 +500,22 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
-            build: tuple[int, int, int, bool, bool] = (RING_DEPTH, ITEM_DEPTH, ga.BLOCK_N, False, False)
-            ) -> None:  # fmt: skip
+            build: Build = LIBRARY_BUILD) -> None:  # fmt: skip
     """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter; ``build`` is :func:`kernel`'s ``(ring_depth, item_depth, tile_n, sum_with_pv, first_fold)``. Call only
-    where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of ``q`` and ``out`` hold."""
+    counter, built as ``build``. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of
+    ``q`` and ``out`` hold."""
     t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * num_sms(q.device)
     positions = 16 * WARPS // hp
     heads = hq // hp
     n_items = ga.tile_slots(t, cu.shape[0] - 1, 2 * positions) * heads
-    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, *build)
+    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, build)
     layout = q_layout(q.dtype == torch.float16, positions, hp)
     q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d], layout)
     o_desc = GluonDescriptor(out, [t, hq, d], list(out.stride()), [positions, hp, d], layout)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build[2])
+    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build.tile_n)
     ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter, o_desc), (*tensors, counter),
               (*ints, heads, t, hq), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
