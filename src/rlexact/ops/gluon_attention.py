@@ -65,12 +65,14 @@ __all__ = [
     "cta_barrier",
     "forward",
     "halve_max",
+    "issue_row_sum",
     "key_rows",
     "kv_layout",
     "launch",
     "launch_packed",
     "packed_args",
     "rebind",
+    "rescale_under_row_sum",
     "rings",
     "sm90",
     "supported",
@@ -207,6 +209,23 @@ if gluon is not None:
         fb = gl.exp2(m_s - m_use)
         acc = gl.fma(acc, gl.convert_layout(fa, row_o)[:, None], acc_s * gl.convert_layout(fb, row_o)[:, None])
         return m_new, gl.fma(l_i, fa, l_s * fb), acc
+
+    @gluon.jit
+    def issue_row_sum(p, ones_smem, r_zero, r_op: gl.constexpr):
+        """Start a key tile's row sum, P against the ones tile: ``(P as that wgmma's operand, its token)``."""
+        p_r = gl.convert_layout(p, r_op)
+        return p_r, warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op: gl.constexpr, row_o: gl.constexpr,
+                              row_s: gl.constexpr):  # fmt: skip
+        """While the row sum started by :func:`issue_row_sum` runs, rescale the split's sum by ``alpha`` and convert P
+        for its P @ V; then add the row sum into ``l`` (the ``tl`` kernel's ``fma``): ``(acc_s, P's P @ V operand,
+        l_s)``."""
+        acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p, pv_op)
+        rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
+        return acc_s, p_op, gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
 
     @gluon.jit
     def normalized(acc, l_i, o_layout: gl.constexpr):
@@ -357,12 +376,8 @@ if gluon is not None:
             if t0 + KS < n_tiles:
                 load_rows(k_desc, k_smem, k_bars, t0 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
             m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale, dt)
-            p_r = gl.convert_layout(p, r_op)
-            rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
-            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p, pv_op)
-            rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-            l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
+            acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 mbarrier.wait(k_bars.index((j + 1) % KS), ((j + 1) // KS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_smem.index((j + 1) % KS).permute((1, 0)), s_zero, use_acc=False,
@@ -374,15 +389,11 @@ if gluon is not None:
                     load_rows(k_desc, k_smem, k_bars, j + 1 + KS, kv_begin, kv_col, KS, BLOCK_N, nbytes)
                 m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
                                              dt)  # fmt: skip
-                p_r = gl.convert_layout(p, r_op)
-                rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+                p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
                 acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))  # P @ V; the row sum may run
                 if j + VS < n_tiles:
                     load_rows(v_desc, v_smem, v_bars, j + VS, kv_begin, kv_col, VS, BLOCK_N, nbytes)
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p, pv_op)
-                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             mbarrier.wait(v_bars.index(jl % VS), (jl // VS) & 1)
             if (jl + 1) * BLOCK_N > nk:  # V rows past the sequence: zeros, whatever the next rows hold

@@ -47,11 +47,13 @@ if ga.gluon is not None:
     from .gluon_attention import (
         cta_barrier,
         fold,
+        issue_row_sum,
         key_rows,
         load_rows,
         locate,
         mask_scores,
         normalized,
+        rescale_under_row_sum,
         rings,
         store_rows,
         tile_softmax,
@@ -243,12 +245,8 @@ if ga.gluon is not None:
                 p_op = gl.convert_layout(p, pv_op)
                 alpha_sum = alpha
             else:
-                p_r = gl.convert_layout(p, r_op)
-                rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p, pv_op)
-                rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
+                acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
@@ -272,14 +270,10 @@ if ga.gluon is not None:
                     acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                     p_op = gl.convert_layout(p, pv_op)
                 else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
-                    p_r = gl.convert_layout(p, r_op)
-                    rsum = warpgroup_mma(p_r, ones_smem, r_zero, use_acc=False, is_async=True)
+                    p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
                     acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
-                    p_op = gl.convert_layout(p, pv_op)
-                    rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
-                    l_s = gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                    acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
             mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
