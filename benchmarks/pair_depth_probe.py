@@ -1,6 +1,6 @@
 """The paired prefill attention's build: its K/V ring depth, item slots, key tile and schedules, per prefill shape.
 
-    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3F 3x3T 3x3SFT 4x3 2x2x128] [--out ...]
+    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3M 3x3W 3x3SFTZMW 4x3 2x2x128] [--out ...]
 
 The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and ``I`` item slots
 (records and query tiles); a consumer releases a slot one item late, while the item's output store still reads its query
@@ -8,15 +8,16 @@ tile, so the producer runs ``I - 2`` items ahead. At short sequences an item nee
 the rings, bound how far the producer runs ahead, and an item's lookup and query copy not started early are exposed;
 shared memory bounds both depths together.
 
-This builds the kernel (:class:`rlexact.ops.gluon_attention_pair.Build`) at other depths ``RxI`` and, as ``RxIxN``,
-with key tiles of ``N`` keys, then with any of the schedules that keep the bits, one letter each in this order: ``S``
-issues each key tile's row-sum wgmma with its P @ V, ``F`` takes a query tile's first KV split as its state without
-the fold, ``T`` takes each row's maximum as a tree. It times the packed forward at each of ``ops_bench.py``'s prefill
-shapes (Qwen3-1.7B's heads, the same timer as that file's ``gluon_kernels``). Checks first, on packed mixed lengths with
-NaN in one sequence's keys (which no other sequence's row may read): a variant at the library's key tile must give the
-library kernel's bits; one at another key tile changes the bit contract (the online softmax runs per tile), so it must
-instead be deterministic and as close to a float32 reference as the library; and a perturbed key must change every
-variant's output.
+This builds the kernel (:class:`rlexact.ops.gluon_attention_pair.Build`) at other depths ``RxI`` and, as ``RxIxN``, with
+key tiles of ``N`` keys, then with any of the schedules that keep the bits, one letter each in this order: ``S`` issues
+each key tile's row-sum wgmma with its P @ V, ``F`` takes a query tile's first KV split as its state without the fold,
+``T`` takes each row's maximum as a tree, ``Z`` leaves a KV split's sum unscaled at its first key tile, ``M`` masks each
+score with one comparison, ``W`` runs one consumer partition of twice the warps for both query tiles of an item. It
+times the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
+``gluon_kernels``). Checks first, on packed mixed lengths with NaN in one sequence's keys (which no other sequence's row
+may read): a variant at the library's key tile must give the library kernel's bits; one at another key tile changes the
+bit contract (the online softmax runs per tile), so it must instead be deterministic and as close to a float32 reference
+as the library; and a perturbed key must change every variant's output.
 """
 
 from __future__ import annotations
@@ -38,27 +39,29 @@ HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
 LIBRARY = gluon_attention_pair.LIBRARY_BUILD
-FORM = "RxI or RxIxN, then any of S, F, T in this order (R >= 2, I >= 2, N 64 or 128)"
+FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W in this order (R >= 2, I >= 2, N 64 or 128)"
 
 
 @functools.cache
 def parse(spec: str) -> gluon_attention_pair.Build:
-    """``RxI[xN][S][F][T]`` -> the build; exits on a malformed spec."""
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)", spec)
+    """``RxI[xN][S][F][T][Z][M][W]`` -> the build; exits on a malformed spec."""
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)", spec)
     if m is None:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
     minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
     ring, items, *tile = variant_ints(m[1], "pair_depth_probe", FORM, minimum)
     try:
         return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
-                                          m[4] == "T")  # fmt: skip
+                                          m[4] == "T", m[5] == "Z",
+                                          m[6] == "M", m[7] == "W")  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
 
 
 def name(build: gluon_attention_pair.Build) -> str:
     """The spec of ``build`` (:func:`parse`'s inverse, the key tile always written)."""
-    flags = "S" * build.sum_with_pv + "F" * build.first_fold + "T" * build.tree_max
+    on = (build.sum_with_pv, build.first_fold, build.tree_max, build.zero_start, build.one_bound, build.wide)
+    flags = "".join(c for c, o in zip("SFTZMW", on) if o)
     return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 
@@ -130,7 +133,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = f"{LIBRARY.ring_depth}x{LIBRARY.item_depth}"
-    others = ["3x3S", "3x3F", "3x3T", "3x3SFT", "4x3", "3x4"]
+    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "4x3"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()

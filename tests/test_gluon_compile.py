@@ -93,13 +93,19 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
         _assert_overlapped(pair.asm["sass"], 2)
-    for build in (gp.Build(sum_with_pv=True), gp.Build(first_fold=True),  # the probe builds
-                  gp.Build(sum_with_pv=True, first_fold=True, tree_max=True), gp.Build(ring_depth=4, item_depth=2)):
-        k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build), ptrs | strides | persistent, {},
-                                     num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
+    every = dict(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
+    probes = (gp.Build(sum_with_pv=True), gp.Build(first_fold=True), gp.Build(zero_start=True),
+              gp.Build(one_bound=True), gp.Build(wide=True), gp.Build(**every), gp.Build(**every, wide=True),
+              gp.Build(ring_depth=4, item_depth=2))  # fmt: skip
+    for build in probes:
+        positions = 16 * build.warps // 2
+        q_desc = _desc(4096, ga.HEAD_DIM, [positions, 2, ga.HEAD_DIM], gp.q_layout(False, positions, 2), heads=16)
+        k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build),
+                                     ptrs | strides | persistent | dict(q_desc=q_desc, o_desc=q_desc), {},
+                                     num_warps=build.warps, maxnreg=gp.MAXNREG)  # fmt: skip
         assert k.metadata.shared <= 227 * 1024
         # with the row sum issued with P @ V: the scores under that P @ V and the row sum
-        _assert_overlapped(k.asm["sass"], 2, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
+        _assert_overlapped(k.asm["sass"], build.consumers, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
         compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
     pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
@@ -127,6 +133,8 @@ def test_pair_build_refuses_what_cannot_run() -> None:
     from rlexact.ops import gluon_attention_pair as gp
 
     assert gp.Build() == gp.LIBRARY_BUILD and gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
+    assert (gp.LIBRARY_BUILD.warps, gp.LIBRARY_BUILD.consumers) == (gp.WARPS, 2)
+    assert (gp.Build(wide=True).warps, gp.Build(wide=True).consumers) == (2 * gp.WARPS, 1)  # the same rows per item
     with pytest.raises(ValueError, match="item_depth must be >= 2"):
         gp.Build(item_depth=1)  # a slot released an item late: the producer would wait on itself
     with pytest.raises(ValueError, match="tile_n must be 64 or 128"):

@@ -182,12 +182,16 @@ if gluon is not None:
         return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
 
     @gluon.jit
-    def mask_scores(s, j, n_full, pos, offs_n, nk, BLOCK_N: gl.constexpr):
+    def mask_scores(s, j, n_full, pos, offs_n, nk, BLOCK_N: gl.constexpr, ONE_BOUND: gl.constexpr = False):
         """Key tile ``j``'s scores with keys past a row's position or past the sequence at ``-inf`` (tiles below
-        ``n_full`` are visible to every row and returned as they are)."""
+        ``n_full`` are visible to every row and returned as they are). With ``ONE_BOUND`` each score takes one
+        comparison, against the smaller of its row's position and the sequence's last key (the same keys)."""
         if j >= n_full:
-            kpos = j * BLOCK_N + offs_n
-            s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nk)[None, :], s, float("-inf"))
+            if ONE_BOUND:  # the tile's columns against each row's last visible key, relative to the tile
+                s = gl.where(offs_n[None, :] <= (gl.minimum(pos, nk - 1) - j * BLOCK_N)[:, None], s, float("-inf"))
+            else:
+                kpos = j * BLOCK_N + offs_n
+                s = gl.where((kpos[None, :] <= pos[:, None]) & (kpos < nk)[None, :], s, float("-inf"))
         return s
 
     @gluon.jit
@@ -218,11 +222,13 @@ if gluon is not None:
 
     @gluon.jit
     def rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op: gl.constexpr, row_o: gl.constexpr,
-                              row_s: gl.constexpr):  # fmt: skip
+                              row_s: gl.constexpr, RESCALE: gl.constexpr = True):  # fmt: skip
         """While the row sum started by :func:`issue_row_sum` runs, rescale the split's sum by ``alpha`` and convert P
         for its P @ V; then add the row sum into ``l`` (the ``tl`` kernel's ``fma``): ``(acc_s, P's P @ V operand,
-        l_s)``."""
-        acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+        l_s)``. Without ``RESCALE`` the sum is returned as it is: for a split's first tile, whose sum is ``+0`` and
+        ``alpha`` is ``exp2(-inf) = +0``, that is the product's bits."""
+        if RESCALE:
+            acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p, pv_op)
         rsum, p_r = warpgroup_mma_wait(0, deps=(rsum, p_r))
         return acc_s, p_op, gl.fma(l_s, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))

@@ -88,6 +88,10 @@ if ga.gluon is not None:
     TILE_N = gl.constexpr(ga.BLOCK_N)
     HEAD_D = gl.constexpr(ga.HEAD_DIM)
     W = gl.constexpr(WARPS)
+    """Warps of each consumer partition of a bound specialization (:func:`kernel`)."""
+    CONSUMERS = gl.constexpr(2)
+    """Consumer partitions of a bound specialization, each with one query tile of ``16 * W`` rows of every item
+    (:func:`kernel`: one of ``2 * WARPS`` warps in :class:`Build`'s ``wide``)."""
     CONSUMER_REGS = gl.constexpr(240)
     PRODUCER_REGS = gl.constexpr(24)
     PAIR_HP = gl.constexpr(0)
@@ -107,11 +111,17 @@ if ga.gluon is not None:
     ``exp2(-inf) = 0`` and the split by ``exp2(0) = 1`` (or by 0 with the split's ``m = -inf``, whose sums are zero),
     so it adds ``+0`` to each of the split's values."""
     PAIR_SUM_WITH_PV = gl.constexpr(False)
+    """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
+    the next tile's softmax (:func:`kernel`)."""
     PAIR_TREE_MAX = gl.constexpr(False)
     """Whether a bound specialization takes each row's maximum as a tree (:func:`kernel`;
     :func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
-    """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
-    the next tile's softmax (:func:`kernel`)."""
+    PAIR_ONE_BOUND = gl.constexpr(False)
+    """Whether a bound specialization masks each score with one comparison (:func:`kernel`;
+    :func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``)."""
+    PAIR_ZERO_START = gl.constexpr(False)
+    """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
+    ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -123,13 +133,13 @@ if ga.gluon is not None:
         """Work item ``i`` of a launch over ``n_slots`` pair slots and ``heads`` head groups, the costliest first:
         ``(has rows, first query row, pair, head group, queries, keys, first key row, first query's position, key
         tiles)`` of pair slot ``n_slots - 1 - i // heads`` and head group ``i % heads``."""
-        P: gl.constexpr = 16 * W // PAIR_HP
+        IP: gl.constexpr = CONSUMERS * (16 * W // PAIR_HP)  # an item's query positions
         hgroup = i % heads
-        b, q_begin, pair = locate(cu_ptr, num_seqs, n_slots - 1 - i // heads, 2 * P, PAIR_SCAN, 1)
+        b, q_begin, pair = locate(cu_ptr, num_seqs, n_slots - 1 - i // heads, IP, PAIR_SCAN, 1)
         nq = gl.load(cu_ptr + b + 1) - q_begin
         nk, kv_begin, q_start = key_rows(seqk_ptr, kv_rows, b, q_begin, nq, PAIR_GATHERED)
-        n_tiles = (q_start + gl.minimum(pair * 2 * P + 2 * P, nq) - 1) // TILE_N + 1
-        return pair * 2 * P < nq, q_begin, pair, hgroup, nq, nk, kv_begin, q_start, n_tiles
+        n_tiles = (q_start + gl.minimum(pair * IP + IP, nq) - 1) // TILE_N + 1
+        return pair * IP < nq, q_begin, pair, hgroup, nq, nk, kv_begin, q_start, n_tiles
 
     @gluon.jit
     def _ticket(counter_ptr, lay: gl.constexpr):
@@ -171,10 +181,10 @@ if ga.gluon is not None:
                 rec += gl.where(idx == 6, n_tiles, 0) + gl.where(idx == 7, 1, 0)
                 info_smem.index(s).store(rec)
                 cta_barrier()
-                mbarrier.expect(item_ready.index(s), 2 * q_bytes)  # both tiles: the second may lie past the rows
-                for c in gl.static_range(2):
-                    tma_load(q_desc, [q_begin + (2 * pair + c) * P, hgroup * PAIR_HP, 0], item_ready.index(s),
-                             q_smem.index(2 * s + c))  # fmt: skip
+                mbarrier.expect(item_ready.index(s), CONSUMERS * q_bytes)  # every tile: the last may lie past the rows
+                for c in gl.static_range(CONSUMERS):
+                    tma_load(q_desc, [q_begin + (CONSUMERS * pair + c) * P, hgroup * PAIR_HP, 0], item_ready.index(s),
+                             q_smem.index(CONSUMERS * s + c))  # fmt: skip
                 kv_col = (hgroup * PAIR_HP) // PAIR_GROUP * HEAD_D
                 base = kv_begin - x0 * TILE_N  # ring tile r is key tile r - x0
                 for r in range(x0, x0 + n_tiles):
@@ -238,15 +248,17 @@ if ga.gluon is not None:
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
-            m_s, alpha, p = tile_softmax(mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N), m_s, qk_scale,
-                                            dt, PAIR_TREE_MAX)  # fmt: skip
+            s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
+            m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
-                acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                if not PAIR_ZERO_START:
+                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p, pv_op)
                 alpha_sum = alpha
             else:
                 p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
-                acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
+                acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s,
+                                                         not PAIR_ZERO_START)  # fmt: skip
             for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
@@ -260,8 +272,8 @@ if ga.gluon is not None:
                 else:  # the scores; P @ V may run
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
                 mbarrier.arrive(k_empty.index(nxt), count=1)
-                m_s, alpha, p = tile_softmax(mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N), m_s,
-                                                qk_scale, dt, PAIR_TREE_MAX)  # fmt: skip
+                s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
+                m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
@@ -278,7 +290,9 @@ if ga.gluon is not None:
             rl = (x0 + jl) % SLOTS
             mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
-                if zero_here:
+                if CONSUMERS == 1:
+                    zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)
+                elif zero_here:
                     zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)
                     mbarrier.arrive(tail_bars.index(rl), count=1)
                 else:
@@ -332,23 +346,24 @@ if ga.gluon is not None:
             nk = _field(rec, 4, rec_lay)
             q_start = _field(rec, 5, rec_lay)
             n_tiles = _field(rec, 6, rec_lay)
-            tile = 2 * pair + C
+            tile = CONSUMERS * pair + C
             n_mine = gl.where(tile * P < nq, (q_start + gl.minimum(tile * P + P, nq) - 1) // TILE_N + 1, 0)
-            n_first = (q_start + gl.minimum(2 * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 has rows
+            n_first = (q_start + gl.minimum(CONSUMERS * pair * P + P, nq) - 1) // TILE_N + 1  # consumer 0 has rows
             tail = gl.where(n_tiles * TILE_N > nk, n_tiles - 1, -1)  # the key tile past the sequence, if any
             zeroer = gl.where(n_first == n_tiles, 0, 1)  # consumer 0 when it reads that tile, else consumer 1
             tail_slot = (x0 + n_tiles - 1) % SLOTS
             by_tma = tile * P + P <= nq  # every row in the sequence: the output leaves by TMA
             if n_mine > 0:
-                _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem.index(2 * s + C), ones_smem, k_smem, v_smem,
+                _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem.index(CONSUMERS * s + C), ones_smem, k_smem, v_smem,
                       k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine,
                       x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, by_tma, qk_scale, stride_ot, stride_oh,
                       stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
-            for r in range(x0 + n_mine, x0 + n_tiles):
-                mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
-                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+            if CONSUMERS == 2:  # one consumer reads every tile
+                for r in range(x0 + n_mine, x0 + n_tiles):
+                    mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                    mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
+                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
             if n > 0:  # the previous item's output has left its query tile (this item's may still be leaving)
                 if (n_mine > 0) & by_tma:
                     tma.store_wait(1)
@@ -392,44 +407,46 @@ if ga.gluon is not None:
         output's descriptor (``out`` in ``q_desc``'s boxes)."""
         gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
         P: gl.constexpr = 16 * W // PAIR_HP
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * ITEM_SLOTS, P, PAIR_HP, HEAD_D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * ITEM_SLOTS, P, PAIR_HP, HEAD_D], q_desc.layout)
         info_smem = gl.allocate_shared_memory(gl.int32, [ITEM_SLOTS, INFO], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         item_ready = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
         item_empty = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
         tail_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(ITEM_SLOTS):
             mbarrier.init(item_ready.index(s), count=1)
-            mbarrier.init(item_empty.index(s), count=2)
+            mbarrier.init(item_empty.index(s), count=CONSUMERS)
         for s in gl.static_range(SLOTS):
             mbarrier.init(tail_bars.index(s), count=1)
-        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W, 2)
-        n_slots = gl.load(cu_ptr + num_seqs) // (2 * P) + num_seqs
+        ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W,
+                                                                              CONSUMERS)  # fmt: skip
+        n_slots = gl.load(cu_ptr + num_seqs) // (CONSUMERS * P) + num_seqs
         worker_args = (o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
                        info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
                        num_seqs, seqk_ptr, kv_rows, n_slots, heads, counter_ptr, qk_scale, stride_ot, stride_oh,
                        stride_lt, stride_lh, o_desc)  # fmt: skip
-        gl.warp_specialize(
-            [
-                (_consume, (o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem,
-                            item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale,
-                            stride_ot, stride_oh, stride_lt, stride_lh, 0)),
-                (_worker_consumer, worker_args),
-                (_worker_producer, worker_args),
-            ],
-            [W, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        consumer_args = (o_ptr, lse_ptr, delta_ptr, o_desc, q_smem, ones_smem, k_smem, v_smem, info_smem, item_ready,
+                         item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, qk_scale, stride_ot, stride_oh,
+                         stride_lt, stride_lh, 0)  # fmt: skip
+        if CONSUMERS == 2:
+            gl.warp_specialize([(_consume, consumer_args), (_worker_consumer, worker_args),
+                                (_worker_producer, worker_args)], [W, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        else:  # the program's warps are the consumer
+            gl.warp_specialize([(_consume, consumer_args), (_worker_producer, worker_args)], [1], [PRODUCER_REGS])
 
 
 @dataclasses.dataclass(frozen=True)
 class Build:
-    """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any
-    depths give the same bits; at least two item slots, since a slot is released an item late), key tiles of
-    ``tile_n`` keys (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and three schedules
-    that keep the bits, for probes: ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V, both waited
-    for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by adding
-    ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a tree
-    (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
+    """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any depths
+    give the same bits; at least two item slots, since a slot is released an item late), key tiles of ``tile_n`` keys
+    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and five schedules that keep the bits, for
+    probes: ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V, both waited for after the next tile's
+    softmax; ``first_fold`` takes a query tile's first KV split as its state by adding ``+0``, which is what folding it
+    into the empty state computes; ``tree_max`` takes each row's maximum as a tree
+    (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled at
+    its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
+    comparison (:func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``). ``wide`` runs one consumer partition
+    of ``2 * WARPS`` warps, the program's own, with both query tiles of an item as one tile (the same rows, so the same
+    bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -437,6 +454,19 @@ class Build:
     sum_with_pv: bool = False
     first_fold: bool = False
     tree_max: bool = False
+    zero_start: bool = False
+    one_bound: bool = False
+    wide: bool = False
+
+    @property
+    def warps(self) -> int:
+        """Warps of each consumer partition."""
+        return 2 * WARPS if self.wide else WARPS
+
+    @property
+    def consumers(self) -> int:
+        """Consumer partitions (each with one query tile of an item)."""
+        return 1 if self.wide else 2
 
     def __post_init__(self) -> None:
         if self.ring_depth < 2 or self.item_depth < 2:
@@ -460,8 +490,10 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_GROUP=gl.constexpr(group), PAIR_GATHERED=gl.constexpr(gathered),
                   SLOTS=gl.constexpr(build.ring_depth), ITEM_SLOTS=gl.constexpr(build.item_depth),
                   TILE_N=gl.constexpr(build.tile_n), PAIR_SUM_WITH_PV=gl.constexpr(build.sum_with_pv),
-                  PAIR_FIRST_FOLD=gl.constexpr(build.first_fold),
-                  PAIR_TREE_MAX=gl.constexpr(build.tree_max))  # fmt: skip
+                  PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
+                  PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
+                  W=gl.constexpr(build.warps),
+                  CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
     rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
@@ -502,9 +534,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     t, hq, d = q.shape
     if programs is None:
         programs = PROGRAMS_PER_SM * num_sms(q.device)
-    positions = 16 * WARPS // hp
+    positions = 16 * build.warps // hp
     heads = hq // hp
-    n_items = ga.tile_slots(t, cu.shape[0] - 1, 2 * positions) * heads
+    n_items = ga.tile_slots(t, cu.shape[0] - 1, build.consumers * positions) * heads
     bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, build)
     layout = q_layout(q.dtype == torch.float16, positions, hp)
     q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d], layout)
@@ -512,4 +544,4 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build.tile_n)
     ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter, o_desc), (*tensors, counter),
-              (*ints, heads, t, hq), {"num_warps": WARPS, "maxnreg": MAXNREG})  # fmt: skip
+              (*ints, heads, t, hq), {"num_warps": build.warps, "maxnreg": MAXNREG})  # fmt: skip
