@@ -49,6 +49,13 @@ def _check_2d_match(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: input feature size {x.shape[-1]} does not match weight shape {tuple(w.shape)}")
 
 
+def _tracked(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors``: grad mode on and one of them requiring grad. Where it does not,
+    the differentiable ops call their kernel without the ``autograd.Function`` (the same kernel, so the same bits, and
+    no graph either way), which saves the Function's host work on every inference call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``x @ w.T``: ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``; fp32 accumulation, fixed K order.
 
@@ -63,7 +70,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> t
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    if _tracked(x, w):
         return MatmulFn.run(x.contiguous(), w, backend)
     return kernel_impl(backend, "matmul")(x.contiguous(), w)
 
@@ -100,7 +107,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None
                          "and w [2N, K] (gate rows, then up rows)")  # fmt: skip
     be = resolve_backend(x, backend)
     n = w.shape[0] // 2
-    if be == "triton" and x.dtype == w.dtype and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    if be == "triton" and x.dtype == w.dtype and not _tracked(x, w):
         from . import triton_matmul as tmm
 
         if tmm.gated_supported(n, w.shape[1], x.dtype, x.device):
@@ -112,7 +119,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | Non
     """RMSNorm over the last dim with transformers semantics; any leading shape."""
     if w.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
-    y = RMSNormFn.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, float(eps), resolve_backend(x, backend))
+    x2, be = x.reshape(-1, x.shape[-1]).contiguous(), resolve_backend(x, backend)
+    y = RMSNormFn.apply(x2, w, float(eps), be) if _tracked(x, w) else kernel_impl(be, "rms_norm")(x2, w, float(eps))
     return y.reshape(x.shape)
 
 
@@ -131,8 +139,7 @@ def add_rms_norm(
     if w.shape != (x.shape[-1],):
         raise ValueError(f"add_rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
     be = resolve_backend(x, backend)
-    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or w.requires_grad)
-    if grad or residual.dtype != x.dtype:
+    if _tracked(x, residual, w) or residual.dtype != x.dtype:
         s = x + residual
         return rms_norm(s, w, eps, backend=be), s
     h = x.shape[-1]
@@ -159,7 +166,11 @@ def qk_norm_rope(
     that head, its position's ``cos``/``sin`` and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
     """
     q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
-    qo, ko = QKNormRopeFn.apply(q3, k3, c, s, q_weight, k_weight, float(eps), resolve_backend(q, backend))
+    be = resolve_backend(q, backend)
+    if _tracked(q, k, cos, sin, q_weight, k_weight):
+        qo, ko = QKNormRopeFn.apply(q3, k3, c, s, q_weight, k_weight, float(eps), be)
+    else:
+        qo, ko = kernel_impl(be, "qk_norm_rope")(q3, k3, c, s, q_weight, k_weight, float(eps))
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
@@ -213,8 +224,7 @@ def qk_norm_rope_write_kv(
     its outputs' gradients."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"qk_norm_rope_write_kv: v {tuple(v.shape)} {v.dtype} does not match k {tuple(k.shape)}")
-    inputs = (q, k, v) + tuple(w for w in (q_weight, k_weight) if w is not None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    if _tracked(q, k, v, q_weight, k_weight):
         raise ValueError(
             "qk_norm_rope_write_kv has no backward; under autograd call qk_norm_rope, then write_kv of its keys"
         )
@@ -238,7 +248,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
         raise ValueError(f"silu_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     d = gate.shape[-1]
     # row-strided views (column blocks of a fused projection) pass as they are: both backends take any row stride
-    y = SiluMulFn.apply(gate.reshape(-1, d), up.reshape(-1, d), resolve_backend(gate, backend))
+    g2, u2, be = gate.reshape(-1, d), up.reshape(-1, d), resolve_backend(gate, backend)
+    y = SiluMulFn.apply(g2, u2, be) if _tracked(gate, up) else kernel_impl(be, "silu_mul")(g2, u2)
     return y.reshape(gate.shape)
 
 
@@ -317,9 +328,9 @@ def attention_varlen(
     _check_attn(q, k, v)
     if k.shape[0] != q.shape[0]:
         raise ValueError("attention_varlen: q and k must have the same number of tokens")
-    return AttentionVarlenFn.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, float(scale), resolve_backend(q, backend)
-    )
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, float(scale))
+    be = resolve_backend(q, backend)
+    return AttentionVarlenFn.apply(*args, be) if _tracked(q, k, v) else kernel_impl(be, "attention_varlen")(*args)
 
 
 @torch.no_grad()
