@@ -133,7 +133,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = f"{LIBRARY.ring_depth}x{LIBRARY.item_depth}"
-    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "4x3"]
+    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
