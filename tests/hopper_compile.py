@@ -36,3 +36,16 @@ def compile_gluon_for_hopper(fn, args: dict, const: dict, **options: object):  #
              if n in args and (args[n].startswith("*") or n.startswith("stride"))}  # fmt: skip
     src = GluonASTSource(fn=fn, signature=sig, constexprs={n: const[n] for n in names if n in const}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**COMPILE_OPTIONS, **options})
+
+
+def tma_desc_type(rows: int, cols: int, block: list[int], layout: object, heads: int = 0) -> str:
+    """The type string of a bf16 Gluon TMA descriptor over ``[rows, cols]``, or with ``heads`` over ``[rows, heads,
+    cols]``, with boxes of ``block`` in shared-memory ``layout`` (a descriptor argument of
+    :func:`compile_gluon_for_hopper`)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    shape = [rows, heads, cols] if heads else [rows, cols]
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    return mangle_type(TensorDescriptor(t, shape, list(t.stride()), block, layout))

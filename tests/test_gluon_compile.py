@@ -11,7 +11,6 @@ import importlib.util
 import re
 
 import pytest
-import torch
 
 HAS_NVIDIA_BACKEND = importlib.util.find_spec("triton") is not None and (
     importlib.util.find_spec("triton.backends.nvidia") is not None
@@ -24,17 +23,6 @@ def _gluon():  # noqa: ANN202
     if gluon_attention.gluon is None:
         pytest.skip("this Triton has no Gluon Hopper language")
     return gluon_attention
-
-
-def _desc(rows: int, cols: int, block: list[int], layout: object, heads: int = 0) -> str:
-    """The type string of a bf16 TMA descriptor over ``[rows, cols]``, or with ``heads`` over ``[rows, heads,
-    cols]``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-
-    shape = [rows, heads, cols] if heads else [rows, cols]
-    t = torch.empty(shape, dtype=torch.bfloat16)
-    return mangle_type(TensorDescriptor(t, shape, list(t.stride()), block, layout))
 
 
 def _wgmmas(kernel: object) -> int:
@@ -57,12 +45,12 @@ def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | No
 @pytest.mark.parametrize("mode", [0, 1], ids=["plain", "gated"])
 def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
     _gluon()
-    from hopper_compile import compile_gluon_for_hopper
+    from hopper_compile import compile_gluon_for_hopper, tma_desc_type
     from rlexact.ops import gluon_matmul as gm
 
     cfg = gm.GluonMatmulConfig(128, 128)
-    args = dict(x_desc=_desc(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
-                w_desc=_desc(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
+    args = dict(x_desc=tma_desc_type(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
+                w_desc=tma_desc_type(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
                 N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
     k = compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=mode), **gm.options_for(cfg))
     assert k.metadata.shared >= cfg.ring_bytes(gated=mode > 0)
@@ -72,16 +60,16 @@ def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
 def test_gluon_attention_kernels_compile_for_sm90() -> None:
     ga = _gluon()
-    from hopper_compile import compile_gluon_for_hopper
+    from hopper_compile import compile_gluon_for_hopper, tma_desc_type
     from rlexact.ops import gluon_attention_pair as gp
     from rlexact.ops import gluon_decode as gd
 
-    kv = _desc(4096, 1024, [ga.BLOCK_N, ga.HEAD_DIM], ga.kv_layout(False))
+    kv = tma_desc_type(4096, 1024, [ga.BLOCK_N, ga.HEAD_DIM], ga.kv_layout(False))
     ptrs = dict(q_ptr="*bf16", o_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", k_desc=kv, v_desc=kv,
                 cu_ptr="*i32", num_seqs="i32", qk_scale="fp32")  # fmt: skip
     strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
     strides |= dict(seqk_ptr="*i32", kv_rows="i32")
-    q_desc = _desc(4096, ga.HEAD_DIM, [32, 2, ga.HEAD_DIM], gp.q_layout(False, 32, 2), heads=16)
+    q_desc = tma_desc_type(4096, ga.HEAD_DIM, [32, 2, ga.HEAD_DIM], gp.q_layout(False, 32, 2), heads=16)
     persistent = dict(heads="i32", q_desc=q_desc, counter_ptr="*i32", o_desc=q_desc)
     for prep, gathered in ((False, False), (True, False), (False, True)):
         const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS,
@@ -99,7 +87,8 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
               gp.Build(ring_depth=4, item_depth=2))  # fmt: skip
     for build in probes:
         positions = 16 * build.warps // 2
-        q_desc = _desc(4096, ga.HEAD_DIM, [positions, 2, ga.HEAD_DIM], gp.q_layout(False, positions, 2), heads=16)
+        box = [positions, 2, ga.HEAD_DIM]
+        q_desc = tma_desc_type(4096, ga.HEAD_DIM, box, gp.q_layout(False, positions, 2), heads=16)
         k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build),
                                      ptrs | strides | persistent | dict(q_desc=q_desc, o_desc=q_desc), {},
                                      num_warps=build.warps, maxnreg=gp.MAXNREG)  # fmt: skip
@@ -108,7 +97,7 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
         _assert_overlapped(k.asm["sass"], build.consumers, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
         compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
-    pages = _desc(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
+    pages = tma_desc_type(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "stride_mem", "width", "n_rows")  # fmt: skip
     plan = dict.fromkeys(("start_ptr", "members_ptr", "tiles_ptr", "count_ptr"), "*i32")
