@@ -108,7 +108,7 @@ def measure(spec: str) -> dict:
     return {
         "build": repr(build),
         "consumers": build.consumers,
-        "warps": build.warps + 1,
+        "warps": build.warps * build.consumers + 1,  # the consumers and the producer
         "registers_per_thread_at_launch": fields["REG"],
         "stack_bytes": fields["STACK"],
         "shared_bytes": int(compiled.metadata.shared),
