@@ -16,7 +16,9 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   (:data:`FRESH_PREFILL_CASES`), paged against packed; prefill chunks after cached keys (:data:`PAGED_CHUNK_CASES`),
   the ``tl`` paged launch against the gathered packed Gluon launches; :func:`rlexact.ops.attention_paged` decode
   (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
-  contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; and the launch of the
+  contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; each prefill case also
+  as CUDA-graph replays (``exact_graph_ms``, ``sdpa_graph_ms``, ``graph_ratio``: GPU time alone, which the short
+  cases' eager calls hide behind the host's launch cost); and the launch of the
   packed forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the
   ``tl`` kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's
   launch cost shows once it exceeds the kernel's) and host time per call.
@@ -139,6 +141,8 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
     kernels = _gluon_kernels(q, k, v, cu, scale) if gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) else {}
     t_sdpa = bench(sdpa)
+    g_exact = bench_graph(lambda: ops.attention_varlen(q, k, v, cu, scale))
+    g_sdpa = bench_graph(sdpa)
     backends: dict[str, object] = {}
     for backend in SDPA_BACKENDS:
         try:
@@ -156,6 +160,9 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
         "exact_tflops": flop / t_exact / 1e9,
         "sdpa_tflops": flop / t_sdpa / 1e9,
         "ratio": t_sdpa / t_exact,
+        "exact_graph_ms": g_exact,
+        "sdpa_graph_ms": g_sdpa,
+        "graph_ratio": g_sdpa / g_exact,
         "gluon_kernels": kernels,
         "sdpa_backends": backends,
         "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,
@@ -164,8 +171,9 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
 
 def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> dict:
     """The packed forward through each sm_90 Gluon kernel (``ta._forward``'s ``PAIR`` override; the pair persistent,
-    as by default, and with a program per item), which the launch's default picked, and whether each pair launch gives
-    the single kernel's bits."""
+    as by default, and with a program per item), eager (``*_ms``) and as CUDA-graph replays (``*_graph_ms``: the
+    kernel's GPU time without the host's launch cost), which the launch's default picked, and whether each pair launch
+    gives the single kernel's bits."""
     from rlexact.ops import gluon_attention_pair
     from rlexact.ops import triton_attention as ta
 
@@ -175,7 +183,9 @@ def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
     variants = (("single", {"PAIR": False}), ("pair", {"PAIR": True}), ("pair_per_item", per_item))
     for name, cfg in variants:
         out = torch.empty_like(q)
-        res[f"{name}_ms"] = bench(lambda out=out, cfg=cfg: ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg))
+        call = lambda out=out, cfg=cfg: ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg)  # noqa: E731
+        res[f"{name}_ms"] = bench(call)
+        res[f"{name}_graph_ms"] = bench_graph(call)
         outs.append(out)
     res["pair_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[1]))
     res["pair_per_item_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[2]))
