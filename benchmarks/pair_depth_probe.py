@@ -133,7 +133,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = f"{LIBRARY.ring_depth}x{LIBRARY.item_depth}"
-    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW"]
+    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3SFTZM", "3x3W", "3x3SFTZMW"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
@@ -152,10 +152,11 @@ def main() -> int:
         "shapes": {},
     }
     print("[pair_depth_probe] checks", json.dumps(result["checks"]), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # rewritten after each shape: a hang keeps these
     for b, s in PREFILL_CASES:
         result["shapes"][f"{b}x{s}"] = row = measure(b, s, args.variants)
         print("[pair_depth_probe]", f"{b}x{s}", json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     flags = [v for k, v in result["checks"].items() if isinstance(v, bool)]
     flags += [v for row in result["shapes"].values() for k, v in row.items() if k.endswith("_equal_library")]
     return 0 if all(flags) else 1
