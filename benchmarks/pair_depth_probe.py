@@ -26,6 +26,7 @@ import argparse
 import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,7 +91,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tenso
     return out
 
 
-def check(specs: list[str]) -> dict:
+def check(specs: list[str], save: Callable[[dict], None]) -> dict:
+    """The checks of each variant (the module docstring's), ``save``d with those before it after each variant."""
     q, k, v, cu = packed_attention_inputs(CHECK_LENS, HQ, HKV, D)
     k, v = k.clone(), v.clone()
     one = slice(CHECK_LENS[0], CHECK_LENS[0] + CHECK_LENS[1])
@@ -115,6 +117,7 @@ def check(specs: list[str]) -> dict:
             row[f"{spec}_as_close_as_library"] = bool(torch.isfinite(out).all()) and err <= 2 * lib_err
             row[f"{spec}_deterministic"] = bool(torch.equal(out, forward(q, k, v, cu, spec)[keep]))
         row[f"{spec}_negative_control_differs"] = not torch.equal(forward(q, k2, v, cu, spec)[keep], out)
+        save(row)
     return row
 
 
@@ -148,15 +151,21 @@ def main() -> int:
         "library_build": name(LIBRARY),
         "heads": [HQ, HKV, D],
         "timing": "bench (triton.testing.do_bench, median ms, L2 flushed), as ops_bench.py's gluon_kernels",
-        "checks": check(args.variants),
+        "checks": {},
         "shapes": {},
     }
+
+    def save(checks: dict | None = None) -> None:  # after each variant's checks and each shape: a hang keeps these
+        if checks is not None:
+            result["checks"] = checks
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    check(args.variants, save)
     print("[pair_depth_probe] checks", json.dumps(result["checks"]), flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # rewritten after each shape: a hang keeps these
     for b, s in PREFILL_CASES:
         result["shapes"][f"{b}x{s}"] = row = measure(b, s, args.variants)
         print("[pair_depth_probe]", f"{b}x{s}", json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        save()
     flags = [v for k, v in result["checks"].items() if isinstance(v, bool)]
     flags += [v for row in result["shapes"].values() for k, v in row.items() if k.endswith("_equal_library")]
     return 0 if all(flags) else 1
