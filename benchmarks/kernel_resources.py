@@ -119,16 +119,21 @@ def programs_per_sm(regs: int, threads: int, smem: int) -> dict[str, int]:
     return by | {"fit": min(by.values())}
 
 
-def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict:  # noqa: ANN001
-    compiled = compile_for_hopper(kernel, args, const, num_warps=launch.num_warps, num_stages=launch.num_stages)
+def cubin_report(cubin: bytes) -> tuple[dict[str, int], str]:
+    """``cuobjdump``'s resource usage of a compiled kernel (``REG``, ``STACK``, ``LOCAL``, ... -> int) and its SASS."""
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
         usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True)
         sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_INSTRUCTION, sass))
     line = next(ln for ln in usage.stdout.splitlines() if "REG:" in ln)
-    fields = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}, sass
+
+
+def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict:  # noqa: ANN001
+    compiled = compile_for_hopper(kernel, args, const, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    fields, sass = cubin_report(compiled.asm["cubin"])
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_INSTRUCTION, sass))
     threads = launch.num_warps * 32
     smem = int(compiled.metadata.shared)
     fit = programs_per_sm(fields["REG"], threads, smem)

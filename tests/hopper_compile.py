@@ -49,3 +49,23 @@ def tma_desc_type(rows: int, cols: int, block: list[int], layout: object, heads:
     shape = [rows, heads, cols] if heads else [rows, cols]
     t = torch.empty(shape, dtype=torch.bfloat16)
     return mangle_type(TensorDescriptor(t, shape, list(t.stride()), block, layout))
+
+
+def packed_attention_types(block_n: int = 64, pair_positions: int = 0) -> dict[str, str]:
+    """The runtime argument types of a packed Gluon attention launch at Qwen3-1.7B's heads in bf16 (16 query / 8 KV
+    heads of 128, two query heads per tile): :func:`rlexact.ops.gluon_attention.packed_args`'s, K/V boxes of
+    ``block_n`` keys; with ``pair_positions`` also the paired kernel's (its query and output descriptors, boxes of that
+    many positions)."""
+    from rlexact.ops import gluon_attention as ga
+
+    kv = tma_desc_type(4096, 1024, [block_n, ga.HEAD_DIM], ga.kv_layout(False))
+    types = dict(q_ptr="*bf16", o_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", k_desc=kv, v_desc=kv,
+                 cu_ptr="*i32", num_seqs="i32", qk_scale="fp32", seqk_ptr="*i32", kv_rows="i32")  # fmt: skip
+    types |= dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh"), "i32")
+    if pair_positions:
+        from rlexact.ops import gluon_attention_pair as gp
+
+        box = [pair_positions, 2, ga.HEAD_DIM]
+        q = tma_desc_type(4096, ga.HEAD_DIM, box, gp.q_layout(False, pair_positions, 2), heads=16)
+        types |= dict(heads="i32", q_desc=q, counter_ptr="*i32", o_desc=q)
+    return types

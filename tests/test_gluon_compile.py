@@ -60,24 +60,19 @@ def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
 def test_gluon_attention_kernels_compile_for_sm90() -> None:
     ga = _gluon()
-    from hopper_compile import compile_gluon_for_hopper, tma_desc_type
+    from hopper_compile import compile_gluon_for_hopper, packed_attention_types, tma_desc_type
     from rlexact.ops import gluon_attention_pair as gp
     from rlexact.ops import gluon_decode as gd
 
-    kv = tma_desc_type(4096, 1024, [ga.BLOCK_N, ga.HEAD_DIM], ga.kv_layout(False))
-    ptrs = dict(q_ptr="*bf16", o_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", k_desc=kv, v_desc=kv,
-                cu_ptr="*i32", num_seqs="i32", qk_scale="fp32")  # fmt: skip
-    strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "stride_lh")}
-    strides |= dict(seqk_ptr="*i32", kv_rows="i32")
-    q_desc = tma_desc_type(4096, ga.HEAD_DIM, [32, 2, ga.HEAD_DIM], gp.q_layout(False, 32, 2), heads=16)
-    persistent = dict(heads="i32", q_desc=q_desc, counter_ptr="*i32", o_desc=q_desc)
+    single = packed_attention_types(ga.BLOCK_N)
+    pair_types = packed_attention_types(ga.BLOCK_N, 16 * gp.WARPS // 2)
     for prep, gathered in ((False, False), (True, False), (False, True)):
         const = dict(HP=2, GROUP=2, D=128, BLOCK_N=ga.BLOCK_N, SPLIT=1024, BWD_PREP=prep, SCAN=ga.SCAN, W=ga.WARPS,
                      GATHERED=gathered)  # fmt: skip
-        k = compile_gluon_for_hopper(ga._fwd_kernel, ptrs | strides, const, num_warps=ga.WARPS)
+        k = compile_gluon_for_hopper(ga._fwd_kernel, single, const, num_warps=ga.WARPS)
         assert _wgmmas(k) > 0
         _assert_overlapped(k.asm["sass"], 1)
-        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), ptrs | strides | persistent, {},
+        pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), pair_types, {},
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
         _assert_overlapped(pair.asm["sass"], 2)
@@ -86,17 +81,14 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
               gp.Build(one_bound=True), gp.Build(wide=True), gp.Build(**every), gp.Build(**every, wide=True),
               gp.Build(ring_depth=4, item_depth=2))  # fmt: skip
     for build in probes:
-        positions = 16 * build.warps // 2
-        box = [positions, 2, ga.HEAD_DIM]
-        q_desc = tma_desc_type(4096, ga.HEAD_DIM, box, gp.q_layout(False, positions, 2), heads=16)
         k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build),
-                                     ptrs | strides | persistent | dict(q_desc=q_desc, o_desc=q_desc), {},
+                                     packed_attention_types(ga.BLOCK_N, 16 * build.warps // 2), {},
                                      num_warps=build.warps, maxnreg=gp.MAXNREG)  # fmt: skip
         assert k.metadata.shared <= 227 * 1024
         # with the row sum issued with P @ V: the scores under that P @ V and the row sum
         _assert_overlapped(k.asm["sass"], build.consumers, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
-        compile_gluon_for_hopper(gp._pair_kernel, ptrs | strides | persistent, {}, num_warps=gp.WARPS)
+        compile_gluon_for_hopper(gp._pair_kernel, pair_types, {}, num_warps=gp.WARPS)
     pages = tma_desc_type(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
     ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
             "stride_mem", "width", "n_rows")  # fmt: skip

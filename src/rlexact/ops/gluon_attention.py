@@ -62,6 +62,7 @@ from .triton_shared import (
 )
 
 __all__ = [
+    "add_row_sum",
     "cta_barrier",
     "forward",
     "halve_max",
@@ -70,14 +71,15 @@ __all__ = [
     "kv_layout",
     "launch",
     "launch_packed",
+    "normalized",
     "packed_args",
     "rebind",
     "rescale_under_row_sum",
+    "rescaled",
     "rings",
     "sm90",
     "supported",
     "tile_slots",
-    "normalized",
     "tma_load",
     "tma_store",
     "wgmma_layout",
@@ -215,6 +217,17 @@ if gluon is not None:
         return m_new, gl.fma(l_i, fa, l_s * fb), acc
 
     @gluon.jit
+    def rescaled(acc, alpha, row_o: gl.constexpr):
+        """The sum ``acc`` (``[rows, head dim]``) times each row's ``alpha``."""
+        return acc * gl.convert_layout(alpha, row_o)[:, None]
+
+    @gluon.jit
+    def add_row_sum(l_sum, alpha, rsum, row_s: gl.constexpr):
+        """The rows' running sum ``l_sum`` rescaled by ``alpha`` plus a key tile's row sum (any column of the ones
+        tile's product; the ``tl`` kernel's ``fma``)."""
+        return gl.fma(l_sum, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+
+    @gluon.jit
     def issue_row_sum(p, ones_smem, r_zero, r_op: gl.constexpr):
         """Start a key tile's row sum, P against the ones tile: ``(P as that wgmma's operand, its token)``."""
         p_r = gl.convert_layout(p, r_op)
@@ -227,6 +240,7 @@ if gluon is not None:
         for its P @ V; then add the row sum into ``l`` (the ``tl`` kernel's ``fma``): ``(acc_s, P's P @ V operand,
         l_s)``. Without ``RESCALE`` the sum is returned as it is: for a split's first tile, whose sum is ``+0`` and
         ``alpha`` is ``exp2(-inf) = +0``, that is the product's bits."""
+        # rescaled() and add_row_sum() written out: called from here they reorder the pair's integer address code
         if RESCALE:
             acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p, pv_op)

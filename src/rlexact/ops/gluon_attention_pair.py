@@ -45,6 +45,7 @@ if ga.gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
+        add_row_sum,
         cta_barrier,
         fold,
         issue_row_sum,
@@ -54,6 +55,7 @@ if ga.gluon is not None:
         mask_scores,
         normalized,
         rescale_under_row_sum,
+        rescaled,
         rings,
         store_rows,
         tile_softmax,
@@ -252,7 +254,7 @@ if ga.gluon is not None:
             m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
                 if not PAIR_ZERO_START:
-                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                    acc_s = rescaled(acc_s, alpha, row_o)
                 p_op = gl.convert_layout(p, pv_op)
                 alpha_sum = alpha
             else:
@@ -277,9 +279,9 @@ if ga.gluon is not None:
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    l_s = gl.fma(l_s, alpha_sum, gl.convert_layout(gl.max(rsum, 1), row_s))
+                    l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
                     alpha_sum = alpha
-                    acc_s = acc_s * gl.convert_layout(alpha, row_o)[:, None]
+                    acc_s = rescaled(acc_s, alpha, row_o)
                     p_op = gl.convert_layout(p, pv_op)
                 else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
                     p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
@@ -301,7 +303,7 @@ if ga.gluon is not None:
                 acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
                 r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
                 acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
-                l_s = gl.fma(l_s, alpha_sum, gl.convert_layout(gl.max(rsum, 1), row_s))
+                l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
             else:
                 acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)

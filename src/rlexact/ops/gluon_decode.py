@@ -54,9 +54,11 @@ if gluon is not None:
     from .gluon_attention import (
         BLOCK_N,
         HEAD_DIM,
+        add_row_sum,
         cta_barrier,
         kv_layout,
         launch,
+        rescaled,
         rings,
         store_rows,
         tile_softmax,
@@ -253,14 +255,14 @@ if gluon is not None:
                 s = gl.where((j0 * TILE_N + offs_n < seqlen)[None, :], s, float("-inf"))
             m_i, alpha, p = tile_softmax(s, m_i, qk_scale, dt)
             rsum = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False)
-            l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+            l_i = add_row_sum(l_i, alpha, rsum, row_s)
             p_op = gl.convert_layout(p, pv_op)
             for j in range(j0, n_tiles - 1):  # tile j's P @ V under tile j + 1's scores and softmax
                 nxt = (x + 1) % SLOTS
                 nphase = ((x + 1) // SLOTS) & 1
                 mbarrier.wait(k_ready.index(nxt), nphase)
                 s_tok = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = rescaled(acc, alpha, row_o)
                 mbarrier.wait(v_ready.index(slot), phase)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
                 s, acc, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))  # the scores; P @ V may run
@@ -271,12 +273,12 @@ if gluon is not None:
                 r_tok = warpgroup_mma(gl.convert_layout(p, r_op), ones_smem, r_zero, use_acc=False, is_async=True)
                 rsum, acc, p_op = warpgroup_mma_wait(0, deps=(r_tok, acc, p_op))
                 mbarrier.arrive(v_empty.index(slot), count=1)
-                l_i = gl.fma(l_i, alpha, gl.convert_layout(gl.max(rsum, 1), row_s))
+                l_i = add_row_sum(l_i, alpha, rsum, row_s)
                 p_op = gl.convert_layout(p, pv_op)
                 x += 1
                 slot = nxt
                 phase = nphase
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # the last tile's P @ V
+            acc = rescaled(acc, alpha, row_o)  # the last tile's P @ V
             mbarrier.wait(v_ready.index(slot), phase)
             if n_full < n_tiles:  # V rows past the sequence (stale cache rows or zero fill): zeros
                 zero_tail_rows(v_smem.index(slot), (n_tiles - 1) * TILE_N, seqlen, TILE_N, blk)
