@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlexact.char_tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
-from rlexact.data import PromptDataModule, ResumableSampler, encode_prompts
+from rlexact.data import PromptDataModule, ResumableSampler, encode_prompts, load_prompt_rows, load_tokenizer
 from rlexact.demo.task import ArithmeticTask, make_dataset, read_jsonl, write_jsonl
 from rlexact.rewards import (
     ArithmeticReward,
@@ -328,6 +328,27 @@ def test_datamodule_errors(tmp_path, tok):
         PromptDataModule(str(path), tokenizer=tok, use_chat_template=None)
     with pytest.raises(ValueError, match="overlong must be 'filter' or 'raise'"):
         PromptDataModule(str(path), tokenizer=tok, overlong="truncate")
+
+
+def test_missing_local_data_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    import datasets
+
+    def hub(path, *args, **kwargs):
+        raise LookupError(f"hub lookup of {path!r}")
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.chdir(tmp_path)
+    for path in ("data/train.jsonl", str(tmp_path / "missing.parquet"), "./prompts", "~/no/train.csv"):
+        with pytest.raises(FileNotFoundError, match="not found .*never looked up on the Hub"):
+            load_prompt_rows(path)
+    with pytest.raises(LookupError, match="hub lookup of 'owner/name'"):  # a Hub name still goes to the Hub
+        load_prompt_rows("owner/name")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write_rows(tmp_path / "home.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(LookupError, match="hub lookup of 'json'"):  # found under ~, read as a local file
+        load_prompt_rows("~/home.jsonl")
+    with pytest.raises(FileNotFoundError, match="tokenizer '/nope/tok' does not exist"):
+        load_tokenizer("/nope/tok")
 
 
 def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlexact.char_tokenizer import build_char_tokenizer
-from rlexact.resources import resolve
+from rlexact.resources import names_local_path, resolve
 
 __all__ = [
     "DEMO_TOKENIZER",
@@ -66,6 +66,9 @@ def load_tokenizer(tokenizer: Any) -> Any:
             return build_char_tokenizer()
         from transformers import AutoTokenizer
 
+        if names_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+            raise FileNotFoundError(f"tokenizer {name!r} does not exist; pass the model's tokenizer: its checkpoint "
+                                    f"directory, a Hub name, or a tokenizer object")  # fmt: skip
         return AutoTokenizer.from_pretrained(os.path.expanduser(name))
     return tokenizer
 
@@ -116,11 +119,17 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
 
     A single local file is one split (``split`` is ignored). A ``save_to_disk`` directory (or ``DatasetDict``) is
     indexed by ``split``. Anything else goes to ``datasets.load_dataset(path, split=split)``. A malformed ``.jsonl``
-    / ``.json`` file raises ``ValueError`` naming the file and the first bad line.
+    / ``.json`` file raises ``ValueError`` naming the file and the first bad line. ``~`` is expanded; a missing path
+    that can only be local (a data file's extension, or a leading ``/`` or ``.``) raises ``FileNotFoundError``
+    without a Hub lookup.
     """
     import datasets
 
-    path = resolve(os.fspath(path))
+    path = os.path.expanduser(resolve(os.fspath(path)))
+    if not os.path.exists(path) and (names_local_path(path) or path.lower().endswith(tuple(_FILE_BUILDERS))):
+        raise FileNotFoundError(f"data file {path!r} not found (looked for {os.path.abspath(path)!r}); a path that "
+                                f"ends in {', '.join(sorted(_FILE_BUILDERS))} or starts with '/' or '.' is read as a "
+                                f"local file, never looked up on the Hub: fix the path")  # fmt: skip
     if os.path.isfile(path):
         ext = next((e for e in _FILE_BUILDERS if path.lower().endswith(e)), None)
         if ext is None:

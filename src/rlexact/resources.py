@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.resources
 import os
 
-__all__ = ["DEMO_MODEL", "SCHEME", "checkpoint_path", "config_path", "resolve"]
+__all__ = ["DEMO_MODEL", "SCHEME", "checkpoint_path", "config_path", "names_local_path", "resolve"]
 
 DEMO_MODEL = "demo"
 """Name of the packaged demo checkpoint."""
@@ -59,3 +59,9 @@ def resolve(path: str | os.PathLike) -> str:
     if name.startswith(SCHEME):
         raise FileNotFoundError(f"unknown packaged name {name!r}; use 'demo', 'rlexact://demo/...' or 'rlexact://configs/...'")
     return name
+
+
+def names_local_path(path: str) -> bool:
+    """Whether ``path`` can only mean a local file or folder, never a Hub repository: it starts with ``/``, ``.`` or
+    ``~``, or is absolute."""
+    return path.startswith(("/", ".", "~")) or os.path.isabs(path)

@@ -18,7 +18,7 @@ from torch import nn
 from rlexact.config import DTYPES, FSDPConfig
 from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
-from rlexact.resources import resolve
+from rlexact.resources import names_local_path, resolve
 
 __all__ = [
     "apply_data_parallel",
@@ -52,10 +52,6 @@ def as_config(value: Any, cls: type) -> Any:
     raise TypeError(f"expected a {cls.__name__} or a dict, got {type(value).__name__}")
 
 
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or path.startswith(".")
-
-
 def check_model_source(
     model_path: str | os.PathLike | None, model: Any, model_config: dict[str, Any] | None, dtype: str | None
 ) -> str | None:
@@ -71,7 +67,7 @@ def check_model_source(
     if model_path is not None:
         model_path = os.fspath(model_path)
         local = resolve(model_path)  # "demo" names the packaged demo checkpoint
-        if _looks_local(local) and not os.path.exists(os.path.expanduser(local)):
+        if names_local_path(local) and not os.path.exists(os.path.expanduser(local)):
             raise FileNotFoundError(
                 f"model_path {model_path!r} does not exist; set model.init_args.model_path to a local "
                 "transformers checkpoint directory (e.g. a downloaded Qwen/Qwen3-1.7B)"
