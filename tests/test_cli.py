@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("jsonargparse")  # LightningCLI's parser (absent from some GPU images)
 
-from rlexact.cli import main  # noqa: E402
+from rlexact.cli import ConfigError, entry, main  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = ["grpo_qwen3_1p7b.yaml", "reinforce_qwen3_1p7b.yaml"]
@@ -92,6 +92,17 @@ def test_unknown_key_in_yaml_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
         main(["fit", "--config", str(path), "--print_config"])
     assert exc.value.code not in (0, None)
     assert "clip_hgih" in capsys.readouterr().err
+
+
+def test_command_reports_a_rejected_configuration_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        entry(["fit", "--config", str(CONFIGS / RECIPES[0]), "--trainer.accelerator", "cpu"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "rlexact: error: FileNotFoundError: model_path '/path/to/Qwen3-1.7B' does not exist" in err, err
+    assert "Traceback" not in err, err
+    with pytest.raises(ConfigError, match="FileNotFoundError: model_path"):  # the Python entry point raises
+        main(["--config", str(CONFIGS / RECIPES[0]), "--trainer.accelerator", "cpu"], run=False)
 
 
 def test_placeholder_model_path_errors_clearly() -> None:

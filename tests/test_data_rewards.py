@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from rlexact.char_tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
-from rlexact.data import PromptDataModule, ResumableSampler, encode_prompts, load_prompt_rows, load_tokenizer
+from rlexact.data import (
+    DEMO_TOKENIZER,
+    PromptDataModule,
+    ResumableSampler,
+    encode_prompts,
+    load_prompt_rows,
+    load_tokenizer,
+)
 from rlexact.demo.task import ArithmeticTask, make_dataset, read_jsonl, write_jsonl
 from rlexact.rewards import (
     ArithmeticReward,
@@ -349,6 +356,8 @@ def test_missing_local_data_file_is_not_looked_up_on_the_hub(tmp_path, monkeypat
         load_prompt_rows("~/home.jsonl")
     with pytest.raises(FileNotFoundError, match="tokenizer '/nope/tok' does not exist"):
         load_tokenizer("/nope/tok")
+    with pytest.raises(FileNotFoundError, match="PromptDataModule val_path 'eval.jsonl' not found"):  # at init
+        PromptDataModule(str(tmp_path / "home.jsonl"), tokenizer=DEMO_TOKENIZER, val_path="eval.jsonl")
 
 
 def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):

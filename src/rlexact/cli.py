@@ -19,6 +19,10 @@ The YAML has LightningCLI's sections: ``trainer`` (callbacks as ``class_path`` /
 ``rlexact.callbacks.MismatchProbe``), ``model`` (``class_path: rlexact.RLModule`` or a subclass, with
 ``init_args`` holding the :class:`rlexact.RLModule` arguments and the nested :mod:`rlexact.config` dataclasses) and
 ``data`` (``class_path: rlexact.data.PromptDataModule``). Unknown keys anywhere are errors (jsonargparse).
+
+A configuration the classes reject (a missing ``model_path``, a bad setting) raises :class:`ConfigError` from
+:func:`main`, chained to the class's own error; the ``rlexact`` command prints that error in one line and exits with
+status 2 (the status of jsonargparse's parse errors). Errors once the subcommand runs keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -36,7 +40,19 @@ from rlexact.data import PromptDataModule
 from rlexact.module import RLModule
 from rlexact.resources import config_path
 
-__all__ = ["RLExactCLI", "entry", "main"]
+__all__ = ["ConfigError", "RLExactCLI", "entry", "main"]
+
+
+class ConfigError(ValueError):
+    """The configuration parsed, but instantiating its classes failed; the message is the first error raised (a
+    class's own check, not the wrapper jsonargparse raises around it)."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> ConfigError:
+        first = error
+        while (first.__cause__ or first.__context__) is not None:
+            first = first.__cause__ or first.__context__
+        return cls(f"{type(first).__name__}: {first}")
 
 
 class RLExactCLI(LightningCLI):
@@ -52,6 +68,13 @@ class RLExactCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_optimizer_args((Optimizer,), link_to="model.init_args.optimizer")
         parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.init_args.lr_scheduler")
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, OSError) as e:
+            raise ConfigError.of(e) from e
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -108,12 +131,13 @@ def entry(argv: Sequence[str] | None = None) -> None:
         export_main(args[1:])
         return
     resolved = _packaged_configs(args)
-    if argv is not None:
-        main(resolved)
-        return
-    # from the command line: LightningCLI reads sys.argv itself (it warns when given args as well)
-    sys.argv[1:] = resolved
-    main(None)
+    if argv is None:  # from the command line: LightningCLI reads sys.argv itself (it warns when given args as well)
+        sys.argv[1:] = resolved
+    try:
+        main(None if argv is None else resolved)
+    except ConfigError as e:
+        print(f"rlexact: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

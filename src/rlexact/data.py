@@ -45,6 +45,7 @@ __all__ = [
     "encode_prompts",
     "load_prompt_rows",
     "load_tokenizer",
+    "missing_local_source",
 ]
 
 DEMO_TOKENIZER = "demo-char"
@@ -125,11 +126,10 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
     """
     import datasets
 
+    problem = missing_local_source(path)
+    if problem is not None:
+        raise FileNotFoundError(f"data file {problem}")
     path = os.path.expanduser(resolve(os.fspath(path)))
-    if not os.path.exists(path) and (names_local_path(path) or path.lower().endswith(tuple(_FILE_BUILDERS))):
-        raise FileNotFoundError(f"data file {path!r} not found (looked for {os.path.abspath(path)!r}); a path that "
-                                f"ends in {', '.join(sorted(_FILE_BUILDERS))} or starts with '/' or '.' is read as a "
-                                f"local file, never looked up on the Hub: fix the path")  # fmt: skip
     if os.path.isfile(path):
         ext = next((e for e in _FILE_BUILDERS if path.lower().endswith(e)), None)
         if ext is None:
@@ -151,6 +151,20 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
             ds = ds[split]
         return ds
     return datasets.load_dataset(path, split=split, **load_kwargs)
+
+
+def missing_local_source(path: Any) -> str | None:
+    """Why the prompt source ``path`` cannot be read, when it can only be a local path (a data file's extension, or a
+    leading ``/``, ``.`` or ``~``) and nothing is there; None for anything else (an existing path, a Hub name,
+    in-memory rows)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    name = os.path.expanduser(resolve(os.fspath(path)))
+    if os.path.exists(name) or not (names_local_path(name) or name.lower().endswith(tuple(_FILE_BUILDERS))):
+        return None
+    return (f"{name!r} not found (looked for {os.path.abspath(name)!r}); a path that ends in "
+            f"{', '.join(sorted(_FILE_BUILDERS))} or starts with '/' or '.' is read as a local file, never looked up "
+            f"on the Hub: fix the path")  # fmt: skip
 
 
 def _file_has_no_rows(path: str, ext: str) -> bool:
@@ -475,6 +489,9 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(f"use_chat_template must be True or False, got {use_chat_template!r}")
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        for setting, source in (("path", path), ("val_path", val_path)):
+            if (problem := missing_local_source(source)) is not None:
+                raise FileNotFoundError(f"PromptDataModule {setting} {problem}")
         self.path = path
         self._tokenizer_arg = tokenizer
         self.prompt_key = prompt_key
