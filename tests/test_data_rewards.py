@@ -358,6 +358,12 @@ def test_missing_local_data_file_is_not_looked_up_on_the_hub(tmp_path, monkeypat
         load_tokenizer("/nope/tok")
     with pytest.raises(FileNotFoundError, match="PromptDataModule val_path 'eval.jsonl' not found"):  # at init
         PromptDataModule(str(tmp_path / "home.jsonl"), tokenizer=DEMO_TOKENIZER, val_path="eval.jsonl")
+    with pytest.raises(FileNotFoundError, match="tokenizer './tok' does not exist"):  # at init, not on first use
+        PromptDataModule(str(tmp_path / "home.jsonl"), tokenizer="./tok")
+    from rlexact import RLModule
+
+    with pytest.raises(FileNotFoundError, match="tokenizer '~/tok' does not exist"):
+        RLModule(model_config={"model_type": "qwen3"}, tokenizer="~/tok")
 
 
 def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):

@@ -40,6 +40,7 @@ __all__ = [
     "PromptDataset",
     "ResumableDataLoader",
     "ResumableSampler",
+    "check_tokenizer_source",
     "collate_prompts",
     "describe_source",
     "encode_prompts",
@@ -67,11 +68,19 @@ def load_tokenizer(tokenizer: Any) -> Any:
             return build_char_tokenizer()
         from transformers import AutoTokenizer
 
+        check_tokenizer_source(name)
+        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
+    return tokenizer
+
+
+def check_tokenizer_source(tokenizer: Any) -> None:
+    """Raise ``FileNotFoundError`` when ``tokenizer`` is a path that can only be local (a leading ``/``, ``.`` or
+    ``~``) and nothing is there (checked where the argument is given; the tokenizer loads on first use)."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        name = resolve(os.fspath(tokenizer))
         if names_local_path(name) and not os.path.exists(os.path.expanduser(name)):
             raise FileNotFoundError(f"tokenizer {name!r} does not exist; pass the model's tokenizer: its checkpoint "
                                     f"directory, a Hub name, or a tokenizer object")  # fmt: skip
-        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
-    return tokenizer
 
 
 def _chat_text(tokenizer: Any, prompt: str | list[dict]) -> str:
@@ -479,6 +488,7 @@ class PromptDataModule(L.LightningDataModule):
         super().__init__()
         if tokenizer is None:
             load_tokenizer(None)  # raises the "tokenizer is required" error
+        check_tokenizer_source(tokenizer)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_prompt_length is not None and max_prompt_length < 1:

@@ -43,7 +43,7 @@ from rlexact.callbacks.base import RLCallback, rl_callbacks
 from rlexact.callbacks.samples import SampleLogger
 from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
-from rlexact.data import PromptDataset, load_tokenizer
+from rlexact.data import PromptDataset, check_tokenizer_source, load_tokenizer
 from rlexact.distributed import is_fsdp
 from rlexact.models import exactify
 from rlexact.reduction import MetricReducer
@@ -178,6 +178,7 @@ class RLModule(L.LightningModule):
         configs["reward_config"] = self.reward_cfg
         self._record_hparams(**{k: plain(v) for k, v in configs.items()})
         if isinstance(self._tokenizer_arg, (str, os.PathLike)):
+            check_tokenizer_source(self._tokenizer_arg)
             self._record_hparams(tokenizer=os.fspath(self._tokenizer_arg))
         if model is not None:
             if dtype is not None:
