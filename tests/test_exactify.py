@@ -4,6 +4,7 @@ negative controls on the native path, correctness vs the unmodified model, resto
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -166,3 +167,28 @@ def test_training_gradients_flow() -> None:
     torch.cat(lp).sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_compiled_model_is_unwrapped_with_a_warning() -> None:
+    from rlexact.models import uncompiled
+    from rlexact.rollout import Generator, SamplingParams
+
+    model = tiny_model(vocab=50, max_pos=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert uncompiled(model) is model  # negative control: a plain module passes through, silently
+    compiled = torch.compile(model)  # a wrapper; nothing is compiled until it is called
+    warns = pytest.warns(UserWarning, match="torch.compile'd Qwen3ForCausalLM.*no effect")
+    with warns:
+        assert rlexact.exactify(compiled) is model
+    with warns:
+        gen = Generator(compiled, kernels="exact")
+    assert gen.model is model
+    outs = gen.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, seed=0))
+    with warns:
+        from_wrapper = rlexact.sequence_logprobs(compiled, [o.sequence for o in outs])
+    for lp, ref, o in zip(from_wrapper, rlexact.sequence_logprobs(model, [o.sequence for o in outs]), outs):
+        assert torch.equal(lp, ref) and torch.equal(lp[-len(o.token_ids) :], o.logprobs)
+    with warns:
+        module = rlexact.RLModule(model=torch.compile(tiny_model(vocab=50, max_pos=64)), tokenizer="demo-char")
+    assert not any("_orig_mod" in k for k in module.state_dict())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rlexact.checks import not_text
-from rlexact.models import AttnMetadata, forward_hidden, head_logprobs, lm_head_weight
+from rlexact.models import AttnMetadata, forward_hidden, head_logprobs, lm_head_weight, uncompiled
 
 
 @dataclass
@@ -127,8 +127,10 @@ def sequence_logprobs(
     One packed forward over all sequences (no padding). For a completion produced by
     :class:`rlexact.rollout.Generator` on the same weights in exact mode, the last ``len(completion.token_ids)``
     entries equal ``completion.logprobs`` bitwise: with the default ``top_k=0, top_p=1`` for ``logprobs="full"``
-    completions, with the sampling ``top_k, top_p`` for ``logprobs="sampled"`` ones.
+    completions, with the sampling ``top_k, top_p`` for ``logprobs="sampled"`` ones. A ``torch.compile`` wrapper is
+    replaced by the module it wraps (:func:`rlexact.models.uncompiled`).
     """
+    model = uncompiled(model)
     device = next(model.parameters()).device
     packed = pack(sequences, device)
     logp, _ = packed_logprobs(model, packed, temperature, top_k=top_k, top_p=top_p)

@@ -45,7 +45,7 @@ from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataset, check_tokenizer_source, load_tokenizer
 from rlexact.distributed import is_fsdp
-from rlexact.models import exactify
+from rlexact.models import exactify, uncompiled
 from rlexact.reduction import MetricReducer
 from rlexact.rewards import RewardConfig, RewardExecutor, RewardResult, resolve_reward, shared_executor
 from rlexact.rollout import Completion, Generator, SamplingParams
@@ -181,6 +181,7 @@ class RLModule(L.LightningModule):
             check_tokenizer_source(self._tokenizer_arg)
             self._record_hparams(tokenizer=os.fspath(self._tokenizer_arg))
         if model is not None:
+            model = uncompiled(model)
             if dtype is not None:
                 model = model.to(DTYPES[dtype])
             self._setup_model(model)

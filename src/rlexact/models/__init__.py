@@ -1,5 +1,6 @@
 """transformers integration: :func:`exactify`, the packed forward and the log-prob head."""
 
+from rlexact.models.compiled import uncompiled
 from rlexact.models.exactify import (
     ATTN_IMPL,
     SUPPORTED_MODEL_TYPES,
@@ -28,5 +29,6 @@ __all__ = [
     "head_logprobs",
     "is_exactified",
     "lm_head_weight",
+    "uncompiled",
     "use_kernels",
 ]

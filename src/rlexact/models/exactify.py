@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlexact import ops
+from rlexact.models.compiled import uncompiled
 from rlexact.models.metadata import AttnMetadata
 from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 
@@ -342,8 +343,10 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Make ``model`` compute with the exact kernels (in place), or restore it with ``enabled=False``.
 
     Idempotent. Works on models from ``from_pretrained`` and ``from_config``, fp32 and bf16, before or after FSDP2
-    ``fully_shard``. Raises ``ValueError`` for unsupported architectures (listing the supported ones).
+    ``fully_shard``. Raises ``ValueError`` for unsupported architectures (listing the supported ones). Given a
+    ``torch.compile`` wrapper, works on and returns the module it wraps (:func:`rlexact.models.uncompiled`).
     """
+    model = uncompiled(model)
     state = get_state(model)
     if not enabled:
         if state is None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from rlexact.checks import as_index, not_text
 from rlexact.distributed import gathered_params
-from rlexact.models import exactify, is_exactified, lm_head_weight, use_kernels
+from rlexact.models import exactify, is_exactified, lm_head_weight, uncompiled, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
 from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout.block_manager import BlockManager
@@ -84,6 +84,7 @@ class Generator:
             config = dataclasses.replace(config, **kwargs)  # type: ignore[arg-type]
         if not isinstance(config, GeneratorConfig):
             raise TypeError(f"config must be a GeneratorConfig, got {type(config).__name__}")
+        model = uncompiled(model)
         if not is_exactified(model):
             exactify(model)
         self.model = model
