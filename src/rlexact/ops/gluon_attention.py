@@ -249,8 +249,13 @@ if gluon is not None:
 
     @gluon.jit
     def normalized(acc, l_i, o_layout: gl.constexpr):
-        """A query tile's output rows, ``acc / l`` in fp32 (whichever way they are then stored)."""
-        return acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        """A query tile's output rows, ``acc / l`` in fp32 (whichever way they are then stored), as ``acc * (1 / l)``:
+        the same bits in fewer instructions. Triton divides fp32 by ``div.full.f32``, which ``ptxas`` expands per
+        element to ``x' * rcp(l')``, ``x', l'`` scaled by a power of two only when ``|l|`` lies outside
+        ``[2^-126, 2^126]``; per row the reciprocal is ``1 * rcp(l)``, then one multiply per element. A row sum is
+        ``0`` (no visible key: ``0 * inf`` either way), NaN, or at least the ``~1`` of its largest score's term and at
+        most about one per key, so it never lies in the scaled ranges with a nonzero finite ``l``."""
+        return acc * gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))[:, None]
 
     @gluon.jit
     def store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,

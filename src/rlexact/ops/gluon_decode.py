@@ -409,7 +409,7 @@ if gluon is not None:
             acc = warpgroup_mma(v_smem.index(slot).permute((1, 0)), p_t, acc)
             mbarrier.arrive(v_empty.index(slot), count=1)
             x += 1
-            out = acc / l_i[None, :]
+            out = acc * (1.0 / l_i)[None, :]  # the bits of acc / l (gluon_attention.normalized)
             heads = gl.arange(0, TN, layout=col)
             orow = (it // n_groups).to(gl.int64) * stride_ot + ((it % n_groups) * HP + heads) * stride_oh
             gl.store(o_ptr + orow[None, :] + offs_d[:, None], out.to(o_ptr.dtype.element_ty),

@@ -531,7 +531,7 @@ def _attn_fwd_kernel(
                 m_i, l_i, acc = _fold_partials(PML, PACC, prow0, n_splits, row_ok, offs_d, BLOCK_M, BLOCK_D)
                 tl.store(cnt, 0)  # the counters are zero again for the next launch that uses them
                 o_mask = row_ok[:, None] & d_ok[None, :]
-    out = acc / l_i[:, None]
+    out = acc * (1.0 / l_i)[:, None]  # the bits of acc / l (rlexact.ops.gluon_attention.normalized)
     o_ptrs = Out + (q_begin + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if BWD_PREP:
         # backward preprocessing: Out holds dO; store the base-2 log-sum-exp and delta = rowsum(dO * O) (fp32 O)
