@@ -508,6 +508,19 @@ def test_config_validation() -> None:
         make_module(reward="no-such-reward")
 
 
+def test_unsupported_strategies_are_rejected() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    from rlexact.trainer.policy import check_strategy
+
+    for ok in (SingleDeviceStrategy(device=torch.device("cpu")), DDPStrategy()):  # negative controls
+        check_strategy(ok)
+    # DeepSpeed needs its package to be built; the check reads its class only
+    for strategy in (FSDPStrategy(), object.__new__(DeepSpeedStrategy)):
+        with pytest.raises(ValueError, match=f"strategy={type(strategy).__name__}.*ModelParallelStrategy"):
+            check_strategy(strategy)
+
+
 def test_autocast_precision_is_rejected() -> None:
     module = make_module()
     with pytest.raises(ValueError, match="autocast"):

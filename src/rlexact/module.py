@@ -235,9 +235,11 @@ class RLModule(L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Install :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
+        """Check the Trainer's strategy (:func:`rlexact.trainer.policy.check_strategy`), install
+        :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
         check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
         hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
+        policy.check_strategy(self.trainer.strategy)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         data = self.trainer.datamodule

@@ -26,6 +26,7 @@ __all__ = [
     "build_model",
     "check_model_source",
     "check_precision",
+    "check_strategy",
     "check_trainer_options",
     "enable_activation_checkpointing",
     "make_reference",
@@ -169,6 +170,21 @@ def check_precision(trainer: Any) -> None:
             f"Trainer(precision={precision!r}) runs the step under autocast, which changes the kernels of the "
             "trainer forward and breaks rollout/trainer exactness; set RLModule(dtype='bfloat16') (or "
             "fsdp.param_dtype with ModelParallelStrategy) and leave the Trainer precision at '32-true'"
+        )
+
+
+def check_strategy(strategy: Any) -> None:
+    """Reject a Trainer strategy RLModule cannot run: the generator samples from the module's own parameters between
+    optimizer steps, which FSDP1's flat shards and DeepSpeed's engine do not leave readable. Single-device, DDP and
+    ``ModelParallelStrategy`` (FSDP2, gathered for the rollout) are supported."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, supported):
+        raise ValueError(
+            f"Trainer(strategy={type(strategy).__name__}) is not supported by RLModule, whose generator samples from "
+            "the module's own parameters; use ModelParallelStrategy(data_parallel_size=<devices>, "
+            "tensor_parallel_size=1) (FSDP2) or strategy='ddp' (a model that fits on each device)"
         )
 
 
