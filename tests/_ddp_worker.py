@@ -1,9 +1,9 @@
 """Two rollout steps of RLModule on two CPU ranks under Lightning's ``DDPStrategy`` (gloo), for tests/test_ddp.py.
 
 Each rank writes ``<out>/rank<r>.pt``: its parameters after the run, the dataset rows it sampled at each rollout
-step, and how far its parameters moved. ``sync=False`` is the negative control: the DDP wrapper's gradient
-synchronization is switched off at the start of training (``require_backward_grad_sync``), so each rank steps on its
-own gradients.
+step, how far its parameters moved, and the gradient all-reduces: the buckets DDP reduced, each with the number of
+times (a mini-batch of four micro-batches reduces once). ``sync=False`` is the negative control: a communication hook
+returns each rank's own gradients instead of reducing them, so each rank steps on its own.
 
 Usage: ``python tests/_ddp_worker.py OUT_DIR sync|nosync`` (Lightning's launcher re-runs the script for rank 1).
 """
@@ -15,6 +15,7 @@ import sys
 
 import lightning as L
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,8 +39,17 @@ class Record(RLCallback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
-        if not self.sync:
-            trainer.strategy.model.require_backward_grad_sync = False
+        self.reduces: dict[int, int] = {}
+
+        def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects the string annotations of this module
+            self.reduces[bucket.index()] = self.reduces.get(bucket.index(), 0) + 1
+            if self.sync:
+                return default_hooks.allreduce_hook(None, bucket)
+            local: torch.futures.Future = torch.futures.Future()
+            local.set_result(bucket.buffer())
+            return local
+
+        trainer.strategy.model.register_comm_hook(None, hook)
 
     def on_rl_batch(self, trainer, pl_module, batch) -> None:
         ds = trainer.datamodule.train_dataset
@@ -51,7 +61,7 @@ class Record(RLCallback):
     def on_train_end(self, trainer, pl_module) -> None:
         end = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
         moved = max((end[k].double() - self.start[k].double()).abs().max().item() for k in end)
-        record = {"params": end, "rows": self.rows, "moved": moved}
+        record = {"params": end, "rows": self.rows, "moved": moved, "reduces": self.reduces}
         torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -64,7 +74,7 @@ def run(out_dir: str, sync: bool) -> None:
         reward=reward,
         reward_config={"workers": 0},
         rollout={"n": 2, "max_new_tokens": 6, "seed": 5},
-        algorithm={"objective": "grpo"},
+        algorithm={"objective": "grpo", "micro_batch_size": 2},  # 8 sequences per rank: four micro-batches
         optim={"lr": 1e-2, "warmup_steps": 0},
     )
     data = PromptDataModule(rows(), tokenizer="demo-char", batch_size=NUM_PROMPTS // 2, seed=2)

@@ -1,6 +1,7 @@
 """RLModule under Lightning's ``DDPStrategy`` (two CPU ranks, gloo): the ranks sample disjoint prompts and end with
-bitwise-equal parameters, since ``manual_backward`` all-reduces every micro-batch's gradients. Negative control: with
-the wrapper's gradient synchronization off, the same run ends with different parameters on the two ranks.
+bitwise-equal parameters. Gradients accumulate locally over a mini-batch's micro-batches and are all-reduced once, by
+its last backward (``rlexact.distributed.set_gradient_sync``): each bucket once per optimizer step. Negative control:
+with a communication hook that keeps each rank's own gradients, the same run ends with different parameters.
 
 The runs are ``tests/_ddp_worker.py`` subprocesses (Lightning's launcher re-runs the script for rank 1).
 """
@@ -39,3 +40,5 @@ def test_ddp_ranks_end_with_the_same_parameters(tmp_path: Path, mode: str) -> No
         assert own and other and not set(own) & set(other)
     assert rank0["moved"] > 0 and rank1["moved"] > 0  # the runs trained
     assert same_params(rank0["params"], rank1["params"]) == (mode == "sync")
+    for rank in (rank0, rank1):  # two optimizer steps of four micro-batches: every bucket reduced twice
+        assert rank["reduces"] and set(rank["reduces"].values()) == {2}, rank["reduces"]

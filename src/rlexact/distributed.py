@@ -30,7 +30,7 @@ from torch import nn
 
 from rlexact.models import decoder
 
-__all__ = ["apply_fsdp", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "set_gradient_sync"]
+__all__ = ["apply_fsdp", "ddp_wrapper", "fsdp_call", "fsdp_modules", "gathered_params", "is_fsdp", "set_gradient_sync"]
 
 T = TypeVar("T")
 _CALL = "_rlexact_fsdp_call"
@@ -173,13 +173,25 @@ def gathered_params(model: nn.Module) -> Iterator[list[nn.Module]]:
             m.reshard()  # type: ignore[attr-defined]
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn FSDP2's gradient reduce-scatter on or off for every FSDP module of ``model`` (a no-op without FSDP).
+def ddp_wrapper(strategy: Any) -> nn.Module | None:
+    """The ``DistributedDataParallel`` module that Lightning's ``strategy`` wraps the LightningModule in
+    (``strategy="ddp"``), else None."""
+    from torch.nn.parallel import DistributedDataParallel
 
-    With it off, backward passes accumulate unsharded gradients locally; the next backward with it on reduces the
-    sum once. Gradient accumulation over micro-batches turns it off for all but the last micro-batch of a mini-step,
-    which gives the same gradients as reducing after every micro-batch with one collective instead of one per
-    micro-batch. Every rank must run the same number of backward passes with the same settings.
+    wrapped = getattr(strategy, "model", None)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool, ddp: nn.Module | None = None) -> None:
+    """Turn the gradient reduction on or off: FSDP2's reduce-scatter for every FSDP module of ``model``, and the
+    all-reduce of ``ddp`` (:func:`ddp_wrapper`; what its ``no_sync`` switches). A no-op for what is absent.
+
+    With it off, backward passes accumulate gradients locally; the next backward with it on reduces the sum once.
+    Gradient accumulation over micro-batches turns it off for all but the last micro-batch of a mini-step, which gives
+    the gradients of reducing after every micro-batch (up to the order of the sums) with one collective instead of
+    one per micro-batch. Every rank must run the same number of backward passes with the same settings.
     """
     if is_fsdp(model):
         model.set_requires_gradient_sync(enabled)  # type: ignore[attr-defined]
+    if ddp is not None:
+        ddp.require_backward_grad_sync = enabled

@@ -19,7 +19,7 @@ from rlexact import algorithms as alg
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.base import RLCallback
 from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from rlexact.distributed import fsdp_call, set_gradient_sync
+from rlexact.distributed import ddp_wrapper, fsdp_call, set_gradient_sync
 from rlexact.ops.keyed_hash import request_key
 from rlexact.reduction import MetricReducer
 from rlexact.trainer.batching import batch_logprobs, chunks, score_chunks, seq_valid
@@ -237,6 +237,7 @@ class PPOUpdate:
         loss_sum = 0.0
         # every micro-batch gathered up front: one host synchronization per mini-batch
         micro_batches = [mb] if single else mb.split(micros + [[0]] * (num_micros - len(micros)))
+        ddp = ddp_wrapper(getattr(self.trainer, "strategy", None))
         try:
             for k, micro in enumerate(micro_batches):
                 if single:
@@ -244,8 +245,8 @@ class PPOUpdate:
                 else:
                     if k >= len(micros):  # a no-loss placeholder (fewer micro-batches on this rank)
                         micro.loss_mask = torch.zeros_like(micro.loss_mask)
-                    # FSDP2: accumulate unsharded gradients locally, reduce-scatter once after the last micro-batch
-                    set_gradient_sync(host.model, k == num_micros - 1)
+                    # FSDP2 / DDP: accumulate gradients locally, reduce once after the last micro-batch
+                    set_gradient_sync(host.model, k == num_micros - 1, ddp)
                 # the stream's validation (a host synchronization) before the forward is queued, not after it
                 seg = alg.segment_ids(micro.cu_seqlens, micro.num_tokens)
                 if not single:
@@ -254,7 +255,7 @@ class PPOUpdate:
                 host.manual_backward(loss)
                 loss_sum = loss_sum + loss.detach().double()
         finally:
-            set_gradient_sync(host.model, True)
+            set_gradient_sync(host.model, True, ddp)
         stats.add("loss", loss_sum)
         stats.steps += 1
         norm = grad_norm(host.model)
