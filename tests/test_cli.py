@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("jsonargparse")  # LightningCLI's parser (absent from some GPU images)
 
-from rlexact.cli import ConfigError, entry, main  # noqa: E402
+from rlexact.cli import ConfigError, RLExactCLI, entry, main, previous_last_checkpoint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = ["grpo_qwen3_1p7b.yaml", "reinforce_qwen3_1p7b.yaml"]
@@ -213,6 +213,29 @@ def test_tiny_fit_and_validate(tmp_path: Path) -> None:
     assert (tmp_path / "config.yaml").exists()
     cli = main(["validate", "--config", str(path)])
     assert "val/reward" in cli.trainer.callback_metrics
+
+
+def test_ckpt_path_last_resumes_the_newest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = yaml.safe_load(tiny_yaml(tmp_path).read_text())
+    cfg["trainer"].update(max_steps=1, enable_checkpointing=True)
+    cfg["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                "init_args": {"save_dir": str(tmp_path), "name": "runs"}}  # fmt: skip
+    cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                    "init_args": {"save_last": True}}]  # fmt: skip
+    path = tmp_path / "versioned.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    fresh = main(["fit", "--config", str(path), "--ckpt_path", "last"])  # negative control: nothing to resume yet
+    assert fresh.trainer.ckpt_path is None and fresh.model.rollout_step == 1
+    with monkeypatch.context() as m:  # negative control: Lightning's own "last" looks in the new version's folder
+        m.setattr(RLExactCLI, "before_fit", lambda self: None)
+        assert main(["fit", "--config", str(path), "--ckpt_path", "last"]).trainer.ckpt_path is None
+    resumed = main(["fit", "--config", str(path), "--ckpt_path", "last", "--trainer.max_steps", "2"])
+    assert resumed.trainer.ckpt_path == str(tmp_path / "runs" / "version_1" / "checkpoints" / "last.ckpt")
+    assert resumed.trainer.logger.version == 2 and resumed.model.rollout_step == 2
+    cfg["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "own")
+    path.write_text(yaml.safe_dump(cfg))
+    with_dirpath = main(["--config", str(path)], run=False)
+    assert previous_last_checkpoint(with_dirpath.trainer) is None  # Lightning's own "last" looks there
 
 
 def test_command_line_has_no_args_warning(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

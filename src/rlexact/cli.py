@@ -20,6 +20,11 @@ The YAML has LightningCLI's sections: ``trainer`` (callbacks as ``class_path`` /
 ``init_args`` holding the :class:`rlexact.RLModule` arguments and the nested :mod:`rlexact.config` dataclasses) and
 ``data`` (``class_path: rlexact.data.PromptDataModule``). Unknown keys anywhere are errors (jsonargparse).
 
+``--ckpt_path last`` resumes from the newest ``last*.ckpt`` of the logger's earlier versions when the checkpoint
+callbacks write under the logger's versioned folder (no ``dirpath`` of their own), as the recipes' do: Lightning looks
+only in the new run's version folder, which is empty, and would start afresh. Without any earlier checkpoint the run
+starts afresh, as Lightning's own ``"last"`` does.
+
 A configuration the classes reject (a missing ``model_path``, a bad setting) raises :class:`ConfigError` from
 :func:`main`, chained to the class's own error; the ``rlexact`` command prints that error in one line and exits with
 status 2 (the status of jsonargparse's parse errors). Errors once the subcommand runs keep their tracebacks.
@@ -27,12 +32,15 @@ status 2 (the status of jsonargparse's parse errors). Errors once the subcommand
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -40,7 +48,7 @@ from rlexact.data import PromptDataModule
 from rlexact.module import RLModule
 from rlexact.resources import config_path
 
-__all__ = ["ConfigError", "RLExactCLI", "entry", "main"]
+__all__ = ["ConfigError", "RLExactCLI", "entry", "main", "previous_last_checkpoint"]
 
 
 class ConfigError(ValueError):
@@ -76,6 +84,23 @@ class RLExactCLI(LightningCLI):
         except (ValueError, TypeError, OSError) as e:
             raise ConfigError.of(e) from e
 
+    @override
+    def before_fit(self) -> None:
+        self._resolve_last_checkpoint()
+
+    @override
+    def before_validate(self) -> None:
+        self._resolve_last_checkpoint()
+
+    def _resolve_last_checkpoint(self) -> None:
+        kwargs = self.config_init[self.subcommand]
+        if kwargs.get("ckpt_path") != "last":
+            return
+        found = previous_last_checkpoint(self.trainer)
+        if found is not None:
+            rank_zero_info(f"ckpt_path='last': resuming from {found}, the newest last checkpoint of the logger's runs")
+            kwargs["ckpt_path"] = found
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         full = LightningCLI.subcommands()
@@ -98,6 +123,22 @@ def main(args: Any = None, *, run: bool = True) -> RLExactCLI:
         args=args,
         run=run,
     )
+
+
+def previous_last_checkpoint(trainer: L.Trainer) -> str | None:
+    """The newest ``last*.ckpt`` (file or sharded folder) under ``<logger root>/version_*/checkpoints``, when every
+    checkpoint callback writes under the logger's version folder (none has a ``dirpath``), else None."""
+    callbacks = trainer.checkpoint_callbacks
+    root = getattr(trainer.logger, "root_dir", None)
+    if not callbacks or root is None or any(getattr(cb, "dirpath", None) is not None for cb in callbacks):
+        return None
+    found = glob.glob(os.path.join(glob.escape(root), "version_*", "checkpoints", "last*.ckpt"))
+
+    def newest(path: str) -> tuple[float, int]:  # the later version breaks a tie of coarse modification times
+        version = os.path.basename(os.path.dirname(os.path.dirname(path)))[len("version_") :]
+        return os.path.getmtime(path), int(version) if version.isdigit() else -1
+
+    return max(found, key=newest) if found else None
 
 
 def _packaged_configs(argv: list[str]) -> list[str]:
