@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_logprob import logit_tile
 from .triton_matmul import ensure_allocator
 from .triton_shared import (
     COMPILE_OPTIONS,
@@ -398,33 +399,13 @@ def _head_dz_kernel(
     lc = pid_n * BV + tl.arange(0, BV)  # chunk-local columns
     c_ok = lc < CW
     rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BV), dtype=tl.float32)
+    h_desc, w_desc = h_ptr, w_ptr  # unread without TMA
     if TMA:
         h_desc = tl.make_tensor_descriptor(h_ptr, shape=[T, H], strides=[H, 1], block_shape=[BM, BK])
         w_chunk = w_ptr + c0.to(tl.int64) * H
         w_desc = tl.make_tensor_descriptor(w_chunk, shape=[CW, H], strides=[H, 1], block_shape=[BV, BK])
-    for ki in range(tl.cdiv(H, BK)):  # ascending K, accumulator chained through tl.dot
-        if TMA:
-            a = h_desc.load([pid_m * BM, ki * BK])
-            b = w_desc.load([pid_n * BV, ki * BK])
-            acc = tl.dot(a, b.T, acc)
-        else:
-            k_ok = rk < H - ki * BK
-            a = tl.load(
-                h_ptr + rows64[:, None] * H + (ki * BK + rk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            b = tl.load(
-                w_ptr + (c0 + lc).to(tl.int64)[None, :] * H + (ki * BK + rk)[:, None],
-                mask=c_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+    acc = logit_tile(h_ptr, w_ptr, h_desc, w_desc, rows64, r_ok, c0 + lc, c_ok, rk, pid_m * BM, pid_n * BV,
+                     tl.cdiv(H, BK), H, H, H, BM, BV, BK, TMA, UPCAST, IEEE)  # fmt: skip
     if SCALE:
         z = tl.math.div_rn(acc, temperature)
     else:

@@ -111,6 +111,44 @@ def decode_head_config(H: int, V: int, dtype: torch.dtype, device: torch.device)
     return _decode_head_config(H, V, dtype, device_key(device))
 
 
+@triton.jit
+def logit_tile(h_ptr, w_ptr, h_desc, w_desc, rows64, r_ok, cols, c_ok, rk, desc_row, desc_col, k_tiles, H, stride_h,
+               stride_w, BM: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+               IEEE: tl.constexpr):  # fmt: skip
+    """The fp32 logits ``hidden[rows] @ w[cols].T`` of one ``[BM, BV]`` tile: ``k_tiles`` steps of ``BK`` columns of
+    ``H`` in ascending order, the accumulator chained through ``tl.dot``. With ``TMA`` the operands come from ``h_desc``
+    at row ``desc_row`` and ``w_desc`` at row ``desc_col``; otherwise from the pointers (row strides ``stride_h`` and
+    ``stride_w``, ``cols`` rows of ``w``, masked by ``r_ok`` and ``c_ok``). The head's forward (:func:`_head_kernel`,
+    whose logits the sampler takes too) and the recompute in its backward (``triton_backward._head_dz_kernel``) both
+    take their logits from here."""
+    acc = tl.zeros((BM, BV), dtype=tl.float32)
+    for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
+        if TMA:
+            a = h_desc.load([desc_row, ki * BK])
+            b = w_desc.load([desc_col, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        else:
+            k_ok = rk < H - ki * BK
+            a = tl.load(
+                h_ptr + rows64[:, None] * stride_h + (ki * BK + rk)[None, :],
+                mask=r_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols.to(tl.int64)[None, :] * stride_w + (ki * BK + rk)[:, None],
+                mask=c_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T", "n_split"])
 def _head_kernel(
     h_ptr,
@@ -162,31 +200,8 @@ def _head_kernel(
     for c0 in tl.range(v0, v_end, BV, flatten=FLATTEN):
         cols = c0 + rv
         c_ok = cols < V
-        acc = tl.zeros((BM, BV), dtype=tl.float32)
-        for ki in range(k_tiles):  # ascending K, accumulator chained through tl.dot
-            if TMA:
-                a = h_desc.load([pid_m * BM, ki * BK])
-                b = w_desc.load([c0, ki * BK])
-                acc = tl.dot(a, b.T, acc)
-            else:
-                k_ok = rk < H - ki * BK
-                a = tl.load(
-                    h_ptr + rows64[:, None] * stride_h + (ki * BK + rk)[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    w_ptr + cols.to(tl.int64)[None, :] * stride_w + (ki * BK + rk)[:, None],
-                    mask=c_ok[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                if IEEE:
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
+        acc = logit_tile(h_ptr, w_ptr, h_desc, w_desc, rows64, r_ok, cols, c_ok, rk, pid_m * BM, c0, k_tiles, H,
+                         stride_h, stride_w, BM, BV, BK, TMA, UPCAST, IEEE)  # fmt: skip
         if SCALE:
             z = tl.math.div_rn(acc, temperature)
         else:
