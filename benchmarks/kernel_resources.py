@@ -18,7 +18,9 @@ Cases: ``attn_decode_w{W}_s{S}``: the paged decode launch (one query per sequenc
 128, 16-token pages, bf16) with W warps and S pipeline stages (the library's is ``w2_s2``); ``attn_prefill``: the
 packed training / prefill launch; ``mm256_{qkv,o,down}``: the exact matmul's M = 256 tiles of the Qwen3-1.7B
 projections as the library picks them on a 132-SM H200; ``gated256``, ``gated64``: the SiLU-gated matmul's M = 256
-and M = 64 variants (``GATED_VARIANTS``). Output: ``benchmarks/results/kernel_resources_sm90.json``.
+and M = 64 variants (``GATED_VARIANTS``); ``gluon_prefill_single``, ``gluon_prefill_pair``, ``gluon_decode``: the sm_90
+Gluon attention kernels the library launches there (the packed forward's single and persistent paired kernels, the
+paged decode kernel). Output: ``benchmarks/results/kernel_resources_sm90.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ sys.path.insert(0, str(ROOT / "tests"))  # the sm_90 host compile helper the gen
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hopper_compile import compile_for_hopper  # noqa: E402
+from hopper_compile import (  # noqa: E402
+    compile_for_hopper,
+    compile_gluon_for_hopper,
+    decode_attention_types,
+    packed_attention_types,
+)
 from rlexact.ops import triton_attention as ta  # noqa: E402
 from rlexact.ops import triton_matmul as tmm  # noqa: E402
 
@@ -130,22 +137,54 @@ def cubin_report(cubin: bytes) -> tuple[dict[str, int], str]:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}, sass
 
 
+def gluon_cases() -> dict[str, tuple]:
+    """``name -> (Gluon kernel, runtime argument types, constexprs, compile options)``: the library's sm_90 attention
+    launches at Qwen3-1.7B's heads in bf16 (the packed single and paired prefill kernels, the paged decode kernel)."""
+    from rlexact.ops import gluon_attention as ga
+    from rlexact.ops import gluon_attention_pair as gp
+    from rlexact.ops import gluon_decode as gd
+
+    hp, split = 2, ta.SPLIT_KEYS_16BIT
+    single = dict(HP=hp, GROUP=2, D=ga.HEAD_DIM, BLOCK_N=ga.BLOCK_N, SPLIT=split, BWD_PREP=False, SCAN=ga.SCAN,
+                  W=ga.WARPS, GATHERED=False)  # fmt: skip
+    build = gp.LIBRARY_BUILD
+    pair = gp.kernel(hp, split, False, 2, False)
+    return {
+        "gluon_prefill_single": (ga._fwd_kernel, packed_attention_types(ga.BLOCK_N), single, {"num_warps": ga.WARPS}),
+        "gluon_prefill_pair": (pair, packed_attention_types(ga.BLOCK_N, 16 * build.warps // hp), {},
+                               {"num_warps": build.warps, "maxnreg": gp.MAXNREG}),
+        "gluon_decode": (gd.kernel(0), decode_attention_types(), dict(HP=hp, D=ga.HEAD_DIM), dict(gd.LAUNCH_OPTIONS)),
+    }  # fmt: skip
+
+
 def measure(kernel, args: dict, const: dict, launch: tmm.MatmulConfig) -> dict:  # noqa: ANN001
     compiled = compile_for_hopper(kernel, args, const, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return report(compiled, launch.num_stages)
+
+
+def measure_gluon(kernel, args: dict, const: dict, options: dict) -> dict:  # noqa: ANN001
+    compiled = compile_gluon_for_hopper(kernel, args, const, **options)
+    return report(compiled, options.get("num_stages", 1))
+
+
+def report(compiled, num_stages: int) -> dict:  # noqa: ANN001
+    """Resources, occupancy bound and machine-code counts of a compiled kernel (its warps per program as launched:
+    a warp-specialized Gluon kernel's partitions included)."""
+    num_warps = int(compiled.metadata.num_warps)
     fields, sass = cubin_report(compiled.asm["cubin"])
     ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_INSTRUCTION, sass))
-    threads = launch.num_warps * 32
+    threads = num_warps * 32
     smem = int(compiled.metadata.shared)
     fit = programs_per_sm(fields["REG"], threads, smem)
     return {
-        "num_warps": launch.num_warps,
-        "num_stages": launch.num_stages,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
         "registers_per_thread": fields["REG"],
         "stack_bytes": fields["STACK"],
         "local_bytes": fields["LOCAL"],
         "shared_bytes": smem,
         "programs_per_sm": fit,
-        "warps_per_sm": fit["fit"] * launch.num_warps,
+        "warps_per_sm": fit["fit"] * num_warps,
         "sass_instructions": sum(ops.values()),
         "sass_top_opcodes": dict(ops.most_common(16)),
     }
@@ -156,16 +195,19 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel_resources_sm90.json"))
     ap.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
     args = ap.parse_args()
-    table = cases()
-    names = args.cases or list(table)
+    table, gluon = cases(), gluon_cases()
+    names = args.cases or [*table, *gluon]
     result: dict = header("kernel_resources", "triton") | {
         "target": "sm_90 (H100 / H200), compiled on the host",
         "limits_per_sm": dict(registers=REGS_PER_SM, shared_bytes=SMEM_PER_SM, threads=THREADS_PER_SM),
     }
 
     def measure_case(name: str) -> dict:
-        kernel, kargs, const, launch = table[name]
-        entry = measure(kernel, kargs, const, launch)
+        if name in gluon:
+            entry = measure_gluon(*gluon[name])
+        else:
+            kernel, kargs, const, launch = table[name]
+            entry = measure(kernel, kargs, const, launch)
         if name.startswith(("mm", "gated")):
             entry["config"] = repr(launch)
         print(f"[kernel_resources] {name}: {entry['registers_per_thread']} registers, stack "

@@ -69,3 +69,17 @@ def packed_attention_types(block_n: int = 64, pair_positions: int = 0) -> dict[s
         q = tma_desc_type(4096, ga.HEAD_DIM, box, gp.q_layout(False, pair_positions, 2), heads=16)
         types |= dict(heads="i32", q_desc=q, counter_ptr="*i32", o_desc=q)
     return types
+
+
+def decode_attention_types() -> dict[str, str]:
+    """The runtime argument types of the Gluon paged decode launch (:mod:`rlexact.ops.gluon_decode`) over bf16 caches
+    of 16-token pages at Qwen3-1.7B's heads (8 KV heads of 128)."""
+    from rlexact.ops import gluon_attention as ga
+    from rlexact.ops import gluon_decode as gd
+
+    pages = tma_desc_type(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
+    ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
+            "stride_mem", "width", "n_rows")  # fmt: skip
+    plan = dict.fromkeys(("start_ptr", "members_ptr", "tiles_ptr", "count_ptr"), "*i32")
+    return (dict(q_ptr="*bf16", o_ptr="*bf16", k_desc=pages, v_desc=pages, bt_ptr="*i32", seqlens_ptr="*i32",
+                 ml_ptr="*fp32", sacc_ptr="*fp32", qk_scale="fp32") | plan | dict.fromkeys(ints, "i32"))  # fmt: skip

@@ -60,7 +60,7 @@ def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
 def test_gluon_attention_kernels_compile_for_sm90() -> None:
     ga = _gluon()
-    from hopper_compile import compile_gluon_for_hopper, packed_attention_types, tma_desc_type
+    from hopper_compile import compile_gluon_for_hopper, decode_attention_types, packed_attention_types
     from rlexact.ops import gluon_attention_pair as gp
     from rlexact.ops import gluon_decode as gd
 
@@ -89,12 +89,7 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
         _assert_overlapped(k.asm["sass"], build.consumers, {"0x2": 1, "0x1": 0} if build.sum_with_pv else None)
     with pytest.raises(Exception, match="bound by rlexact.ops.gluon_attention_pair.kernel"):
         compile_gluon_for_hopper(gp._pair_kernel, pair_types, {}, num_warps=gp.WARPS)
-    pages = tma_desc_type(16 * 1024, 1024, [gd.PAGE, ga.HEAD_DIM], ga.kv_layout(False))
-    ints = ("n_items", "n_groups", "hp", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
-            "stride_mem", "width", "n_rows")  # fmt: skip
-    plan = dict.fromkeys(("start_ptr", "members_ptr", "tiles_ptr", "count_ptr"), "*i32")
-    dec = dict(q_ptr="*bf16", o_ptr="*bf16", k_desc=pages, v_desc=pages, bt_ptr="*i32", seqlens_ptr="*i32",
-               ml_ptr="*fp32", sacc_ptr="*fp32", qk_scale="fp32") | plan | dict.fromkeys(ints, "i32")  # fmt: skip
+    dec = decode_attention_types()
     for mode in (0, 1, 2):  # plain, from a shared prefix's state, the shared prefix
         k = compile_gluon_for_hopper(gd.kernel(mode), dec, dict(HP=2, D=128), **gd.LAUNCH_OPTIONS)
         assert _wgmmas(k) > 0 and k.metadata.shared > 0
