@@ -37,6 +37,7 @@ from common import ROOT, header, run_cases
 
 sys.path.insert(0, str(ROOT / "tests"))  # the sm_90 host compile helper the generated-code tests use
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -140,15 +141,16 @@ def cubin_report(cubin: bytes) -> tuple[dict[str, int], str]:
 def gluon_cases() -> dict[str, tuple]:
     """``name -> (Gluon kernel, runtime argument types, constexprs, compile options)``: the library's sm_90 attention
     launches at Qwen3-1.7B's heads in bf16 (the packed single and paired prefill kernels, the paged decode kernel)."""
+    from pair_depth_probe import HKV, HQ, geometry
     from rlexact.ops import gluon_attention as ga
     from rlexact.ops import gluon_attention_pair as gp
     from rlexact.ops import gluon_decode as gd
 
-    hp, split = 2, ta.SPLIT_KEYS_16BIT
-    single = dict(HP=hp, GROUP=2, D=ga.HEAD_DIM, BLOCK_N=ga.BLOCK_N, SPLIT=split, BWD_PREP=False, SCAN=ga.SCAN,
-                  W=ga.WARPS, GATHERED=False)  # fmt: skip
+    hp, split = geometry(torch.bfloat16)  # the library's heads per tile and KV split
+    single = dict(HP=hp, GROUP=HQ // HKV, D=ga.HEAD_DIM, BLOCK_N=ga.BLOCK_N, SPLIT=split, BWD_PREP=False,
+                  SCAN=ga.SCAN, W=ga.WARPS, GATHERED=False)  # fmt: skip
     build = gp.LIBRARY_BUILD
-    pair = gp.kernel(hp, split, False, 2, False)
+    pair = gp.kernel(hp, split, False, HQ // HKV, False)
     return {
         "gluon_prefill_single": (ga._fwd_kernel, packed_attention_types(ga.BLOCK_N), single, {"num_warps": ga.WARPS}),
         "gluon_prefill_pair": (pair, packed_attention_types(ga.BLOCK_N, 16 * build.warps // hp), {},

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlexact.char_tokenizer import build_char_tokenizer
-from rlexact.resources import names_local_path, resolve
+from rlexact.resources import missing_local_path, resolve
 
 __all__ = [
     "DEMO_TOKENIZER",
@@ -76,11 +76,9 @@ def load_tokenizer(tokenizer: Any) -> Any:
 def check_tokenizer_source(tokenizer: Any) -> None:
     """Raise ``FileNotFoundError`` when ``tokenizer`` is a path that can only be local (a leading ``/``, ``.`` or
     ``~``) and nothing is there (checked where the argument is given; the tokenizer loads on first use)."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        name = resolve(os.fspath(tokenizer))
-        if names_local_path(name) and not os.path.exists(os.path.expanduser(name)):
-            raise FileNotFoundError(f"tokenizer {name!r} does not exist; pass the model's tokenizer: its checkpoint "
-                                    f"directory, a Hub name, or a tokenizer object")  # fmt: skip
+    if isinstance(tokenizer, (str, os.PathLike)) and missing_local_path(tokenizer) is not None:
+        raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} does not exist; pass the model's tokenizer: its "
+                                f"checkpoint directory, a Hub name, or a tokenizer object")  # fmt: skip
 
 
 def _chat_text(tokenizer: Any, prompt: str | list[dict]) -> str:
@@ -166,10 +164,8 @@ def missing_local_source(path: Any) -> str | None:
     """Why the prompt source ``path`` cannot be read, when it can only be a local path (a data file's extension, or a
     leading ``/``, ``.`` or ``~``) and nothing is there; None for anything else (an existing path, a Hub name,
     in-memory rows)."""
-    if not isinstance(path, (str, os.PathLike)):
-        return None
-    name = os.path.expanduser(resolve(os.fspath(path)))
-    if os.path.exists(name) or not (names_local_path(name) or name.lower().endswith(tuple(_FILE_BUILDERS))):
+    name = missing_local_path(path, tuple(_FILE_BUILDERS)) if isinstance(path, (str, os.PathLike)) else None
+    if name is None:
         return None
     return (f"{name!r} not found (looked for {os.path.abspath(name)!r}); a path that ends in "
             f"{', '.join(sorted(_FILE_BUILDERS))} or starts with '/' or '.' is read as a local file, never looked up "

@@ -152,6 +152,7 @@ class RLModule(L.LightningModule):
         optim_stage.check_spec("lr_scheduler", lr_scheduler)
         self.optimizer_spec = optimizer
         self.lr_scheduler_spec = lr_scheduler
+        check_tokenizer_source(tokenizer)  # model_path, its default, is checked above
         self._tokenizer_arg = tokenizer if tokenizer is not None else model_path
         if self._tokenizer_arg is None:
             raise ValueError("a tokenizer is required when the model is not given by model_path")
@@ -178,7 +179,6 @@ class RLModule(L.LightningModule):
         configs["reward_config"] = self.reward_cfg
         self._record_hparams(**{k: plain(v) for k, v in configs.items()})
         if isinstance(self._tokenizer_arg, (str, os.PathLike)):
-            check_tokenizer_source(self._tokenizer_arg)
             self._record_hparams(tokenizer=os.fspath(self._tokenizer_arg))
         if model is not None:
             model = uncompiled(model)

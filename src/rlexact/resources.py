@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.resources
 import os
 
-__all__ = ["DEMO_MODEL", "SCHEME", "checkpoint_path", "config_path", "names_local_path", "resolve"]
+__all__ = ["DEMO_MODEL", "SCHEME", "checkpoint_path", "config_path", "missing_local_path", "resolve"]
 
 DEMO_MODEL = "demo"
 """Name of the packaged demo checkpoint."""
@@ -61,7 +61,10 @@ def resolve(path: str | os.PathLike) -> str:
     return name
 
 
-def names_local_path(path: str) -> bool:
-    """Whether ``path`` can only mean a local file or folder, never a Hub repository: it starts with ``/``, ``.`` or
-    ``~``, or is absolute."""
-    return path.startswith(("/", ".", "~")) or os.path.isabs(path)
+def missing_local_path(path: str | os.PathLike, suffixes: tuple[str, ...] = ()) -> str | None:
+    """The local path ``path`` names (packaged names resolved, ``~`` expanded) when it can only be a local file or
+    folder, never a Hub repository (it starts with ``/``, ``.`` or ``~``, is absolute, or ends in one of
+    ``suffixes``), and nothing is there; else None."""
+    name = os.path.expanduser(resolve(path))
+    local = name.startswith(("/", ".")) or os.path.isabs(name) or name.lower().endswith(suffixes)
+    return name if local and not os.path.exists(name) else None

@@ -18,7 +18,7 @@ from torch import nn
 from rlexact.config import DTYPES, FSDPConfig
 from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
-from rlexact.resources import names_local_path, resolve
+from rlexact.resources import missing_local_path, resolve
 
 __all__ = [
     "apply_data_parallel",
@@ -67,8 +67,7 @@ def check_model_source(
         )
     if model_path is not None:
         model_path = os.fspath(model_path)
-        local = resolve(model_path)  # "demo" names the packaged demo checkpoint
-        if names_local_path(local) and not os.path.exists(os.path.expanduser(local)):
+        if missing_local_path(model_path) is not None:  # "demo" names the packaged demo checkpoint
             raise FileNotFoundError(
                 f"model_path {model_path!r} does not exist; set model.init_args.model_path to a local "
                 "transformers checkpoint directory (e.g. a downloaded Qwen/Qwen3-1.7B)"
