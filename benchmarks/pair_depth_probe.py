@@ -1,6 +1,6 @@
 """The paired prefill attention's build: its K/V ring depth, item slots, key tile and schedules, per prefill shape.
 
-    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3 3x3S 3x3M 3x3W 3x3SFTZMW 4x3 2x2x128] [--out ...]
+    timeout 300 python benchmarks/pair_depth_probe.py [--variants 3x3SFTZM 3x3 3x3S 3x3W 4x3SFTZM 2x2x128] [--out ...]
 
 The persistent pair (:mod:`rlexact.ops.gluon_attention_pair`) runs ``R``-deep K and V rings and ``I`` item slots
 (records and query tiles); a consumer releases a slot one item late, while the item's output store still reads its query
@@ -135,8 +135,8 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = f"{LIBRARY.ring_depth}x{LIBRARY.item_depth}"
-    others = ["3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3SFTZM", "3x3W", "3x3SFTZMW"]
+    default = name(LIBRARY)
+    others = ["3x3", "3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3SFTZM", "3x3W", "3x3SFTZMW"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()

@@ -29,6 +29,10 @@ def _wgmmas(kernel: object) -> int:
     return kernel.asm["ptx"].count("wgmma.mma_async")
 
 
+SCHEDULES = dict(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
+"""The pair's schedules that keep the bits and run one instruction stream per consumer (the library's build)."""
+
+
 def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | None = None) -> None:
     """Each consumer's key-tile loop waits with products still in flight as ``in_flight`` says (``WARPGROUP.DEPBAR``
     level -> waits per loop); by default twice at 1: for the scores while the previous tile's P @ V runs, and for that
@@ -75,10 +79,9 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
         pair = compile_gluon_for_hopper(gp.kernel(2, 1024, prep, 2, gathered), pair_types, {},
                                         num_warps=gp.WARPS, maxnreg=gp.MAXNREG)  # fmt: skip
         assert _wgmmas(pair) > 0 and pair.metadata.shared <= 227 * 1024
-        _assert_overlapped(pair.asm["sass"], 2)
-    every = dict(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
-    probes = (gp.Build(sum_with_pv=True), gp.Build(first_fold=True), gp.Build(zero_start=True),
-              gp.Build(one_bound=True), gp.Build(wide=True), gp.Build(**every), gp.Build(**every, wide=True),
+        _assert_overlapped(pair.asm["sass"], 2, {"0x2": 1, "0x1": 0})
+    probes = (gp.Build(), gp.Build(sum_with_pv=True), gp.Build(first_fold=True), gp.Build(zero_start=True),
+              gp.Build(one_bound=True), gp.Build(wide=True), gp.Build(**SCHEDULES), gp.Build(**SCHEDULES, wide=True),
               gp.Build(ring_depth=4, item_depth=2))  # fmt: skip
     for build in probes:
         k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build),
@@ -108,7 +111,7 @@ def test_pair_build_refuses_what_cannot_run() -> None:
     ga = _gluon()
     from rlexact.ops import gluon_attention_pair as gp
 
-    assert gp.Build() == gp.LIBRARY_BUILD and gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
+    assert gp.Build(**SCHEDULES) == gp.LIBRARY_BUILD and gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
     assert (gp.LIBRARY_BUILD.warps, gp.LIBRARY_BUILD.consumers) == (gp.WARPS, 2)
     assert (gp.Build(wide=True).warps, gp.Build(wide=True).consumers) == (2 * gp.WARPS, 1)  # the same rows per item
     with pytest.raises(ValueError, match="item_depth must be >= 2"):

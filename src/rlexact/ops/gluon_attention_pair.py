@@ -440,12 +440,12 @@ if ga.gluon is not None:
 class Build:
     """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any depths
     give the same bits; at least two item slots, since a slot is released an item late), key tiles of ``tile_n`` keys
-    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and five schedules that keep the bits, for
-    probes: ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V, both waited for after the next tile's
-    softmax; ``first_fold`` takes a query tile's first KV split as its state by adding ``+0``, which is what folding it
-    into the empty state computes; ``tree_max`` takes each row's maximum as a tree
-    (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled at
-    its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
+    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and six schedules that keep the bits (off
+    by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V,
+    both waited for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by
+    adding ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a
+    tree (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled
+    at its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
     comparison (:func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``). ``wide`` runs one consumer partition
     of ``2 * WARPS`` warps, the program's own, with both query tiles of an item as one tile (the same rows, so the same
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream."""
@@ -478,8 +478,9 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
 
 
-LIBRARY_BUILD = Build()
-"""The library's build."""
+LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
+"""The library's build: every schedule that keeps the bits and runs one instruction stream per consumer (chosen by
+``benchmarks/pair_depth_probe.py``; ``wide`` measured slower)."""
 
 
 @functools.cache
