@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -221,3 +223,48 @@ def test_benchmarks_reference_existing_library_names() -> None:
     assert bad == {}
     stale = "from rlexact.ops import triton_matmul as tmm\ntmm.ensure_allocator()\ntmm._ensure_allocator()\n"
     assert _unresolved_rlexact_names(stale) == ["3: rlexact.ops.triton_matmul._ensure_allocator"]
+
+
+def test_restamp_commit_names_the_commit_whose_code_ran(tmp_path: Path) -> None:
+    """A result labelled with an older commit but holding the digest of a newer commit's sources is restamped with
+    the newer one (the recorded label kept); a correctly labelled result is left byte for byte; a digest that no
+    commit has is refused and the file left as it is."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import restamp_commit as rc
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from rlexact.envinfo import commit_sources, digest_files
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "src" / "rlexact").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    shas = []
+    for version in ("1", "2"):
+        (tmp_path / "src" / "rlexact" / "ops.py").write_text(f"VERSION = {version}\n")
+        git("add", "-A")
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", version)
+        shas.append(git("rev-parse", "HEAD"))
+    old, new = shas
+    digest_new = digest_files(commit_sources(new, tmp_path))
+    assert digest_files(commit_sources(old, tmp_path)) != digest_new
+    mislabelled, right, unknown = (tmp_path / f"{n}.json" for n in ("mislabelled", "right", "unknown"))
+    labelled_old = {"benchmark": "b", "commit": old, "source_digest": digest_new, "x": 1.5}
+    mislabelled.write_text(json.dumps(labelled_old, indent=1))
+    right.write_text(json.dumps({"commit": new, "source_digest": digest_new}, indent=2))
+    unknown.write_text(json.dumps({"commit": old, "source_digest": "0" * 64}))
+    before_right, before_unknown = right.read_text(), unknown.read_text()
+    commits, digests = rc.history(tmp_path, 10), {}
+    assert "restamped" in rc.restamp(mislabelled, tmp_path, commits, digests, "cmd")
+    fixed = json.loads(mislabelled.read_text())
+    assert fixed == {"benchmark": "b", "commit": new, "commit_as_recorded": old, "restamped_by": "cmd",
+                     "source_digest": digest_new, "x": 1.5}  # fmt: skip
+    assert list(fixed)[:4] == ["benchmark", "commit", "commit_as_recorded", "restamped_by"]
+    assert "unchanged" in rc.restamp(right, tmp_path, commits, digests, "cmd")
+    assert right.read_text() == before_right
+    with pytest.raises(LookupError, match="re-run its benchmark"):
+        rc.restamp(unknown, tmp_path, commits, digests, "cmd")
+    assert unknown.read_text() == before_unknown

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
 
-from rlexact.envinfo import digest_files, host_cpu, is_source, result_header, source_digest
+import pytest
+
+from rlexact.envinfo import commit_sources, digest_files, git_commit, host_cpu, is_source, result_header, source_digest
 
 
 def test_host_cpu_reads_the_first_model_name(tmp_path: Path) -> None:
@@ -50,3 +53,24 @@ def test_source_digest_changes_with_any_file(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "results" / "ignored.py").write_bytes(b"z = 3\n")
     assert source_digest(tmp_path) == base
     assert source_digest(tmp_path / "benchmarks") is None  # not a checkout
+
+
+def test_a_named_commit_whose_code_is_not_the_trees_is_marked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$RLEXACT_COMMIT`` naming a commit of this checkout whose sources differ from the tree's (a stale ``.git``'s
+    ``HEAD`` passed on, say) gets ``+mismatch``; the commit whose sources these are, and one the checkout does not
+    know (a copied tree), pass unmarked."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head, first = git("rev-parse", "HEAD"), git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    if first == head or digest_files(commit_sources(head, root)) != source_digest(root):
+        pytest.skip("needs a checkout with history whose sources are HEAD's")
+    unknown = "f" * 40
+    for named, expected in ((first, first + "+mismatch"), (head, head), (unknown, unknown)):
+        monkeypatch.setenv("RLEXACT_COMMIT", named)
+        assert git_commit() == expected

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlexact.envinfo import SOURCE_DIRS, digest_files, is_source, source_digest
+from rlexact.envinfo import SOURCE_DIRS, commit_sources, digest_files, is_source, source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -26,7 +26,7 @@ DOCS = ("README.md", "docs/benchmarks.md")
 _GROUP = re.compile(r"((?:`[^`]+`[^`(]*?)+)\(([0-9a-f]{7,40})(?:\)|;[^)]*\))")
 """Backticked names, then the commit they share in parentheses (optionally followed by a note after ``;``)."""
 _NAME = re.compile(r"`([^`\s]+\.(?:json|log))`")
-_LOG_COMMIT = re.compile(r"at commit ([0-9a-f]{7,40})")
+_LOG_COMMIT = re.compile(r"at commit ([0-9a-f]{7,40})(?![+0-9a-f])")
 
 
 def _expand(name: str) -> list[str]:
@@ -90,25 +90,6 @@ def test_citation_check_catches_wrong_commit_and_missing_file(tmp_path: Path) ->
     assert citation_errors("`a_h200.json` (89abcde) outside a table", tmp_path) == (0, [])
 
 
-def commit_sources(commit: str, root: Path = ROOT) -> dict[str, bytes]:
-    """The :func:`rlexact.envinfo.is_source` files of ``commit`` in the repository at ``root``, read through git."""
-    listing = subprocess.run(
-        ["git", "ls-tree", "-r", "-z", "--name-only", commit, "--", *SOURCE_DIRS],
-        cwd=root, capture_output=True, check=True, timeout=60,
-    ).stdout.decode()  # fmt: skip
-    paths = sorted(p for p in listing.split("\0") if p and is_source(p))
-    request = "".join(f"{commit}:{p}\n" for p in paths).encode()
-    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=request, capture_output=True, check=True,
-                         timeout=60).stdout  # fmt: skip
-    files, at = {}, 0
-    for path in paths:
-        header_end = out.index(b"\n", at)
-        size = int(out[at:header_end].split()[2])
-        files[path] = out[header_end + 1 : header_end + 1 + size]
-        at = header_end + 1 + size + 1
-    return files
-
-
 def _git_checkout(root: Path) -> bool:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, timeout=30).returncode == 0
 
@@ -128,7 +109,7 @@ def test_results_ran_the_code_of_their_commit() -> None:
         known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
         if known.returncode != 0:
             problems.append(f"{path.name}: commit {commit!r} is not in this repository")
-        elif digest_files(commit_sources(commit)) != recorded:
+        elif digest_files(commit_sources(commit, ROOT)) != recorded:
             problems.append(f"{path.name}: its code is not commit {commit[:7]}'s (source_digest differs)")
     assert not problems, "; ".join(problems)
 
@@ -143,7 +124,7 @@ def test_source_digest_of_a_clean_tree_is_its_commits() -> None:
     ).stdout  # fmt: skip
     if any(is_source(line[3:]) for line in changed.splitlines()):
         pytest.skip("source files differ from HEAD")
-    head = commit_sources("HEAD")
+    head = commit_sources("HEAD", ROOT)
     tree = source_digest(ROOT)
     assert digest_files(head) == tree
     assert digest_files({**head, "src/rlexact/envinfo.py": head["src/rlexact/envinfo.py"] + b"#"}) != tree

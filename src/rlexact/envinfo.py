@@ -29,11 +29,13 @@ def library_versions(*modules: str) -> dict[str, str]:
 
 
 def git_commit(path: str | Path | None = None) -> str:
-    """``$RLEXACT_COMMIT`` when set (a copied working tree may carry a stale ``.git``); else the ``HEAD`` commit of
-    the repository holding ``path`` (default: this package), with ``+dirty`` when tracked files differ from it; else
-    ``"unknown"``."""
+    """``$RLEXACT_COMMIT`` when set (a copied working tree may carry a stale ``.git``), with ``+mismatch`` when this
+    checkout knows that commit and its sources are not the ones here (:func:`names_other_code`); else the ``HEAD``
+    commit of the repository holding ``path`` (default: this package), with ``+dirty`` when tracked files differ from
+    it; else ``"unknown"``."""
     if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
+        named = os.environ[COMMIT_ENV]
+        return named + ("+mismatch" if names_other_code(named) else "")
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -85,6 +87,42 @@ def source_digest(root: str | Path | None = None) -> str | None:
             if is_source(rel):
                 files[rel] = p.read_bytes()
     return digest_files(files)
+
+
+def commit_sources(commit: str, root: str | Path) -> dict[str, bytes]:
+    """The :func:`is_source` files of ``commit`` in the git repository at ``root``, read through git (what
+    :func:`source_digest` reads from a working tree)."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "-r", "-z", "--name-only", commit, "--", *SOURCE_DIRS],
+        cwd=root, capture_output=True, check=True, timeout=60,
+    ).stdout.decode()  # fmt: skip
+    paths = sorted(p for p in listing.split("\0") if p and is_source(p))
+    request = "".join(f"{commit}:{p}\n" for p in paths).encode()
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=request, capture_output=True, check=True,
+                         timeout=60).stdout  # fmt: skip
+    files, at = {}, 0
+    for path in paths:
+        header_end = out.index(b"\n", at)
+        size = int(out[at:header_end].split()[2])
+        files[path] = out[header_end + 1 : header_end + 1 + size]
+        at = header_end + 1 + size + 1
+    return files
+
+
+def names_other_code(commit: str) -> bool:
+    """Whether ``commit`` is a commit of the git checkout holding this package whose :func:`commit_sources` differ
+    from the :func:`source_digest` of the working tree (False where that cannot be told: no checkout, an unknown
+    commit, an installed wheel)."""
+    tree = source_digest()
+    if tree is None:
+        return False
+    root = Path(__file__).resolve().parents[2]
+    try:
+        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True,
+                               timeout=30)  # fmt: skip
+        return known.returncode == 0 and digest_files(commit_sources(commit, root)) != tree
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def device_name() -> str:
