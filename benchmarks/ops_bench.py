@@ -113,7 +113,7 @@ def check_invariance() -> dict:
 
 PREFILL_CASES = ((64, 512), (8, 4096), (1, 8192), (16, 1024), (4, 2048), (32, 256), (128, 128))
 """Packed causal prefill shapes ``(sequences, tokens each)`` of the attention section; the first is the issue's, the
-last two lie below the paired Gluon kernel's threshold (``rlexact.ops.gluon_attention_pair.MIN_MEAN_KEYS``)."""
+last two are short enough for an eager call's host work to matter."""
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 

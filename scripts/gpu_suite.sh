@@ -9,7 +9,7 @@
 # On a two-GPU machine the halves run side by side, e.g.
 #   CUDA_VISIBLE_DEVICES=0 scripts/gpu_suite.sh bench train & CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh bench rollout
 #
-# tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, GPU, driver, library versions and
+# tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, source digest, GPU, driver, versions and
 #   the pytest command; every test file that uses the gpu marker runs (three pytest processes in parallel: Triton
 #   compilation is CPU-bound and the GPU has room for all three). Each group also writes $OUT/gpu_tests_groupN.log as
 #   it runs, so a run cut short by the device call's limit still returns what finished. With cold Triton caches the
@@ -54,6 +54,7 @@ if [[ $what == tests || $what == all ]]; then
   parts=("$g0" "$g1" "$g2" "$g3")
   {
     echo "# rlexact GPU test suite, one run at commit $commit"
+    echo "# source digest: $(python3 -c 'from rlexact.envinfo import source_digest; print(source_digest("."))')"
     echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
     echo "# versions (torch triton transformers lightning): $(python3 -c 'import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)')"

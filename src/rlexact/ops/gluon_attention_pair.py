@@ -67,10 +67,12 @@ if ga.gluon is not None:
 
 __all__ = ["LIBRARY_BUILD", "MIN_MEAN_KEYS", "Build", "chosen", "forward", "kernel", "q_layout", "takes"]
 
-MIN_MEAN_KEYS = 512
+MIN_MEAN_KEYS = 128
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
-each prefill case's ``gluon_kernels``: faster than the single-tile kernel at every case from this mean on; below it
-the eager call's launch, four TMA descriptors and an item counter, cost more host time than the kernel saved)."""
+each prefill case's ``gluon_kernels``: less GPU time than the single-tile kernel, as CUDA-graph replays, at every case
+from this mean on, the shortest measured). Where a launch's GPU time is shorter than the host's work for it (an eager
+call on its own at a few thousand tokens), its four TMA descriptors and item counter can make the eager call slower;
+inside a model's forward the host runs ahead of the GPU and the GPU time is what counts."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 PROGRAMS_PER_SM = 1
