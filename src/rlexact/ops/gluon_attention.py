@@ -289,16 +289,17 @@ if gluon is not None:
         tma_load(desc, [q_begin + x * BLOCK_N, kv_col], bars.index(slot), smem.index(slot))
 
     @gluon.jit
-    def rings(k_desc, v_desc, SLOTS: gl.constexpr, n: gl.constexpr, W: gl.constexpr, RELEASERS: gl.constexpr):
-        """For warp-specialized kernels: the ones tile of the row-sum dot (``W`` warps store it) and ``SLOTS``-deep
-        rings of ``n``-key K and V tiles with their ready barriers (one arrival: the copy) and empty barriers
-        (``RELEASERS`` arrivals: the consumers), initialized and visible to every partition (barriers initialized
-        before the call are too)."""
+    def rings(k_desc, v_desc, SLOTS: gl.constexpr, n: gl.constexpr, W: gl.constexpr, RELEASERS: gl.constexpr,
+              ONES_N: gl.constexpr = 16):
+        """For warp-specialized kernels: the ones tile of the row-sum dot (``ONES_N`` columns; ``W`` warps store it) and
+        ``SLOTS``-deep rings of ``n``-key K and V tiles with their ready barriers (one arrival: the copy) and empty
+        barriers (``RELEASERS`` arrivals: the consumers), initialized and visible to every partition (barriers
+        initialized before the call are too)."""
         dt: gl.constexpr = k_desc.dtype
         d: gl.constexpr = k_desc.block_type.shape[1]
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [W, 1], [1, 0])
-        ones_smem = gl.allocate_shared_memory(dt, [n, 16], gl.NVMMASharedLayout.get_default_for([n, 16], dt))
-        ones_smem.store(gl.full([n, 16], 1.0, dt, layout=ones_layout))
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // ONES_N, ONES_N // 8], [W, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dt, [n, ONES_N], gl.NVMMASharedLayout.get_default_for([n, ONES_N], dt))
+        ones_smem.store(gl.full([n, ONES_N], 1.0, dt, layout=ones_layout))
         k_smem = gl.allocate_shared_memory(dt, [SLOTS, n, d], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dt, [SLOTS, n, d], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())

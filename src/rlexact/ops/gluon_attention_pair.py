@@ -117,6 +117,13 @@ if ga.gluon is not None:
     PAIR_SUM_WITH_PV = gl.constexpr(False)
     """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
     the next tile's softmax (:func:`kernel`)."""
+    PAIR_COLUMN_SUMS = gl.constexpr(False)
+    """Whether a bound specialization keeps a KV split's running sum per column of the row-sum wgmma's product, in
+    its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
+    (:func:`kernel`; with ``PAIR_SUM_WITH_PV``, and :data:`ROW_SUM_N` 8). Every column of P against the ones tile is
+    the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
+    ROW_SUM_N = gl.constexpr(16)
+    """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
     PAIR_TREE_MAX = gl.constexpr(False)
     """Whether a bound specialization takes each row's maximum as a tree (:func:`kernel`;
     :func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
@@ -227,12 +234,14 @@ if ga.gluon is not None:
         TPS: gl.constexpr = SPLIT // BLOCK_N
         s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
-        r_layout: gl.constexpr = wgmma_layout(W, 16)
+        RN: gl.constexpr = ROW_SUM_N
+        r_layout: gl.constexpr = wgmma_layout(W, RN)
         r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
         pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
         q_smem = q_tile.reshape([BLOCK_M, D])
 
         n_full = (q_start + tile * P + 1) // BLOCK_N
@@ -242,11 +251,12 @@ if ga.gluon is not None:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        r_zero = gl.zeros([BLOCK_M, 16], gl.float32, layout=r_layout)
+        r_zero = gl.zeros([BLOCK_M, RN], gl.float32, layout=r_layout)
         for t0 in range(0, n_mine, TPS):
             t1 = gl.minimum(t0 + TPS, n_mine)
             m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            l_c = r_zero  # the split's sum per row-sum column (PAIR_COLUMN_SUMS)
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
             r0 = x0 + t0
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
@@ -281,7 +291,10 @@ if ga.gluon is not None:
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
+                    if PAIR_COLUMN_SUMS:
+                        l_c = gl.fma(l_c, gl.convert_layout(alpha_sum, row_r)[:, None], rsum)
+                    else:
+                        l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
                     alpha_sum = alpha
                     acc_s = rescaled(acc_s, alpha, row_o)
                     p_op = gl.convert_layout(p, pv_op)
@@ -305,7 +318,11 @@ if ga.gluon is not None:
                 acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
                 r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
                 acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
-                l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
+                if PAIR_COLUMN_SUMS:  # each column holds the row's sum: their maximum is that sum
+                    l_c = gl.fma(l_c, gl.convert_layout(alpha_sum, row_r)[:, None], rsum)
+                    l_s = gl.convert_layout(gl.max(l_c, 1), row_s)
+                else:
+                    l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
             else:
                 acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
             mbarrier.arrive(v_empty.index(rl), count=1)
@@ -422,7 +439,7 @@ if ga.gluon is not None:
         for s in gl.static_range(SLOTS):
             mbarrier.init(tail_bars.index(s), count=1)
         ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = rings(k_desc, v_desc, SLOTS, TILE_N, W,
-                                                                              CONSUMERS)  # fmt: skip
+                                                                              CONSUMERS, ROW_SUM_N)  # fmt: skip
         n_slots = gl.load(cu_ptr + num_seqs) // (CONSUMERS * P) + num_seqs
         worker_args = (o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
                        info_smem, item_ready, item_empty, k_ready, k_empty, v_ready, v_empty, tail_bars, cu_ptr,
@@ -442,15 +459,17 @@ if ga.gluon is not None:
 class Build:
     """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any depths
     give the same bits; at least two item slots, since a slot is released an item late), key tiles of ``tile_n`` keys
-    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and six schedules that keep the bits (off
-    by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @ V,
-    both waited for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by
+    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and seven schedules that keep the bits
+    (off by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @
+    V, both waited for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by
     adding ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a
     tree (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled
     at its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
     comparison (:func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``). ``wide`` runs one consumer partition
     of ``2 * WARPS`` warps, the program's own, with both query tiles of an item as one tile (the same rows, so the same
-    bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream."""
+    bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
+    ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product, eight columns wide,
+    and reduces the columns once per split (``PAIR_COLUMN_SUMS``)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -461,6 +480,7 @@ class Build:
     zero_start: bool = False
     one_bound: bool = False
     wide: bool = False
+    column_sums: bool = False
 
     @property
     def warps(self) -> int:
@@ -478,6 +498,9 @@ class Build:
                              f"released an item late), got {self.ring_depth} and {self.item_depth}")  # fmt: skip
         if self.tile_n not in (64, 128):
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
+        if self.column_sums and not self.sum_with_pv:
+            raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
+                             "with P @ V)")
 
 
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
@@ -497,6 +520,8 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   TILE_N=gl.constexpr(build.tile_n), PAIR_SUM_WITH_PV=gl.constexpr(build.sum_with_pv),
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
+                  PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
+                  ROW_SUM_N=gl.constexpr(8 if build.column_sums else 16),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
