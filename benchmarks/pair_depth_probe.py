@@ -13,7 +13,8 @@ key tiles of ``N`` keys, then with any of the schedules that keep the bits, one 
 each key tile's row-sum wgmma with its P @ V, ``F`` takes a query tile's first KV split as its state without the fold,
 ``T`` takes each row's maximum as a tree, ``Z`` leaves a KV split's sum unscaled at its first key tile, ``M`` masks each
 score with one comparison, ``W`` runs one consumer partition of twice the warps for both query tiles of an item,
-``C`` (with ``S``) keeps a split's sum per column of the row-sum product, reduced once per split. It
+``C`` (with ``S``) keeps a split's sum per column of an 8-column row-sum product, reduced once per split (``C16``: of
+the library's 16-column product). It
 times the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
 ``gluon_kernels``). Checks first, on packed mixed lengths with NaN in one sequence's keys (which no other sequence's row
 may read): a variant at the library's key tile must give the library kernel's bits; one at another key tile changes the
@@ -41,13 +42,13 @@ HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
 LIBRARY = gluon_attention_pair.LIBRARY_BUILD
-FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C in this order (R >= 2, I >= 2, N 64 or 128)"
+FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16) in this order (R >= 2, I >= 2, N 64 or 128)"
 
 
 @functools.cache
 def parse(spec: str) -> gluon_attention_pair.Build:
-    """``RxI[xN][S][F][T][Z][M][W][C]`` -> the build; exits on a malformed spec."""
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)", spec)
+    """``RxI[xN][S][F][T][Z][M][W][C[16]]`` -> the build; exits on a malformed spec."""
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?", spec)
     if m is None:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
     minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
@@ -55,7 +56,8 @@ def parse(spec: str) -> gluon_attention_pair.Build:
     try:
         return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
                                           m[4] == "T", m[5] == "Z",
-                                          m[6] == "M", m[7] == "W", m[8] == "C")  # fmt: skip
+                                          m[6] == "M", m[7] == "W", m[8] == "C",
+                                          8 if m[8] == "C" and m[9] is None else 16)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
 
@@ -65,6 +67,8 @@ def name(build: gluon_attention_pair.Build) -> str:
     on = (build.sum_with_pv, build.first_fold, build.tree_max, build.zero_start, build.one_bound, build.wide,
           build.column_sums)  # fmt: skip
     flags = "".join(c for c, o in zip("SFTZMWC", on) if o)
+    if build.column_sums and build.row_sum_n == 16:
+        flags += "16"
     return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 
@@ -138,7 +142,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = name(LIBRARY)
-    others = ["3x3", "3x3SFTZMC", "3x3S", "3x3SC", "3x3W", "3x3SFTZMW"]
+    others = ["3x3", "3x3SFTZMC", "3x3SFTZMC16", "3x3S", "3x3SC", "3x3W", "3x3SFTZMW"]
     ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()

@@ -3,10 +3,10 @@
     python benchmarks/pair_sass.py [--variants 3x3 3x3S 3x3M 3x3W ...] [--out ...]
 
 Each variant is a :class:`rlexact.ops.gluon_attention_pair.Build` in ``pair_depth_probe.py``'s notation
-(``RxI[xN][S][F][T][Z][M][W][C]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two query
-heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and ``ptxas``
-for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared memory,
-the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
+(``RxI[xN][S][F][T][Z][M][W][C[16]]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
+query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
+``ptxas`` for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared
+memory, the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
 P @ V's wgmmas): its instructions and most frequent opcodes, the conditional block it skips for a key tile every row
 sees in full (the masking of a diagonal or tail tile), hence the instructions of an unmasked key tile, and its
 ``WARPGROUP.DEPBAR`` levels (the products left in flight at each wait). Counts are static: each instruction once per
@@ -33,7 +33,8 @@ from pair_depth_probe import HKV, HQ, LIBRARY, geometry, name, parse  # noqa: E4
 from rlexact.ops import gluon_attention as ga  # noqa: E402
 from rlexact.ops import gluon_attention_pair as gp  # noqa: E402
 
-DEFAULT = ["3x3", "3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "3x3SC", "3x3SFTZMC"]
+DEFAULT = ["3x3", "3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "3x3SC", "3x3SFTZMC",
+           "3x3SFTZMC16"]
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 """One instruction of ``cuobjdump -sass``: address, predicate, opcode, operands."""
 

@@ -120,7 +120,7 @@ if ga.gluon is not None:
     PAIR_COLUMN_SUMS = gl.constexpr(False)
     """Whether a bound specialization keeps a KV split's running sum per column of the row-sum wgmma's product, in
     its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
-    (:func:`kernel`; with ``PAIR_SUM_WITH_PV``, and :data:`ROW_SUM_N` 8). Every column of P against the ones tile is
+    (:func:`kernel`; with ``PAIR_SUM_WITH_PV``). Every column of P against the ones tile is
     the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
     ROW_SUM_N = gl.constexpr(16)
     """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
@@ -468,8 +468,9 @@ class Build:
     comparison (:func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``). ``wide`` runs one consumer partition
     of ``2 * WARPS`` warps, the program's own, with both query tiles of an item as one tile (the same rows, so the same
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
-    ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product, eight columns wide,
-    and reduces the columns once per split (``PAIR_COLUMN_SUMS``)."""
+    ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
+    once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -481,6 +482,7 @@ class Build:
     one_bound: bool = False
     wide: bool = False
     column_sums: bool = False
+    row_sum_n: int = 16
 
     @property
     def warps(self) -> int:
@@ -498,6 +500,8 @@ class Build:
                              f"released an item late), got {self.ring_depth} and {self.item_depth}")  # fmt: skip
         if self.tile_n not in (64, 128):
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
+        if self.row_sum_n not in (8, 16):
+            raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -521,7 +525,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(8 if build.column_sums else 16),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
