@@ -119,7 +119,8 @@ SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
     """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
-    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such)."""
+    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): eager and CUDA-graph times,
+    and each call's host microseconds (an eager call whose host time exceeds its graph time is bound by its launch)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -143,6 +144,7 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     t_sdpa = bench(sdpa)
     g_exact = bench_graph(lambda: ops.attention_varlen(q, k, v, cu, scale))
     g_sdpa = bench_graph(sdpa)
+    h_exact, h_sdpa = host_us(lambda: ops.attention_varlen(q, k, v, cu, scale)), host_us(sdpa)
     backends: dict[str, object] = {}
     for backend in SDPA_BACKENDS:
         try:
@@ -163,6 +165,8 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
         "exact_graph_ms": g_exact,
         "sdpa_graph_ms": g_sdpa,
         "graph_ratio": g_sdpa / g_exact,
+        "exact_host_us": h_exact,
+        "sdpa_host_us": h_sdpa,
         "gluon_kernels": kernels,
         "sdpa_backends": backends,
         "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,
