@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlexact.envinfo import commit_sources, digest_files
+from rlexact.envinfo import commit_sources, digest_files, is_commit
 
 
 def history(root: Path, depth: int) -> list[str]:
@@ -43,21 +43,18 @@ def restamp(path: Path, root: Path, commits: list[str], digests: dict[str, str],
             digests[commit] = digest_files(commit_sources(commit, root))
         return digests[commit]
 
-    known = subprocess.run(["git", "cat-file", "-e", f"{recorded}^{{commit}}"], cwd=root, capture_output=True)
-    if known.returncode == 0 and of(recorded) == digest:
+    if is_commit(recorded, root) and of(recorded) == digest:
         return f"{path.name}: commit {recorded[:7]} ran its own code; unchanged"
     match = next((c for c in commits if of(c) == digest), None)
     if match is None:
         raise LookupError(f"{path}: no commit among the last {len(commits)} of HEAD has the sources it ran "
                           f"(recorded {recorded[:7]}); re-run its benchmark")  # fmt: skip
-    indent = len(text.splitlines()[1]) - len(text.splitlines()[1].lstrip()) if "\n" in text.strip() else None
-    fixed = {}
-    for key, value in data.items():
-        fixed[key] = match if key == "commit" else value
-        if key == "commit":
-            fixed["commit_as_recorded"] = recorded
-            fixed["restamped_by"] = command
-    path.write_text(json.dumps(fixed, indent=indent) + "\n")
+    lines = text.strip().splitlines()
+    indent = len(lines[1]) - len(lines[1].lstrip()) if len(lines) > 1 else None  # the file's own indentation
+    items = list({**data, "commit": match}.items())  # the commit keeps its place
+    at = [k for k, _ in items].index("commit") + 1
+    items[at:at] = [("commit_as_recorded", recorded), ("restamped_by", command)]
+    path.write_text(json.dumps(dict(items), indent=indent) + "\n")
     return f"{path.name}: ran {match[:7]}'s code, recorded as {recorded[:7]}; restamped"
 
 

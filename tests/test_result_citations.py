@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlexact.envinfo import SOURCE_DIRS, commit_sources, digest_files, is_source, source_digest
+from rlexact.envinfo import SOURCE_DIRS, commit_sources, digest_files, is_commit, is_source, source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -106,8 +106,7 @@ def test_results_ran_the_code_of_their_commit() -> None:
         if recorded is None:
             continue
         commit = str(data.get("commit", ""))
-        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
-        if known.returncode != 0:
+        if not is_commit(commit, ROOT):
             problems.append(f"{path.name}: commit {commit!r} is not in this repository")
         elif digest_files(commit_sources(commit, ROOT)) != recorded:
             problems.append(f"{path.name}: its code is not commit {commit[:7]}'s (source_digest differs)")

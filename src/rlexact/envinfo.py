@@ -109,6 +109,15 @@ def commit_sources(commit: str, root: str | Path) -> dict[str, bytes]:
     return files
 
 
+def is_commit(commit: str, root: str | Path) -> bool:
+    """Whether ``commit`` names a commit of the git repository at ``root`` (False without git or a repository)."""
+    try:
+        return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True,
+                              timeout=30).returncode == 0  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def names_other_code(commit: str) -> bool:
     """Whether ``commit`` is a commit of the git checkout holding this package whose :func:`commit_sources` differ
     from the :func:`source_digest` of the working tree (False where that cannot be told: no checkout, an unknown
@@ -117,12 +126,7 @@ def names_other_code(commit: str) -> bool:
     if tree is None:
         return False
     root = Path(__file__).resolve().parents[2]
-    try:
-        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True,
-                               timeout=30)  # fmt: skip
-        return known.returncode == 0 and digest_files(commit_sources(commit, root)) != tree
-    except (OSError, subprocess.SubprocessError):
-        return False
+    return is_commit(commit, root) and digest_files(commit_sources(commit, root)) != tree
 
 
 def device_name() -> str:

@@ -214,6 +214,12 @@ if ga.gluon is not None:
         mbarrier.arrive(item_ready.index(s), count=1)
 
     @gluon.jit
+    def _add_column_sums(l_c, alpha, rsum, row_r: gl.constexpr):
+        """A split's sums per row-sum column ``l_c`` rescaled by each row's ``alpha`` plus a key tile's row-sum
+        product, column by column (:func:`~rlexact.ops.gluon_attention.add_row_sum`'s ``fma`` on every column)."""
+        return gl.fma(l_c, gl.convert_layout(alpha, row_r)[:, None], rsum)
+
+    @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
               v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
               by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
@@ -234,8 +240,7 @@ if ga.gluon is not None:
         TPS: gl.constexpr = SPLIT // BLOCK_N
         s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
-        RN: gl.constexpr = ROW_SUM_N
-        r_layout: gl.constexpr = wgmma_layout(W, RN)
+        r_layout: gl.constexpr = wgmma_layout(W, ROW_SUM_N)
         r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
         pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
@@ -251,7 +256,7 @@ if ga.gluon is not None:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        r_zero = gl.zeros([BLOCK_M, RN], gl.float32, layout=r_layout)
+        r_zero = gl.zeros([BLOCK_M, ROW_SUM_N], gl.float32, layout=r_layout)
         for t0 in range(0, n_mine, TPS):
             t1 = gl.minimum(t0 + TPS, n_mine)
             m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -292,7 +297,7 @@ if ga.gluon is not None:
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
                     if PAIR_COLUMN_SUMS:
-                        l_c = gl.fma(l_c, gl.convert_layout(alpha_sum, row_r)[:, None], rsum)
+                        l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
                     else:
                         l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
                     alpha_sum = alpha
@@ -319,7 +324,7 @@ if ga.gluon is not None:
                 r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
                 acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
                 if PAIR_COLUMN_SUMS:  # each column holds the row's sum: their maximum is that sum
-                    l_c = gl.fma(l_c, gl.convert_layout(alpha_sum, row_r)[:, None], rsum)
+                    l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
                     l_s = gl.convert_layout(gl.max(l_c, 1), row_s)
                 else:
                     l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
