@@ -30,7 +30,8 @@ def _wgmmas(kernel: object) -> int:
 
 
 SCHEDULES = dict(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
-"""The pair's schedules that keep the bits and run one instruction stream per consumer (the library's build)."""
+"""The pair's schedules that keep the bits and run one instruction stream per consumer (the library's build adds its
+column sums over an 8-column row-sum product)."""
 
 
 def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | None = None) -> None:
@@ -112,7 +113,8 @@ def test_pair_build_refuses_what_cannot_run() -> None:
     ga = _gluon()
     from rlexact.ops import gluon_attention_pair as gp
 
-    assert gp.Build(**SCHEDULES) == gp.LIBRARY_BUILD and gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
+    assert gp.Build(**SCHEDULES, column_sums=True, row_sum_n=8) == gp.LIBRARY_BUILD
+    assert gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
     assert (gp.LIBRARY_BUILD.warps, gp.LIBRARY_BUILD.consumers) == (gp.WARPS, 2)
     assert (gp.Build(wide=True).warps, gp.Build(wide=True).consumers) == (2 * gp.WARPS, 1)  # the same rows per item
     with pytest.raises(ValueError, match="item_depth must be >= 2"):

@@ -512,9 +512,11 @@ class Build:
                              "with P @ V)")
 
 
-LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True)
-"""The library's build: every schedule that keeps the bits and runs one instruction stream per consumer (chosen by
-``benchmarks/pair_depth_probe.py``; ``wide`` measured slower)."""
+LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
+                      column_sums=True, row_sum_n=8)
+"""The library's build: every schedule that keeps the bits and runs one instruction stream per consumer, with column
+sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the 16-column product
+measured slower)."""
 
 
 @functools.cache
