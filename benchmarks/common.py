@@ -73,6 +73,30 @@ def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float
     return float(sorted(times)[len(times) // 2])
 
 
+def interleaved(a: tuple[str, Callable[[], object]], b: tuple[str, Callable[[], object]],
+                timer: Callable[[Callable[[], object]], float], rounds: int = 5) -> dict[str, object]:  # fmt: skip
+    """The calls of ``a = (name, fn)`` and ``b`` timed in alternation by ``timer``, ``rounds`` times each (``b`` first
+    in odd rounds, so neither always runs second): both series (``<name>_ms``), and the median, least and greatest of
+    the per-round ratios of ``b``'s time to ``a``'s. Clocks and other GPU work drift over a run; a ratio taken within
+    one round sees both calls under the same conditions, and the ratios' spread is the timer's resolution for them."""
+    if rounds < 1:
+        raise ValueError(f"interleaved: rounds must be >= 1, got {rounds}")
+    (a_name, a_fn), (b_name, b_fn) = a, b
+    a_ms, b_ms = [], []
+    for r in range(rounds):
+        if r % 2:
+            b_ms.append(timer(b_fn))
+            a_ms.append(timer(a_fn))
+        else:
+            a_ms.append(timer(a_fn))
+            b_ms.append(timer(b_fn))
+    ratios = sorted(y / x for x, y in zip(a_ms, b_ms))
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return {"rounds": rounds, f"{a_name}_ms": a_ms, f"{b_name}_ms": b_ms, "ratio_median": median,
+            "ratio_min": ratios[0], "ratio_max": ratios[-1]}  # fmt: skip
+
+
 def packed_attention_inputs(lens: list[int], hq: int, hkv: int, d: int) -> tuple:
     """``(q [T, hq, d], k, v [T, hkv, d], cu [B + 1] int32)``: seeded bf16 CUDA tensors for sequences of ``lens``
     tokens packed back to back, k and v strided views of one q|k|v buffer as a fused projection gives them."""

@@ -18,10 +18,11 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
   contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; each prefill case also
   as CUDA-graph replays (``exact_graph_ms``, ``sdpa_graph_ms``, ``graph_ratio``: GPU time alone, which the short
-  cases' eager calls hide behind the host's launch cost); and the launch of the
-  packed forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the
-  ``tl`` kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's
-  launch cost shows once it exceeds the kernel's) and host time per call.
+  cases' eager calls hide behind the host's launch cost), and both ways again with the exact call and SDPA's in
+  alternation (``interleaved``: the per-round ratios' median and range, the timer's resolution for the pair); and the
+  launch of the packed forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel
+  against the ``tl`` kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``:
+  the host's launch cost shows once it exceeds the kernel's) and host time per call.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header, host_us
+from common import ROOT, bench, bench_graph, bench_stream, header, host_us, interleaved
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -120,7 +121,8 @@ SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
     """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
     :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): eager and CUDA-graph times,
-    and each call's host microseconds (an eager call whose host time exceeds its graph time is bound by its launch)."""
+    and each call's host microseconds (an eager call whose host time exceeds its graph time is bound by its launch);
+    then the exact call and SDPA's default timed in alternation, eager and as graph replays (``common.interleaved``)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -145,6 +147,8 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     g_exact = bench_graph(lambda: ops.attention_varlen(q, k, v, cu, scale))
     g_sdpa = bench_graph(sdpa)
     h_exact, h_sdpa = host_us(lambda: ops.attention_varlen(q, k, v, cu, scale)), host_us(sdpa)
+    pair = (("exact", lambda: ops.attention_varlen(q, k, v, cu, scale)), ("sdpa", sdpa))
+    rounds = {"eager": interleaved(*pair, bench), "graph": interleaved(*pair, bench_graph)}
     backends: dict[str, object] = {}
     for backend in SDPA_BACKENDS:
         try:
@@ -167,6 +171,7 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
         "graph_ratio": g_sdpa / g_exact,
         "exact_host_us": h_exact,
         "sdpa_host_us": h_sdpa,
+        "interleaved": rounds,
         "gluon_kernels": kernels,
         "sdpa_backends": backends,
         "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,

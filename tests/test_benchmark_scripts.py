@@ -268,3 +268,28 @@ def test_restamp_commit_names_the_commit_whose_code_ran(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="re-run its benchmark"):
         rc.restamp(unknown, tmp_path, commits, digests, "cmd")
     assert unknown.read_text() == before_unknown
+
+
+def test_interleaved_alternates_and_reports_the_ratio_spread() -> None:
+    """``common.interleaved`` times the two calls in alternating order and reports the per-round ratios of the second
+    call's time to the first's; a drift that slows every later call shows in the series, not as a ratio far from 1."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from common import interleaved
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    order: list[str] = []
+    clock = iter(range(1, 100))  # each timed call runs a little slower than the one before
+
+    def timer(fn: object) -> float:
+        order.append(fn())
+        return 10.0 + next(clock) * (2.0 if order[-1] == "b" else 1.0)
+
+    res = interleaved(("x", lambda: "a"), ("y", lambda: "b"), timer, rounds=4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert res["x_ms"] == [11.0, 14.0, 15.0, 18.0] and res["y_ms"] == [14.0, 16.0, 22.0, 24.0]
+    ratios = sorted(y / x for x, y in zip(res["x_ms"], res["y_ms"]))
+    assert res["ratio_min"] == ratios[0] and res["ratio_max"] == ratios[-1]
+    assert res["ratio_median"] == (ratios[1] + ratios[2]) / 2 and res["rounds"] == 4
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        interleaved(("x", lambda: "a"), ("y", lambda: "b"), timer, rounds=0)
