@@ -141,9 +141,12 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = name(LIBRARY)
-    others = ["3x3", "3x3SFTZMC", "3x3SFTZMC16", "3x3S", "3x3SC", "3x3W", "3x3SFTZMW"]
-    ap.add_argument("--variants", nargs="+", default=list(dict.fromkeys([default, *others])))
+    others = ["3x3", "3x3SFTZM", "3x3SFTZMC16", "3x3S", "3x3SC", "3x3W", "3x3SFTZMW"]
+    variants: list[str] = []  # the library first, then each other build once
+    for spec in [name(LIBRARY), *others]:
+        if all(parse(spec) != parse(v) for v in variants):
+            variants.append(spec)
+    ap.add_argument("--variants", nargs="+", default=variants)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
     for spec in args.variants:
