@@ -271,8 +271,8 @@ def test_restamp_commit_names_the_commit_whose_code_ran(tmp_path: Path) -> None:
 
 
 def test_interleaved_alternates_and_reports_the_ratio_spread() -> None:
-    """``common.interleaved`` times the two calls in alternating order and reports the per-round ratios of the second
-    call's time to the first's; a drift that slows every later call shows in the series, not as a ratio far from 1."""
+    """``common.interleaved`` times the two calls in alternating order (under a clock that drifts with every call) and
+    reports both series and the median and range of the per-round ratios of the second call's time to the first's."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from common import interleaved
