@@ -18,11 +18,12 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
   contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; each prefill case also
   as CUDA-graph replays (``exact_graph_ms``, ``sdpa_graph_ms``, ``graph_ratio``: GPU time alone, which the short
-  cases' eager calls hide behind the host's launch cost), and both ways again with the exact call and SDPA's in
-  alternation (``interleaved``: the per-round ratios' median and range, the timer's resolution for the pair); and the
-  launch of the packed forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel
-  against the ``tl`` kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``:
-  the host's launch cost shows once it exceeds the kernel's) and host time per call.
+  cases' eager calls hide behind the host's launch cost), both ways with the exact call and SDPA's timed in
+  alternation (``interleaved``: the series, whose medians are those times, and the per-round ratios' median and range,
+  the timer's resolution for the pair); and the launch of the packed forward at the GRPO update's micro-batch shape
+  (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side: GPU time (graph replays),
+  eager back-to-back time (``common.bench_stream``: the host's launch cost shows once it exceeds the kernel's) and
+  host time per call.
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -120,9 +122,10 @@ SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
     """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
-    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): eager and CUDA-graph times,
-    and each call's host microseconds (an eager call whose host time exceeds its graph time is bound by its launch);
-    then the exact call and SDPA's default timed in alternation, eager and as graph replays (``common.interleaved``)."""
+    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): the exact call and SDPA's
+    default timed in alternation, eager and as CUDA-graph replays (``common.interleaved``; each time recorded is the
+    median of its series), and each call's host microseconds (an eager call whose host time exceeds its graph time is
+    bound by its launch)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -140,15 +143,16 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
 
+    def exact() -> torch.Tensor:
+        return ops.attention_varlen(q, k, v, cu, scale)
+
     flop = 4.0 * b * hq * d * s * s / 2  # causal
-    t_exact = bench(lambda: ops.attention_varlen(q, k, v, cu, scale))
     kernels = _gluon_kernels(q, k, v, cu, scale) if gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) else {}
-    t_sdpa = bench(sdpa)
-    g_exact = bench_graph(lambda: ops.attention_varlen(q, k, v, cu, scale))
-    g_sdpa = bench_graph(sdpa)
-    h_exact, h_sdpa = host_us(lambda: ops.attention_varlen(q, k, v, cu, scale)), host_us(sdpa)
-    pair = (("exact", lambda: ops.attention_varlen(q, k, v, cu, scale)), ("sdpa", sdpa))
-    rounds = {"eager": interleaved(*pair, bench), "graph": interleaved(*pair, bench_graph)}
+    rounds = {"eager": interleaved(("exact", exact), ("sdpa", sdpa), bench),
+              "graph": interleaved(("exact", exact), ("sdpa", sdpa), bench_graph)}  # fmt: skip
+    t_exact, t_sdpa = (statistics.median(rounds["eager"][f"{n}_ms"]) for n in ("exact", "sdpa"))
+    g_exact, g_sdpa = (statistics.median(rounds["graph"][f"{n}_ms"]) for n in ("exact", "sdpa"))
+    h_exact, h_sdpa = host_us(exact), host_us(sdpa)
     backends: dict[str, object] = {}
     for backend in SDPA_BACKENDS:
         try:
