@@ -90,14 +90,10 @@ def test_citation_check_catches_wrong_commit_and_missing_file(tmp_path: Path) ->
     assert citation_errors("`a_h200.json` (89abcde) outside a table", tmp_path) == (0, [])
 
 
-def _git_checkout(root: Path) -> bool:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, timeout=30).returncode == 0
-
-
 def test_results_ran_the_code_of_their_commit() -> None:
     """A result that records a ``source_digest`` was written by the recorded commit's library and benchmark scripts
     (a run whose ``RLEXACT_COMMIT`` named another commit, or whose tree had changes, fails here)."""
-    if not _git_checkout(ROOT):
+    if not is_commit("HEAD", ROOT):
         pytest.skip("not a git checkout")
     problems = []
     for path in sorted(RESULTS.glob("*.json")):
@@ -116,7 +112,7 @@ def test_results_ran_the_code_of_their_commit() -> None:
 def test_source_digest_of_a_clean_tree_is_its_commits() -> None:
     """The working tree's digest equals the one read through git for ``HEAD`` when no source file differs from it,
     and not once one of those files has one byte more."""
-    if not _git_checkout(ROOT):
+    if not is_commit("HEAD", ROOT):
         pytest.skip("not a git checkout")
     changed = subprocess.run(
         ["git", "status", "--porcelain", "--", *SOURCE_DIRS], cwd=ROOT, capture_output=True, text=True, check=True

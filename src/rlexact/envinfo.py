@@ -12,6 +12,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+CHECKOUT_ROOT = Path(__file__).resolve().parents[2]
+"""The repository root above ``src/rlexact`` when this package runs from a checkout (elsewhere for a wheel)."""
+
 COMMIT_ENV = "RLEXACT_COMMIT"
 """Environment variable that supplies the commit where the tree has no ``.git`` (e.g. a copied working tree)."""
 
@@ -28,14 +31,14 @@ def library_versions(*modules: str) -> dict[str, str]:
     return out
 
 
-def git_commit(path: str | Path | None = None) -> str:
+def git_commit(path: str | Path | None = None, tree_digest: str | None = None) -> str:
     """``$RLEXACT_COMMIT`` when set (a copied working tree may carry a stale ``.git``), with ``+mismatch`` when this
-    checkout knows that commit and its sources are not the ones here (:func:`names_other_code`); else the ``HEAD``
-    commit of the repository holding ``path`` (default: this package), with ``+dirty`` when tracked files differ from
-    it; else ``"unknown"``."""
+    checkout knows that commit and its sources are not the ones here (:func:`names_other_code`, given the tree's
+    ``tree_digest`` where the caller has it); else the ``HEAD`` commit of the repository holding ``path`` (default:
+    this package), with ``+dirty`` when tracked files differ from it; else ``"unknown"``."""
     if os.environ.get(COMMIT_ENV):
         named = os.environ[COMMIT_ENV]
-        return named + ("+mismatch" if names_other_code(named) else "")
+        return named + ("+mismatch" if names_other_code(named, tree_digest) else "")
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -77,7 +80,7 @@ def source_digest(root: str | Path | None = None) -> str | None:
     """:func:`digest_files` of the :func:`is_source` files of the working tree at ``root`` (default: the repository
     holding this package), or ``None`` where this package is not in a ``src/`` checkout (an installed wheel). A
     result records it beside its commit, so a check can tell whether the tree that ran was that commit's."""
-    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    root = Path(root) if root is not None else CHECKOUT_ROOT
     if not (root / "src" / "rlexact").is_dir():
         return None
     files = {}
@@ -118,15 +121,14 @@ def is_commit(commit: str, root: str | Path) -> bool:
         return False
 
 
-def names_other_code(commit: str) -> bool:
+def names_other_code(commit: str, tree_digest: str | None = None) -> bool:
     """Whether ``commit`` is a commit of the git checkout holding this package whose :func:`commit_sources` differ
-    from the :func:`source_digest` of the working tree (False where that cannot be told: no checkout, an unknown
-    commit, an installed wheel)."""
-    tree = source_digest()
+    from the :func:`source_digest` of the working tree (``tree_digest``, computed here when None; False where that
+    cannot be told: no checkout, an unknown commit, an installed wheel)."""
+    tree = tree_digest if tree_digest is not None else source_digest()
     if tree is None:
         return False
-    root = Path(__file__).resolve().parents[2]
-    return is_commit(commit, root) and digest_files(commit_sources(commit, root)) != tree
+    return is_commit(commit, CHECKOUT_ROOT) and digest_files(commit_sources(commit, CHECKOUT_ROOT)) != tree
 
 
 def device_name() -> str:
@@ -156,11 +158,12 @@ def result_header(name: str, *libraries: str) -> dict:
     ``commit`` and the :func:`source_digest` of the tree that ran, UTC ``date``, ``device``, the host's CPU model and
     count, library ``versions`` and the ``RLEXACT_*`` environment variables that change how kernels are chosen or
     launched."""
+    digest = source_digest()
     return {
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git_commit(),
-        "source_digest": source_digest(),
+        "commit": git_commit(tree_digest=digest),
+        "source_digest": digest,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
         "host_cpu": host_cpu(),
