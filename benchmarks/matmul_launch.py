@@ -28,16 +28,14 @@ the CUDA caching allocator are not in these numbers.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header
+from common import ROOT, bench, bench_graph, bench_stream, header, host_profile
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144)}
 TARGET = 1.10
@@ -56,21 +54,6 @@ def host_us(fn: Callable[[], object], calls: int = 300, sync: Callable[[], None]
         best = min(best, time.perf_counter() - t0)
         sync()
     return best / calls * 1e6
-
-
-def profile(fn: Callable[[], object], calls: int = 300, top: int = 15) -> list[dict]:
-    """The ``top`` functions by own time over ``calls`` calls of ``fn``."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return [
-        {"function": f"{f[0].split('/')[-1]}:{f[1]}:{f[2]}", "calls": v[1], "own_us_per_call": v[2] / calls * 1e6}
-        for f, v in rows
-    ]
 
 
 def runner_tail(tmm, plan) -> tuple:  # noqa: ANN001
@@ -160,8 +143,8 @@ def gpu(args: argparse.Namespace) -> dict:
     res["host_us"] = {name: host_us(fn) for name, fn in fns.items()}
     print(json.dumps(res["host_us"], indent=1), flush=True)
     xg = x.clone().requires_grad_()
-    res["cprofile"] = profile(lambda: ops.linear(x, w))
-    res["cprofile_grad"] = profile(lambda: ops.linear(xg, w))
+    res["cprofile"] = host_profile(lambda: ops.linear(x, w), top=15)
+    res["cprofile_grad"] = host_profile(lambda: ops.linear(xg, w), top=15)
     torch.cuda.synchronize()
     return res
 
@@ -271,7 +254,7 @@ def host_only(args: argparse.Namespace) -> dict:
     fns["python call (lambda: None)"] = lambda: None
     res["host_us"] = {name: host_us(fn, calls=5000, sync=lambda: None) for name, fn in fns.items()}
     print(json.dumps(res["host_us"], indent=1), flush=True)
-    res["cprofile"] = profile(lambda: rlexact.ops.linear(x, w, backend="triton"))
+    res["cprofile"] = host_profile(lambda: rlexact.ops.linear(x, w, backend="triton"), top=15)
     return res
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header, host_us, interleaved
+from common import ROOT, bench, bench_graph, bench_stream, header, host_profile, host_us, interleaved
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -293,26 +293,6 @@ LAUNCH_CASE = (16, 384)
 """``(sequences, tokens each)`` of the launch comparison: one micro-batch of the GRPO update in ``train_step.py``."""
 
 
-def _host_profile(call, calls: int = 200, top: int = 12) -> list:
-    """The functions taking most host time in ``calls`` calls of ``call`` (``cProfile``, own time per call)."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [
-        {"function": f"{Path(f).name}:{line}:{fn}", "own_us_per_call": own / calls * 1e6,
-         "cumulative_us_per_call": cum / calls * 1e6, "calls_per_call": n / calls}
-        for (f, line, fn), (_, n, own, cum, _) in rows
-    ]
-
-
 def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
     """The packed forward at :data:`LAUNCH_CASE` through the library's default launch (the Gluon kernel on sm_90) and
     through the ``tl`` kernel: graph-replay and eager milliseconds per call, host microseconds per call (calls
@@ -336,7 +316,8 @@ def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
         call()
         outs[name] = out
         res[name] = {"graph_ms": bench_graph(call), "eager_ms": bench_stream(call), "host_us": host_us(call),
-                     "host_top_us": _host_profile(call)}
+                     "host_top_us": host_profile(call, calls=200)}
+        torch.cuda.synchronize()
     res["bitwise_equal"] = bool(torch.equal(outs["default"], outs["tl"]))
     return res
 

@@ -274,7 +274,8 @@ def test_gpu_gluon_forward_equals_tl(heads, gl_cfg) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed launches whose sequences average ``MIN_MEAN_KEYS`` keys or more take the paired Gluon kernel, shorter
-    ones the single one; both give the ``tl`` kernel's rows bitwise, in both 16-bit dtypes."""
+    ones the single one (the plan each launch keeps says which); both give the ``tl`` kernel's rows bitwise, in both
+    16-bit dtypes."""
     from rlexact.ops import gluon_attention, gluon_attention_pair
     from rlexact.ops import triton_attention as ta
 
@@ -282,9 +283,7 @@ def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None
     probe = torch.empty(1, hq, d, device="cuda", dtype=dtype)
     if not gluon_attention.supported(probe, probe[:, :hkv], probe[:, :hkv], 64):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    calls: list[int] = []
-    real = gluon_attention_pair.forward
-    monkeypatch.setattr(gluon_attention_pair, "forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ta, "_PLANS", {})
     n = gluon_attention_pair.MIN_MEAN_KEYS
     g = torch.Generator(device="cuda").manual_seed(1)
     for lens, paired in (([2 * n - 3, 3], True), ([n - 1] * 2, False), ([n + n // 2, n - n // 2], True)):
@@ -292,11 +291,50 @@ def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
         q, k, v = (torch.randn(t, h, d, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv))
         outs = [torch.empty_like(q) for _ in range(2)]
-        before = len(calls)
         ta._forward(q, k, v, cu, None, None, d**-0.5, outs[0])
-        assert (len(calls) > before) == paired, lens
+        plan, _ = ta._PLANS[ta._plan_key(q, k, v, cu, outs[0], None)]
+        assert (plan.q_layout is not None) == paired, lens
         ta._forward(q, k, v, cu, None, None, d**-0.5, outs[1], cfg={"GLUON": False})
         assert torch.equal(outs[0], outs[1]), lens
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_planned_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches through kept plans (token counts that share one, and the backward's preprocessing) give the rows
+    and gradients of the launches that keep them, which equal the ``tl`` kernel's bitwise. Negative control: a
+    narrower KV split changes the rows of sequences longer than it."""
+    from rlexact import ops
+    from rlexact.ops import gluon_attention
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    probe = torch.empty(1, hq, d, device="cuda", dtype=torch.bfloat16)
+    if not gluon_attention.supported(probe, probe[:, :hkv], probe[:, :hkv], 64):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setattr(ta, "_PLANS", {})
+    g = torch.Generator(device="cuda").manual_seed(2)
+    kept = []
+    for lens in ([1500, 700], [900, 1700], [1200, 300, 640]):
+        t = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+        dout = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        runs = []
+        for _ in range(2):  # the first run keeps the plans the second launches through
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = ops.attention_varlen(*leaves, cu, d**-0.5)
+            out.backward(dout)
+            runs.append((out.detach(), *(x.grad for x in leaves)))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), lens
+        tl = torch.empty_like(q)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, tl, cfg={"GLUON": False})
+        assert torch.equal(runs[1][0], tl), lens
+        narrow = torch.empty_like(q)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, narrow, cfg={"SPLIT": 128})
+        assert not torch.equal(narrow, tl), lens
+        kept.append(len(ta._PLANS))
+    assert kept[0] >= 2 and kept == [kept[0]] * 3  # forward and preprocessing plans, shared by the token counts
 
 
 @pytest.mark.gpu

@@ -20,12 +20,14 @@ and ``delta = rowsum(dO * O)`` (fp32 ``O``) are stored instead of the output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 import types
 import warnings
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -63,20 +65,27 @@ from .triton_shared import (
 
 __all__ = [
     "add_row_sum",
+    "DESCRIPTOR_DEFAULTS",
     "cta_barrier",
+    "descriptor",
     "forward",
     "halve_max",
     "issue_row_sum",
     "key_rows",
     "kv_layout",
+    "jit_launch",
     "launch",
-    "launch_packed",
+    "launch_key",
+    "launch_plan",
     "normalized",
+    "PackedPlan",
     "packed_args",
     "rebind",
     "rescale_under_row_sum",
     "rescaled",
     "rings",
+    "run_cached",
+    "single_plan",
     "sm90",
     "supported",
     "tile_slots",
@@ -449,6 +458,39 @@ def rebind(jit_fn: object, **names: object) -> object:
     return gluon.jit(copy)
 
 
+def descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int],
+               layout: object) -> object:  # fmt: skip
+    """A Gluon ``TensorDescriptor`` of ``base``, built without its constructor's checks when this Triton's descriptor
+    has no other field without a default (:data:`DESCRIPTOR_DEFAULTS`): the checks cost more host time than the rest
+    of a launch's Python. Call only where the launch's own preconditions imply them (a 16-byte-aligned base and
+    rows, a contiguous last dimension, positive sizes, the module's block shapes and ``NVMMASharedLayout``s). Triton
+    reads the same fields of it as of a checked one."""
+    if DESCRIPTOR_DEFAULTS is None:
+        return GluonDescriptor(base, shape, strides, block_shape, layout)
+    desc = object.__new__(GluonDescriptor)
+    desc.__dict__.update(DESCRIPTOR_DEFAULTS, base=base, shape=shape, strides=strides, block_shape=block_shape,
+                         layout=layout)  # fmt: skip
+    return desc
+
+
+def _descriptor_defaults() -> dict[str, object] | None:
+    """The defaults of the Gluon descriptor's fields past :func:`descriptor`'s five, or None when it is not a
+    dataclass or one of them has no plain default."""
+    if gluon is None or not dataclasses.is_dataclass(GluonDescriptor):
+        return None
+    given = ("base", "shape", "strides", "block_shape", "layout")
+    fields = {f.name: f.default for f in dataclasses.fields(GluonDescriptor)}
+    rest = {name: value for name, value in fields.items() if name not in given}
+    if not set(given) <= set(fields) or any(value is dataclasses.MISSING for value in rest.values()):
+        return None
+    return rest
+
+
+DESCRIPTOR_DEFAULTS = _descriptor_defaults()
+"""Values of the Gluon descriptor's fields that :func:`descriptor` does not take (``padding="zero"`` in Triton
+3.6), or None when they cannot be filled in without its constructor."""
+
+
 @functools.cache
 def kv_layout(fp16: bool) -> object:
     """The shared-memory layout of a K/V tile (built once: the launch is on the host's critical path)."""
@@ -467,21 +509,66 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
     kernel's launcher directly (:func:`launch`)."""
-    hq, d = q.shape[1], q.shape[2]
-    consts = (hp, hq // k.shape[1], d, BLOCK_N, split, lse_delta is not None, SCAN, WARPS, gathered is not None)
-    launch_packed(_fwd_kernel, q, k, v, cu, scale, out, hp, 16 * WARPS, lse_delta, consts, {"num_warps": WARPS},
-                  gathered)  # fmt: skip
+    plan = single_plan(hp, q.shape[1], k.shape[1], split, lse_delta is not None, gathered is not None)
+    launch_plan(plan, q, k, v, cu, scale, out, lse_delta, gathered)
 
 
-def launch_packed(kernel: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
-                  out: torch.Tensor, hp: int, rows: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
-                  constexprs: tuple, options: Mapping[str, int],
-                  gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
-    """Launch a packed forward ``kernel`` (:func:`forward`'s arguments) whose parameters are :func:`packed_args`'s,
-    then ``constexprs``; each program takes ``rows`` query rows (``rows // hp`` positions) of one head group."""
-    args, tensors, ints = packed_args(q, k, v, cu, scale, out, lse_delta, gathered)
-    grid = (tile_slots(q.shape[0], cu.shape[0] - 1, rows // hp), q.shape[1] // hp)
-    launch(kernel, grid, (*args, *constexprs), tensors, ints, options)
+@functools.cache
+def single_plan(hp: int, hq: int, hkv: int, split: int, bwd_prep: bool, gathered: bool) -> PackedPlan:
+    """:func:`forward`'s plan for ``hq`` query heads over ``hkv`` KV heads, ``hp`` per tile (one tile of
+    ``16 * WARPS`` query rows per program)."""
+    consts = (hp, hq // hkv, HEAD_DIM, BLOCK_N, split, bwd_prep, SCAN, WARPS, gathered)
+    return PackedPlan(_fwd_kernel, MappingProxyType({"num_warps": WARPS}), BLOCK_N, consts, 16 * WARPS // hp, hq // hp)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedPlan:
+    """The part of a packed forward launch that follows from its inputs' sizes, strides, dtypes and device, not from
+    their data or token and sequence counts: ``kernel`` with its compile ``options``, K/V boxes of ``block_n`` keys,
+    ``tail`` (the arguments after :func:`packed_args`'s: constexprs, or a descriptor kernel's head groups), and
+    tile slots of ``slot_positions`` query positions over ``heads`` head groups.
+
+    A plan with a ``q_layout`` is a descriptor kernel's: it reads Q and writes O through descriptors of ``q_box``
+    boxes in that layout, its arguments end with the Q descriptor, a zero int32 item counter and the O descriptor,
+    and it runs at most ``programs`` programs on a 1-D grid, which draw the items from the counter. Any other plan
+    has one program per tile slot and head group."""
+
+    kernel: object
+    options: Mapping[str, int]
+    block_n: int
+    tail: tuple
+    slot_positions: int
+    heads: int
+    q_box: list[int] | None = None
+    q_layout: object = None
+    programs: int = 0
+
+    def grid(self, tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The grid of a launch of ``tokens`` query rows over ``num_seqs`` sequences."""
+        slots = tile_slots(tokens, num_seqs, self.slot_positions)
+        return (min(self.programs, slots * self.heads), 1) if self.q_layout is not None else (slots, self.heads)
+
+    def arguments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
+                  out: torch.Tensor, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
+                  gathered: tuple[torch.Tensor, int] | None) -> tuple[tuple, tuple, tuple]:  # fmt: skip
+        """``(args, tensors, ints)`` of this plan's launch (:func:`forward`'s arguments; :func:`launch`'s
+        meaning)."""
+        args, tensors, ints = packed_args(q, k, v, cu, scale, out, lse_delta, gathered, self.block_n)
+        if self.q_layout is None:
+            return (*args, *self.tail), tensors, ints
+        t, hq, d = q.shape
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        q_desc = descriptor(q, [t, hq, d], list(q.stride()), self.q_box, self.q_layout)  # the caller checked q, out
+        o_desc = descriptor(out, [t, hq, d], list(out.stride()), self.q_box, self.q_layout)
+        return (*args, *self.tail, q_desc, counter, o_desc), (*tensors, counter), (*ints, *self.tail, t, hq)
+
+
+def launch_plan(plan: PackedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,
+                out: torch.Tensor, lse_delta: tuple[torch.Tensor, torch.Tensor] | None,
+                gathered: tuple[torch.Tensor, int] | None) -> tuple:  # fmt: skip
+    """Launch ``plan`` on :func:`forward`'s arguments; returns the launch's :func:`launch_key`."""
+    args, tensors, ints = plan.arguments(q, k, v, cu, scale, out, lse_delta, gathered)
+    return launch(plan.kernel, plan.grid(q.shape[0], cu.shape[0] - 1), args, tensors, ints, plan.options)
 
 
 def tile_slots(tokens: int, num_seqs: int, positions: int) -> int:
@@ -500,8 +587,8 @@ def packed_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Ten
     tk, hkv, d = k.shape
     num_seqs = cu.shape[0] - 1
     layout = kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [block_n, d], layout)
-    v_desc = GluonDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [block_n, d], layout)
+    k_desc = descriptor(k, [tk, hkv * d], [k.stride(0), 1], [block_n, d], layout)  # supported() checked K and V
+    v_desc = descriptor(v, [tk, hkv * d], [v.stride(0), 1], [block_n, d], layout)
     lse, delta = lse_delta if lse_delta is not None else (out, out)  # unread without the preprocessing
     seqk, kv_rows = gathered if gathered is not None else (cu, 0)  # unread in a packed launch
     sq, so, sl = q.stride(), out.stride(), lse.stride()
@@ -527,38 +614,60 @@ def _constexpr_count(kernel: object) -> int:
 
 
 def launch(kernel: object, grid: tuple[int, int], args: tuple, tensors: tuple[torch.Tensor, ...],
-           ints: tuple[int, ...], options: Mapping[str, int]) -> None:  # fmt: skip
+           ints: tuple[int, ...], options: Mapping[str, int]) -> tuple:  # fmt: skip
     """Launch the Gluon ``kernel`` with ``args`` (every parameter, constexprs included, in signature order) and the
-    compile ``options`` it always gets (``num_warps``, ...).
-
-    The key is at least as fine as Triton's specialization of these arguments: the kernel, the device, every
-    constexpr, the dtype and 16-byte alignment of each tensor (``tensors``: the pointer arguments and the descriptors'
-    bases; the descriptors' block shapes and layouts follow from the dtype), and for each of ``ints`` (the integer
-    arguments and the descriptors' shapes and strides) whether it is 1, divisible by 16 and inside int32. Equal keys
-    therefore select the same compiled kernel, which the first launch of a key compiled through Triton's JIT dispatch.
-    A cached launch does what Triton's dispatch does last for it: ``CompiledKernel.run`` on the current stream with no
-    launch hooks (with hooks installed, e.g. a profiler, the dispatch runs instead, so they see the launch)."""
-    dev = tensors[0].get_device()
+    compile ``options`` it always gets (``num_warps``, ...): through the cached launcher of its :func:`launch_key`
+    (:func:`run_cached`) when there is one, else through Triton's JIT dispatch, whose compiled launcher is then
+    cached under that key. Returns the key."""
+    key = launch_key(kernel, args, tensors, ints)
+    if run_cached(key, grid, args):
+        return key
     n_args = len(args) - _constexpr_count(kernel)
-    key = (
+    constexprs = dict(zip(kernel.arg_names[n_args:], args[n_args:]))
+    compiled = jit_launch(kernel, grid, args[:n_args], constexprs | dict(options))
+    if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
+        _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+    return key
+
+
+def launch_key(kernel: object, args: tuple, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> tuple:
+    """The cached-launcher key of a :func:`launch` of ``kernel`` with ``args``, at least as fine as Triton's
+    specialization of them: the kernel, the device, every constexpr, the dtype and 16-byte alignment of each tensor
+    (``tensors``: the pointer arguments and the descriptors' bases; the descriptors' block shapes and layouts follow
+    from the dtype), and for each of ``ints`` (the integer arguments and the descriptors' shapes and strides) whether
+    it is 1, divisible by 16 and inside int32. Equal keys therefore select the same compiled kernel."""
+    return (
         id(kernel),
-        dev,
-        args[n_args:],
+        tensors[0].get_device(),
+        args[len(args) - _constexpr_count(kernel) :],
         tuple((x.dtype, x.data_ptr() % 16 == 0) for x in tensors),
         tuple((i == 1, i % 16 == 0, -(2**31) <= i < 2**31) for i in ints),
     )
+
+
+def run_cached(key: tuple, grid: tuple[int, int], args: tuple) -> bool:
+    """Launch ``args`` on ``grid`` through the launcher cached under ``key`` (:func:`launch_key` of the same launch)
+    and return True; False, launching nothing, when there is none, launch hooks are installed (e.g. a profiler: the
+    dispatch calls them) or the current device is not the key's. A cached launch does what Triton's dispatch does
+    last for the same arguments: ``CompiledKernel.run`` on the current stream."""
     entry = _LAUNCHERS.get(key) if _DIRECT[0] else None
-    if entry is not None and not launch_hooks_installed():
-        get_device, raw_stream, _ = cuda_queries()
-        if get_device() == dev:
-            run, function, meta = entry
-            try:
-                run(grid[0], grid[1], 1, raw_stream(dev), function, meta, None, None, None, *args)
-                return
-            except LAUNCHER_ERRORS as e:
-                _DIRECT[0] = False
-                warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
-    constexprs = dict(zip(kernel.arg_names[n_args:], args[n_args:]))
-    compiled = kernel[grid](*args[:n_args], **constexprs, **options, **COMPILE_OPTIONS)
-    if _DIRECT[0] and direct_launch_ok(getattr(compiled, "run", None)) and not compiled.run.global_scratch_size:
-        _LAUNCHERS[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+    if entry is None or launch_hooks_installed():
+        return False
+    get_device, raw_stream, _ = cuda_queries()
+    dev = key[1]
+    if get_device() != dev:
+        return False
+    run, function, meta = entry
+    try:
+        run(grid[0], grid[1], 1, raw_stream(dev), function, meta, None, None, None, *args)
+    except LAUNCHER_ERRORS as e:
+        _DIRECT[0] = False
+        warnings.warn(f"cached Gluon launcher unusable ({e!r}); using Triton's JIT dispatch", stacklevel=3)
+        return False
+    return True
+
+
+def jit_launch(kernel: object, grid: tuple[int, int], args: tuple, kwargs: Mapping[str, object]) -> object:
+    """Triton's JIT dispatch of ``kernel[grid](*args, **kwargs)`` with the library's compile options (compiling on a
+    new specialization); returns the ``CompiledKernel``."""
+    return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import MappingProxyType
 
 import torch
 
@@ -42,7 +43,6 @@ if ga.gluon is not None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
         add_row_sum,
@@ -65,7 +65,18 @@ if ga.gluon is not None:
         zero_tail_rows,
     )
 
-__all__ = ["LIBRARY_BUILD", "MIN_MEAN_KEYS", "Build", "chosen", "forward", "kernel", "q_layout", "takes"]
+__all__ = [
+    "LIBRARY_BUILD",
+    "MIN_MEAN_KEYS",
+    "Build",
+    "chosen",
+    "default_programs",
+    "forward",
+    "kernel",
+    "plan",
+    "q_layout",
+    "takes",
+]
 
 MIN_MEAN_KEYS = 128
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
@@ -572,17 +583,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
     counter, built as ``build``. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of
     ``q`` and ``out`` hold."""
-    t, hq, d = q.shape
     if programs is None:
-        programs = PROGRAMS_PER_SM * num_sms(q.device)
+        programs = default_programs(q.device)
+    fp16 = q.dtype == torch.float16
+    pair = plan(hp, q.shape[1], k.shape[1], split, lse_delta is not None, gathered is not None, programs, fp16, build)
+    ga.launch_plan(pair, q, k, v, cu, scale, out, lse_delta, gathered)
+
+
+def default_programs(device: torch.device) -> int:
+    """The launch's program cap on ``device`` when the caller names none: :data:`PROGRAMS_PER_SM` per SM."""
+    return PROGRAMS_PER_SM * num_sms(device)
+
+
+@functools.cache
+def plan(hp: int, hq: int, hkv: int, split: int, bwd_prep: bool, gathered: bool, programs: int, fp16: bool,
+         build: Build = LIBRARY_BUILD) -> ga.PackedPlan:  # fmt: skip
+    """:func:`forward`'s plan for ``hq`` query heads over ``hkv`` KV heads, ``hp`` per tile, at most ``programs``
+    programs, fp16 or bf16 inputs, built as ``build``: a descriptor kernel's plan whose tile slots hold both query
+    tiles of an item."""
     positions = 16 * build.warps // hp
-    heads = hq // hp
-    n_items = ga.tile_slots(t, cu.shape[0] - 1, build.consumers * positions) * heads
-    bound = kernel(hp, split, lse_delta is not None, hq // k.shape[1], gathered is not None, build)
-    layout = q_layout(q.dtype == torch.float16, positions, hp)
-    q_desc = GluonDescriptor(q, [t, hq, d], list(q.stride()), [positions, hp, d], layout)
-    o_desc = GluonDescriptor(out, [t, hq, d], list(out.stride()), [positions, hp, d], layout)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    args, tensors, ints = ga.packed_args(q, k, v, cu, scale, out, lse_delta, gathered, build.tile_n)
-    ga.launch(bound, (min(programs, n_items), 1), (*args, heads, q_desc, counter, o_desc), (*tensors, counter),
-              (*ints, heads, t, hq), {"num_warps": build.warps, "maxnreg": MAXNREG})  # fmt: skip
+    bound = kernel(hp, split, bwd_prep, hq // hkv, gathered, build)
+    options = MappingProxyType({"num_warps": build.warps, "maxnreg": MAXNREG})
+    return ga.PackedPlan(bound, options, build.tile_n, (hq // hp,), build.consumers * positions, hq // hp,
+                         [positions, hp, ga.HEAD_DIM], q_layout(fp16, positions, hp), programs)  # fmt: skip

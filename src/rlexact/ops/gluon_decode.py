@@ -37,7 +37,7 @@ from types import MappingProxyType
 
 import torch
 
-from .gluon_attention import gluon, rebind
+from .gluon_attention import descriptor, gluon, rebind
 from .shared_prefix import QUERY_ROWS, SharedPrefix
 from .triton_shared import num_sms
 
@@ -49,7 +49,6 @@ if gluon is not None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import (
         BLOCK_N,
@@ -511,8 +510,9 @@ def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     b, hq, d = q.shape
     nb, page, hkv, _ = k_cache.shape
     layout = kv_layout(q.dtype == torch.float16)
-    k_desc = GluonDescriptor(k_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
-    v_desc = GluonDescriptor(v_cache.view(nb * page, hkv * d), [nb * page, hkv * d], [hkv * d, 1], [PAGE, d], layout)
+    rows, width = [nb * page, hkv * d], [hkv * d, 1]  # supported() checked the caches
+    k_desc = descriptor(k_cache.view(nb * page, hkv * d), rows, width, [PAGE, d], layout)
+    v_desc = descriptor(v_cache.view(nb * page, hkv * d), rows, width, [PAGE, d], layout)
     n_groups, group = hq // hp, hq // hkv
     programs = PROGRAMS_PER_SM * num_sms(q.device)
     sq, so, sb = q.stride(), out.stride(), block_tables.stride(0)

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import torch
 
-from .gluon_attention import gluon, launch, sm90
+from .gluon_attention import descriptor, gluon, launch, sm90
 from .triton_shared import aligned, device_key, num_sms
 
 if gluon is not None:
@@ -37,7 +37,6 @@ if gluon is not None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .gluon_attention import cta_barrier, tma_load, wgmma_layout
 
@@ -233,8 +232,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     n_rows = w.shape[0]
     n = out.shape[1]
     fp16 = x.dtype == torch.float16
-    x_desc = GluonDescriptor(x, [m, k], [k, 1], [cfg.BM, BK], _smem_layout(cfg.BM, fp16))
-    w_desc = GluonDescriptor(w, [n_rows, k], [k, 1], [cfg.BN, BK], _smem_layout(cfg.BN, fp16))
+    x_desc = descriptor(x, [m, k], [k, 1], [cfg.BM, BK], _smem_layout(cfg.BM, fp16))  # aligned; tma_ok held
+    w_desc = descriptor(w, [n_rows, k], [k, 1], [cfg.BN, BK], _smem_layout(cfg.BN, fp16))
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)

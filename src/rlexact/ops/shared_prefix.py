@@ -10,6 +10,7 @@ a row is the one the uninterrupted walk performs, so the rows are bitwise those 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ QUERY_ROWS = 64
 """Query rows of the decode kernel's tile (the query heads of one KV head, for every sequence of a group)."""
 
 
+@functools.cache
 def heads_per_tile(hq: int, hkv: int, block_m: int) -> int:
     """Query heads packed into one tile: the largest divisor of the GQA group size that fits ``block_m`` rows."""
     group = hq // hkv

@@ -63,7 +63,10 @@ Under ``TRITON_INTERPRET=1`` (CPU) the dots of 16-bit inputs are upcast to fp32 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -138,27 +141,32 @@ ones the sweeps checked bitwise on the GPU. Other head dims run every launch wit
 entries."""
 
 
-def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+@functools.cache
+def _fwd_config(head_dim: int, dtype: torch.dtype) -> Mapping[str, int]:
     """Forward tile shape ``BLOCK_M, BLOCK_N, num_warps, num_stages`` and KV split size ``SPLIT`` for
     ``(head_dim, dtype)``: nothing else. Decode launches use it as is; other launches replace the query-side entries
-    with :func:`_launch_config`'s."""
+    with :func:`_launch_config`'s. Built once per arguments (read-only: merge it into a new dict to change it)."""
     block_d = _block_d(head_dim)
     if dtype == torch.float32:
         split = {"SPLIT": SPLIT_KEYS_FP32}
         if block_d <= 32:
-            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2} | split
-        if block_d <= 64:
-            return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} | split
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1} | split
-    if dtype in (torch.bfloat16, torch.float16):
+            cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        elif block_d <= 64:
+            cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        else:
+            cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    elif dtype in (torch.bfloat16, torch.float16):
         split = {"SPLIT": SPLIT_KEYS_16BIT}
         if block_d <= 128:
-            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3} | split
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} | split
-    raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
+            cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        else:
+            cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    else:
+        raise TypeError(f"attention: unsupported dtype {dtype} (expected float32, bfloat16 or float16)")
+    return MappingProxyType(cfg | split)
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str, int]:
+def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> Mapping[str, int]:
     """The forward config of one launch: :func:`_fwd_config`, with the query-side entries of
     :data:`DECODE_LAUNCH_16BIT` when every sequence of the launch has exactly one query (``decode``), else of
     :data:`PREFILL_LAUNCH_16BIT`. The key-side entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for
@@ -816,6 +824,8 @@ def _forward(
     Gluon decode launch reads once per group (:mod:`rlexact.ops.shared_prefix`); other launches compute the same rows
     without it.
     """
+    if block_tables is None and cfg is None and _planned_launch(q, k, v, cu_q, scale, out, lse_delta):
+        return
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
     hkv = k.shape[-2]
@@ -831,7 +841,9 @@ def _forward(
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
-        _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
+        plan, key = _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
+        if not override:
+            _keep_plan(q, k, v, cu_q, out, lse_delta, plan, key)
         return
     hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
@@ -953,15 +965,83 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
 
 def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, scale: float,
                   out: torch.Tensor, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None) -> None:  # fmt: skip
+                  gathered: tuple[torch.Tensor, int] | None = None,
+                  programs: int | None = None) -> tuple[gluon_attention.PackedPlan, tuple]:  # fmt: skip
     """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
     tiles if ``pair`` and TMA reads ``q`` (over at most ``programs`` programs; None: the kernel's default), with the
-    model's query heads per tile. Either kernel gives the same bits."""
-    hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
+    model's query heads per tile. Either kernel gives the same bits. Returns the plan launched and its launch key."""
+    hq, hkv = q.shape[1], k.shape[1]
+    hp = heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
+    bwd_prep, gather = lse_delta is not None, gathered is not None
     if pair and gluon_attention_pair.takes(q, out):
-        gluon_attention_pair.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered, programs)
+        cap = programs if programs is not None else gluon_attention_pair.default_programs(q.device)
+        fp16 = q.dtype == torch.float16
+        plan = gluon_attention_pair.plan(hp, hq, hkv, split, bwd_prep, gather, cap, fp16)
     else:
-        gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
+        plan = gluon_attention.single_plan(hp, hq, hkv, split, bwd_prep, gather)
+    return plan, gluon_attention.launch_plan(plan, q, k, v, cu_q, scale, out, lse_delta, gathered)
+
+
+_PLANS: dict[tuple, tuple[gluon_attention.PackedPlan, tuple]] = {}
+""":func:`_plan_key` -> ``(plan, launch key)`` of the packed Gluon launches :func:`_forward` made with the library's
+configuration."""
+MAX_PLANS = 4096
+"""Plans kept at most; past it the table starts over (a key holds sizes, not token counts, so few are in use)."""
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
+              lse_delta: tuple[torch.Tensor, torch.Tensor] | None) -> tuple | None:  # fmt: skip
+    """What decides a packed launch's plan and launch key besides the tensors' data: sizes but the token count,
+    strides, dtypes, device, the kernel choice (:func:`rlexact.ops.gluon_attention_pair.chosen`), whether the keys
+    are the queries, whether the token and sequence counts are 1 or multiples of 16 (as Triton specializes them),
+    and the key tiles and KV split of :func:`_fwd_config` (so a patched configuration gets plans of its own). None,
+    so no plan applies, when the launch is empty or a tensor is not 16-byte aligned (plans are kept for aligned
+    launches only)."""
+    tq, num_seqs = q.shape[0], cu_q.shape[0] - 1
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | cu_q.data_ptr()
+    lse_key = None
+    if lse_delta is not None:
+        lse, delta = lse_delta
+        ptrs |= lse.data_ptr() | delta.data_ptr()
+        lse_key = (lse.stride(), delta.stride(), lse.dtype, delta.dtype)
+    if ptrs % 16 or tq == 0 or num_seqs <= 0:
+        return None
+    counts = (gluon_attention_pair.chosen(tq, num_seqs), k.shape[0] == tq, tq == 1, tq % 16 == 0, num_seqs == 1,
+              num_seqs % 16 == 0)  # fmt: skip
+    sizes = (q.shape[1:], k.shape[1:], q.stride(), k.stride(), v.stride(), out.stride(), lse_key)
+    cfg = _fwd_config(q.shape[2], q.dtype)
+    types = (q.dtype, k.dtype, v.dtype, out.dtype, cu_q.dtype, q.device)
+    return (*counts, *sizes, *types, cfg["BLOCK_N"], cfg["SPLIT"])
+
+
+def _keep_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
+               lse_delta: tuple[torch.Tensor, torch.Tensor] | None, plan: gluon_attention.PackedPlan,
+               key: tuple) -> None:  # fmt: skip
+    """Keep ``(plan, key)``, just launched on these inputs through :func:`_forward`'s library configuration, for
+    later launches of the same :func:`_plan_key`."""
+    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta)
+    if plan_key is not None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[plan_key] = (plan, key)
+
+
+def _planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, scale: float,
+                    out: torch.Tensor, lse_delta: tuple[torch.Tensor, torch.Tensor] | None) -> bool:  # fmt: skip
+    """Launch a packed forward (:func:`_forward`'s arguments, the library's configuration) through its kept plan and
+    return True; False, launching nothing, when none is kept. Inputs of one :func:`_plan_key` get the kernel,
+    grid and arguments :func:`_forward`'s own decisions give them, which then need not be made again: the key holds
+    everything they read."""
+    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta)
+    entry = _PLANS.get(plan_key) if plan_key is not None else None
+    if entry is None:
+        return False
+    plan, key = entry
+    args, tensors, ints = plan.arguments(q, k, v, cu_q, scale, out, lse_delta, None)
+    grid = plan.grid(q.shape[0], cu_q.shape[0] - 1)
+    if not gluon_attention.run_cached(key, grid, args):
+        gluon_attention.launch(plan.kernel, grid, args, tensors, ints, plan.options)
+    return True
 
 
 def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
