@@ -20,11 +20,12 @@ the host's cost shows once it exceeds the kernel's) and the CUDA-graph replay ti
 eager time over exact's) and whether each call is bound by its launch (host time above graph time). The
 prefill rows of ``ops_bench.py --sections attention`` time the same shapes against SDPA in alternating rounds.
 
-``--host-only`` times the same Python layers on CPU tensors. Gluon's GPU checks are taken as passed, and the compiled
-kernel is a stand-in whose launcher runs Triton's own per-launch Python (``CudaLauncher.__call__`` and its
-tensor-descriptor unpacking) around a no-op C launch, with the host TMA descriptor encoding stubbed. The C launch
-(argument parsing, ``cuLaunchKernelEx``), TMA descriptor encoding and the CUDA caching allocator are not in these
-numbers; the GPU mode has them.
+``--host-only`` times the same Python layers on CPU tensors, but ``ops`` (whose output allocation would be the CPU
+allocator's, not the CUDA caching allocator's), and profiles ``planned``. Gluon's GPU checks are taken as passed,
+and the compiled kernel is a stand-in whose launcher runs Triton's own per-launch Python (``CudaLauncher.__call__``
+and its tensor-descriptor unpacking) around a no-op C launch, with the host TMA descriptor encoding stubbed. The C
+launch (argument parsing, ``cuLaunchKernelEx``), TMA descriptor encoding and the CUDA caching allocator are not in
+these numbers; the GPU mode has them.
 """
 
 from __future__ import annotations
@@ -141,14 +142,16 @@ def host_only() -> dict:
     ga.cuda_queries = lambda: ((lambda: -1), (lambda device: 0), (lambda: False))
     rlexact.ops.resolve_backend = lambda t, backend: backend
 
-    res = header("attention_launch_host", "triton (launch stubbed)")
+    res = header("attention_launch_host", "triton")
+    res["launch_stubbed"] = True
     res["shapes"] = {}
     for b, s in SHAPES:
         fns = _layers(*_inputs(b, s, "cpu"))
+        del fns["ops"]  # its output allocation would be the CPU allocator's (page faults), not CUDA's caching one
         for fn in fns.values():
             fn()
         row: dict[str, object] = {"host_us": {name: _cpu_us(fn) for name, fn in fns.items()}}
-        row["cprofile_ops"] = host_profile(fns["ops"])
+        row["cprofile_planned"] = host_profile(fns["planned"])
         res["shapes"][f"{b}x{s}"] = row
         print(f"[attention_launch --host-only] {b}x{s}", json.dumps(row["host_us"]), flush=True)
     return res
