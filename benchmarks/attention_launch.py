@@ -30,15 +30,12 @@ these numbers; the GPU mode has them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, bench_stream, header, host_profile, host_us, swapped
+from common import bench_graph, bench_stream, header, host_profile, host_us, launch_cli, swapped
 
 SHAPES = ((32, 256), (16, 384), (64, 512), (128, 128))
 """Packed prefill shapes ``(sequences, tokens each)``: the short ones are where an eager launch's host work can
@@ -150,34 +147,16 @@ def host_only() -> dict:
         del fns["ops"]  # its output allocation would be the CPU allocator's (page faults), not CUDA's caching one
         for fn in fns.values():
             fn()
-        row: dict[str, object] = {"host_us": {name: _cpu_us(fn) for name, fn in fns.items()}}
+        times = {name: host_us(fn, calls=5000, sync=lambda: None) for name, fn in fns.items()}
+        row: dict[str, object] = {"host_us": times}
         row["cprofile_planned"] = host_profile(fns["planned"])
         res["shapes"][f"{b}x{s}"] = row
         print(f"[attention_launch --host-only] {b}x{s}", json.dumps(row["host_us"]), flush=True)
     return res
 
 
-def _cpu_us(fn: Callable[[], object], calls: int = 5000, rounds: int = 5) -> float:
-    """Host microseconds per call of ``fn`` on CPU tensors: the best of ``rounds`` rounds of ``calls`` calls."""
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-    return best / calls * 1e6
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host-only", action="store_true", help="CPU: time the Python layers with the launch stubbed")
-    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/attention_launch_*.json)")
-    args = ap.parse_args()
-    name = "attention_launch_host_cpu.json" if args.host_only else "attention_launch_h200.json"
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
-    res = host_only() if args.host_only else gpu()
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    launch_cli(__doc__.splitlines()[0], "attention_launch", gpu, host_only)
 
 
 if __name__ == "__main__":

@@ -56,22 +56,42 @@ def bench_stream(fn: Callable[[], object], calls: int = 200, rounds: int = 10) -
     return float(sorted(times)[len(times) // 2])
 
 
-def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5,
+            sync: Callable[[], None] | None = None) -> float:  # fmt: skip
     """Median host microseconds per call of ``fn`` issued ``calls`` times back to back without synchronizing (the
-    host's own cost of the launches while the GPU queue has room), over ``rounds``."""
+    host's own cost of the launches while the GPU queue has room), over ``rounds``; ``sync`` waits for the device
+    between rounds (None: ``torch.cuda.synchronize``; a no-op for CPU tensors)."""
     import time
 
     import torch
 
+    wait = torch.cuda.synchronize if sync is None else sync
     times = []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        wait()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
+    wait()
     return float(sorted(times)[len(times) // 2])
+
+
+def launch_cli(description: str, stem: str, gpu: Callable[[], dict], host_only: Callable[[], dict]) -> None:
+    """The command line of a launch benchmark with a CPU mode: ``--host-only`` runs ``host_only`` and writes
+    ``benchmarks/results/<stem>_host_cpu.json``, else ``gpu`` writes ``<stem>_h200.json``; ``--out`` names another
+    path."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--host-only", action="store_true", help="CPU: time the Python layers with the launch stubbed")
+    ap.add_argument("--out", default=None, help=f"result JSON (default: benchmarks/results/{stem}_*.json)")
+    args = ap.parse_args()
+    name = f"{stem}_host_cpu.json" if args.host_only else f"{stem}_h200.json"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
+    res = host_only() if args.host_only else gpu()
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 def host_profile(call: Callable[[], object], calls: int = 300, top: int = 12) -> list[dict[str, object]]:

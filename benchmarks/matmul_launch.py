@@ -27,15 +27,13 @@ the CUDA caching allocator are not in these numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header, host_profile
+from common import bench, bench_graph, bench_stream, header, host_profile, launch_cli
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144)}
 TARGET = 1.10
@@ -91,7 +89,7 @@ def layers(tmm, plan, compiled, x: torch.Tensor, w: torch.Tensor, backend: str |
     return fns
 
 
-def gpu(args: argparse.Namespace) -> dict:
+def gpu() -> dict:
     from rlexact import ops
     from rlexact.ops import triton_matmul as tmm
     from rlexact.ops.triton_shared import COMPILE_OPTIONS
@@ -146,6 +144,7 @@ def gpu(args: argparse.Namespace) -> dict:
     res["cprofile"] = host_profile(lambda: ops.linear(x, w), top=15)
     res["cprofile_grad"] = host_profile(lambda: ops.linear(xg, w), top=15)
     torch.cuda.synchronize()
+    print(*res["cprofile"][:10], sep="\n", flush=True)
     return res
 
 
@@ -228,7 +227,7 @@ def _stub_capturing() -> bool:
     return False
 
 
-def host_only(args: argparse.Namespace) -> dict:
+def host_only() -> dict:
     import rlexact.ops
     from rlexact.ops import triton_matmul as tmm
 
@@ -256,21 +255,12 @@ def host_only(args: argparse.Namespace) -> dict:
     res["host_us"] = {name: host_us(fn, calls=5000, sync=lambda: None) for name, fn in fns.items()}
     print(json.dumps(res["host_us"], indent=1), flush=True)
     res["cprofile"] = host_profile(lambda: rlexact.ops.linear(x, w, backend="triton"), top=15)
+    print(*res["cprofile"][:10], sep="\n", flush=True)
     return res
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host-only", action="store_true", help="CPU: time the Python layers with the launch stubbed")
-    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/matmul_launch_*.json)")
-    args = ap.parse_args()
-    name = "matmul_launch_host_cpu.json" if args.host_only else "matmul_launch_h200.json"
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
-    res = host_only(args) if args.host_only else gpu(args)
-    for r in res.get("cprofile", [])[:10]:
-        print(r, flush=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    launch_cli(__doc__.splitlines()[0], "matmul_launch", gpu, host_only)
 
 
 if __name__ == "__main__":

@@ -499,7 +499,7 @@ def kv_layout(fp16: bool) -> object:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
-            gathered: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+            gathered: tuple[torch.Tensor, int] | None = None) -> tuple[PackedPlan, tuple]:  # fmt: skip
     """The packed causal forward of ``q [T, Hq, 128]``, ``k, v [T, Hkv, 128]`` (dense), ``cu [B + 1]`` int32 into
     ``out``, ``hp`` query heads per tile, KV splits of ``split`` keys; with ``lse_delta`` the backward's preprocessing
     (``out`` holds dO). With ``gathered = (seqlens_k, rows)`` the keys are not the queries: sequence ``b``'s keys are
@@ -508,9 +508,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     holds.
 
     The first launch of each specialization goes through Triton's JIT dispatch; later ones call the compiled
-    kernel's launcher directly (:func:`launch`)."""
+    kernel's launcher directly (:func:`launch`). Returns the plan launched and its launch key."""
     plan = single_plan(hp, q.shape[1], k.shape[1], split, lse_delta is not None, gathered is not None)
-    launch_plan(plan, q, k, v, cu, scale, out, lse_delta, gathered)
+    return plan, launch_plan(plan, q, k, v, cu, scale, out, lse_delta, gathered)
 
 
 @functools.cache

@@ -70,7 +70,6 @@ __all__ = [
     "MIN_MEAN_KEYS",
     "Build",
     "chosen",
-    "default_programs",
     "forward",
     "kernel",
     "plan",
@@ -578,21 +577,16 @@ def q_layout(fp16: bool, positions: int, hp: int) -> object:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float, out: torch.Tensor,
             hp: int, split: int, lse_delta: tuple[torch.Tensor, torch.Tensor] | None = None,
             gathered: tuple[torch.Tensor, int] | None = None, programs: int | None = None, *,
-            build: Build = LIBRARY_BUILD) -> None:  # fmt: skip
-    """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract and bits) through the paired kernel, over
-    at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order from a
-    counter, built as ``build``. Call only where :func:`rlexact.ops.gluon_attention.supported` and :func:`takes` of
-    ``q`` and ``out`` hold."""
+            build: Build = LIBRARY_BUILD) -> tuple[ga.PackedPlan, tuple]:  # fmt: skip
+    """:func:`rlexact.ops.gluon_attention.forward` (same arguments, contract, bits and return) through the paired
+    kernel, over at most ``programs`` programs (None: :data:`PROGRAMS_PER_SM` per SM), which draw the items in order
+    from a counter, built as ``build``. Call only where :func:`rlexact.ops.gluon_attention.supported` and
+    :func:`takes` of ``q`` and ``out`` hold."""
     if programs is None:
-        programs = default_programs(q.device)
+        programs = PROGRAMS_PER_SM * num_sms(q.device)
     fp16 = q.dtype == torch.float16
     pair = plan(hp, q.shape[1], k.shape[1], split, lse_delta is not None, gathered is not None, programs, fp16, build)
-    ga.launch_plan(pair, q, k, v, cu, scale, out, lse_delta, gathered)
-
-
-def default_programs(device: torch.device) -> int:
-    """The launch's program cap on ``device`` when the caller names none: :data:`PROGRAMS_PER_SM` per SM."""
-    return PROGRAMS_PER_SM * num_sms(device)
+    return pair, ga.launch_plan(pair, q, k, v, cu, scale, out, lse_delta, gathered)
 
 
 @functools.cache

@@ -824,7 +824,8 @@ def _forward(
     Gluon decode launch reads once per group (:mod:`rlexact.ops.shared_prefix`); other launches compute the same rows
     without it.
     """
-    if block_tables is None and cfg is None and _planned_launch(q, k, v, cu_q, scale, out, lse_delta):
+    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta) if block_tables is None and cfg is None else None
+    if plan_key is not None and _planned_launch(plan_key, q, k, v, cu_q, scale, out, lse_delta):
         return
     lse, delta = lse_delta if lse_delta is not None else (None, None)
     tq, hq, d = q.shape
@@ -841,9 +842,11 @@ def _forward(
     paged = block_tables is not None
     if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
-        plan, key = _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
-        if not override:
-            _keep_plan(q, k, v, cu_q, out, lse_delta, plan, key)
+        launched = _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
+        if plan_key is not None:  # the library's configuration (no override) on aligned tensors
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[plan_key] = launched
         return
     hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     pos_per_tile = cfg["BLOCK_M"] // hp
@@ -970,16 +973,10 @@ def _gluon_packed(pair: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The packed Gluon forward (:func:`rlexact.ops.gluon_attention.forward`'s arguments), through the paired query
     tiles if ``pair`` and TMA reads ``q`` (over at most ``programs`` programs; None: the kernel's default), with the
     model's query heads per tile. Either kernel gives the same bits. Returns the plan launched and its launch key."""
-    hq, hkv = q.shape[1], k.shape[1]
-    hp = heads_per_tile(hq, hkv, 16 * gluon_attention.WARPS)
-    bwd_prep, gather = lse_delta is not None, gathered is not None
+    hp = heads_per_tile(q.shape[1], k.shape[1], 16 * gluon_attention.WARPS)
     if pair and gluon_attention_pair.takes(q, out):
-        cap = programs if programs is not None else gluon_attention_pair.default_programs(q.device)
-        fp16 = q.dtype == torch.float16
-        plan = gluon_attention_pair.plan(hp, hq, hkv, split, bwd_prep, gather, cap, fp16)
-    else:
-        plan = gluon_attention.single_plan(hp, hq, hkv, split, bwd_prep, gather)
-    return plan, gluon_attention.launch_plan(plan, q, k, v, cu_q, scale, out, lse_delta, gathered)
+        return gluon_attention_pair.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered, programs)
+    return gluon_attention.forward(q, k, v, cu_q, scale, out, hp, split, lse_delta, gathered)
 
 
 _PLANS: dict[tuple, tuple[gluon_attention.PackedPlan, tuple]] = {}
@@ -1014,26 +1011,14 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     return (*counts, *sizes, *types, cfg["BLOCK_N"], cfg["SPLIT"])
 
 
-def _keep_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
-               lse_delta: tuple[torch.Tensor, torch.Tensor] | None, plan: gluon_attention.PackedPlan,
-               key: tuple) -> None:  # fmt: skip
-    """Keep ``(plan, key)``, just launched on these inputs through :func:`_forward`'s library configuration, for
-    later launches of the same :func:`_plan_key`."""
-    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta)
-    if plan_key is not None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[plan_key] = (plan, key)
-
-
-def _planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, scale: float,
-                    out: torch.Tensor, lse_delta: tuple[torch.Tensor, torch.Tensor] | None) -> bool:  # fmt: skip
-    """Launch a packed forward (:func:`_forward`'s arguments, the library's configuration) through its kept plan and
-    return True; False, launching nothing, when none is kept. Inputs of one :func:`_plan_key` get the kernel,
-    grid and arguments :func:`_forward`'s own decisions give them, which then need not be made again: the key holds
-    everything they read."""
-    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta)
-    entry = _PLANS.get(plan_key) if plan_key is not None else None
+def _planned_launch(plan_key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                    scale: float, out: torch.Tensor,
+                    lse_delta: tuple[torch.Tensor, torch.Tensor] | None) -> bool:  # fmt: skip
+    """Launch a packed forward (:func:`_forward`'s arguments, the library's configuration) through the plan kept
+    under ``plan_key`` (its :func:`_plan_key`) and return True; False, launching nothing, when none is kept. Inputs of
+    one key get the kernel, grid and arguments :func:`_forward`'s own decisions give them, which then need not be
+    made again: the key holds everything they read."""
+    entry = _PLANS.get(plan_key)
     if entry is None:
         return False
     plan, key = entry
