@@ -9,6 +9,10 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -59,6 +63,8 @@ def tiny_model(
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(head_dim=head_dim, **common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(head_dim=head_dim, sliding_window=None, **common))
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))
@@ -103,9 +109,17 @@ def tiny_moe(
     weight_scale: float = 2.5,
     **extra: object,
 ) -> torch.nn.Module:
-    """A random tiny MoE causal LM in eval mode. Defaults mix in a dense layer (``mlp_only_layers=[1]``); 2-D and 3-D
-    weights are scaled for sharper distributions and norm weights drawn from U(0.5, 1.5)."""
+    """A random tiny MoE causal LM in eval mode. The Qwen ones mix in a dense layer by default
+    (``mlp_only_layers=[1]``); Mixtral's layers are all sparse (its experts' ``intermediate_size`` is ``moe_inter``).
+    2-D and 3-D weights are scaled for sharper distributions and norm weights drawn from U(0.5, 1.5)."""
     torch.manual_seed(seed)
+    if arch == "mixtral":
+        config = dict(
+            vocab_size=MOE_VOCAB, hidden_size=hidden, intermediate_size=moe_inter, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
+            num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False, sliding_window=None,
+        )  # fmt: skip
+        return _scaled(MixtralForCausalLM(MixtralConfig(**(config | extra))), weight_scale, dtype)
     common = dict(
         vocab_size=MOE_VOCAB, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=moe_inter,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
@@ -118,6 +132,12 @@ def tiny_moe(
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(norm_topk_prob=True, **common))
     else:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=32, **common))
+    return _scaled(model, weight_scale, dtype)
+
+
+def _scaled(model: torch.nn.Module, weight_scale: float, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with its norm weights drawn from U(0.5, 1.5) and its 2-D and 3-D weights times ``weight_scale``, in
+    ``dtype`` and eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -128,11 +148,19 @@ def tiny_moe(
 
 
 def tiny_moe_rl_config(
-    vocab_size: int, *, layers: int = 2, experts: int = 8, top_k: int = 2, mlp_only_layers: tuple[int, ...] = (1,)
-) -> dict:
+    vocab_size: int, *, layers: int = 2, experts: int = 8, top_k: int = 2, mlp_only_layers: tuple[int, ...] = (1,),
+    arch: str = "qwen3_moe",
+) -> dict:  # fmt: skip
     """``model_config`` dict of a tiny Qwen3-MoE for the RLModule tests: :func:`tiny_rl_config` with MoE layers
-    (``moe_intermediate_size=32``, normalized top-k) except the dense ``mlp_only_layers``."""
+    (``moe_intermediate_size=32``, normalized top-k) except the dense ``mlp_only_layers``. ``arch="mixtral"``: a
+    Mixtral of the same sizes, every layer sparse (experts of ``intermediate_size=32``)."""
     cfg = tiny_rl_config(vocab_size)
+    if arch == "mixtral":
+        cfg.update(
+            model_type="mixtral", num_hidden_layers=layers, intermediate_size=32, num_local_experts=experts,
+            num_experts_per_tok=top_k, sliding_window=None,
+        )  # fmt: skip
+        return cfg
     cfg.update(
         model_type="qwen3_moe", num_hidden_layers=layers, moe_intermediate_size=32, num_experts=experts,
         num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),

@@ -55,6 +55,7 @@ CASES = [
     ("qwen3", 8, 2, 64, 64, 131),
     ("llama", 4, 1, 16, 48, 97),
     ("llama", 4, 2, 64, 64, 61),
+    ("mistral", 4, 2, 16, 40, 97),
 ]
 
 
@@ -90,15 +91,10 @@ def test_native_path_differs(dtype) -> None:
     assert differ > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
-    kwargs = (
-        dict(hidden=64, heads=4, kv_heads=2, head_dim=16)
-        if arch != "qwen2"
-        else dict(hidden=64, heads=4, kv_heads=2, head_dim=16)
-    )
-    ref = tiny_model(arch, **kwargs)
+    ref = tiny_model(arch, hidden=64, heads=4, kv_heads=2, head_dim=16)
     model = rlexact.exactify(copy.deepcopy(ref))
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 97, (n,), generator=g) for n in (3, 30, 64)]

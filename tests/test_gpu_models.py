@@ -18,6 +18,7 @@ CASES = [
     ("qwen3", 4, 2, 64, 256, 1031),  # arch, heads, kv_heads, head_dim, hidden, vocab
     ("qwen3", 16, 8, 128, 2048, 151_936),  # Qwen3-1.7B layer shapes, 2 layers
     ("llama", 8, 2, 64, 512, 32_000),
+    ("mistral", 8, 2, 128, 1024, 32_768),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE): exact router and grouped expert GEMM, end to end through the stack.
+"""Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE, Mixtral): exact router and grouped expert GEMM, end to end through the
+stack.
 
 * CPU (torch twin): correctness against unmodified transformers in fp32; rollout == trainer bitwise (decode, chunked
   prefill, batch sizes) in fp32 and bf16 with native-kernel negative controls; batch invariance of the grouped GEMM and
@@ -73,8 +74,9 @@ def moe_bf16() -> torch.nn.Module:
         dict(experts=64, top_k=8, decoder_sparse_step=2, mlp_only_layers=[]),  # layers 1 sparse, 0 and 2 dense
         dict(arch="qwen2_moe", experts=8, top_k=2, hidden=64),  # shared expert with its sigmoid gate
         dict(norm_topk_prob=False),
+        dict(arch="mixtral", experts=8, top_k=2),  # every layer sparse; fp32 routing weights
     ],
-    ids=["qwen3moe-8x2", "qwen3moe-64x8-sparse-step-2", "qwen2moe", "no-topk-norm"],
+    ids=["qwen3moe-8x2", "qwen3moe-64x8-sparse-step-2", "qwen2moe", "no-topk-norm", "mixtral"],
 )
 def test_forward_matches_transformers_fp32(kw: dict) -> None:
     kw = dict(kw)
@@ -87,7 +89,7 @@ def test_forward_matches_transformers_fp32(kw: dict) -> None:
                 m.norm_topk_prob = norm
     model = rlexact.exactify(copy.deepcopy(ref))
     kinds = {type(layer.mlp).__name__ for layer in model.model.layers}
-    assert len(kinds) == 2  # sparse and dense layers mixed
+    assert len(kinds) == (1 if arch == "mixtral" else 2)  # the Qwen models mix sparse and dense layers
     ids = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref(ids).logits
@@ -122,6 +124,26 @@ def test_rollout_equals_trainer_qwen2_moe_bf16() -> None:
         prompts_for(7, VOCAB, lo=2, hi=20, seed=5), SamplingParams(max_new_tokens=5, seed=6)
     )
     assert_exact(model, outs)
+
+
+def test_rollout_equals_trainer_mixtral_bf16() -> None:
+    """Mixtral: every layer sparse, the router's fp32 weights (as transformers' Mixtral router returns them), bf16."""
+    model = rlexact.exactify(tiny_moe("mixtral", experts=8, top_k=2, hidden=64, dtype=torch.bfloat16, seed=4))
+    router = model.model.layers[0].mlp.gate
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        logits, weights, ids = router(x)
+        with rlexact.use_kernels(model, "native"):
+            stock = router(x)
+    assert logits.dtype == torch.bfloat16 and weights.dtype == stock[1].dtype == torch.float32
+    assert torch.equal(ids, stock[2])
+    torch.testing.assert_close(weights, stock[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5), atol=1e-6, rtol=0)
+    prompts, params = prompts_for(7, VOCAB, lo=2, hi=20, seed=7), SamplingParams(max_new_tokens=5, seed=8)
+    assert_exact(model, Generator(model, max_num_batched_tokens=16, block_size=4).generate(prompts, params))
+    native = Generator(model, kernels="native", max_num_batched_tokens=16, block_size=4).generate(prompts, params)
+    with pytest.raises(AssertionError, match="rollout log-probs != trainer"):  # negative control
+        assert_exact(model, native)
 
 
 @pytest.mark.parametrize("budget", [13, 64])
@@ -322,6 +344,25 @@ def test_bad_inputs() -> None:
     assert not rlexact.is_exactified(model)
 
 
+def test_unrecognized_sparse_blocks_are_errors() -> None:
+    """A sparse block whose router is not transformers 5.x's (4.x's ``nn.Linear`` gate and per-expert modules) and
+    Mixtral's router jitter are refused before anything is patched; jitter off, the same model is exactified."""
+    model = tiny_moe()
+    block = model.model.layers[0].mlp
+    block.gate = torch.nn.Linear(48, 8, bias=False)
+    with pytest.raises(ValueError, match="Qwen3MoeSparseMoeBlock.*gate Linear.*transformers>=5"):
+        rlexact.exactify(model)
+    assert not rlexact.is_exactified(model)
+    model = tiny_moe("mixtral", router_jitter_noise=0.01)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.01 .*router_jitter_noise=0.0"):
+        rlexact.exactify(model)
+    assert not rlexact.is_exactified(model)
+    for m in model.modules():
+        if hasattr(m, "jitter_noise"):
+            m.jitter_noise = 0.0
+    assert rlexact.is_exactified(rlexact.exactify(model))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # RLModule and export
 # ----------------------------------------------------------------------------------------------------------------------
@@ -344,13 +385,14 @@ class _Check(RLCallback):
             self.first_ratio_one.append(bool((torch.exp(logprobs[m] - minibatch.old_logprobs[m]) == 1.0).all()))
 
 
-def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path, arch: str) -> None:
     from rlexact.char_tokenizer import build_char_tokenizer
     from rlexact.export import save_pretrained
     from rlexact.module import RLModule
 
     tok = build_char_tokenizer()
-    cfg = tiny_moe_rl_config(len(tok), mlp_only_layers=(0,))
+    cfg = tiny_moe_rl_config(len(tok), mlp_only_layers=(0,), arch=arch)
     items = addition_items(tok, 4)
     module = RLModule(
         model_config=cfg, tokenizer=tok, dtype="bfloat16",
@@ -565,16 +607,32 @@ def test_gpu_rollout_equals_trainer_a3b_layers_cuda_graphs() -> None:
         layers=2, dtype=torch.bfloat16, weight_scale=1.0, mlp_only_layers=[], **A3B, intermediate_size=6144,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=4096,
     )  # fmt: skip
-    model = rlexact.exactify(model.cuda())
+    _check_graph_rollout(rlexact.exactify(model.cuda()), 4096, batch=48, new_tokens=24, seed=0)
+
+
+def _check_graph_rollout(model: torch.nn.Module, vocab: int, batch: int, new_tokens: int, seed: int) -> None:
+    """Rollout with CUDA graphs == trainer bitwise for ``batch`` prompts; negative control: the native kernels'
+    rollout of 16 prompts is not."""
     gen = Generator(model, block_size=16)
-    outs = gen.generate(prompts_for(48, 4096, lo=4, hi=60, seed=0), SamplingParams(max_new_tokens=24, seed=1))
+    outs = gen.generate(prompts_for(batch, vocab, lo=4, hi=60, seed=seed),
+                        SamplingParams(max_new_tokens=new_tokens, seed=seed + 1))  # fmt: skip
     assert gen.stats["graph_steps"] > 0 and gen.stats["cuda_graphs_disabled"] is None
     assert_exact(model, outs)
     native = Generator(model, kernels="native", block_size=16).generate(
-        prompts_for(16, 4096, lo=4, hi=60, seed=0), SamplingParams(max_new_tokens=16, seed=1)
+        prompts_for(16, vocab, lo=4, hi=60, seed=seed), SamplingParams(max_new_tokens=16, seed=seed + 1)
     )
-    ref = rlexact.sequence_logprobs(model, [o.sequence for o in native])
-    assert any(not torch.equal(o.logprobs, r[-len(o.token_ids) :].to(o.logprobs.device)) for o, r in zip(native, ref))
+    with pytest.raises(AssertionError, match="rollout log-probs != trainer"):
+        assert_exact(model, native)
+
+
+@pytest.mark.gpu
+def test_gpu_rollout_equals_trainer_mixtral_cuda_graphs() -> None:
+    """Mixtral-shaped layers (8 experts, top-2, fp32 routing weights; Mixtral-8x7B's widths divided by four)."""
+    model = tiny_moe(
+        "mixtral", layers=2, experts=8, top_k=2, hidden=1024, moe_inter=3584, dtype=torch.bfloat16, weight_scale=1.0,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
+    )  # fmt: skip
+    _check_graph_rollout(rlexact.exactify(model.cuda()), 4096, batch=32, new_tokens=16, seed=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -90,8 +90,30 @@ def test_sliding_window_is_an_error() -> None:
         num_key_value_heads=1, head_dim=16, max_position_embeddings=128, use_sliding_window=True, sliding_window=8,
         max_window_layers=0,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_window=8 is active"):
+    with pytest.raises(ValueError, match="sliding_window=8 is active.*use_sliding_window=False"):
         rlexact.exactify(Qwen3ForCausalLM(cfg))
+
+
+def test_mistral_sliding_window_is_an_error() -> None:
+    """Mistral applies ``config.sliding_window`` (no ``use_sliding_window`` switch, no attribute on the attention
+    layers); a window shorter than the context is refused, one that covers it is not."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window=16 is active.*from_pretrained\\(path, sliding_window=None\\)"):
+        rlexact.exactify(MistralForCausalLM(MistralConfig(sliding_window=16, **common)))
+    model = rlexact.exactify(MistralForCausalLM(MistralConfig(sliding_window=16, **common)).eval(), enabled=False)
+    model.config.sliding_window = None
+    rlexact.exactify(model)
+    model.config.sliding_window = 16  # changed after exactify: the forward refuses it too
+    with pytest.raises(ValueError, match="sliding_window=16 is active"):
+        model(torch.randint(0, VOCAB, (1, 5)))
+    for window in (None, 128, 4096):
+        model = MistralForCausalLM(MistralConfig(sliding_window=window, **common))
+        assert rlexact.is_exactified(rlexact.exactify(model))
 
 
 def test_attention_dropout_in_train_mode_is_an_error() -> None:

@@ -32,7 +32,7 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
 ATTN_IMPL = "rlexact"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", *MOE_MODEL_TYPES)
 _STATE_ATTR = "_rlexact_state"
 
 
@@ -82,7 +82,8 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Qwen3-MoE and Qwen2-MoE *ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral "
+            "*ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -94,7 +95,23 @@ def check_supported(model: nn.Module) -> None:
     check_moe(model)
     for m in model.modules():
         if _is_attention(m):
-            check_attention_settings(m, 0.0, getattr(m, "sliding_window", None))
+            check_attention_settings(m, 0.0, sliding_window(m))
+
+
+CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral")
+"""Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
+
+
+def sliding_window(m: nn.Module) -> int | None:
+    """The sliding window attention layer ``m`` applies: its ``sliding_window`` attribute where it has one (Qwen2 and
+    Qwen3 set it per layer, None or absent on full-attention layers), else its config's for the model types that read
+    the config (:data:`CONFIG_WINDOW_MODEL_TYPES`), else None."""
+    if hasattr(m, "sliding_window"):
+        return m.sliding_window
+    config = getattr(m, "config", None)
+    if getattr(config, "model_type", None) in CONFIG_WINDOW_MODEL_TYPES:
+        return getattr(config, "sliding_window", None)
+    return None
 
 
 def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
@@ -180,12 +197,12 @@ def _attention_forward(m: nn.Module) -> Callable:
             q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
-            check_attention_settings(m, dropout, getattr(m, "sliding_window", None))
+            check_attention_settings(m, dropout, sliding_window(m))
             out = _transformers_attention(m, q, k, v, attention_mask, cache, kwargs.get("position_ids"))
         else:
             out, _ = rlexact_attention(
                 m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, dropout=dropout,
-                scaling=m.scaling, rlexact_meta=meta, sliding_window=getattr(m, "sliding_window", None),
+                scaling=m.scaling, rlexact_meta=meta, sliding_window=sliding_window(m),
                 kv_written=paged is not None,
             )  # fmt: skip
         return m.o_proj(out.reshape(*input_shape, -1)), None
@@ -536,10 +553,12 @@ def check_attention_settings(module: nn.Module, dropout: float, sliding_window: 
         )
     max_pos = int(getattr(module.config, "max_position_embeddings", 0) or 0)
     if sliding_window is not None and (not max_pos or int(sliding_window) < max_pos):
+        # Qwen2 switches its window with use_sliding_window; Mistral and Mixtral apply any config.sliding_window
+        off = "use_sliding_window=False" if hasattr(module.config, "use_sliding_window") else "sliding_window=None"
         raise ValueError(
             f"sliding_window={sliding_window} is active (max_position_embeddings={max_pos}): rlexact's attention "
-            "kernels implement full causal attention only. Load the model with use_sliding_window=False (or "
-            "sliding_window=None), e.g. from_pretrained(path, use_sliding_window=False), before rlexact.exactify."
+            f"kernels implement full causal attention only. Load the model with {off}, e.g. "
+            f"from_pretrained(path, {off}), before rlexact.exactify."
         )
 
 

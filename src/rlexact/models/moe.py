@@ -1,20 +1,25 @@
-"""Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE and Qwen2-MoE.
+"""Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE, Qwen2-MoE and Mixtral.
 
-Written against transformers 5.x (checked with 5.24), where a sparse block holds a router (``*TopKRouter``:
-``weight [E, H]``, ``top_k``, ``norm_topk_prob``) and fused experts (``*Experts``: ``gate_up_proj [E, 2I, H]``,
+Written against transformers 5.x (checked with 5.24 and 5.25), where a sparse block holds a router (``*TopKRouter``:
+``weight [E, H]``, ``top_k``, and ``norm_topk_prob`` or Mixtral's fixed semantics) and fused experts (``*Experts``:
+``gate_up_proj [E, 2I, H]``,
 ``down_proj [E, H, I]``, dispatched by ``config._experts_implementation``). :func:`moe_forward` returns the exact
 replacement forward for each of these modules (``None`` for any other module); :func:`rlexact.exactify` installs them
 with its native/exact switch, so the stock block forward keeps running and only its two calls change:
 
 * router: logits through the exact matmul (:func:`rlexact.ops.matmul`, in the hidden dtype as transformers does),
   then :func:`rlexact.ops.moe_router` (fp32 softmax, top-k with ties to the lowest expert index, ``norm_topk_prob``);
-  returns ``(logits, weights, ids)`` like the stock router, so transformers' ``router_logits`` recording still works;
+  returns ``(logits, weights, ids)`` like the stock router, so transformers' ``router_logits`` recording still works.
+  The weights are in the logits' dtype (Qwen) or fp32 (Mixtral, whose router always renormalizes the top-k), as
+  the stock router returns them;
 * experts: :func:`rlexact.ops.moe_experts` (batch-invariant grouped GEMM, fp32 top-k combine in top-k order);
 * Qwen2-MoE block: the shared expert and its gate run through the patched MLP / linear; the mix
   ``routed + sigmoid(gate) * shared`` is :func:`rlexact.ops.sigmoid_gate`.
 
 Dense layers of a MoE model (``mlp_only_layers``, ``decoder_sparse_step``) are ordinary gated MLPs and are patched as
-in dense models.
+in dense models. :func:`check_moe` refuses what these forwards do not implement: another experts layout, a sparse
+block whose router or experts are not the modules above (transformers 4.x's per-expert ``nn.ModuleList``), and
+Mixtral's router jitter.
 """
 
 from __future__ import annotations
@@ -26,17 +31,23 @@ from torch import nn
 
 from rlexact import ops
 
-MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
 """``config.model_type`` values whose sparse blocks :func:`moe_forward` handles."""
+
+FP32_WEIGHT_ROUTERS: tuple[str, ...] = ("MixtralTopKRouter",)
+"""Router classes without ``norm_topk_prob`` that always renormalize the top-k probabilities and return them in
+fp32 (the others return them in the logits' dtype)."""
 
 
 def _is_router(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
+    name = type(m).__name__
     return (
-        type(m).__name__.endswith("TopKRouter")
+        name.endswith("TopKRouter")
         and isinstance(w, torch.Tensor)
         and w.dim() == 2
-        and all(hasattr(m, a) for a in ("top_k", "norm_topk_prob"))
+        and hasattr(m, "top_k")
+        and (hasattr(m, "norm_topk_prob") or name in FP32_WEIGHT_ROUTERS)
     )
 
 
@@ -68,7 +79,8 @@ def _check_experts_layout(m: nn.Module) -> None:
     if layout != expected or m.gate_up_proj.dim() != 3 or m.down_proj.dim() != 3:
         raise ValueError(
             f"{type(m).__name__}: rlexact's exact experts implement fused gate_up_proj [E, 2I, H] / down_proj "
-            f"[E, H, I] without bias or transposition (transformers' Qwen3-MoE / Qwen2-MoE layout); got {layout}"
+            "[E, H, I] without bias or transposition (transformers' Qwen3-MoE / Qwen2-MoE / Mixtral layout); "
+            f"got {layout}"
         )
     act = getattr(getattr(m, "config", None), "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -76,10 +88,15 @@ def _check_experts_layout(m: nn.Module) -> None:
 
 
 def _router_forward(m: nn.Module) -> Callable:
+    fp32 = type(m).__name__ in FP32_WEIGHT_ROUTERS  # the softmax is fp32 either way: only the weights' dtype differs
+
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, m.weight.shape[1])
         logits = ops.matmul(x, m.weight)
-        weights, ids = ops.moe_router(logits, int(m.top_k), bool(m.norm_topk_prob))
+        if fp32:
+            weights, ids = ops.moe_router(logits.float(), int(m.top_k), True)
+        else:
+            weights, ids = ops.moe_router(logits, int(m.top_k), bool(m.norm_topk_prob))
         return logits, weights, ids
 
     return forward
@@ -128,7 +145,27 @@ def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_moe(model: nn.Module) -> None:
-    """Raise ``ValueError`` when an experts module of ``model`` has a layout the exact kernels do not implement."""
+    """Raise ``ValueError`` when a MoE module of ``model`` is one the exact forwards do not implement: an experts
+    layout other than the fused one, a sparse block whose router and experts are not recognized, or router jitter."""
     for m in model.modules():
         if _is_experts(m):
             _check_experts_layout(m)
+        elif type(m).__name__.endswith("SparseMoeBlock"):
+            _check_sparse_block(m)
+
+
+def _check_sparse_block(m: nn.Module) -> None:
+    gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+    if gate is None or experts is None or not _is_router(gate) or not _is_experts(experts):
+        raise ValueError(
+            f"{type(m).__name__}: rlexact's exact MoE forward needs transformers 5.x's router (*TopKRouter) and fused "
+            f"experts (*Experts with gate_up_proj / down_proj); got gate {type(gate).__name__} and experts "
+            f"{type(experts).__name__}. Upgrade transformers (pip install 'transformers>=5')."
+        )
+    jitter = float(getattr(m, "jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        raise ValueError(
+            f"{type(m).__name__}: router_jitter_noise={jitter} scales the hidden states by random noise in train mode, "
+            "so the trainer's forward would not compute the rollout's log-probs. Load the model with "
+            "router_jitter_noise=0.0, e.g. from_pretrained(path, router_jitter_noise=0.0), before rlexact.exactify."
+        )
