@@ -13,6 +13,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -65,6 +67,9 @@ def tiny_model(
         model = LlamaForCausalLM(LlamaConfig(head_dim=head_dim, **common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(head_dim=head_dim, sliding_window=None, **common))
+    elif arch == "olmo2":
+        assert heads * head_dim == hidden, "olmo2 derives head_dim from hidden/heads"
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

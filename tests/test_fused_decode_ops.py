@@ -235,7 +235,7 @@ def test_add_rms_norm_autograd_and_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral"])
 def test_model_fused_equals_unfused(arch: str, dtype: torch.dtype) -> None:
     hd = 12 if arch == "qwen2" else 16
     model = rlexact.exactify(tiny_model(arch, layers=3, heads=4, kv_heads=2, head_dim=hd, dtype=dtype, seed=2))

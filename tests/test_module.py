@@ -151,6 +151,18 @@ def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> N
     assert module.rollout_step == 2 and trainer.global_step == 2
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "olmo2"])
+def test_exact_first_ministep_per_architecture(model_type: str) -> None:
+    """The exact first mini-step (trainer == rollout, ratio exactly 1) for the dense architectures besides Qwen3,
+    built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included)."""
+    cfg = tiny_config() | {"model_type": model_type}
+    module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
+    probe = Inspect()
+    fit(module, 2, [probe])
+    assert module.model.config.model_type == model_type
+    assert probe.trainer_eq_rollout == [True, True] and probe.first_ratio_one_all == [True, True]
+
+
 def test_recompute_native_bf16_is_not_exact() -> None:
     """Negative control: the native generator in bf16 disagrees with the trainer somewhere."""
     module = make_module(

@@ -32,7 +32,7 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
 ATTN_IMPL = "rlexact"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", "olmo2", *MOE_MODEL_TYPES)
 _STATE_ATTR = "_rlexact_state"
 
 
@@ -82,8 +82,8 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral "
-            "*ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Qwen3-MoE, Qwen2-MoE and "
+            "Mixtral *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -155,9 +155,10 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
 
 
 def _attention_forward(m: nn.Module) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama attention layer: the projections, one fused q/k-norm + rotary kernel
-    (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact attention, and the output
-    projection.
+    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 attention layer: the projections, one fused
+    q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact attention,
+    and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's (exact)
+    RMSNorm modules before the kernel, which then only rotates.
 
     With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
     :func:`rlexact_attention`. Without it (a plain transformers call: ``model(ids)``, ``model.generate``), it is
@@ -165,6 +166,8 @@ def _attention_forward(m: nn.Module) -> Callable:
     kernels, so a decode step over the cache computes bitwise what the full forward computes."""
     q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
     eps = _norm_eps(q_norm)
+    # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 each head
+    full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
 
     def forward(
         hidden_states: torch.Tensor,
@@ -185,8 +188,10 @@ def _attention_forward(m: nn.Module) -> Callable:
             q = m.q_proj(hidden_states).view(shape)
             k = m.k_proj(hidden_states).view(shape)
             v = m.v_proj(hidden_states).view(shape)
+        if full_norm:  # the patched norms over the flat projections; the fused kernel then only rotates
+            q, k = q_norm(q.flatten(-2)).view(shape), k_norm(k.flatten(-2)).view(shape)
         cos, sin = position_embeddings
-        qw, kw = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+        qw, kw = (None, None) if q_norm is None or full_norm else (q_norm.weight, k_norm.weight)
         paged = None if meta is None else meta.paged
         if paged is not None and not _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None)):
             paged = None  # paged steps under autograd: rotate here, attention writes the cache
@@ -287,9 +292,10 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handoff: list) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama (MoE) decoder layer, transformers' ``DecoderLayer.forward`` with the
-    residual adds fused into the norms that follow them (:func:`rlexact.ops.add_rms_norm`): one launch instead of an
-    add and a norm. Outputs are bitwise those of the unfused layer; every kwarg goes to ``self_attn``.
+    """Exact forward of a pre-norm (Qwen, Llama, Mistral, their MoE) decoder layer, transformers'
+    ``DecoderLayer.forward`` with the residual adds fused into the norms that follow them
+    (:func:`rlexact.ops.add_rms_norm`): one launch instead of an add and a norm. Outputs are bitwise those of the
+    unfused layer; every kwarg goes to ``self_attn``.
 
     Without autograd (no grad mode, or no input requiring grad): the post-attention add and
     ``post_attention_layernorm`` are one call, and the MLP-output add is fused with ``next_norm`` (the next layer's
