@@ -13,8 +13,9 @@ Checks on every rank, written to ``<out>/rank<r>.json``:
   - the parameters are identical on both ranks after training (gathered full state dict hash),
 and rank 0 exports a transformers checkpoint with ``rlexact.export.save_pretrained``.
 
-Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass] [dense|moe]
-(``moe``: the tiny model is a Qwen3-MoE with 8 experts, top-2, and a dense second layer)
+Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass] [dense|moe|mixtral]
+(``moe``: the tiny model is a Qwen3-MoE with 8 experts, top-2, and a dense second layer; ``mixtral``: a Mixtral of 8
+experts, top-2, every layer sparse)
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ def main() -> None:
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
-    moe = len(sys.argv) > 4 and sys.argv[4] == "moe"
-    cfg = tiny_moe_rl_config(len(tok)) if moe else tiny_rl_config(len(tok))
+    kind = sys.argv[4] if len(sys.argv) > 4 else "dense"
+    if kind not in ("dense", "moe", "mixtral"):
+        raise ValueError(f"model kind must be dense, moe or mixtral, got {kind!r}")
+    arch = "mixtral" if kind == "mixtral" else "qwen3_moe"
+    cfg = tiny_rl_config(len(tok)) if kind == "dense" else tiny_moe_rl_config(len(tok), arch=arch)
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

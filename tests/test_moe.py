@@ -422,14 +422,15 @@ def test_rlmodule_exact_first_ministep_and_export(tmp_path: Path, arch: str) -> 
                                                  rlexact.sequence_logprobs(reloaded, seqs)))  # fmt: skip
 
 
-def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "cls"), [("moe", "Qwen3MoeForCausalLM"), ("mixtral", "MixtralForCausalLM")])
+def test_fsdp2_two_ranks_moe(tmp_path: Path, kind: str, cls: str) -> None:
     """FSDP2 (``fully_shard`` per decoder layer, 3-D expert weights sharded on the expert dim; 2 CPU ranks, gloo,
     bf16 compute over fp32 master weights): rollout == trainer and ratio exactly 1 on every rank, the generator's
     scoring == the trainer after updates, identical parameters on both ranks, export. Runs ``tests/_fsdp_worker.py``."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_fsdp_worker.py"), str(tmp_path), "bf16-mixed", "exact", "moe"],
+        [sys.executable, str(HERE / "_fsdp_worker.py"), str(tmp_path), "bf16-mixed", "exact", kind],
         cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -441,7 +442,7 @@ def test_fsdp2_two_ranks_moe(tmp_path: Path) -> None:
         assert res["post_update_equal"] == [True] * len(res["post_update_equal"])
     assert results[0]["param_hash"] == results[1]["param_hash"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+    assert type(reloaded).__name__ == cls
 
 
 # ----------------------------------------------------------------------------------------------------------------------
