@@ -159,6 +159,25 @@ def check_matmul() -> None:
     print("matmul ok")
 
 
+def check_norm_round_once() -> None:
+    """``round_normed=False`` (OLMo-2): bitwise the CPU twin in bf16 (one rounding of the fp32 product on both), in
+    x's dtype, batch invariant, in the two-pass path too; the default's extra rounding differs (negative control)."""
+    old = tnorm.MAX_NORM_BLOCK
+    for block in (old, 32):
+        tnorm.MAX_NORM_BLOCK = block
+        try:
+            x, w = (torch.randn(9, 100) * 3).bfloat16(), (1 + 0.1 * torch.randn(100)).bfloat16()
+            y = tnorm.rms_norm(x, w, 1e-6, round_normed=False)
+            assert y.dtype == torch.bfloat16
+            assert torch.equal(y, cpu.rms_norm(x, w, 1e-6, round_normed=False)), block
+            assert not torch.equal(y, tnorm.rms_norm(x, w, 1e-6)), "negative control"
+            wf = w.float()  # an fp32 weight still gives x's dtype
+            assert tnorm.rms_norm(x, wf, 1e-6, round_normed=False).dtype == torch.bfloat16
+        finally:
+            tnorm.MAX_NORM_BLOCK = old
+    _check_invariant(lambda xb: tnorm.rms_norm(xb, w, 1e-6, round_normed=False), x.float() * 2, 9, "rms_norm once")
+
+
 def check_norm() -> None:
     for h in (1, 40, 64, 100):
         for xd, wd in [
@@ -187,6 +206,7 @@ def check_norm() -> None:
         tnorm.MAX_NORM_BLOCK = old
     w = 1 + 0.1 * torch.randn(100)
     _check_invariant(lambda xb: tnorm.rms_norm(xb, w, 1e-6), torch.randn(20, 100), 20, "rms_norm")
+    check_norm_round_once()
 
     for dtype in (torch.float32, torch.bfloat16):
         g, u = (torch.randn(6, 1500) * 4).to(dtype), torch.randn(6, 1500).to(dtype)
@@ -321,6 +341,11 @@ def check_backward() -> None:
         _assert_grad(dw, rw, tol, f"rms_norm dw {xd}")
         dx2, dw2 = tbw.rms_norm_backward(x, w, dy, 1e-6)
         assert torch.equal(dx, dx2) and torch.equal(dw, dw2), "rms_norm backward not deterministic"
+        dx1, dw1 = tbw.rms_norm_backward(x, w, dy, 1e-6, round_normed=False)  # OLMo-2's norm: dw from unrounded n
+        rx, rw = _grads64(lambda a, b: reference.rms_norm(a, b, 1e-6, round_normed=False), [x, w], [dy])
+        _assert_grad(dx1, rx, tol, f"rms_norm once dx {xd}")
+        _assert_grad(dw1, rw, tol, f"rms_norm once dw {xd}")
+        assert torch.equal(dx1, dx)  # dx does not see where the rounding is
     # the fixed-order column sum, and a negative control: another summation order changes the bits
     part = torch.randn(300, 70) * torch.logspace(-4, 4, 300)[:, None]
     colsum = tbw._column_sum(part)

@@ -107,6 +107,25 @@ def test_matches_unmodified_transformers_fp32(arch) -> None:
             assert (lp - expected).abs().max() < 1e-4
 
 
+def test_olmo2_norms_round_once_bf16() -> None:
+    """OLMo-2's RMSNorm multiplies the fp32 normalized row by the weight and rounds once; its exact norms do the same
+    (``round_normed=False``): bitwise the stock modules on the CPU twin (the same torch ops per row), every one of
+    them; negative control: the Llama-style norm, which rounds the normalized row first, differs."""
+    ref = tiny_model("olmo2", hidden=64, heads=4, kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    model = rlexact.exactify(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(4)
+    norms = [(a, b) for a, b in zip(ref.modules(), model.modules()) if type(a).__name__ == "Olmo2RMSNorm"]
+    assert len(norms) == 2 * 4 + 1  # q/k, post-attention and post-feedforward norms per layer, the final norm
+    llama_differs = 0
+    with torch.no_grad():
+        for stock, exact in norms:
+            x = (3 * torch.randn(11, stock.weight.shape[0], generator=g)).bfloat16()
+            assert torch.equal(exact(x), stock(x)), "exact OLMo-2 norm != stock"
+            llama = rlexact.ops.rms_norm(x, stock.weight, stock.variance_epsilon)
+            llama_differs += int(not torch.equal(llama, stock(x)))
+    assert llama_differs > 0
+
+
 def test_restore_and_reexactify() -> None:
     ref = tiny_model("qwen3")
     model = rlexact.exactify(copy.deepcopy(ref))

@@ -48,12 +48,14 @@ def test_matmul_negative_control() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [48, 64, 200])
-def test_rms_norm(dtype: torch.dtype, h: int) -> None:
+@pytest.mark.parametrize("round_normed", [True, False])
+def test_rms_norm(dtype: torch.dtype, h: int, round_normed: bool) -> None:
     g = torch.Generator().manual_seed(h)
     x = (torch.randn(64, h, generator=g) * 3).to(dtype)
     w = torch.rand(h, generator=g).add(0.5).to(dtype)
-    assert_row_invariant(lambda a: ops.rms_norm(a, w, 1e-6), x)
-    assert rel_err(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x.double(), w.double(), 1e-6)) < TOL[dtype]
+    assert_row_invariant(lambda a: ops.rms_norm(a, w, 1e-6, round_normed=round_normed), x)
+    ref = reference.rms_norm(x.double(), w.double(), 1e-6)
+    assert rel_err(ops.rms_norm(x, w, 1e-6, round_normed=round_normed), ref) < TOL[dtype]
 
 
 def rope_inputs(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int, norm: bool = True):

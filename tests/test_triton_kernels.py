@@ -227,20 +227,23 @@ def test_gpu_matmul_negative_control() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h", [2048, 1000, 6144, 40])
-def test_gpu_rms_norm(dtype: torch.dtype, h: int) -> None:
+@pytest.mark.parametrize("round_normed", [True, False])
+def test_gpu_rms_norm(dtype: torch.dtype, h: int, round_normed: bool) -> None:
     from rlexact.ops import cpu, triton_norm
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return triton_norm.rms_norm(x, w, 1e-6, round_normed)
 
     g = torch.Generator(device="cuda").manual_seed(5)
     w = (1 + 0.1 * torch.randn(h, device=_dev(), generator=g)).to(dtype)
     pool = (3 * torch.randn(80, h, device=_dev(), generator=g)).to(dtype)
-    y = triton_norm.rms_norm(pool, w, 1e-6)
-    ref = cpu.rms_norm(pool.cpu(), w.cpu(), 1e-6)
+    ref = cpu.rms_norm(pool.cpu(), w.cpu(), 1e-6, round_normed)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(y.cpu(), ref, rtol=tol, atol=tol)
-    _rows_match_singles(lambda xb: triton_norm.rms_norm(xb, w, 1e-6), pool, _small_batches(80), "rms_norm")
+    torch.testing.assert_close(norm(pool).cpu(), ref, rtol=tol, atol=tol)
+    _rows_match_singles(norm, pool, _small_batches(80), "rms_norm")
     big = torch.randn(5000, h, device=_dev(), generator=g).to(dtype)
     big[1234] = pool[3]
-    assert torch.equal(triton_norm.rms_norm(big, w, 1e-6)[1234], triton_norm.rms_norm(pool[3:4], w, 1e-6)[0])
+    assert torch.equal(norm(big)[1234], norm(pool[3:4])[0])
 
 
 @gpu
@@ -388,7 +391,8 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h", [2048, 1000, 128])
-def test_gpu_rms_norm_backward(dtype: torch.dtype, h: int) -> None:
+@pytest.mark.parametrize("round_normed", [True, False])
+def test_gpu_rms_norm_backward(dtype: torch.dtype, h: int, round_normed: bool) -> None:
     """vs float64 autograd through the reference, and bitwise identical gradients on a second run."""
     from rlexact.ops import reference, triton_backward
 
@@ -396,11 +400,11 @@ def test_gpu_rms_norm_backward(dtype: torch.dtype, h: int) -> None:
     x = (3 * torch.randn(3000, h, device=_dev(), generator=g)).to(dtype)
     w = (1 + 0.1 * torch.randn(h, device=_dev(), generator=g)).to(dtype)
     dy = torch.randn(3000, h, device=_dev(), generator=g).to(dtype)
-    dx, dw = triton_backward.rms_norm_backward(x, w, dy, 1e-6)
-    rx, rw = _grads64(lambda a, b: reference.rms_norm(a, b, 1e-6), [x, w], [dy])
+    dx, dw = triton_backward.rms_norm_backward(x, w, dy, 1e-6, round_normed)
+    rx, rw = _grads64(lambda a, b: reference.rms_norm(a, b, 1e-6, round_normed), [x, w], [dy])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert _rel(dx, rx) < tol and _rel(dw, rw) < tol, (_rel(dx, rx), _rel(dw, rw))
-    dx2, dw2 = triton_backward.rms_norm_backward(x, w, dy, 1e-6)
+    dx2, dw2 = triton_backward.rms_norm_backward(x, w, dy, 1e-6, round_normed)
     assert torch.equal(dx, dx2) and torch.equal(dw, dw2)
 
 

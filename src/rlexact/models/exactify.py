@@ -98,6 +98,9 @@ def check_supported(model: nn.Module) -> None:
             check_attention_settings(m, 0.0, sliding_window(m))
 
 
+ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm",)
+"""RMSNorm classes that multiply the fp32 normalized row by the weight and round once (``round_normed=False`` of
+:func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
 CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral")
 """Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
 
@@ -393,8 +396,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         if isinstance(m, nn.Linear):
             _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
         elif _is_rmsnorm(m):
-            eps = _norm_eps(m)
-            _patch(state, m, lambda x, m=m, eps=eps: ops.rms_norm(x, m.weight, eps))
+            eps, rounded = _norm_eps(m), type(m).__name__ not in ROUND_ONCE_NORMS
+            _patch(state, m, lambda x, m=m, eps=eps, r=rounded: ops.rms_norm(x, m.weight, eps, round_normed=r))
         elif _is_gated_mlp(m):
             _patch(state, m, _mlp_forward(m))
             m.__dict__[_STATE_ATTR] = state

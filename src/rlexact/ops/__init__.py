@@ -115,12 +115,19 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None
     return silu_mul(linear(x, w[:n], backend=be), linear(x, w[n:], backend=be), backend=be)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim with transformers semantics; any leading shape."""
+def rms_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, *, round_normed: bool = True, backend: str | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim with transformers semantics; any leading shape. ``round_normed`` (Llama, Qwen):
+    ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` in ``promote(w.dtype, x.dtype)``; else (OLMo-2)
+    ``(w * x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, one rounding. Batch invariant either way."""
     if w.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
-    x2, be = x.reshape(-1, x.shape[-1]).contiguous(), resolve_backend(x, backend)
-    y = RMSNormFn.apply(x2, w, float(eps), be) if _tracked(x, w) else kernel_impl(be, "rms_norm")(x2, w, float(eps))
+    x2, be, eps = x.reshape(-1, x.shape[-1]).contiguous(), resolve_backend(x, backend), float(eps)
+    if _tracked(x, w):
+        y = RMSNormFn.apply(x2, w, eps, be, bool(round_normed))
+    else:
+        y = kernel_impl(be, "rms_norm")(x2, w, eps, bool(round_normed))
     return y.reshape(x.shape)
 
 

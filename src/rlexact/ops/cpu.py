@@ -56,15 +56,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:m].to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers RMSNorm semantics: ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``. ``x [M, H]``."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+    """transformers RMSNorm semantics (:func:`rlexact.ops.reference.rms_norm`): ``w * (x32 * rsqrt(mean(x32^2) +
+    eps)).to(x.dtype)`` in ``promote(w.dtype, x.dtype)``; with ``round_normed=False`` the product in fp32, rounded
+    once to ``x.dtype``. ``x [M, H]``."""
     xp, m = padded_blocks(x)
-    out_dtype = torch.promote_types(w.dtype, x.dtype)
+    out_dtype = torch.promote_types(w.dtype, x.dtype) if round_normed else x.dtype
     out = torch.empty(xp.shape, dtype=out_dtype, device=x.device)
     for s in range(0, xp.shape[0], ROW_BLOCK):
         xf = xp[s : s + ROW_BLOCK].float()
-        var = xf.pow(2).mean(-1, keepdim=True)
-        out[s : s + ROW_BLOCK] = w * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out[s : s + ROW_BLOCK] = w * n.to(x.dtype) if round_normed else (w * n).to(x.dtype)
     return out[:m]
 
 

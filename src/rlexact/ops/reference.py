@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` (transformers semantics)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+    """``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` (transformers' Llama / Qwen semantics); with
+    ``round_normed=False`` ``(w * x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` (OLMo-2's: one rounding)."""
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * n.to(x.dtype) if round_normed else (w * n).to(x.dtype)
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float):

@@ -112,9 +112,11 @@ def _rms_norm_bwd_kernel(
     BLOCK: tl.constexpr,
     X_DTYPE: tl.constexpr,
     RNE: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
 ):
     """Rows ``[pid * ROWS, (pid + 1) * ROWS)``. ``y = w * cast(x * r)``, ``r = rsqrt(mean(x^2) + eps)``:
-    ``dx = r * (dy*w - n * mean(dy*w * n))`` with ``n = x * r``; ``dw += dy * cast(n)`` (partial per program)."""
+    ``dx = r * (dy*w - n * mean(dy*w * n))`` with ``n = x * r``; ``dw += dy * cast(n)`` (partial per program), or
+    ``dw += dy * n`` for ``y = cast(w * x * r)`` (not ``ROUND_NORMED``)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -131,7 +133,10 @@ def _rms_norm_bwd_kernel(
             dn = dy * w
             c = tl.math.div_rn(tl.sum(dn * n, axis=0), H_f)
             tl.store(dx_ptr + off, cast_out(r * (dn - n * c), X_DTYPE, RNE), mask=ok)
-            dw += dy * cast_out(n, X_DTYPE, RNE).to(tl.float32)
+            if ROUND_NORMED:
+                dw += dy * cast_out(n, X_DTYPE, RNE).to(tl.float32)
+            else:
+                dw += dy * n
     tl.store(dwp_ptr + pid * H + cols, dw, mask=ok)
 
 
@@ -141,10 +146,10 @@ def rms_norm_supported(H: int) -> bool:
 
 
 def rms_norm_backward(
-    x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float
+    x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float, round_normed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`rlexact.ops.triton_norm.rms_norm`: ``x [M, H]``, ``w [H]``, ``dy [M, H]`` ->
-    ``(dx [M, H] in x.dtype, dw [H] in w.dtype)``, fp32 arithmetic, deterministic."""
+    """Gradients of :func:`rlexact.ops.triton_norm.rms_norm` (with the same ``round_normed``): ``x [M, H]``,
+    ``w [H]``, ``dy [M, H]`` -> ``(dx [M, H] in x.dtype, dw [H] in w.dtype)``, fp32 arithmetic, deterministic."""
     M, H = x.shape
     if not rms_norm_supported(H):
         raise ValueError(f"rms_norm_backward: hidden size {H} outside (0, {MAX_ROW_BLOCK}]")
@@ -157,7 +162,7 @@ def rms_norm_backward(
     block = triton.next_power_of_2(H)
     _rms_norm_bwd_kernel[(progs,)](
         x, w, dy, dx, part, M, H, float(H), float(eps), per,
-        BLOCK=block, X_DTYPE=TL_DTYPE[x.dtype], RNE=rne_fix(x.dtype),
+        BLOCK=block, X_DTYPE=TL_DTYPE[x.dtype], RNE=rne_fix(x.dtype), ROUND_NORMED=round_normed,
         num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
         **COMPILE_OPTIONS,
     )  # fmt: skip

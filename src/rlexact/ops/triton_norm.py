@@ -4,7 +4,8 @@
 H only, so a row's sum of squares is reduced with the same tree whatever the number of rows (the "RMSNorm changes
 block size at 256 tokens" trap of other stacks cannot happen). Semantics are transformers' (and
 :func:`rlexact.ops.cpu.rms_norm`'s): ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` with the product in
-``promote(w.dtype, x.dtype)``.
+``promote(w.dtype, x.dtype)`` (Llama, Qwen), or with ``round_normed=False`` ``(w * x32 * rsqrt(...)).to(x.dtype)``,
+the product in fp32 and rounded once (OLMo-2).
 
 ``add_rms_norm``: the same kernel with a residual input: the row ``s = x + r`` is added in fp32, rounded once to the
 input dtype and stored, and the norm runs on the rounded ``s`` with the arithmetic above (so it equals ``rms_norm(s)``
@@ -44,6 +45,14 @@ def _norm_input(x_row, r_row, s_row, idx, mask, HAS_RES: tl.constexpr, STORE: tl
 
 
 @triton.jit
+def _normed(x, r, X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, ROUND_NORMED: tl.constexpr):
+    """The normalized row ``x * r`` in fp32, rounded to the input dtype first when ``ROUND_NORMED``."""
+    if ROUND_NORMED:
+        return cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
+    return x * r
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     r_ptr,
@@ -64,6 +73,7 @@ def _rms_norm_kernel(
     O_DTYPE: tl.constexpr,
     RNE_X: tl.constexpr,
     RNE_O: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -78,7 +88,7 @@ def _rms_norm_kernel(
         x = _norm_input(x_row, r_row, s_row, cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
         var = tl.math.div_rn(tl.sum(x * x, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
-        y = cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
+        y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(o_row + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
     else:
@@ -92,7 +102,7 @@ def _rms_norm_kernel(
         for off in range(0, H, BLOCK):
             mask = off + cols < H
             x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, False, X_DTYPE, RNE_X)
-            y = cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
+            y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
             w = tl.load(w_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(o_row + off + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
 
@@ -128,13 +138,13 @@ def _norm_launch_params(H: int) -> tuple[int, bool, int]:
 
 
 def _launch_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, round_normed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one launcher of :func:`_rms_norm_kernel`: ``(normed, summed)``, ``summed`` ``None`` without a residual."""
     M, H = x.shape
     x = x.contiguous()
     w = w.contiguous()
-    out_dtype = torch.promote_types(w.dtype, x.dtype)
+    out_dtype = torch.promote_types(w.dtype, x.dtype) if round_normed else x.dtype
     out = torch.empty((M, H), dtype=out_dtype, device=x.device)
     summed = None
     if residual is not None:
@@ -164,6 +174,7 @@ def _launch_norm(
         O_DTYPE=TL_DTYPE[out_dtype],
         RNE_X=rne_fix(x.dtype),
         RNE_O=rne_fix(out_dtype),
+        ROUND_NORMED=round_normed,
         num_warps=warps,
         **pdl_options(x.device),
         **COMPILE_OPTIONS,
@@ -171,11 +182,12 @@ def _launch_norm(
     return out, summed
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [M, H]``, ``w [H]`` -> ``[M, H]`` in ``promote(w.dtype, x.dtype)``; one row per program."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+    """``x [M, H]``, ``w [H]`` -> ``[M, H]`` in ``promote(w.dtype, x.dtype)`` (``x.dtype`` without
+    ``round_normed``: module doc); one row per program."""
     if x.dim() != 2 or w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
-    return _launch_norm(x, None, w, eps)[0]
+    return _launch_norm(x, None, w, eps, round_normed)[0]
 
 
 def add_rms_norm(
