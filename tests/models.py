@@ -15,6 +15,8 @@ from transformers import (
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -70,6 +72,9 @@ def tiny_model(
     elif arch == "olmo2":
         assert heads * head_dim == hidden, "olmo2 derives head_dim from hidden/heads"
         model = Olmo2ForCausalLM(Olmo2Config(**common))
+    elif arch == "phi3":
+        assert heads * head_dim == hidden, "phi3 derives head_dim from hidden/heads"
+        model = Phi3ForCausalLM(Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common))
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

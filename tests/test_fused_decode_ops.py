@@ -235,9 +235,9 @@ def test_add_rms_norm_autograd_and_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "phi3"])
 def test_model_fused_equals_unfused(arch: str, dtype: torch.dtype) -> None:
-    hd = 12 if arch == "qwen2" else 16
+    hd = 12 if arch in ("qwen2", "phi3") else 16
     model = rlexact.exactify(tiny_model(arch, layers=3, heads=4, kv_heads=2, head_dim=hd, dtype=dtype, seed=2))
     g = torch.Generator().manual_seed(0)
     check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (9, 1, 30)])

@@ -116,6 +116,33 @@ def test_mistral_sliding_window_is_an_error() -> None:
         assert rlexact.is_exactified(rlexact.exactify(model))
 
 
+def test_phi3_settings_the_kernels_do_not_implement_are_errors() -> None:
+    """Phi-3: residual dropout, a partial rotary factor, longrope scaling and an active sliding window (read from the
+    config) are refused before anything is patched; without them the same config is exactified."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    bad = [
+        (dict(resid_pdrop=0.1), "resid_pdrop=0.1.*resid_pdrop=0.0"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+         "partial_rotary_factor=0.5"),
+        (dict(sliding_window=32), "sliding_window=32 is active.*sliding_window=None"),
+    ]  # fmt: skip
+    for extra, match in bad:
+        model = Phi3ForCausalLM(Phi3Config(**common, **extra))
+        with pytest.raises(ValueError, match=match):
+            rlexact.exactify(model)
+        assert not rlexact.is_exactified(model)
+    model = Phi3ForCausalLM(Phi3Config(**common))
+    model.config.rope_parameters = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        rlexact.exactify(model)
+    assert rlexact.is_exactified(rlexact.exactify(Phi3ForCausalLM(Phi3Config(**common))))
+
+
 def test_attention_dropout_in_train_mode_is_an_error() -> None:
     model = rlexact.exactify(tiny_model("qwen3"))
     for m in model.modules():

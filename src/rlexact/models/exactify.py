@@ -32,7 +32,7 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
 ATTN_IMPL = "rlexact"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", "olmo2", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", *MOE_MODEL_TYPES)
 _STATE_ATTR = "_rlexact_state"
 
 
@@ -82,8 +82,8 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Qwen3-MoE, Qwen2-MoE and "
-            "Mixtral *ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, Qwen3-MoE, "
+            "Qwen2-MoE and Mixtral *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -92,6 +92,18 @@ def check_supported(model: nn.Module) -> None:
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
+    partial = float(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
+    partial = float(getattr(model.config, "partial_rotary_factor", partial) or partial)
+    if partial != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor={partial}: rlexact's fused rotary kernel rotates the whole head"
+        )
+    resid = float(getattr(model.config, "resid_pdrop", 0.0) or 0.0)
+    if resid > 0:
+        raise ValueError(
+            f"resid_pdrop={resid}: residual dropout makes the trainer's forward differ from the rollout's. Load the "
+            "model with resid_pdrop=0.0, e.g. from_pretrained(path, resid_pdrop=0.0), before rlexact.exactify."
+        )
     check_moe(model)
     for m in model.modules():
         if _is_attention(m):
@@ -101,14 +113,14 @@ def check_supported(model: nn.Module) -> None:
 ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm",)
 """RMSNorm classes that multiply the fp32 normalized row by the weight and round once (``round_normed=False`` of
 :func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
-CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral")
+CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral", "phi3")
 """Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
 
 
 def sliding_window(m: nn.Module) -> int | None:
     """The sliding window attention layer ``m`` applies: its ``sliding_window`` attribute where it has one (Qwen2 and
     Qwen3 set it per layer, None or absent on full-attention layers), else its config's for the model types that read
-    the config (:data:`CONFIG_WINDOW_MODEL_TYPES`), else None."""
+    the config (:data:`CONFIG_WINDOW_MODEL_TYPES`: Mistral, Mixtral, Phi-3), else None."""
     if hasattr(m, "sliding_window"):
         return m.sliding_window
     config = getattr(m, "config", None)
@@ -158,10 +170,11 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
 
 
 def _attention_forward(m: nn.Module) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 attention layer: the projections, one fused
-    q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact attention,
-    and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's (exact)
-    RMSNorm modules before the kernel, which then only rotates.
+    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / Phi-3 attention layer: the projections, one
+    fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact
+    attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's
+    (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from its one
+    ``qkv_proj``.
 
     With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
     :func:`rlexact_attention`. Without it (a plain transformers call: ``model(ids)``, ``model.generate``), it is
@@ -171,6 +184,9 @@ def _attention_forward(m: nn.Module) -> Callable:
     eps = _norm_eps(q_norm)
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 each head
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
+    qkv_proj = getattr(m, "qkv_proj", None)
+    hq, hkv = m.config.num_attention_heads, m.config.num_key_value_heads
+    qkv_sizes = (hq * m.head_dim, hkv * m.head_dim, hkv * m.head_dim)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -185,6 +201,8 @@ def _attention_forward(m: nn.Module) -> Callable:
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, m.head_dim)
         fused = _fused_linear(m, hidden_states)
+        if fused is None and qkv_proj is not None:  # Phi-3's own fused projection: q, k, v are column views of it
+            fused = qkv_proj(hidden_states).split(qkv_sizes, dim=-1)
         if fused is not None:
             q, k, v = (t.view(shape) for t in fused)
         else:
@@ -248,20 +266,34 @@ def _mlp_forward(m: nn.Module) -> Callable:
     return forward
 
 
+def _fused_mlp_forward(m: nn.Module) -> Callable:
+    """Exact gated MLP over one ``gate_up_proj`` (Phi-3: gate rows, then up rows): :func:`rlexact.ops.gate_up_silu`
+    on its weight, the SiLU gate applied as in :func:`_mlp_forward`."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if m.gate_up_proj.bias is None:
+            return m.down_proj(ops.gate_up_silu(x, m.gate_up_proj.weight))
+        gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+        return m.down_proj(ops.silu_mul(gate, up))
+
+    return forward
+
+
 def fused_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Linear]]]:
     """``(module, linears)`` whose outputs one fused matmul may compute: each attention layer's q/k/v and each gated
-    MLP's gate/up projections, in the order their outputs are split."""
+    MLP's gate/up projections, in the order their outputs are split (none for layers whose checkpoint already fuses
+    them, as Phi-3's)."""
     for m in model.modules():
-        if _is_attention(m):
+        if _is_attention(m) and hasattr(m, "q_proj"):
             yield m, [m.q_proj, m.k_proj, m.v_proj]
         elif _is_gated_mlp(m):
             yield m, [m.gate_proj, m.up_proj]
 
 
 def _is_attention(m: nn.Module) -> bool:
-    return type(m).__name__.endswith("Attention") and all(
-        isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-    )
+    """An attention layer with q, k, v and o projections, or (Phi-3) one fused ``qkv_proj`` and ``o_proj``."""
+    names = ("qkv_proj", "o_proj") if hasattr(m, "qkv_proj") else ("q_proj", "k_proj", "v_proj", "o_proj")
+    return type(m).__name__.endswith("Attention") and all(isinstance(getattr(m, n, None), nn.Linear) for n in names)
 
 
 def _norm_eps(m: nn.Module | None) -> float:
@@ -275,6 +307,13 @@ def _is_rmsnorm(m: nn.Module) -> bool:
 
 def _is_gated_mlp(m: nn.Module) -> bool:
     return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _is_fused_gated_mlp(m: nn.Module) -> bool:
+    """Phi-3's MLP: one ``gate_up_proj`` linear (MoE experts hold a 3-D ``gate_up_proj`` parameter instead)."""
+    return type(m).__name__.endswith("MLP") and all(
+        isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj")
+    )
 
 
 def _is_decoder_layer(m: nn.Module) -> bool:
@@ -401,13 +440,15 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         elif _is_gated_mlp(m):
             _patch(state, m, _mlp_forward(m))
             m.__dict__[_STATE_ATTR] = state
+        elif _is_fused_gated_mlp(m):
+            _patch(state, m, _fused_mlp_forward(m))
         elif type(m).__name__.endswith("RotaryEmbedding"):
             _patch(state, m, _rope_from_table(state, m.forward, max_pos))
         elif _is_attention(m):
             _patch(state, m, _attention_forward(m))
         elif (moe_fwd := moe_forward(m)) is not None:
             _patch(state, m, moe_fwd)
-        if hasattr(m, "layer_idx") and hasattr(m, "q_proj"):
+        if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "qkv_proj")):
             m.__dict__[_STATE_ATTR] = state
     _patch_decoder_layers(state, model)
     model.__dict__[_STATE_ATTR] = state
