@@ -185,8 +185,9 @@ def _attention_forward(m: nn.Module) -> Callable:
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 each head
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
     qkv_proj = getattr(m, "qkv_proj", None)
-    hq, hkv = m.config.num_attention_heads, m.config.num_key_value_heads
-    qkv_sizes = (hq * m.head_dim, hkv * m.head_dim, hkv * m.head_dim)
+    if qkv_proj is not None:
+        hq, hkv = m.config.num_attention_heads, m.config.num_key_value_heads
+        qkv_sizes = (hq * m.head_dim, hkv * m.head_dim, hkv * m.head_dim)
 
     def forward(
         hidden_states: torch.Tensor,

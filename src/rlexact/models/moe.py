@@ -2,10 +2,10 @@
 
 Written against transformers 5.x (checked with 5.24 and 5.25), where a sparse block holds a router (``*TopKRouter``:
 ``weight [E, H]``, ``top_k``, and ``norm_topk_prob`` or Mixtral's fixed semantics) and fused experts (``*Experts``:
-``gate_up_proj [E, 2I, H]``,
-``down_proj [E, H, I]``, dispatched by ``config._experts_implementation``). :func:`moe_forward` returns the exact
-replacement forward for each of these modules (``None`` for any other module); :func:`rlexact.exactify` installs them
-with its native/exact switch, so the stock block forward keeps running and only its two calls change:
+``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, dispatched by ``config._experts_implementation``).
+:func:`moe_forward` returns the exact replacement forward for each of these modules (``None`` for any other module);
+:func:`rlexact.exactify` installs them with its native/exact switch, so the stock block forward keeps running and only
+its two calls change:
 
 * router: logits through the exact matmul (:func:`rlexact.ops.matmul`, in the hidden dtype as transformers does),
   then :func:`rlexact.ops.moe_router` (fp32 softmax, top-k with ties to the lowest expert index, ``norm_topk_prob``);

@@ -47,9 +47,10 @@ def _norm_input(x_row, r_row, s_row, idx, mask, HAS_RES: tl.constexpr, STORE: tl
 @triton.jit
 def _normed(x, r, X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, ROUND_NORMED: tl.constexpr):
     """The normalized row ``x * r`` in fp32, rounded to the input dtype first when ``ROUND_NORMED``."""
+    y = x * r
     if ROUND_NORMED:
-        return cast_out(x * r, X_DTYPE, RNE_X).to(tl.float32)
-    return x * r
+        y = cast_out(y, X_DTYPE, RNE_X).to(tl.float32)
+    return y
 
 
 @triton.jit
