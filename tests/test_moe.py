@@ -146,6 +146,20 @@ def test_rollout_equals_trainer_mixtral_bf16() -> None:
         assert_exact(model, native)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_transformers_generate_decode_equals_full_forward(arch: str) -> None:
+    """transformers' ``generate`` (DynamicCache, left padding) on an exactified MoE model: every decode step's logits
+    equal the full forward's bitwise; negative control: the stock kernels' do not."""
+    from test_no_fallback import _decode_vs_full
+
+    model = rlexact.exactify(tiny_moe(arch, dtype=torch.bfloat16, seed=5))
+    equal, total = _decode_vs_full(model, "cpu")
+    assert equal == total == 30
+    with rlexact.use_kernels(model, "native"):
+        equal, total = _decode_vs_full(model, "cpu")
+    assert equal < total
+
+
 @pytest.mark.parametrize("budget", [13, 64])
 def test_rollout_equals_trainer_bf16_chunked(moe_bf16, budget: int) -> None:
     gen = Generator(moe_bf16, max_num_batched_tokens=budget, max_num_seqs=6, block_size=4)
