@@ -71,7 +71,7 @@ def tiny_model(
         model = MistralForCausalLM(MistralConfig(head_dim=head_dim, sliding_window=None, **common))
     elif arch == "olmo2":
         assert heads * head_dim == hidden, "olmo2 derives head_dim from hidden/heads"
-        model = Olmo2ForCausalLM(Olmo2Config(**common))
+        model = Olmo2ForCausalLM(Olmo2Config(pad_token_id=0, eos_token_id=2, **common))  # ids inside tiny vocabularies
     elif arch == "phi3":
         assert heads * head_dim == hidden, "phi3 derives head_dim from hidden/heads"
         model = Phi3ForCausalLM(Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common))

@@ -156,7 +156,7 @@ def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     """The exact first mini-step (trainer == rollout, ratio exactly 1) for the dense architectures besides Qwen3,
     built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included)."""
     cfg = tiny_config() | {"model_type": model_type}
-    if model_type == "phi3":  # Phi-3's default special-token ids lie past the tiny vocabulary
+    if model_type in ("olmo2", "phi3"):  # their default special-token ids lie past the tiny vocabulary
         cfg |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
     probe = Inspect()
