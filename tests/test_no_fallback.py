@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import rlexact
 from models import tiny_model
@@ -86,41 +85,9 @@ def test_cached_attention_with_grad_is_an_error() -> None:
         model(torch.randint(0, VOCAB, (1, 1)), cache=out.cache, use_cache=True)
 
 
-def test_sliding_window_is_an_error() -> None:
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=128, use_sliding_window=True, sliding_window=8,
-        max_window_layers=0,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_window=8 is active.*use_sliding_window=False"):
-        rlexact.exactify(Qwen3ForCausalLM(cfg))
-
-
-def test_mistral_sliding_window_is_an_error() -> None:
-    """Mistral applies ``config.sliding_window`` (no ``use_sliding_window`` switch, no attribute on the attention
-    layers); a window shorter than the context is refused, one that covers it is not."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_window=16 is active.*from_pretrained\\(path, sliding_window=None\\)"):
-        rlexact.exactify(MistralForCausalLM(MistralConfig(sliding_window=16, **common)))
-    model = rlexact.exactify(MistralForCausalLM(MistralConfig(sliding_window=16, **common)).eval(), enabled=False)
-    model.config.sliding_window = None
-    rlexact.exactify(model)
-    model.config.sliding_window = 16  # changed after exactify: the forward refuses it too
-    with pytest.raises(ValueError, match="sliding_window=16 is active"):
-        model(torch.randint(0, VOCAB, (1, 5)))
-    for window in (None, 128, 4096):
-        model = MistralForCausalLM(MistralConfig(sliding_window=window, **common))
-        assert rlexact.is_exactified(rlexact.exactify(model))
-
-
 def test_phi3_settings_the_kernels_do_not_implement_are_errors() -> None:
-    """Phi-3: residual dropout, a partial rotary factor, longrope scaling and an active sliding window (read from the
-    config) are refused before anything is patched; without them the same config is exactified."""
+    """Phi-3: residual dropout, a partial rotary factor and longrope scaling are refused before anything is patched;
+    without them the same config is exactified."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     common = dict(
@@ -131,7 +98,6 @@ def test_phi3_settings_the_kernels_do_not_implement_are_errors() -> None:
         (dict(resid_pdrop=0.1), "resid_pdrop=0.1.*resid_pdrop=0.0"),
         (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
          "partial_rotary_factor=0.5"),
-        (dict(sliding_window=32), "sliding_window=32 is active.*sliding_window=None"),
     ]  # fmt: skip
     for extra, match in bad:
         model = Phi3ForCausalLM(Phi3Config(**common, **extra))

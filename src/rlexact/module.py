@@ -45,7 +45,7 @@ from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataset, check_tokenizer_source, load_tokenizer
 from rlexact.distributed import is_fsdp
-from rlexact.models import exactify, uncompiled
+from rlexact.models import context_limit, exactify, uncompiled
 from rlexact.reduction import MetricReducer
 from rlexact.rewards import RewardConfig, RewardExecutor, RewardResult, resolve_reward, shared_executor
 from rlexact.rollout import Completion, Generator, SamplingParams
@@ -297,7 +297,7 @@ class RLModule(L.LightningModule):
         if isinstance(dataset, PromptDataset) and len(dataset):  # prompt problems surface now, not at their batch
             data_checks.check_token_ids(dataset.max_token_id, int(self.model.config.vocab_size), data.path)
             longest, row = dataset.longest_prompt
-            max_context = self.rollout_cfg.max_context or int(self.model.config.max_position_embeddings)
+            max_context = sampling.max_context(self.rollout_cfg, context_limit(self.model))
             data_checks.check_prompt_lengths(longest, row, max_context, self.rollout_cfg.max_new_tokens)
         policy.restore_fp32_rope(self.model, self._rope_fp32)
         if self.ref_model is not None and not is_fsdp(self.ref_model):
@@ -375,7 +375,7 @@ class RLModule(L.LightningModule):
         )
 
     def _check_prompts(self, items: Sequence[dict]) -> list[list[int]]:
-        return sampling.check_prompts(items, self.rollout_cfg, self.model.config.max_position_embeddings)
+        return sampling.check_prompts(items, self.rollout_cfg, context_limit(self.model))
 
     # ------------------------------------------------------------------------------------------------------------
     # step stages (overridable)

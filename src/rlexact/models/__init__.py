@@ -1,6 +1,7 @@
 """transformers integration: :func:`exactify`, the packed forward and the log-prob head."""
 
 from rlexact.models.compiled import uncompiled
+from rlexact.models.context import ContextLimit, context_limit
 from rlexact.models.exactify import (
     ATTN_IMPL,
     SUPPORTED_MODEL_TYPES,
@@ -18,9 +19,11 @@ __all__ = [
     "ATTN_IMPL",
     "SUPPORTED_MODEL_TYPES",
     "AttnMetadata",
+    "ContextLimit",
     "ExactState",
     "PagedKV",
     "check_supported",
+    "context_limit",
     "decoder",
     "exactify",
     "forward_hidden",

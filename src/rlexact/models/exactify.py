@@ -3,8 +3,9 @@
 * Attention: an ``AttentionInterface`` function named ``"rlexact"`` plus a matching ``AttentionMaskInterface``
   entry, selected through ``config._attn_implementation``. It reads :class:`~rlexact.models.metadata.AttnMetadata`
   from the forward kwargs. Plain transformers calls (``model(ids)``, ``model.generate`` with its ``DynamicCache``
-  and left padding) run the same exact kernels; settings the kernels do not implement (an active sliding window,
-  attention dropout in train mode, autocast) raise an error naming the fix.
+  and left padding) run the same exact kernels; settings the kernels do not implement (attention dropout in train
+  mode, autocast) raise an error naming the fix, and so does a sequence past a sliding window
+  (:mod:`rlexact.models.context`).
 * ``nn.Linear``, RMSNorm, the gated MLP, the rotary embedding and the attention layer (fused q/k-norm + rotary):
   instance ``forward`` replacements that dispatch on the model's :class:`ExactState` (exact kernels, or the stock
   forward in ``"native"`` mode).
@@ -26,6 +27,7 @@ from torch import nn
 
 from rlexact import ops
 from rlexact.models.compiled import uncompiled
+from rlexact.models.context import ContextLimit, context_limit, is_attention, sliding_window
 from rlexact.models.metadata import AttnMetadata
 from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 
@@ -41,6 +43,7 @@ class ExactState:
     """Per-model switch shared by every patched module of one model.
 
     Attributes:
+        context: the longest sequence the model runs (:func:`rlexact.models.context.context_limit` at exactify time).
         kernels: ``"exact"`` or ``"native"``; change it with :func:`use_kernels` (reentrant, try/finally).
         original_forwards: the replaced modules and their original ``forward`` (restored by ``enabled=False``).
         original_attn_impl: ``config._attn_implementation`` before exactify.
@@ -49,6 +52,7 @@ class ExactState:
             (set for the duration of a generator call by :func:`rlexact.models.fusion.use_fused_projections`).
     """
 
+    context: ContextLimit
     kernels: Kernels = "exact"
     original_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
     original_attn_impl: str | None = None
@@ -105,48 +109,59 @@ def check_supported(model: nn.Module) -> None:
             "model with resid_pdrop=0.0, e.g. from_pretrained(path, resid_pdrop=0.0), before rlexact.exactify."
         )
     check_moe(model)
-    for m in model.modules():
-        if _is_attention(m):
-            check_attention_settings(m, 0.0, sliding_window(m))
 
 
 ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm",)
 """RMSNorm classes that multiply the fp32 normalized row by the weight and round once (``round_normed=False`` of
 :func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
-CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral", "phi3")
-"""Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
 
 
-def sliding_window(m: nn.Module) -> int | None:
-    """The sliding window attention layer ``m`` applies: its ``sliding_window`` attribute where it has one (Qwen2 and
-    Qwen3 set it per layer, None or absent on full-attention layers), else its config's for the model types that read
-    the config (:data:`CONFIG_WINDOW_MODEL_TYPES`: Mistral, Mixtral, Phi-3), else None."""
-    if hasattr(m, "sliding_window"):
-        return m.sliding_window
-    config = getattr(m, "config", None)
-    if getattr(config, "model_type", None) in CONFIG_WINDOW_MODEL_TYPES:
-        return getattr(config, "sliding_window", None)
-    return None
-
-
-def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
-    """Replace ``module.forward`` by a switch: ``exact_forward`` in exact mode, the original forward in native
-    mode (the original is kept for ``exactify(model, enabled=False)``)."""
+def _patch(
+    state: ExactState, module: nn.Module, exact_forward: Callable, native: Callable[[Callable], Callable] | None = None
+) -> None:
+    """Replace ``module.forward`` by a switch: ``exact_forward`` in exact mode, the original forward (or
+    ``native(original)``) in native mode; the original is kept for ``exactify(model, enabled=False)``."""
     orig = module.forward
     state.original_forwards.append((module, orig))
+    native_forward = orig if native is None else native(orig)
 
     def forward(*args: object, **kwargs: object) -> object:
         if not state.exact:
-            return orig(*args, **kwargs)
+            return native_forward(*args, **kwargs)
         check_autocast(args[0] if args else next(iter(kwargs.values())))  # type: ignore[arg-type]
         return exact_forward(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
 
+def _check_positions_in_context(state: ExactState, x: torch.Tensor, position_ids: torch.Tensor) -> None:
+    """:meth:`ContextLimit.check` of the largest position (skipped inside a CUDA-graph capture, whose lengths the
+    generator checks when it admits the sequences)."""
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        state.context.check(int(position_ids.max()))
+
+
+def _window_guarded(state: ExactState) -> Callable[[Callable], Callable]:
+    """The native rotary forward: the stock one, after the positions are checked against a sliding window that
+    limits the context (the native attention paths are full causal too); unchanged without such a window."""
+
+    def wrap(orig: Callable) -> Callable:
+        if state.context.window is None:
+            return orig
+
+        def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            _check_positions_in_context(state, x, position_ids)
+            return orig(x, position_ids)
+
+        return forward
+
+    return wrap
+
+
 def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> Callable:
     """Exact rotary forward: ``(cos, sin)`` gathered from one fp32 table over ``[0, max_positions)`` per device,
-    built once with the stock forward, so a position's values never depend on the shape of the call."""
+    built once with the stock forward, so a position's values never depend on the shape of the call. Positions
+    past the model's :class:`ContextLimit` raise ``ValueError``."""
 
     def table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in state.rope_tables:
@@ -158,11 +173,7 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
         return state.rope_tables[device]
 
     def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and int(position_ids.max()) >= max_positions:
-            raise ValueError(
-                f"position {int(position_ids.max())} exceeds max_position_embeddings={max_positions} of the model"
-            )
+        _check_positions_in_context(state, x, position_ids)
         cos, sin = table(x.device)  # built before capture: the generator runs eager steps first
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
@@ -285,16 +296,10 @@ def fused_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Linear]]
     MLP's gate/up projections, in the order their outputs are split (none for layers whose checkpoint already fuses
     them, as Phi-3's)."""
     for m in model.modules():
-        if _is_attention(m) and hasattr(m, "q_proj"):
+        if is_attention(m) and hasattr(m, "q_proj"):
             yield m, [m.q_proj, m.k_proj, m.v_proj]
         elif _is_gated_mlp(m):
             yield m, [m.gate_proj, m.up_proj]
-
-
-def _is_attention(m: nn.Module) -> bool:
-    """An attention layer with q, k, v and o projections, or (Phi-3) one fused ``qkv_proj`` and ``o_proj``."""
-    names = ("qkv_proj", "o_proj") if hasattr(m, "qkv_proj") else ("q_proj", "k_proj", "v_proj", "o_proj")
-    return type(m).__name__.endswith("Attention") and all(isinstance(getattr(m, n, None), nn.Linear) for n in names)
 
 
 def _norm_eps(m: nn.Module | None) -> float:
@@ -430,7 +435,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         return model
     check_supported(model)
     register_attention()
-    state = ExactState(original_attn_impl=getattr(model.config, "_attn_implementation", None))
+    state = ExactState(context_limit(model), original_attn_impl=getattr(model.config, "_attn_implementation", None))
     max_pos = int(model.config.max_position_embeddings)
     for m in model.modules():
         if isinstance(m, nn.Linear):
@@ -444,8 +449,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         elif _is_fused_gated_mlp(m):
             _patch(state, m, _fused_mlp_forward(m))
         elif type(m).__name__.endswith("RotaryEmbedding"):
-            _patch(state, m, _rope_from_table(state, m.forward, max_pos))
-        elif _is_attention(m):
+            _patch(state, m, _rope_from_table(state, m.forward, max_pos), native=_window_guarded(state))
+        elif is_attention(m):
             _patch(state, m, _attention_forward(m))
         elif (moe_fwd := moe_forward(m)) is not None:
             _patch(state, m, moe_fwd)
@@ -593,23 +598,22 @@ HF_CACHE_BLOCK = 16
 """Block size of the paged view that :func:`_transformers_attention` builds over a transformers KV cache."""
 
 
-def check_attention_settings(module: nn.Module, dropout: float, sliding_window: int | None) -> None:
+def check_attention_settings(module: nn.Module, dropout: float, window: int | None) -> None:
     """Raise ``ValueError`` for attention settings the exact kernels do not implement (never ignore them silently):
-    attention dropout in train mode, and a sliding window shorter than the model's context."""
+    attention dropout in train mode, and a sliding window shorter than the context limit that exactify set (the
+    window changed afterwards)."""
     if dropout > 0:
         raise ValueError(
             f"attention_dropout={dropout} in train mode: rlexact's attention kernels do not implement dropout. "
             "Set model.config.attention_dropout = 0.0 and every attention layer's attention_dropout = 0.0 (or call "
             "model.eval())."
         )
-    max_pos = int(getattr(module.config, "max_position_embeddings", 0) or 0)
-    if sliding_window is not None and (not max_pos or int(sliding_window) < max_pos):
-        # Qwen2 switches its window with use_sliding_window; Mistral and Mixtral apply any config.sliding_window
-        off = "use_sliding_window=False" if hasattr(module.config, "use_sliding_window") else "sliding_window=None"
+    state: ExactState | None = module.__dict__.get(_STATE_ATTR)
+    if window is not None and state is not None and int(window) < state.context.tokens:
         raise ValueError(
-            f"sliding_window={sliding_window} is active (max_position_embeddings={max_pos}): rlexact's attention "
-            f"kernels implement full causal attention only. Load the model with {off}, e.g. "
-            f"from_pretrained(path, {off}), before rlexact.exactify."
+            f"sliding_window={window} of {type(module).__name__} is shorter than the context limit exactify set "
+            f"({state.context.tokens} tokens, from {state.context.source}): the window changed after exactify. Call "
+            "rlexact.exactify(model, enabled=False), then rlexact.exactify(model), so the context follows the window."
         )
 
 
@@ -626,7 +630,7 @@ def check_autocast(x: torch.Tensor) -> None:
 
 def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Append ``k, v [B, T, Hkv, D]`` to a transformers ``DynamicCache``; return all keys/values ``[B, L, Hkv, D]``."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if not isinstance(cache, DynamicCache):
         raise ValueError(
@@ -635,10 +639,18 @@ def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor)
         )
     k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), m.layer_idx)
     layer = cache.layers[m.layer_idx]
-    if type(layer) is not DynamicLayer:
+    if type(layer) is DynamicSlidingWindowLayer:  # holds every key while the cache fits the window
+        if k_all.shape[-2] != layer.cumulative_length:
+            raise ValueError(
+                f"layer {m.layer_idx}'s sliding-window cache dropped keys past its window of {layer.sliding_window} "
+                "(padding included); rlexact's kernels attend to every key, so keep padded prompt + new tokens "
+                f"within {layer.sliding_window}"
+            )
+    elif type(layer) is not DynamicLayer:
         raise ValueError(
-            f"rlexact's exact attention supports full DynamicCache layers, got {type(layer).__name__} in layer "
-            f"{m.layer_idx}; use the default DynamicCache without sliding-window or quantized layers"
+            f"rlexact's exact attention supports full and sliding-window DynamicCache layers, got "
+            f"{type(layer).__name__} in layer {m.layer_idx}; use the default DynamicCache (no quantized or offloaded "
+            "layers)"
         )
     return k_all.transpose(1, 2), v_all.transpose(1, 2)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
+from rlexact.models import ContextLimit
 from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
 
@@ -79,16 +80,30 @@ def prompt_keys(items: Sequence[dict], *, split: int, epoch: int) -> list[int] |
     return [request_key(split, it["index"], epoch) for it in items]
 
 
-def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int) -> list[list[int]]:
+def max_context(cfg: RolloutConfig, limit: ContextLimit) -> int:
+    """``rollout.max_context``, or the model's context limit when it is None; one past the limit raises
+    ``ValueError`` naming what sets the limit."""
+    if cfg.max_context is None:
+        return limit.tokens
+    if cfg.max_context > limit.tokens:
+        raise ValueError(
+            f"rollout.max_context={cfg.max_context} is longer than the model's context of {limit.tokens} tokens "
+            f"({limit.source}); set rollout.max_context to at most {limit.tokens}"
+        )
+    return cfg.max_context
+
+
+def check_prompts(items: Sequence[dict], cfg: RolloutConfig, limit: ContextLimit) -> list[list[int]]:
     """The token ids of a data batch's prompts; an empty batch, an item without ``prompt_ids``, an empty prompt or one
-    that leaves no room for ``max_new_tokens`` in the context raise ``ValueError`` naming the item and the fix."""
+    that leaves no room for ``max_new_tokens`` in the context (:func:`max_context`) raise ``ValueError`` naming the
+    item and the fix."""
     if not isinstance(items, (list, tuple)) or len(items) == 0:
         raise ValueError(
             "training_step got an empty batch of prompts; check that the dataset is not empty "
             "(rlexact.data.PromptDataModule yields lists of prompt dicts)"
         )
-    max_context = cfg.max_context or int(max_positions)
-    budget = max_context - cfg.max_new_tokens
+    context = max_context(cfg, limit)
+    budget = context - cfg.max_new_tokens
     prompts = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or "prompt_ids" not in item:
@@ -99,7 +114,7 @@ def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int)
         if len(ids) > budget:
             raise ValueError(
                 f"prompt {i} (dataset index {item.get('index')}) has {len(ids)} tokens; with "
-                f"max_new_tokens={cfg.max_new_tokens} the context of {max_context} tokens leaves room "
+                f"max_new_tokens={cfg.max_new_tokens} the context of {context} tokens leaves room "
                 f"for prompts of at most {max(budget, 0)} tokens (filter long prompts, e.g. "
                 "PromptDataModule(max_prompt_length=...), or lower rollout.max_new_tokens)"
             )
