@@ -25,6 +25,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 MOE_VOCAB = 97
@@ -75,6 +77,10 @@ def tiny_model(
     elif arch == "phi3":
         assert heads * head_dim == hidden, "phi3 derives head_dim from hidden/heads"
         model = Phi3ForCausalLM(Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common))
+    elif arch == "smollm3":  # every second layer without rotary (NoPE)
+        assert heads * head_dim == hidden, "smollm3 derives head_dim from hidden/heads"
+        config = SmolLM3Config(no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        model = SmolLM3ForCausalLM(config)
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

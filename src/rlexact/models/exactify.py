@@ -34,7 +34,9 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
 ATTN_IMPL = "rlexact"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", *MOE_MODEL_TYPES
+)  # fmt: skip
 _STATE_ATTR = "_rlexact_state"
 
 
@@ -86,7 +88,7 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, Qwen3-MoE, "
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Qwen3-MoE, "
             "Qwen2-MoE and Mixtral *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
@@ -181,11 +183,11 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
 
 
 def _attention_forward(m: nn.Module) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / Phi-3 attention layer: the projections, one
-    fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op chain, the exact
-    attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's
-    (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from its one
-    ``qkv_proj``.
+    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / Phi-3 / SmolLM3 attention layer: the
+    projections, one fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op
+    chain, the exact attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run
+    as the model's (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from
+    its one ``qkv_proj``. SmolLM3's NoPE layers (``use_rope`` False) skip the kernel.
 
     With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
     :func:`rlexact_attention`. Without it (a plain transformers call: ``model(ids)``, ``model.generate``), it is
@@ -195,6 +197,9 @@ def _attention_forward(m: nn.Module) -> Callable:
     eps = _norm_eps(q_norm)
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 each head
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
+    rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
+    if not rotates and q_norm is not None and not full_norm:
+        raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
     qkv_proj = getattr(m, "qkv_proj", None)
     if qkv_proj is not None:
         hq, hkv = m.config.num_attention_heads, m.config.num_key_value_heads
@@ -228,7 +233,9 @@ def _attention_forward(m: nn.Module) -> Callable:
         paged = None if meta is None else meta.paged
         if paged is not None and not _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None)):
             paged = None  # paged steps under autograd: rotate here, attention writes the cache
-        if paged is None:
+        if not rotates:  # nothing to fuse: attention writes the cache
+            paged = None
+        elif paged is None:
             q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
         else:  # generator steps: the rotation kernel also stores this layer's new K/V rows in the paged cache
             kc, vc = paged.caches[m.layer_idx]
