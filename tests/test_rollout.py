@@ -470,7 +470,7 @@ def test_native_paged_attention_matches_exact_kernel_closely():
     """The native paged path (decode batch + grouped padded prefill) computes the same attention, up to rounding."""
     from rlexact import ops
     from rlexact.models import AttnMetadata, PagedKV
-    from rlexact.models.exactify import _native_paged
+    from rlexact.models.native_attention import native_paged
 
     torch.manual_seed(0)
     nb, bs, hkv, hq, d = 40, 4, 2, 6, 16
@@ -481,13 +481,13 @@ def test_native_paged_attention_matches_exact_kernel_closely():
     q = torch.randn(int(cu[-1]), hq, d)
     meta = AttnMetadata(cu, PagedKV([(kc, vc)], tables, torch.tensor(lks, dtype=torch.int32), torch.zeros(0)))
     ref = ops.attention_paged(q, kc, vc, tables, cu, meta.paged.seqlens_k, 0.25)
-    got = _native_paged(q, meta, kc, vc, 0.25)
+    got = native_paged(q, meta, kc, vc, 0.25)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     dq = q[: len(nqs)]
     dmeta = AttnMetadata(torch.arange(len(nqs) + 1, dtype=torch.int32), meta.paged)
     dref = ops.attention_paged(dq, kc, vc, tables, dmeta.cu_seqlens, meta.paged.seqlens_k, 0.25)
     dmeta.paged.max_seqlen_q, dmeta.paged.max_seqlen_k = 1, 32  # static padded bound (graph mode)
-    torch.testing.assert_close(_native_paged(dq, dmeta, kc, vc, 0.25), dref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(native_paged(dq, dmeta, kc, vc, 0.25), dref, atol=2e-5, rtol=1e-4)
 
 
 def test_every_stats_key_is_documented(qwen):

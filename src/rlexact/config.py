@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlexact.checks import choice, finite, integer, positive_int
-from rlexact.models.exactify import KERNELS, Kernels
+from rlexact.models.state import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
 from rlexact.rollout.config import GeneratorConfig

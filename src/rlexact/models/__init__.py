@@ -1,19 +1,12 @@
 """transformers integration: :func:`exactify`, the packed forward and the log-prob head."""
 
+from rlexact.models.attention import ATTN_IMPL
 from rlexact.models.compiled import uncompiled
 from rlexact.models.context import ContextLimit, context_limit
-from rlexact.models.exactify import (
-    ATTN_IMPL,
-    SUPPORTED_MODEL_TYPES,
-    ExactState,
-    check_supported,
-    exactify,
-    get_state,
-    is_exactified,
-    use_kernels,
-)
+from rlexact.models.exactify import SUPPORTED_MODEL_TYPES, check_supported, exactify
 from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.metadata import AttnMetadata, PagedKV
+from rlexact.models.state import ExactState, get_state, is_exactified, use_kernels
 
 __all__ = [
     "ATTN_IMPL",

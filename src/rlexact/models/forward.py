@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlexact import ops
-from rlexact.models.exactify import get_state
 from rlexact.models.metadata import AttnMetadata
+from rlexact.models.state import get_state
 from rlexact.models.truncation import truncated_logprobs, truncates
 
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from rlexact import ops
-from rlexact.models.exactify import fused_groups, get_state
+from rlexact.models.exactify import fused_groups
+from rlexact.models.state import get_state
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from rlexact.checks import choice, positive_int
-from rlexact.models.exactify import KERNELS, Kernels
+from rlexact.models.state import KERNELS, Kernels
 
 
 @dataclass
