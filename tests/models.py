@@ -7,6 +7,8 @@ import random
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -81,6 +83,9 @@ def tiny_model(
         assert heads * head_dim == hidden, "smollm3 derives head_dim from hidden/heads"
         config = SmolLM3Config(no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
         model = SmolLM3ForCausalLM(config)
+    elif arch == "granite":  # scaled embeddings, attention, residual branches and logits
+        scales = dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)
+        model = GraniteForCausalLM(GraniteConfig(head_dim=head_dim, **scales, **common))
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

@@ -59,6 +59,7 @@ CASES = [
     ("olmo2", 4, 2, 16, 64, 97),
     ("phi3", 4, 1, 16, 64, 97),
     ("smollm3", 4, 2, 16, 64, 97),
+    ("granite", 4, 2, 16, 48, 97),
 ]
 
 
@@ -94,7 +95,7 @@ def test_native_path_differs(dtype) -> None:
     assert differ > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "phi3", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "phi3", "smollm3", "granite"])
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
     ref = tiny_model(arch, hidden=64, heads=4, kv_heads=2, head_dim=16)

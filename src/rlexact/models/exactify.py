@@ -35,7 +35,7 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", *MOE_MODEL_TYPES
+    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", *MOE_MODEL_TYPES
 )  # fmt: skip
 
 
@@ -52,8 +52,8 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Qwen3-MoE, "
-            "Qwen2-MoE and Mixtral *ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Granite, "
+            "Qwen3-MoE, Qwen2-MoE and Mixtral *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -295,8 +295,11 @@ def _is_fused_gated_mlp(m: nn.Module) -> bool:
 
 
 def _is_decoder_layer(m: nn.Module) -> bool:
+    """A pre-norm decoder layer whose residual adds :func:`_decoder_layer_forward` fuses into the norms (Granite's
+    scaled residual branches, ``residual_multiplier``, keep the stock forward)."""
     return (
         type(m).__name__.endswith("DecoderLayer")
+        and float(getattr(m, "residual_multiplier", 1.0)) == 1.0
         and all(_is_rmsnorm(getattr(m, n, None)) for n in ("input_layernorm", "post_attention_layernorm"))
         and all(isinstance(getattr(m, n, None), nn.Module) for n in ("self_attn", "mlp"))
     )

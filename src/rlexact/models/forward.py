@@ -50,6 +50,12 @@ def forward_hidden(
     return out.last_hidden_state[0]
 
 
+def logits_scale(model: nn.Module) -> float:
+    """The divisor the model applies to its logits before the softmax (Granite's ``config.logits_scaling``; 1 for
+    the others). The head folds it into the temperature: every path computes ``z / (temperature * scale)``."""
+    return float(getattr(getattr(model, "config", None), "logits_scaling", 1.0) or 1.0)
+
+
 def head_logprobs(
     model: nn.Module,
     hidden: torch.Tensor,
@@ -68,11 +74,13 @@ def head_logprobs(
     draws from (:func:`rlexact.models.truncation.truncated_logprobs` over :func:`head_logits`), bitwise equal to the
     generator's ``logprobs="sampled"`` in exact mode. ``check_targets=False``: the caller has checked that every
     target lies in the head's vocabulary (the exact kernel then skips its own check's host synchronization).
+    ``temperature`` is the sampling temperature; the model's :func:`logits_scale` multiplies it.
     """
+    temperature = temperature * logits_scale(model)
     w = lm_head_weight(model)
     if truncates(w.shape[0], top_k, top_p):
         return truncated_logprobs(
-            hidden, w, targets, temperature, top_k, top_p, lambda h: head_logits(model, h, temperature)
+            hidden, w, targets, temperature, top_k, top_p, lambda h: _scaled_logits(model, h, temperature)
         )
     if _exact(model):
         return ops.token_logprobs(hidden, w, targets, temperature, check_targets=check_targets)
@@ -85,7 +93,14 @@ def head_logprobs(
 @torch.no_grad()
 def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled logits ``[B, V]`` and logsumexp ``[B]`` fp32 for sampling, consistent bitwise with
-    :func:`head_logprobs` (``z[i, t] - lse[i]`` is the log-prob of ``t``) in exact mode."""
+    :func:`head_logprobs` (``z[i, t] - lse[i]`` is the log-prob of ``t``) in exact mode; :func:`logits_scale`
+    multiplies ``temperature``."""
+    return _scaled_logits(model, hidden, temperature * logits_scale(model))
+
+
+@torch.no_grad()
+def _scaled_logits(model: nn.Module, hidden: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`head_logits` at an effective ``temperature`` (the logits scale already folded in)."""
     w = lm_head_weight(model)
     if _exact(model):
         return ops.lm_head_logits(hidden, w, temperature)
