@@ -9,6 +9,8 @@ import torch
 from transformers import (
     GraniteConfig,
     GraniteForCausalLM,
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -141,6 +143,14 @@ def tiny_moe(
             num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False, sliding_window=None,
         )  # fmt: skip
         return _scaled(MixtralForCausalLM(MixtralConfig(**(config | extra))), weight_scale, dtype)
+    if arch == "granitemoe":  # every layer sparse, Granite's scaled branches and logits
+        config = dict(
+            vocab_size=MOE_VOCAB, hidden_size=hidden, intermediate_size=moe_inter, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
+            num_experts_per_tok=top_k, max_position_embeddings=256, tie_word_embeddings=False,
+            embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0,
+        )  # fmt: skip
+        return _scaled(GraniteMoeForCausalLM(GraniteMoeConfig(**(config | extra))), weight_scale, dtype)
     common = dict(
         vocab_size=MOE_VOCAB, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=moe_inter,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
@@ -174,8 +184,16 @@ def tiny_moe_rl_config(
 ) -> dict:  # fmt: skip
     """``model_config`` dict of a tiny Qwen3-MoE for the RLModule tests: :func:`tiny_rl_config` with MoE layers
     (``moe_intermediate_size=32``, normalized top-k) except the dense ``mlp_only_layers``. ``arch="mixtral"``: a
-    Mixtral of the same sizes, every layer sparse (experts of ``intermediate_size=32``)."""
+    Mixtral of the same sizes, every layer sparse (experts of ``intermediate_size=32``); ``arch="granitemoe"``: the
+    same as a Granite-MoE, with its scaled branches and logits."""
     cfg = tiny_rl_config(vocab_size)
+    if arch == "granitemoe":
+        cfg.update(
+            model_type="granitemoe", num_hidden_layers=layers, intermediate_size=32, num_local_experts=experts,
+            num_experts_per_tok=top_k, embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5,
+            logits_scaling=4.0,
+        )  # fmt: skip
+        return cfg
     if arch == "mixtral":
         cfg.update(
             model_type="mixtral", num_hidden_layers=layers, intermediate_size=32, num_local_experts=experts,

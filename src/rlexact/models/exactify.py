@@ -53,7 +53,7 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
             f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Granite, "
-            "Qwen3-MoE, Qwen2-MoE and Mixtral *ForCausalLM)"
+            "Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
         )
     act = getattr(model.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):

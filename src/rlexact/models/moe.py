@@ -1,8 +1,9 @@
-"""Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE, Qwen2-MoE and Mixtral.
+"""Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE.
 
 Written against transformers 5.x (checked with 5.24 and 5.25), where a sparse block holds a router (``*TopKRouter``:
-``weight [E, H]``, ``top_k``, and ``norm_topk_prob`` or Mixtral's fixed semantics) and fused experts (``*Experts``:
-``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, dispatched by ``config._experts_implementation``).
+``weight [E, H]``, ``top_k``, and ``norm_topk_prob`` or the fixed renormalization of Mixtral and Granite-MoE) and
+fused experts (``*Experts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, dispatched by
+``config._experts_implementation``).
 :func:`moe_forward` returns the exact replacement forward for each of these modules (``None`` for any other module);
 :func:`rlexact.exactify` installs them with its native/exact switch, so the stock block forward keeps running and only
 its two calls change:
@@ -10,8 +11,7 @@ its two calls change:
 * router: logits through the exact matmul (:func:`rlexact.ops.matmul`, in the hidden dtype as transformers does),
   then :func:`rlexact.ops.moe_router` (fp32 softmax, top-k with ties to the lowest expert index, ``norm_topk_prob``);
   returns ``(logits, weights, ids)`` like the stock router, so transformers' ``router_logits`` recording still works.
-  The weights are in the logits' dtype (Qwen) or fp32 (Mixtral, whose router always renormalizes the top-k), as
-  the stock router returns them;
+  The weights are in the logits' dtype (Qwen, Granite-MoE) or fp32 (Mixtral), as the stock router returns them;
 * experts: :func:`rlexact.ops.moe_experts` (batch-invariant grouped GEMM, fp32 top-k combine in top-k order);
 * Qwen2-MoE block: the shared expert and its gate run through the patched MLP / linear; the mix
   ``routed + sigmoid(gate) * shared`` is :func:`rlexact.ops.sigmoid_gate`.
@@ -31,12 +31,13 @@ from torch import nn
 
 from rlexact import ops
 
-MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe")
 """``config.model_type`` values whose sparse blocks :func:`moe_forward` handles."""
 
-FP32_WEIGHT_ROUTERS: tuple[str, ...] = ("MixtralTopKRouter",)
-"""Router classes without ``norm_topk_prob`` that always renormalize the top-k probabilities and return them in
-fp32 (the others return them in the logits' dtype)."""
+RENORMALIZING_ROUTERS: dict[str, bool] = {"MixtralTopKRouter": True, "GraniteMoeTopKRouter": False}
+"""Router classes without ``norm_topk_prob`` that always renormalize the top-k probabilities (Granite's softmax over
+the top-k logits is the same function), and whether they return the weights in fp32 (Mixtral) or in the hidden
+dtype (Granite; the routers with ``norm_topk_prob`` return them in the logits' dtype too)."""
 
 
 def _is_router(m: nn.Module) -> bool:
@@ -47,7 +48,7 @@ def _is_router(m: nn.Module) -> bool:
         and isinstance(w, torch.Tensor)
         and w.dim() == 2
         and hasattr(m, "top_k")
-        and (hasattr(m, "norm_topk_prob") or name in FP32_WEIGHT_ROUTERS)
+        and (hasattr(m, "norm_topk_prob") or name in RENORMALIZING_ROUTERS)
     )
 
 
@@ -88,15 +89,14 @@ def _check_experts_layout(m: nn.Module) -> None:
 
 
 def _router_forward(m: nn.Module) -> Callable:
-    fp32 = type(m).__name__ in FP32_WEIGHT_ROUTERS  # the softmax is fp32 either way: only the weights' dtype differs
+    name = type(m).__name__
+    fp32 = RENORMALIZING_ROUTERS.get(name, False)  # the softmax is fp32 either way: only the weights' dtype differs
+    renormalize = name in RENORMALIZING_ROUTERS or bool(getattr(m, "norm_topk_prob", False))
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, m.weight.shape[1])
         logits = ops.matmul(x, m.weight)
-        if fp32:
-            weights, ids = ops.moe_router(logits.float(), int(m.top_k), True)
-        else:
-            weights, ids = ops.moe_router(logits, int(m.top_k), bool(m.norm_topk_prob))
+        weights, ids = ops.moe_router(logits.float() if fp32 else logits, int(m.top_k), renormalize)
         return logits, weights, ids
 
     return forward
