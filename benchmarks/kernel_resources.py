@@ -54,7 +54,7 @@ REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, THREADS_PER_SM, PROGRAMS_PER_SM = 65536
 PB, I32 = "*bf16", "i32"
 ATTN_ARGS = {
     **dict(Q=PB, K=PB, V=PB, Out=PB, LSE=PB, DELTA=PB, cu_q="*i32", seqlens_k="*i32", block_tables="*i32"),
-    **dict(qk_scale="fp32", num_seqs=I32),
+    **dict(qk_scale="fp32", num_seqs=I32, window=I32),
     **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kt", "stride_kh"], I32),
     **dict.fromkeys(["stride_vt", "stride_vh", "stride_bt", "stride_lt", "stride_lh"], I32),
     **dict(PACC="*fp32", PML="*fp32", CNT="*i32", n_heads=I32),
@@ -62,7 +62,7 @@ ATTN_ARGS = {
 ATTN_DECODE = dict(
     HEAD_DIM=128, BLOCK_D=128, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, HP=2, GROUP=2, PAGED=True, PAGE_SIZE=16,
     BWD_PREP=False, SCAN=128, SPLIT=ta.SPLIT_KEYS_16BIT, SPLIT_PAR=False, DIRECT=True, ONE_Q=True, FP32_DOT=False,
-    UPCAST=False, PDL=False,
+    UPCAST=False, PDL=False, HAS_WINDOW=False,
 )  # fmt: skip
 MM_TMA_ARGS = dict(x_desc=PB, w_desc=PB, o_desc=PB, M=I32, N=I32, K=I32)
 MM_PTR_ARGS = dict(x_ptr=PB, w_ptr=PB, o_ptr=PB, M=I32, N=I32, K=I32, stride_xm=I32, stride_wn=I32, stride_om=I32)

@@ -10,6 +10,7 @@ Every exactness check is ``torch.equal``; every correctness check compares with 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -306,6 +307,39 @@ def check_public_api(lens, hq, hkv, d, dtype=torch.float32, device="cpu"):
     assert torch.equal(out, full)
 
 
+def check_window(lens, hq, hkv, d, window, dtype=torch.float32, device="cpu", chunks=(7,), block_sizes=(4,)):
+    """A sliding window: the forward and the backward against float64; varlen == paged full prefill == chunked
+    prefill == decode (with and without ``max_seqlen_q``), bitwise; rows inside the window equal the unwindowed
+    launch's bitwise, and (negative control) rows past it differ."""
+    q, k, v, cu = make_inputs(lens, hq, hkv, d, dtype, device, seed=3)
+    scale = d**-0.5
+    full = ta.attention_varlen(q, k, v, cu, scale, window=window)
+    ref = reference.attention_varlen(q.double(), k.double(), v.double(), cu, scale, window)
+    err = (full.double() - ref).abs().max().item()
+    assert err < _tol(dtype), f"windowed varlen vs float64: max err {err} (lens {lens}, window {window})"
+    paged = functools.partial(ta.attention_paged, window=window)
+    prompts = [max(1, n // 3) for n in lens]
+    for bs in block_sizes:
+        runs = {"paged-full": ([list(lens)], False), "decode": (decode_schedule(lens, prompts), True)}
+        runs.update({f"chunk{c}": (chunk_schedule(lens, c), False) for c in chunks})
+        for name, (sched, bound) in runs.items():
+            out = run_schedule(q, k, v, lens, sched, bs, paged_fn=paged, bound=bound)
+            assert torch.equal(out, full), f"window {window}: {name} (block {bs}) != varlen (lens {lens})"
+    plain = ta.attention_varlen(q, k, v, cu, scale)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+    assert torch.equal(full[pos < window], plain[pos < window]), "rows inside the window changed"
+    assert not torch.equal(full[pos >= window], plain[pos >= window]), "negative control: the window hid nothing"
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(dtype=dtype, device=device)
+    qr, kr, vr = (x.double().requires_grad_(True) for x in (q, k, v))
+    want = torch.autograd.grad(reference.attention_varlen(qr, kr, vr, cu, scale, window), (qr, kr, vr), do.double())
+    grads = ta.attention_varlen_backward(do, q, k, v, cu, scale, window)
+    for name, g, r, g2 in zip(("dq", "dk", "dv"), grads, want, ta.attention_varlen_backward(do, q, k, v, cu, scale,
+                                                                                          window)):  # fmt: skip
+        assert torch.equal(g, g2), f"windowed {name} not deterministic"
+        err = (g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+        assert err < 5 * _tol(dtype), f"windowed {name} vs float64: rel err {err} (lens {lens}, window {window})"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU sections (interpreter)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,7 +396,23 @@ def section_split() -> None:
     check_split_negative_control(lens, 4, 2, 16)
 
 
-SECTIONS = {"forward": section_forward, "exact": section_exact, "backward": section_backward, "split": section_split}
+def section_window() -> None:
+    """Sliding windows: within one key tile and across tiles, GQA, bf16, several KV splits (whole splits before the
+    window are skipped), the split-parallel decode pass and in-program split loops."""
+    check_window(LENS, 4, 2, 16, window=6)
+    check_window(LENS, 2, 1, 16, window=23, chunks=(5, 16), block_sizes=(4, 16))
+    check_window([9, 33], 2, 1, 64, window=17)
+    check_window(LENS, 4, 2, 16, window=11, dtype=torch.bfloat16)
+    with small_splits(1):
+        check_window([3, 90], 2, 1, 16, window=20, chunks=(33,), block_sizes=(16,))
+    with small_splits(1, parallel=False):
+        check_window([3, 90], 2, 1, 16, window=37, chunks=(9,), block_sizes=(4,))
+
+
+SECTIONS = {
+    "forward": section_forward, "exact": section_exact, "backward": section_backward, "split": section_split,
+    "window": section_window,
+}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

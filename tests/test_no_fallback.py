@@ -23,7 +23,9 @@ def _left_padded(prompts: list[torch.Tensor], device: str) -> tuple[torch.Tensor
     return ids.to(device), mask.to(device)
 
 
-def _decode_vs_full(model: torch.nn.Module, device: str, new_tokens: int = 10) -> tuple[int, int]:
+def _decode_vs_full(
+    model: torch.nn.Module, device: str, new_tokens: int = 10, **generate_kw: object
+) -> tuple[int, int]:
     """``(equal, total)``: generated steps whose decode logits equal the full (cache-free) forward bitwise."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11, 3)]
@@ -31,7 +33,7 @@ def _decode_vs_full(model: torch.nn.Module, device: str, new_tokens: int = 10) -
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **generate_kw,
         )  # fmt: skip
         steps = torch.stack(out.logits, 1)
         equal = total = 0

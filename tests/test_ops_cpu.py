@@ -214,21 +214,29 @@ def _paged_cache(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Gen
     return kc, vc, perm
 
 
+@pytest.mark.parametrize("window", [None, 9, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (4, 2, 16), (8, 2, 64)])
-def test_attention_varlen_paged_decode_equal(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+def test_attention_varlen_paged_decode_equal(dtype: torch.dtype, hq: int, hkv: int, d: int, window: int | None) -> None:
     g = torch.Generator().manual_seed(hq * 100 + hkv * 10 + d)
     lengths = [1, 5, 17, 70]
     q, k, v, cu = _rand_seqs(g, lengths, hq, hkv, d, dtype)
     scale = d**-0.5
-    full = ops.attention_varlen(q, k, v, cu, scale)
+    full = ops.attention_varlen(q, k, v, cu, scale, window=window)
     # correctness against float64
-    ref = reference.attention_varlen(q.double(), k.double(), v.double(), cu, scale)
+    ref = reference.attention_varlen(q.double(), k.double(), v.double(), cu, scale, window)
     assert rel_err(full, ref) < TOL[dtype]
+    if window is not None:  # rows inside the window are the unwindowed rows; past it (negative control) not
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        plain = ops.attention_varlen(q, k, v, cu, scale)
+        assert torch.equal(full[pos < window], plain[pos < window])
+        assert not torch.equal(full[pos >= window], plain[pos >= window])
     # batch invariance: each sequence alone
     for b in range(len(lengths)):
         s, e = int(cu[b]), int(cu[b + 1])
-        alone = ops.attention_varlen(q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s], dtype=torch.int32), scale)
+        alone = ops.attention_varlen(
+            q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s], dtype=torch.int32), scale, window=window
+        )
         assert torch.equal(alone, full[s:e])
     # paged: decode one token at a time, and chunked prefill, over shuffled pages with NaN in unused slots
     s, e = int(cu[-2]), int(cu[-1])
@@ -248,6 +256,7 @@ def test_attention_varlen_paged_decode_equal(dtype: torch.dtype, hq: int, hkv: i
                     torch.tensor([stop], dtype=torch.int32),
                     scale,
                     max_seqlen_q=stop - start,
+                    window=window,
                 )
             )
         assert torch.equal(torch.cat(outs), full[s:e]), f"chunk size {chunk} differs from the training forward"
@@ -275,13 +284,14 @@ def test_attention_negative_control() -> None:
     assert diffs > 0
 
 
-def test_attention_gradient() -> None:
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_gradient(window: int | None) -> None:
     g = torch.Generator().manual_seed(8)
     q, k, v, cu = _rand_seqs(g, [3, 20], 4, 2, 16, torch.float32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ops.attention_varlen(q, k, v, cu, 0.25).square().sum().backward()
+    ops.attention_varlen(q, k, v, cu, 0.25, window=window).square().sum().backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    reference.attention_varlen(q64, k64, v64, cu, 0.25).square().sum().backward()
+    reference.attention_varlen(q64, k64, v64, cu, 0.25, window).square().sum().backward()
     for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert rel_err(a, b) < 1e-5
 
@@ -301,6 +311,10 @@ def test_bad_inputs() -> None:
             torch.tensor([0, 4], dtype=torch.int32),
             1.0,
         )
+    one = (torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.tensor([0, 4], dtype=torch.int32))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be None or a positive int"):
+            ops.attention_varlen(*one, 1.0, window=bad)
     with pytest.raises(ValueError, match="unknown backend"):
         ops.matmul(torch.randn(3, 4), torch.randn(5, 4), backend="cuda")
 

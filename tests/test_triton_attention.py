@@ -20,7 +20,7 @@ HELPER = "tests/_interp_attention.py"
 triton_missing = importlib.util.find_spec("triton") is None
 
 
-SECTIONS = ["forward", "exact", "backward", "split"]
+SECTIONS = ["forward", "exact", "backward", "split", "window"]
 
 
 @pytest.mark.parametrize(

@@ -99,9 +99,8 @@ class RolloutConfig:
     stop_token_ids: list[int] | None = None
     """Generation stops at any of these ids; None uses the model's / tokenizer's EOS ids."""
     max_context: int | None = None
-    """Prompt + response must fit in this many tokens; None uses the model's context limit
-    (:func:`rlexact.models.context_limit`: ``max_position_embeddings``, or a shorter sliding window). A prompt
-    longer than ``max_context - max_new_tokens`` is an error naming the prompt."""
+    """Prompt + response must fit in this many tokens; None uses the model's ``max_position_embeddings`` (longer is
+    an error). A prompt longer than ``max_context - max_new_tokens`` is an error naming the prompt."""
     skip_special_tokens: bool = True
     """Decode completions for the reward with ``skip_special_tokens``."""
     generator: dict[str, Any] = field(default_factory=dict)

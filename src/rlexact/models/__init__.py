@@ -2,7 +2,7 @@
 
 from rlexact.models.attention import ATTN_IMPL
 from rlexact.models.compiled import uncompiled
-from rlexact.models.context import ContextLimit, context_limit
+from rlexact.models.context import context_limit
 from rlexact.models.exactify import SUPPORTED_MODEL_TYPES, check_supported, exactify
 from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.metadata import AttnMetadata, PagedKV
@@ -12,7 +12,6 @@ __all__ = [
     "ATTN_IMPL",
     "SUPPORTED_MODEL_TYPES",
     "AttnMetadata",
-    "ContextLimit",
     "ExactState",
     "PagedKV",
     "check_supported",

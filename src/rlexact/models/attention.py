@@ -23,22 +23,14 @@ HF_CACHE_BLOCK = 16
 """Block size of the paged view that :func:`transformers_attention` builds over a transformers KV cache."""
 
 
-def check_attention_settings(module: nn.Module, dropout: float, window: int | None) -> None:
+def check_attention_settings(dropout: float) -> None:
     """Raise ``ValueError`` for attention settings the exact kernels do not implement (never ignore them silently):
-    attention dropout in train mode, and a sliding window shorter than the context limit that exactify set (the
-    window changed afterwards)."""
+    attention dropout in train mode."""
     if dropout > 0:
         raise ValueError(
             f"attention_dropout={dropout} in train mode: rlexact's attention kernels do not implement dropout. "
             "Set model.config.attention_dropout = 0.0 and every attention layer's attention_dropout = 0.0 (or call "
             "model.eval())."
-        )
-    state: ExactState | None = get_state(module)
-    if window is not None and state is not None and int(window) < state.context.tokens:
-        raise ValueError(
-            f"sliding_window={window} of {type(module).__name__} is shorter than the context limit exactify set "
-            f"({state.context.tokens} tokens, from {state.context.source}): the window changed after exactify. Call "
-            "rlexact.exactify(model, enabled=False), then rlexact.exactify(model), so the context follows the window."
         )
 
 
@@ -56,9 +48,10 @@ def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor)
     if type(layer) is DynamicSlidingWindowLayer:  # holds every key while the cache fits the window
         if k_all.shape[-2] != layer.cumulative_length:
             raise ValueError(
-                f"layer {m.layer_idx}'s sliding-window cache dropped keys past its window of {layer.sliding_window} "
-                "(padding included); rlexact's kernels attend to every key, so keep padded prompt + new tokens "
-                f"within {layer.sliding_window}"
+                f"layer {m.layer_idx}'s sliding-window cache dropped keys past its window of {layer.sliding_window}; "
+                "rlexact's kernels place key tiles at absolute positions, so they need every key: pass a cache that "
+                "keeps them, model.generate(..., cache=DynamicCache()) (built without the config), or use "
+                "rlexact.rollout.Generator"
             )
     elif type(layer) is not DynamicLayer:
         raise ValueError(
@@ -69,21 +62,35 @@ def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor)
     return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
 
-def _key_starts(mask: torch.Tensor | None, b: int, t: int, length: int) -> torch.Tensor:
+def _key_starts(
+    mask: torch.Tensor | None, b: int, t: int, length: int, window: int | None, position_ids: object
+) -> torch.Tensor:
     """First valid key ``s_b`` ``[B]`` of every row from a 4-D transformers mask (``None``: no padding).
 
-    The exact kernels implement causal attention over keys ``[s_b, L)`` whose positions restart at 0: a left-padded
-    causal mask. Any other mask (right padding, holes, a custom pattern) raises ``ValueError``.
+    The exact kernels implement causal attention (within a sliding ``window``) over keys ``[s_b, L)`` whose
+    positions restart at 0: a left-padded causal mask. Any other mask (right padding, holes, a custom pattern)
+    raises ``ValueError``. Under a window the last query's row need not reach back to ``s_b``, so ``s_b`` comes from
+    its position (``position_ids``) and the mask is checked against it.
     """
     if mask is None:
         return torch.zeros(b, dtype=torch.long)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != length or mask.shape[-2] != t:
         raise ValueError(f"unsupported attention mask {type(mask).__name__} for rlexact's exact attention")
     valid = (mask if mask.dtype == torch.bool else mask == 0)[:, 0].expand(b, t, length).cpu()
-    starts = length - valid[:, -1].sum(-1)
+    if window is None:
+        starts = length - valid[:, -1].sum(-1)
+    elif isinstance(position_ids, torch.Tensor):
+        starts = (length - 1) - position_ids.reshape(-1, t).expand(b, t)[:, -1].cpu().long()
+    else:
+        raise ValueError(
+            "a sliding-window layer got an attention mask without position_ids; call the model with attention_mask "
+            "and let transformers derive position_ids (as model.generate does)"
+        )
     kidx = torch.arange(length)
     c = length - t + torch.arange(t)  # cache index of each query
     expected = (kidx[None, None] >= starts[:, None, None]) & (kidx[None, None] <= c[None, :, None])
+    if window is not None:  # padding shifts a row's queries and keys alike, so the window holds in cache indices
+        expected = expected & (kidx[None, None] > c[None, :, None] - window)
     real = c[None] >= starts[:, None]
     if bool(((valid != expected) & real[:, :, None]).any()):
         raise ValueError(
@@ -110,7 +117,12 @@ def _check_positions(position_ids: object, starts: torch.Tensor, b: int, t: int,
 
 
 def _paged_rows(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], nq: list[int], scale: float
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    nq: list[int],
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """:func:`rlexact.ops.attention_paged` of ``q [sum nq, Hq, D]`` over per-row keys/values ``[L_b, Hkv, D]``
     copied into a paged view of :data:`HF_CACHE_BLOCK`-token blocks (queries are each row's last ``nq_b`` keys)."""
@@ -129,7 +141,9 @@ def _paged_rows(
     cu = torch.tensor([0, *nq], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     lens = torch.tensor([x.shape[0] for x in keys], dtype=torch.int32)
     dev = q.device
-    return ops.attention_paged(q, paged(keys), paged(values), table.to(dev), cu.to(dev), lens.to(dev), scale)
+    return ops.attention_paged(
+        q, paged(keys), paged(values), table.to(dev), cu.to(dev), lens.to(dev), scale, window=window
+    )
 
 
 def transformers_attention(
@@ -140,8 +154,10 @@ def transformers_attention(
     mask: torch.Tensor | None,
     cache: object | None,
     position_ids: object,
+    window: int | None,
 ) -> torch.Tensor:
-    """Exact attention for a plain transformers call: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]`` -> ``[B, T, Hq, D]``.
+    """Exact attention for a plain transformers call: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]`` -> ``[B, T, Hq, D]``
+    (``window``: the layer's sliding window).
 
     With a ``DynamicCache`` the new keys are appended first and the queries (the last ``T`` keys) attend over the
     whole cache. Left padding is removed per row, so row ``b`` is the unpadded sequence ``[s_b, L)``: without past
@@ -152,7 +168,7 @@ def transformers_attention(
     b, t, hq, d = q.shape
     k_all, v_all = (k, v) if cache is None else _cache_update(m, cache, k, v)
     length = k_all.shape[1]
-    starts = _key_starts(mask, b, t, length)
+    starts = _key_starts(mask, b, t, length, window, position_ids)
     _check_positions(position_ids, starts, b, t, length)
     st = starts.tolist()
     nq = [min(t, length - s) for s in st]
@@ -162,14 +178,14 @@ def transformers_attention(
     scale = float(m.scaling)
     if all(n == length - s for n, s in zip(nq, st)):
         cu = torch.tensor([0, *nq], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
-        rows = ops.attention_varlen(q_rows, torch.cat(keys), torch.cat(values), cu, scale)
+        rows = ops.attention_varlen(q_rows, torch.cat(keys), torch.cat(values), cu, scale, window=window)
     else:
         if torch.is_grad_enabled() and (q.requires_grad or k_all.requires_grad):
             raise RuntimeError(
                 "attention over past keys of a transformers KV cache is inference-only in rlexact (no gradient): run "
                 "it under torch.no_grad(), or pass use_cache=False / no cache to get a differentiable forward"
             )
-        rows = _paged_rows(q_rows, keys, values, nq, scale)
+        rows = _paged_rows(q_rows, keys, values, nq, scale, window)
     if all(n == t for n in nq):
         return rows.view(b, t, hq, d)
     out = q.new_zeros((b, t, hq, d))
@@ -193,7 +209,9 @@ def rlexact_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, Hq, D]``.
-    ``kv_written``: a paged step's new K/V rows are already in the cache (:func:`rlexact.ops.qk_norm_rope_write_kv`)."""
+    ``kv_written``: a paged step's new K/V rows are already in the cache (:func:`rlexact.ops.qk_norm_rope_write_kv`).
+    ``sliding_window`` (a keyword transformers' attention layers pass): the layer's window, which every path
+    applies."""
     state: ExactState | None = get_state(module)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if rlexact_meta is None:
@@ -206,7 +224,8 @@ def rlexact_attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
-    check_attention_settings(module, dropout, kwargs.get("sliding_window"))  # type: ignore[arg-type]
+    check_attention_settings(dropout)
+    window: int | None = kwargs.get("sliding_window")  # type: ignore[assignment]
     if query.shape[0] != 1:
         raise ValueError(f"packed forward expects batch dimension 1, got {query.shape[0]}")
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
@@ -216,32 +235,35 @@ def rlexact_attention(
     if rlexact_meta.paged is None:
         v = v.contiguous()
         if exact:
-            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale)
+            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale, window=window)
         else:
-            out = native_varlen(q, k, v, rlexact_meta.cu_seqlens.tolist(), scale)
+            out = native_varlen(q, k, v, rlexact_meta.cu_seqlens.tolist(), scale, window)
     else:
         paged = rlexact_meta.paged
         kc, vc = paged.caches[module.layer_idx]
         if not kv_written:
             ops.write_kv(k, v, kc, vc, paged.slot_mapping)
         if exact and paged.fresh:
-            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale)
+            out = ops.attention_varlen(q, k, v, rlexact_meta.cu_seqlens, scale, window=window)
         elif exact:
             out = ops.attention_paged(
                 q, kc, vc, paged.block_tables, rlexact_meta.cu_seqlens, paged.seqlens_k, scale,
                 max_seqlen_q=paged.max_seqlen_q, split_counters=paged.split_counters, prefix=paged.prefix,
+                window=window,
             )  # fmt: skip
         else:
-            out = native_paged(q, rlexact_meta, kc, vc, scale)
+            out = native_paged(q, rlexact_meta, kc, vc, scale, window)
     return out[None], None
 
 
 def _rlexact_mask(*args: object, **kwargs: object) -> torch.Tensor | None:
-    """Mask function for ``"rlexact"``: no mask for unpadded inputs (causality is in the kernels), else SDPA's."""
+    """Mask function for ``"rlexact"``: no mask for unpadded inputs of full-attention layers (causality is in the
+    kernels), else SDPA's (sliding-window layers: ``local_size``; the native mode's stock attention needs it)."""
     from transformers.masking_utils import sdpa_mask
 
     mask = kwargs.get("attention_mask")
-    if mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and bool(mask.all())):
+    unpadded = mask is None or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and bool(mask.all()))
+    if unpadded and kwargs.get("local_size") is None:
         return None
     return sdpa_mask(*args, **kwargs)
 

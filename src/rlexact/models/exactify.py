@@ -3,9 +3,9 @@
 * Attention: an ``AttentionInterface`` function named ``"rlexact"`` plus a matching ``AttentionMaskInterface``
   entry (:mod:`rlexact.models.attention`), selected through ``config._attn_implementation``. It reads
   :class:`~rlexact.models.metadata.AttnMetadata` from the forward kwargs. Plain transformers calls (``model(ids)``,
-  ``model.generate`` with its ``DynamicCache`` and left padding) run the same exact kernels; settings the kernels do
-  not implement (attention dropout in train mode, autocast) raise an error naming the fix, and so does a sequence
-  past a sliding window (:mod:`rlexact.models.context`).
+  ``model.generate`` with its ``DynamicCache`` and left padding) run the same exact kernels, sliding windows included
+  (:mod:`rlexact.models.context`); settings the kernels do not implement (attention dropout in train mode, autocast)
+  raise an error naming the fix.
 * ``nn.Linear``, RMSNorm, the gated MLP, the rotary embedding and the attention layer (fused q/k-norm + rotary):
   instance ``forward`` replacements that dispatch on the model's :class:`~rlexact.models.state.ExactState` (exact
   kernels, or the stock forward in ``"native"`` mode).
@@ -82,52 +82,24 @@ ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm",)
 :func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
 
 
-def _patch(
-    state: ExactState, module: nn.Module, exact_forward: Callable, native: Callable[[Callable], Callable] | None = None
-) -> None:
-    """Replace ``module.forward`` by a switch: ``exact_forward`` in exact mode, the original forward (or
-    ``native(original)``) in native mode; the original is kept for ``exactify(model, enabled=False)``."""
+def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
+    """Replace ``module.forward`` by a switch: ``exact_forward`` in exact mode, the original forward in native
+    mode (the original is kept for ``exactify(model, enabled=False)``)."""
     orig = module.forward
     state.original_forwards.append((module, orig))
-    native_forward = orig if native is None else native(orig)
 
     def forward(*args: object, **kwargs: object) -> object:
         if not state.exact:
-            return native_forward(*args, **kwargs)
+            return orig(*args, **kwargs)
         check_autocast(args[0] if args else next(iter(kwargs.values())))  # type: ignore[arg-type]
         return exact_forward(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
 
-def _check_positions_in_context(state: ExactState, x: torch.Tensor, position_ids: torch.Tensor) -> None:
-    """:meth:`ContextLimit.check` of the largest position (skipped inside a CUDA-graph capture, whose lengths the
-    generator checks when it admits the sequences)."""
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        state.context.check(int(position_ids.max()))
-
-
-def _window_guarded(state: ExactState) -> Callable[[Callable], Callable]:
-    """The native rotary forward: the stock one, after the positions are checked against a sliding window that
-    limits the context (the native attention paths are full causal too); unchanged without such a window."""
-
-    def wrap(orig: Callable) -> Callable:
-        if state.context.window is None:
-            return orig
-
-        def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            _check_positions_in_context(state, x, position_ids)
-            return orig(x, position_ids)
-
-        return forward
-
-    return wrap
-
-
 def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> Callable:
     """Exact rotary forward: ``(cos, sin)`` gathered from one fp32 table over ``[0, max_positions)`` per device,
-    built once with the stock forward, so a position's values never depend on the shape of the call. Positions
-    past the model's :class:`ContextLimit` raise ``ValueError``."""
+    built once with the stock forward, so a position's values never depend on the shape of the call."""
 
     def table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in state.rope_tables:
@@ -139,7 +111,11 @@ def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> C
         return state.rope_tables[device]
 
     def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_positions_in_context(state, x, position_ids)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(position_ids.max()) >= max_positions:
+            raise ValueError(
+                f"position {int(position_ids.max())} exceeds max_position_embeddings={max_positions} of the model"
+            )
         cos, sin = table(x.device)  # built before capture: the generator runs eager steps first
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
@@ -207,8 +183,9 @@ def _attention_forward(m: nn.Module) -> Callable:
             q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
-            check_attention_settings(m, dropout, sliding_window(m))
-            out = transformers_attention(m, q, k, v, attention_mask, cache, kwargs.get("position_ids"))
+            check_attention_settings(dropout)
+            position_ids = kwargs.get("position_ids")
+            out = transformers_attention(m, q, k, v, attention_mask, cache, position_ids, sliding_window(m))
         else:
             out, _ = rlexact_attention(
                 m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, dropout=dropout,
@@ -410,8 +387,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         return model
     check_supported(model)
     register_attention()
-    state = ExactState(context_limit(model), original_attn_impl=getattr(model.config, "_attn_implementation", None))
-    max_pos = int(model.config.max_position_embeddings)
+    state = ExactState(original_attn_impl=getattr(model.config, "_attn_implementation", None))
+    max_pos = context_limit(model)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
@@ -424,7 +401,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         elif _is_fused_gated_mlp(m):
             _patch(state, m, _fused_mlp_forward(m))
         elif type(m).__name__.endswith("RotaryEmbedding"):
-            _patch(state, m, _rope_from_table(state, m.forward, max_pos), native=_window_guarded(state))
+            _patch(state, m, _rope_from_table(state, m.forward, max_pos))
         elif is_attention(m):
             _patch(state, m, _attention_forward(m))
         elif (moe_fwd := moe_forward(m)) is not None:

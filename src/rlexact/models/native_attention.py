@@ -9,16 +9,30 @@ import torch.nn.functional as F
 from rlexact.models.metadata import AttnMetadata
 
 
-def native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
-    """Causal SDPA per packed sequence ``[cu[i], cu[i + 1])`` of ``q [T, Hq, D]`` over its own keys (not exact)."""
+def _window_mask(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[..., nq, nk]`` True where query position ``qpos`` sees key position ``kpos`` (causal, within ``window``)."""
+    seen = kpos[..., None, :] <= qpos[..., :, None]
+    if window is not None:
+        seen = seen & (kpos[..., None, :] > qpos[..., :, None] - window)
+    return seen
+
+
+def native_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Causal SDPA (within a sliding ``window``) per packed sequence ``[cu[i], cu[i + 1])`` of ``q [T, Hq, D]`` over
+    its own keys (not exact)."""
     out = torch.empty_like(q)
     for s, e in zip(cu[:-1], cu[1:]):
         if e > s:
+            pos = torch.arange(e - s, device=q.device)
+            mask = None if window is None else _window_mask(pos, pos, window)
             o = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1)[None],
                 k[s:e].transpose(0, 1)[None],
                 v[s:e].transpose(0, 1)[None],
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
@@ -26,8 +40,11 @@ def native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[in
     return out
 
 
-def native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torch.Tensor, scale: float):
-    """Stock-kernel attention over the paged cache: gather keys to contiguous memory, then SDPA (not exact).
+def native_paged(
+    q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Stock-kernel attention over the paged cache (within a sliding ``window``): gather keys to contiguous memory,
+    then SDPA (not exact).
 
     Query heads of one KV group are folded into the query length (``[B, Hkv, g * nq, D]``), so K/V are never
     expanded for GQA and SDPA may pick its memory-efficient masked kernel.
@@ -57,7 +74,10 @@ def native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torc
         n = qd.shape[0]
         nblk = -(-lmax // bs)
         kk, vv = gather(tables, nblk)
-        valid = torch.arange(nblk * bs, device=dev)[None] < lens_k[:, None].long()
+        kpos = torch.arange(nblk * bs, device=dev)[None]
+        valid = kpos < lens_k[:, None].long()
+        if window is not None:  # the query sits at position lens_k - 1
+            valid = valid & (kpos > lens_k[:, None].long() - 1 - window)
         o = F.scaled_dot_product_attention(
             qd.reshape(n, hkv, grp, d), kk, vv, attn_mask=valid[:, None, None], scale=scale
         )
@@ -103,7 +123,7 @@ def native_paged(q: torch.Tensor, meta: AttnMetadata, kc: torch.Tensor, vc: torc
         qp[valid_q] = q[src]
         qpos = (lk_t - nq_t)[:, None] + qi[None]  # absolute query positions [n, Q]
         kpos = torch.arange(nblk * bs, device=dev)
-        mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < lk_t[:, None, None])
+        mask = _window_mask(kpos, qpos, window) & (kpos[None, None] < lk_t[:, None, None])
         mask = mask | (kpos == 0)[None, None]  # padded query rows attend key 0 (discarded) instead of nothing
         kk, vv = gather(paged.block_tables[idx], nblk)
         qf = qp.reshape(n, qmax, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, grp * qmax, d)

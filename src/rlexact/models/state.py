@@ -1,5 +1,5 @@
-"""The per-model switch that every module exactify patches shares: exact or native kernels, the context limit,
-the original forwards, the rotary tables and the generator's fused projections."""
+"""The per-model switch that every module exactify patches shares: exact or native kernels, the original forwards,
+the rotary tables and the generator's fused projections."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from typing import Literal
 
 import torch
 from torch import nn
-
-from rlexact.models.context import ContextLimit
 
 Kernels = Literal["exact", "native"]
 KERNELS: tuple[str, ...] = ("exact", "native")
@@ -25,7 +23,6 @@ class ExactState:
     """Per-model switch shared by every patched module of one model.
 
     Attributes:
-        context: the longest sequence the model runs (:func:`rlexact.models.context.context_limit` at exactify time).
         kernels: ``"exact"`` or ``"native"``; change it with :func:`use_kernels` (reentrant, try/finally).
         original_forwards: the replaced modules and their original ``forward`` (restored by ``enabled=False``).
         original_attn_impl: ``config._attn_implementation`` before exactify.
@@ -34,7 +31,6 @@ class ExactState:
             (set for the duration of a generator call by :func:`rlexact.models.fusion.use_fused_projections`).
     """
 
-    context: ContextLimit
     kernels: Kernels = "exact"
     original_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
     original_attn_impl: str | None = None

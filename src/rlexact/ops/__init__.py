@@ -310,12 +310,14 @@ def lm_head_logits(
     return kernel_impl(resolve_backend(hidden, backend), "lm_head_logits")(hidden.contiguous(), w, float(temperature))
 
 
-def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
     if q.dim() != 3 or k.dim() != v.dim() or k.shape[-1] != q.shape[-1] or k.shape != v.shape:
         raise ValueError(f"attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     hkv = k.shape[-2]
     if q.shape[1] % hkv:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {hkv}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention: window must be None or a positive int (keys per query), got {window!r}")
 
 
 def attention_varlen(
@@ -325,17 +327,19 @@ def attention_varlen(
     cu_seqlens: torch.Tensor,
     scale: float,
     *,
+    window: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed variable-length sequences (the training path). Differentiable.
 
     ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]`` int32 -> ``[T, Hq, D]`` in ``q.dtype``. Query ``i``
-    of a sequence attends its keys ``0..i`` in key tiles anchored at position 0.
+    of a sequence attends its keys ``0..i`` (``max(0, i - window + 1)..i`` with a sliding ``window``, transformers'
+    convention) in key tiles anchored at position 0.
     """
-    _check_attn(q, k, v)
+    _check_attn(q, k, v, window)
     if k.shape[0] != q.shape[0]:
         raise ValueError("attention_varlen: q and k must have the same number of tokens")
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, float(scale))
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, float(scale), window)
     be = resolve_backend(q, backend)
     return AttentionVarlenFn.apply(*args, be) if _tracked(q, k, v) else kernel_impl(be, "attention_varlen")(*args)
 
@@ -353,6 +357,7 @@ def attention_paged(
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
     prefix: SharedPrefix | None = None,
+    window: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks or decode) over a paged KV cache. Inference only.
@@ -367,8 +372,9 @@ def attention_paged(
     allocates zeroed counters itself. It never changes a result; the CPU backend ignores it. ``prefix``: key tiles
     that groups of this decode step's sequences share (:class:`rlexact.ops.shared_prefix.SharedPrefix`), which the
     Gluon decode launch reads once per group; it never changes a result either, and other launches ignore it.
+    ``window``: the sliding window, as in :func:`attention_varlen`.
     """
-    _check_attn(q, k_cache, v_cache)
+    _check_attn(q, k_cache, v_cache, window)
     if max_seqlen_q is not None and max_seqlen_q < 1:
         raise ValueError(f"attention_paged: max_seqlen_q must be >= 1, got {max_seqlen_q}")
     if split_counters is not None and (split_counters.dtype != torch.int32 or not split_counters.is_contiguous()):
@@ -377,7 +383,7 @@ def attention_paged(
         )
     return kernel_impl(resolve_backend(q, backend), "attention_paged")(
         q.contiguous(), k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, float(scale), max_seqlen_q,
-        split_counters, prefix,
+        split_counters, prefix, window,
     )  # fmt: skip
 
 

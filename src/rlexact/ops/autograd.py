@@ -286,20 +286,21 @@ def head_backward_torch(
 
 class AttentionVarlenFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale: float, backend: Backend):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, cu_seqlens, scale: float, window: int | None, backend: Backend):  # noqa: ANN001, ANN205
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
+        ctx.window = window
         ctx.backend = backend
-        return kernel_impl(backend, "attention_varlen")(q, k, v, cu_seqlens, scale)
+        return kernel_impl(backend, "attention_varlen")(q, k, v, cu_seqlens, scale, window)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, cu = ctx.saved_tensors
         if ctx.backend == "triton":
-            dq, dk, dv = kernel_impl("triton", "attention_varlen_backward")(grad, q, k, v, cu, ctx.scale)
-            return dq, dk, dv, None, None, None
+            dq, dk, dv = kernel_impl("triton", "attention_varlen_backward")(grad, q, k, v, cu, ctx.scale, ctx.window)
+            return dq, dk, dv, None, None, None, None
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out = reference.attention_varlen(qr, kr, vr, cu, ctx.scale)
+            out = reference.attention_varlen(qr, kr, vr, cu, ctx.scale, ctx.window)
             dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), grad)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None

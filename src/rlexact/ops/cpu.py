@@ -189,8 +189,10 @@ def _attend(
     values: list[torch.Tensor],
     tiles: list[_QueryTile],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention for query tiles over per-sequence keys.
+    """Causal attention for query tiles over per-sequence keys (with a sliding ``window``: a query at position ``p``
+    sees keys ``p - window + 1 .. p``).
 
     ``q [Tq, Hq, D]``; ``keys[s], values[s] [Lk_s, Hkv, D]`` hold sequence ``s``'s keys at positions ``0..Lk_s-1``.
     Tiles are processed ``ATTN_GROUP`` at a time on fixed-shape ``[G, Hq, BM, D] x [G, Hq, D, BN]`` products; idle
@@ -251,6 +253,8 @@ def _attend(
                 kpos = j * bn + offs
                 scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
                 masked = (kpos[None, None, :] > pos[:, :, None]) | (kpos[None, None, :] >= klen[:, None, None])
+                if window is not None:  # idle slots (position -1) stay fully masked
+                    masked = masked | (kpos[None, None, :] <= pos[:, :, None] - window)
                 scores = scores.masked_fill(masked[:, None], float("-inf"))
                 m_new = torch.maximum(m_s, scores.amax(-1))
                 m_use = _finite_or_zero(m_new)
@@ -281,13 +285,19 @@ def _query_tiles(cu_q: list[int], starts: list[int]) -> list[_QueryTile]:
 
 
 def attention_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over packed sequences. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]``."""
+    """Causal attention over packed sequences. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]``;
+    ``window``: the sliding window (None: every earlier key)."""
     cu = cu_seqlens.tolist()
     keys = [k[s:e] for s, e in zip(cu[:-1], cu[1:])]
     values = [v[s:e] for s, e in zip(cu[:-1], cu[1:])]
-    return _attend(q, keys, values, _query_tiles(cu, [0] * (len(cu) - 1)), scale)
+    return _attend(q, keys, values, _query_tiles(cu, [0] * (len(cu) - 1)), scale, window)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -309,8 +319,10 @@ def attention_paged(
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
     prefix: object = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of new queries over a paged KV cache (prefill chunks and decode).
+    """Causal attention of new queries over a paged KV cache (prefill chunks and decode), with an optional sliding
+    ``window``.
 
     Sequence ``b`` has ``nq_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, the last ``nq_b`` of its
     ``seqlens_k[b]`` keys, already written to the cache. Row results equal :func:`attention_varlen` bitwise.
@@ -329,4 +341,4 @@ def attention_paged(
     keys = [gather_paged(k_cache, block_tables[b], lens[b]) for b in range(len(lens))]
     values = [gather_paged(v_cache, block_tables[b], lens[b]) for b in range(len(lens))]
     starts = [lens[b] - (cu[b + 1] - cu[b]) for b in range(len(lens))]
-    return _attend(q, keys, values, _query_tiles(cu, starts), scale)
+    return _attend(q, keys, values, _query_tiles(cu, starts), scale, window)

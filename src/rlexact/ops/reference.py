@@ -34,10 +34,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-def attention_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
+def hidden_keys(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[nq, nk]`` True where query position ``qpos[i]`` does not see key position ``kpos[j]``: a later key, or (with
+    a sliding ``window``, transformers' convention) a key ``window`` or more positions back."""
+    hidden = kpos[None, :] > qpos[:, None]
+    if window is not None:
+        hidden = hidden | (kpos[None, :] <= qpos[:, None] - window)
+    return hidden
+
+
+def attention_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Dense causal attention of one sequence in the dtype of the inputs (use float64 for a reference).
 
-    ``q [nq, Hq, D]`` at absolute positions ``q_start ..``; ``k, v [Lk, Hkv, D]`` at ``0 .. Lk-1``.
+    ``q [nq, Hq, D]`` at absolute positions ``q_start ..``; ``k, v [Lk, Hkv, D]`` at ``0 .. Lk-1``; ``window``: a
+    query at position ``p`` sees keys ``p - window + 1 .. p`` only.
     """
     nq, hq, _ = q.shape
     lk, hkv, _ = k.shape
@@ -46,7 +58,7 @@ def attention_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_star
     scores = torch.einsum("qhd,khd->hqk", q, kq) * scale
     qpos = q_start + torch.arange(nq, device=q.device)
     kpos = torch.arange(lk, device=q.device)
-    scores = scores.masked_fill((kpos[None, :] > qpos[:, None])[None], float("-inf"))
+    scores = scores.masked_fill(hidden_keys(kpos, qpos, window)[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vq)
 
 
@@ -81,13 +93,19 @@ def attention_sequence_split(
 
 
 def attention_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Dense causal attention over packed sequences, computed in fp32 (float64 inputs stay float64)."""
+    """Dense causal attention over packed sequences (a sliding ``window``: :func:`attention_sequence`), computed in
+    fp32 (float64 inputs stay float64)."""
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     bounds = cu_seqlens.tolist()
     outs = [
-        attention_sequence(q[s:e].to(dt), k[s:e].to(dt), v[s:e].to(dt), 0, scale)
+        attention_sequence(q[s:e].to(dt), k[s:e].to(dt), v[s:e].to(dt), 0, scale, window)
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outs, dim=0).to(q.dtype)

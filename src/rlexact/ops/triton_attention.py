@@ -36,6 +36,10 @@ same bits: packed launches (:mod:`rlexact.ops.gluon_attention`, or its warp-spec
 (prefill chunks with earlier keys: their keys gathered out of the caches, :mod:`rlexact.ops.kv_gather`, then the packed
 kernels) and decode steps whose contexts fit one split (:mod:`rlexact.ops.gluon_decode`, persistent over the
 (sequence, head group) items).
+Sliding windows (``window``: a query at ``p`` sees keys ``p - window + 1 .. p``) run the ``tl`` kernel alone, with the
+same tiles and splits: every key tile is masked (the window's edge may cut any of them), tiles wholly before a query
+tile's window are skipped (exact: they only add hidden scores), and so are whole splits (empty partials); the
+backward kernels apply the same mask.
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -271,6 +275,7 @@ def _attn_key_tile(
     offs_d,
     d_ok,
     qk_scale,
+    window,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -282,8 +287,10 @@ def _attn_key_tile(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
-    """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``.
+    """One online-softmax update of a split's state ``(m_s, l_s, acc_s)`` with key tile ``j``; with ``HAS_WINDOW``
+    the mask also hides keys ``window`` or more positions before a query (every tile of a windowed launch is masked).
 
     ``MASKED=False`` is only for tiles visible to every row of the query tile (all keys written, none past a query):
     it skips the loads' bounds masks and the score mask. Unmasked scores take exactly the same operations as visible
@@ -319,7 +326,10 @@ def _attn_key_tile(
     else:
         s = tl.dot(q, tl.trans(k))
     if MASKED:
-        s = tl.where((kpos[None, :] <= pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        seen = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
     # the scale is positive, so max(s) * scale is the max of the rounded scaled scores
     m_new = tl.maximum(m_s, tl.max(s, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet stay empty
@@ -367,6 +377,7 @@ def _attn_split(
     offs_d,
     d_ok,
     qk_scale,
+    window,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -379,6 +390,7 @@ def _attn_split(
     EVEN_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """The fp32 partial ``(max, sum, acc)`` of key tiles ``[j_lo, j_hi)`` (one split, ascending, from the empty
     state): tiles below ``n_full`` unmasked, the rest masked."""
@@ -389,19 +401,19 @@ def _attn_split(
     for j in range(j_lo, j_mid):
         m_s, l_s, acc_s = _attn_key_tile(
             q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
-            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+            window, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=False, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, HAS_WINDOW=HAS_WINDOW,
         )  # fmt: skip
     for j in range(j_mid, j_hi):
         m_s, l_s, acc_s = _attn_key_tile(
             q, m_s, l_s, acc_s, K, V, j, kv_begin, seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
-            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST,
+            window, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+            MASKED=True, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, HAS_WINDOW=HAS_WINDOW,
         )  # fmt: skip
     return m_s, l_s, acc_s
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _attn_fwd_kernel(
     Q,
     K,
@@ -414,6 +426,7 @@ def _attn_fwd_kernel(
     block_tables,
     qk_scale,
     num_seqs,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -447,6 +460,7 @@ def _attn_fwd_kernel(
     DIRECT: tl.constexpr,
     ONE_Q: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     pdl_entry(PDL)
     P: tl.constexpr = BLOCK_M // HP  # query positions per tile
@@ -502,20 +516,26 @@ def _attn_fwd_kernel(
     kv_head = kvh.to(tl.int64)
     # key tiles below n_full lie wholly at or before the tile's first query: visible to every row, all written
     n_full = (q_start + tile * P + 1) // BLOCK_N
+    j_seen = 0
+    if HAS_WINDOW:
+        # tiles below j_seen lie wholly before every row's window: skipped, which leaves a split's state exactly as
+        # processing them would (they only add hidden scores); the window's edge may cut any other tile: all masked
+        j_seen = tl.maximum(q_start + tile * P - window + 1, 0) // BLOCK_N
+        n_full = j_seen
     # the first split's partial is the merged state (merging into the empty state is exact), so only tiles spanning
     # several splits hold two accumulators
     m_i, l_i, acc = _attn_split(
-        q, K, V, sp_lo * TPS, tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
-        bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
-        UPCAST=UPCAST,
+        q, K, V, tl.maximum(sp_lo * TPS, j_seen), tl.minimum(sp_lo * TPS + TPS, n_tiles), n_full, kv_begin,
+        seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale, window, stride_kt, stride_kh, stride_vt,
+        stride_vh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE,
+        EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, HAS_WINDOW=HAS_WINDOW,
     )  # fmt: skip
     for sp in range(sp_lo + 1, sp_hi):
         m_s, l_s, acc_s = _attn_split(
-            q, K, V, sp * TPS, tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin, seqlen_k, kv_head, pos,
-            bt_row, offs_n, offs_d, d_ok, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT,
-            UPCAST=UPCAST,
+            q, K, V, tl.maximum(sp * TPS, j_seen), tl.minimum(sp * TPS + TPS, n_tiles), n_full, kv_begin,
+            seqlen_k, kv_head, pos, bt_row, offs_n, offs_d, d_ok, qk_scale, window, stride_kt, stride_kh,
+            stride_vt, stride_vh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PAGED=PAGED,
+            PAGE_SIZE=PAGE_SIZE, EVEN_D=EVEN_D, FP32_DOT=FP32_DOT, UPCAST=UPCAST, HAS_WINDOW=HAS_WINDOW,
         )  # fmt: skip
         m_i, l_i, acc = _merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
 
@@ -570,7 +590,7 @@ def _fold_partials(PML, PACC, prow0, n_splits, row_ok, offs_d, BLOCK_M: tl.const
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -584,6 +604,7 @@ def _attn_bwd_dkdv_kernel(
     qk_scale,
     sm_scale,
     num_seqs,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -606,6 +627,7 @@ def _attn_bwd_dkdv_kernel(
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """dK, dV of one key tile (``BLOCK_N`` keys) of one KV head; loops over the group's query heads, then over query
     chunks of ``BLOCK_M`` in ascending order. Works in the transposed frame (``[keys, queries]``)."""
@@ -655,6 +677,8 @@ def _attn_bwd_dkdv_kernel(
             else:
                 sT = tl.dot(k, qT)
             visible = (kpos[:, None] <= qpos[None, :]) & q_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (kpos[:, None] > qpos[None, :] - window)
             pT = tl.where(visible, tl.math.exp2(sT * qk_scale - lse[None, :]), 0.0)
             if FP32_DOT:
                 dv = tl.dot(pT, do, dv, input_precision="ieee")
@@ -682,7 +706,7 @@ def _attn_bwd_dkdv_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _attn_bwd_dq_kernel(
     Q,
     K,
@@ -695,6 +719,7 @@ def _attn_bwd_dq_kernel(
     qk_scale,
     sm_scale,
     num_seqs,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -715,6 +740,7 @@ def _attn_bwd_dq_kernel(
     FP32_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     SCAN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """dQ of one query tile (``BLOCK_M`` queries) of one query head; loops over key chunks of ``BLOCK_N``."""
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -758,6 +784,8 @@ def _attn_bwd_dq_kernel(
             s = tl.dot(q, kT)
             dp = tl.dot(do, vT)
         visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
         p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
         if FP32_DOT:
@@ -806,6 +834,7 @@ def _forward(
     max_seqlen_q: int | None = None,
     counters: torch.Tensor | None = None,
     prefix: SharedPrefix | None = None,
+    window: int | None = None,
 ) -> None:
     """Launch the one forward kernel. ``k, v`` are ``[T, Hkv, D]`` (packed) or ``[NB, BS, Hkv, D]`` (paged).
 
@@ -822,8 +851,11 @@ def _forward(
     is ``arange`` and the kernel does not read it (``ONE_Q``). ``counters``: int32 zeros for the split-parallel tickets
     (left zeroed); allocated here when None or too small. ``prefix``: the decode step's shared key tiles, which the
     Gluon decode launch reads once per group (:mod:`rlexact.ops.shared_prefix`); other launches compute the same rows
-    without it.
+    without it. ``window``: a sliding window (keys per query); such a launch runs the ``tl`` kernel alone, whose rows
+    the Gluon kernels equal bitwise without a window (``tests/test_triton_attention.py``), and keeps no plan.
     """
+    if window is not None:
+        cfg = (cfg or {}) | {"GLUON": False}
     plan_key = _plan_key(q, k, v, cu_q, out, lse_delta) if block_tables is None and cfg is None else None
     if plan_key is not None and _planned_launch(plan_key, q, k, v, cu_q, scale, out, lse_delta):
         return
@@ -907,6 +939,7 @@ def _forward(
         block_tables if block_tables is not None else cu_q,
         scale * _LOG2E,
         num_seqs,
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -937,6 +970,7 @@ def _forward(
         SPLIT_PAR=par,
         DIRECT=direct,
         ONE_Q=decode and max_seqlen_q == 1,
+        HAS_WINDOW=window is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_dtype_flags(q.dtype),
@@ -1034,18 +1068,24 @@ def _as_int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def attention_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed variable-length sequences (the training path).
 
     ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]`` int32 -> ``[T, Hq, D]`` in ``q.dtype`` (fp32 or
-    bf16/fp16; fp32 accumulation). Every row equals the same row from :func:`attention_paged` bitwise.
+    bf16/fp16; fp32 accumulation). Every row equals the same row from :func:`attention_paged` bitwise. ``window``:
+    a query at position ``p`` sees keys ``p - window + 1 .. p`` only.
     """
     _check_inputs(q, k, v)
     if k.shape[0] != q.shape[0]:
         raise ValueError("attention_varlen: q and k must have the same number of tokens")
     out = torch.empty_like(q)
-    _forward(q, k, v, _as_int32(cu_seqlens, q.device), None, None, float(scale), out)
+    _forward(q, k, v, _as_int32(cu_seqlens, q.device), None, None, float(scale), out, window=window)
     return out
 
 
@@ -1060,6 +1100,7 @@ def attention_paged(
     max_seqlen_q: int | None = None,
     split_counters: torch.Tensor | None = None,
     prefix: SharedPrefix | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries (prefill chunks and decode, mixed in one launch) over a paged KV cache.
 
@@ -1068,7 +1109,8 @@ def attention_paged(
     key ``p`` lives at slot ``block_tables[b, p // BS] * BS + p % BS``. Slots past ``seqlens_k[b]`` are never read.
     ``max_seqlen_q``, if given, must bound every ``nq_b`` (the device cannot check it without a host sync: a
     sequence with more queries than a small bound would get only its first tile); it only changes the launch grid,
-    never a row's bits. ``split_counters``: see :func:`_forward`'s ``counters``; ``prefix`` its ``prefix``.
+    never a row's bits. ``split_counters``: see :func:`_forward`'s ``counters``; ``prefix`` its ``prefix``;
+    ``window``: as in :func:`attention_varlen`.
     """
     _check_inputs(q, k_cache, v_cache)
     if k_cache.dim() != 4:
@@ -1087,14 +1129,22 @@ def attention_paged(
         max_seqlen_q=max_seqlen_q,
         counters=split_counters,
         prefix=prefix,
+        window=window,
     )
     return out
 
 
 def attention_varlen_backward(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Deterministic gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (no atomics, fixed loop orders).
+    """Deterministic gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (no atomics, fixed loop orders; a
+    ``window`` hides the same keys as in the forward).
 
     Reruns the forward kernel to get the base-2 log-sum-exp and ``delta = rowsum(dO * O)`` (O in fp32), then a dK/dV
     kernel (per key tile; query heads of the group, then query chunks, in ascending order) and a dQ kernel.
@@ -1111,21 +1161,23 @@ def attention_varlen_backward(
     cu = _as_int32(cu_seqlens, q.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
-    _forward(q, k, v, cu, None, None, float(scale), do, (lse, delta))
+    _forward(q, k, v, cu, None, None, float(scale), do, (lse, delta), window=window)
     cfg = _bwd_config(d, q.dtype)
     common = {"HEAD_DIM": d, "BLOCK_D": _block_d(d), "GROUP": hq // hkv, "SCAN": _SCAN}
+    common["HAS_WINDOW"] = window is not None
     common.update(_dtype_flags(q.dtype))
     qk_scale = float(scale) * _LOG2E
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())
     bm, bn, warps, stages = cfg["dkdv"]
     _attn_bwd_dkdv_kernel[(t // bn + num_seqs, hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, *strides, *dk.stride()[:2],
+        q, k, v, do, lse, delta, dk, dv, cu, qk_scale, float(scale), num_seqs, window or 0, *strides, *dk.stride()[:2],
         *dv.stride()[:2], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
         **COMPILE_OPTIONS,
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dq"]
     _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
-        q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, *strides, *dq.stride()[:2], BLOCK_M=bm,
+        q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, window or 0, *strides, *dq.stride()[:2],
+        BLOCK_M=bm,
         BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
         **COMPILE_OPTIONS,
     )  # fmt: skip

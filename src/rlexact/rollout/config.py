@@ -57,8 +57,7 @@ class GeneratorConfig:
     kv_cache_memory_fraction: float = 0.85
     """CUDA only, when no explicit size is given: fraction of the free device memory for the KV cache."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + generated), capped by the model's context limit
-    (:func:`rlexact.models.context_limit`: ``max_position_embeddings``, or a shorter sliding window)."""
+    """Longest sequence (prompt + generated); defaults to the model's ``max_position_embeddings``."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only). If capture fails the engine
     warns once, records the reason in ``Generator.stats['cuda_graphs_disabled']`` and runs eagerly."""

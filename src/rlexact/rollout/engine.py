@@ -14,7 +14,7 @@ from torch import nn
 
 from rlexact.checks import as_index, not_text
 from rlexact.distributed import gathered_params
-from rlexact.models import ContextLimit, exactify, get_state, is_exactified, lm_head_weight, uncompiled, use_kernels
+from rlexact.models import context_limit, exactify, is_exactified, lm_head_weight, uncompiled, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
 from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout.block_manager import BlockManager
@@ -89,7 +89,6 @@ class Generator:
             exactify(model)
         self.model = model
         self.config = config
-        self.context: ContextLimit = get_state(model).context  # type: ignore[union-attr]
         self.stats: dict[str, object] = {}
         self._cache: KVCache | None = None
         self._graph_state: GraphState | None = None
@@ -107,9 +106,8 @@ class Generator:
 
     @property
     def max_model_len(self) -> int:
-        """Longest allowed sequence: ``config.max_model_len`` within the model's
-        :func:`~rlexact.models.context_limit` (``max_position_embeddings``, or a shorter sliding window)."""
-        limit = self.context.tokens
+        """Longest allowed sequence: ``min(config.max_model_len, max_position_embeddings)``."""
+        limit = context_limit(self.model)
         if self.config.max_model_len is not None:
             limit = min(limit, self.config.max_model_len)
         return limit
@@ -197,7 +195,7 @@ class Generator:
                 extra = f" + max_new_tokens {s.max_new_tokens}" if not s.score_only else ""
                 raise ValueError(
                     f"sequence {s.index}: length {s.num_prompt_tokens}{extra} = {s.max_len} exceeds the model "
-                    f"context {limit} (GeneratorConfig.max_model_len / {self.context.source})"
+                    f"context {limit} (max_position_embeddings / GeneratorConfig.max_model_len)"
                 )
             if not self.config.chunked_prefill and self._cache_tokens(s) > self.config.max_num_batched_tokens:
                 raise ValueError(

@@ -12,7 +12,6 @@ from torch import nn
 
 from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
-from rlexact.models import ContextLimit
 from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
 
@@ -80,20 +79,19 @@ def prompt_keys(items: Sequence[dict], *, split: int, epoch: int) -> list[int] |
     return [request_key(split, it["index"], epoch) for it in items]
 
 
-def max_context(cfg: RolloutConfig, limit: ContextLimit) -> int:
-    """``rollout.max_context``, or the model's context limit when it is None; one past the limit raises
-    ``ValueError`` naming what sets the limit."""
+def max_context(cfg: RolloutConfig, max_positions: int) -> int:
+    """``rollout.max_context``, or the model's ``max_positions`` when it is None; a longer one raises ``ValueError``."""
     if cfg.max_context is None:
-        return limit.tokens
-    if cfg.max_context > limit.tokens:
+        return max_positions
+    if cfg.max_context > max_positions:
         raise ValueError(
-            f"rollout.max_context={cfg.max_context} is longer than the model's context of {limit.tokens} tokens "
-            f"({limit.source}); set rollout.max_context to at most {limit.tokens}"
+            f"rollout.max_context={cfg.max_context} is longer than the model's max_position_embeddings="
+            f"{max_positions}; set rollout.max_context to at most {max_positions}"
         )
     return cfg.max_context
 
 
-def check_prompts(items: Sequence[dict], cfg: RolloutConfig, limit: ContextLimit) -> list[list[int]]:
+def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int) -> list[list[int]]:
     """The token ids of a data batch's prompts; an empty batch, an item without ``prompt_ids``, an empty prompt or one
     that leaves no room for ``max_new_tokens`` in the context (:func:`max_context`) raise ``ValueError`` naming the
     item and the fix."""
@@ -102,7 +100,7 @@ def check_prompts(items: Sequence[dict], cfg: RolloutConfig, limit: ContextLimit
             "training_step got an empty batch of prompts; check that the dataset is not empty "
             "(rlexact.data.PromptDataModule yields lists of prompt dicts)"
         )
-    context = max_context(cfg, limit)
+    context = max_context(cfg, max_positions)
     budget = context - cfg.max_new_tokens
     prompts = []
     for i, item in enumerate(items):
