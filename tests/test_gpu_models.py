@@ -61,3 +61,27 @@ def test_gpu_training_backward_runs() -> None:
     lp = rlexact.sequence_logprobs(model, seqs)
     torch.cat(lp).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_sliding_window_past_the_window(dtype) -> None:
+    """A Mistral with a 64-key sliding window: decode == chunked prefill == training bitwise on sequences of up to 300
+    tokens, the rollout equal to the trainer, and agreement with stock transformers (whose window is active)."""
+    from rlexact.rollout import Generator, SamplingParams
+
+    model = tiny_model("mistral", heads=8, kv_heads=2, head_dim=128, hidden=1024, vocab=32_768, dtype=dtype)
+    model.config.sliding_window = 64
+    ref = copy.deepcopy(model).cuda()
+    model = rlexact.exactify(model.cuda())
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 32_768, (n,), generator=g).cuda() for n in (33, 200, 300)]
+    with torch.no_grad():
+        train = rlexact.sequence_logprobs(model, seqs)
+        for chunk in (1, 64, 100):
+            assert torch.equal(_paged_logprobs(model, seqs[2], chunk, shuffle_seed=chunk), train[2]), chunk
+        logits = ref(seqs[2][None]).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[:-1].gather(-1, seqs[2][1:, None])[:, 0]
+        assert (train[2] - expected).abs().max() < (1e-3 if dtype == torch.float32 else 0.25)
+    outs = Generator(model).generate([s[:40].tolist() for s in seqs], SamplingParams(max_new_tokens=100, seed=1))
+    ref_lp = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
+    assert all(torch.equal(o.logprobs, r[-len(o.token_ids) :]) for o, r in zip(outs, ref_lp))

@@ -147,6 +147,18 @@ def test_gpu_batch_invariance(checks, dtype) -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_gpu_window(checks, dtype, window) -> None:
+    """Sliding windows on the tl kernel at the library's tiles and splits: against float64, every schedule bitwise
+    the training rows (decode with several KV splits included), the backward; rows past the window differ from the
+    unwindowed launch."""
+    lens = [1, 37, 300, 1025] if window < 1025 else [1, 37, 300, 5000]
+    checks.check_window(lens, *QWEN3, window, dtype=dtype, device="cuda", chunks=(64, 333), block_sizes=(16,))
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decode_large_batch(checks) -> None:
     """Decode at batch 64 with 512-token contexts equals the training rows (Qwen3-1.7B shapes, bf16)."""
     lens = [500 + (7 * i) % 24 for i in range(64)]
