@@ -39,7 +39,8 @@ kernels) and decode steps whose contexts fit one split (:mod:`rlexact.ops.gluon_
 Sliding windows (``window``: a query at ``p`` sees keys ``p - window + 1 .. p``) run the ``tl`` kernel alone, with the
 same tiles and splits: every key tile is masked (the window's edge may cut any of them), tiles wholly before a query
 tile's window are skipped (exact: they only add hidden scores), and so are whole splits (empty partials); the
-backward kernels apply the same mask.
+backward kernels apply the same mask and skip the key tiles (dQ) and query chunks (dK, dV) wholly outside it, whose
+products would add exact zeros.
 
 GQA packing. The ``HP`` query heads that share one KV head are packed into the ``BLOCK_M`` rows of a tile (row
 ``r`` = query ``r // HP`` of the tile, head ``r % HP`` of the group), in training and inference alike. A row's
@@ -654,6 +655,8 @@ def _attn_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     first = (tile * BLOCK_N) // BLOCK_M
     n_chunks = tl.cdiv(length, BLOCK_M)
+    if HAS_WINDOW:  # later query chunks see none of this tile's keys: their products would add exact zeros
+        n_chunks = tl.minimum(n_chunks, (tile * BLOCK_N + BLOCK_N - 1 + window - 1) // BLOCK_M + 1)
     for hh in range(0, GROUP):
         head = kvh * GROUP + hh
         for i in range(first, n_chunks):
@@ -767,7 +770,10 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     last = tl.minimum(tile * BLOCK_M + BLOCK_M, length) - 1
-    for j in range(0, last // BLOCK_N + 1):
+    j_first = 0
+    if HAS_WINDOW:  # earlier key tiles lie before every row's window: their products would add exact zeros
+        j_first = tl.maximum(tile * BLOCK_M - window + 1, 0) // BLOCK_N
+    for j in range(j_first, last // BLOCK_N + 1):
         kpos = j * BLOCK_N + offs_n
         k_ok = kpos < length
         krow = (begin + kpos).to(tl.int64)
