@@ -18,6 +18,7 @@ from interpreter_jobs import failure_report
 HELPER = "tests/_interp_attention.py"
 
 triton_missing = importlib.util.find_spec("triton") is None
+HAS_NVIDIA_BACKEND = not triton_missing and importlib.util.find_spec("triton.backends.nvidia") is not None
 
 
 SECTIONS = ["forward", "exact", "backward", "split", "window"]
@@ -80,6 +81,54 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stages(1, split) == swept  # one split: no split-parallel pass
     assert stages(1, 2 * split, queries=8) == ta.PREFILL_LAUNCH_16BIT["num_stages"]  # a prefill chunk
     assert stages(1, 2 * split, cfg={"num_stages": 3}) == 3
+
+
+def _arg_types(kernel, const: dict) -> dict[str, str]:  # noqa: ANN001 - a Triton JITFunction
+    """Runtime argument types of an attention kernel for a bf16 launch: tensors bf16 (the log-sum-exp, delta and
+    split partials fp32; index tables int32), scales fp32, other scalars int32."""
+    fp32 = {"LSE", "DELTA", "PACC", "PML", "qk_scale", "sm_scale"}
+    ints = {"cu", "cu_q", "seqlens_k", "block_tables", "CNT"}
+    types = {}
+    for name in kernel.arg_names:
+        if name in const:
+            continue
+        if name in ints:
+            types[name] = "*i32"
+        elif name in fp32:
+            types[name] = "fp32" if name.endswith("scale") else "*fp32"
+        else:
+            types[name] = "*bf16" if name[0].isupper() else "i32"
+    return types
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+def test_attention_kernels_compile_for_hopper_with_and_without_a_window() -> None:
+    """The forward (decode with and without the split-parallel pass, packed prefill, the backward's preprocessing)
+    and both backward kernels compile for sm_90 on the host with ``HAS_WINDOW`` off and on (the interpreter does not
+    type-check the compiled path); the windowed code differs from the unwindowed (the mask is compiled in)."""
+    from hopper_compile import compile_for_hopper
+    from rlexact.ops import triton_attention as ta
+
+    fwd = dict(
+        HEAD_DIM=128, BLOCK_D=128, EVEN_D=True, BLOCK_M=16, BLOCK_N=64, HP=2, GROUP=2, PAGED=True, PAGE_SIZE=16,
+        BWD_PREP=False, SCAN=128, SPLIT=ta.SPLIT_KEYS_16BIT, SPLIT_PAR=False, DIRECT=True, ONE_Q=True, FP32_DOT=False,
+        UPCAST=False, PDL=False,
+    )  # fmt: skip
+    prefill = dict(BLOCK_M=64, PAGED=False, PAGE_SIZE=1, DIRECT=False, ONE_Q=False)
+    cases = [
+        (ta._attn_fwd_kernel, fwd),
+        (ta._attn_fwd_kernel, fwd | dict(SPLIT_PAR=True)),
+        (ta._attn_fwd_kernel, fwd | prefill),
+        (ta._attn_fwd_kernel, fwd | prefill | dict(BWD_PREP=True)),
+    ]
+    bwd = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, GROUP=2, FP32_DOT=False, UPCAST=False, SCAN=128)
+    cases += [(ta._attn_bwd_dkdv_kernel, bwd), (ta._attn_bwd_dq_kernel, bwd)]
+    for kernel, const in cases:
+        ptx = {}
+        for window in (False, True):
+            flags = const | {"HAS_WINDOW": window}
+            ptx[window] = compile_for_hopper(kernel, _arg_types(kernel, flags), flags, num_warps=4).asm["ptx"]
+        assert ptx[True] != ptx[False], f"{kernel.fn.__name__}: the window changed no code"
 
 
 @pytest.mark.skipif(triton_missing, reason="needs triton")
