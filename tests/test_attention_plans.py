@@ -207,3 +207,26 @@ def test_strides_key_their_own_plans(launches: list) -> None:
         _launch(launches, True, *args)
         assert _through_plan(launches, *args) == _launch(launches, False, *args)
     assert len(ta._PLANS) == 2
+
+
+def test_windowed_launch_keeps_to_the_tl_kernel(launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sliding-window launch never takes a Gluon kernel or a plan (they do not mask by the window): with Gluon's
+    dispatch available, the unwindowed launch takes it and the windowed one the ``tl`` kernel, with the window and
+    ``HAS_WINDOW``; negative control: the same stubs put the unwindowed launch on Gluon."""
+    tl_launches: list = []
+
+    class _TlRecorder:
+        def __getitem__(self, grid: tuple):  # noqa: ANN204 - kernel[grid](*args, **meta)
+            return lambda *args, **meta: tl_launches.append((args, meta))
+
+    at = ta._attn_fwd_kernel.arg_names.index("window")
+    monkeypatch.setattr(ta, "_attn_fwd_kernel", _TlRecorder())
+    args = _inputs(CASES["single"])
+    _launch(launches, True, *args)
+    assert len(launches) == 1 and not tl_launches  # Gluon took the unwindowed launch
+    q, k, v, cu, out = args
+    for window in (7, 4096):
+        ta._forward(q, k, v, cu, None, None, SCALE, out, window=window)
+        (call_args, meta), *_ = tl_launches[-1:]
+        assert meta["HAS_WINDOW"] and call_args[at] == window
+    assert len(launches) == 1 and len(ta._PLANS) == 1 and len(tl_launches) == 2
