@@ -170,6 +170,24 @@ def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     assert probe.trainer_eq_rollout == [True, True] and probe.first_ratio_one_all == [True, True]
 
 
+def test_exact_first_ministep_past_a_sliding_window() -> None:
+    """A Mistral whose 4-token window is shorter than its sequences (prompts of 4+ tokens, 8 new ones): the exact
+    first mini-step holds through RLModule (the trainer's forward and backward mask by the window as the rollout's
+    decode does); the negative control is the native generator, whose rollout differs from the trainer."""
+    cfg = tiny_config() | {"model_type": "mistral", "sliding_window": 4}
+    module = make_module("bfloat16", model_config=cfg, rollout={"max_new_tokens": 8},
+                         algorithm={"old_logprob_mode": "exact"})  # fmt: skip
+    probe = Inspect()
+    fit(module, 2, [probe])
+    assert module.model.config.sliding_window == 4
+    assert probe.trainer_eq_rollout == [True, True] and probe.first_ratio_one_all == [True, True]
+    native = make_module("bfloat16", model_config=cfg, rollout={"kernels": "native", "max_new_tokens": 8},
+                         algorithm={"old_logprob_mode": "recompute"})  # fmt: skip
+    probe = Inspect()
+    fit(native, 2, [probe])
+    assert probe.trainer_eq_rollout == [False, False]
+
+
 def test_recompute_native_bf16_is_not_exact() -> None:
     """Negative control: the native generator in bf16 disagrees with the trainer somewhere."""
     module = make_module(
