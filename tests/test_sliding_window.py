@@ -134,3 +134,19 @@ def test_rollout_max_context_past_max_positions_is_an_error() -> None:
     items = [{"prompt_ids": list(range(3, 3 + 121)), "index": 0}]
     with pytest.raises(ValueError, match="context of 128 tokens leaves room for prompts of at most 120"):
         sampling.check_prompts(items, RolloutConfig(max_new_tokens=8), 128)
+
+
+def test_layers_with_and_without_a_window_agree_with_stock() -> None:
+    """Qwen3 with ``max_window_layers=1``: layer 0 attends to every earlier key, layer 1 within its window; each
+    layer's own window reaches the kernels (rollout == trainer past the window, stock agreement)."""
+    cfg = Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **COMMON)
+    torch.manual_seed(6)
+    stock = Qwen3ForCausalLM(cfg).eval()
+    model = rlexact.exactify(copy.deepcopy(stock))
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert [sliding_window(m) for m in layers] == [None, WINDOW]
+    ids = torch.randint(3, VOCAB, (1, 6 * WINDOW), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, atol=2e-4, rtol=2e-4)
+    outs = Generator(model, block_size=4).generate([ids[0, :20].tolist()], SamplingParams(max_new_tokens=20, seed=6))
+    assert_exact(model, outs)
