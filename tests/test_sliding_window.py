@@ -1,7 +1,7 @@
 """Sliding-window attention: the exact kernels take each layer's window, so windowed models agree with stock
 transformers past the window, decode == chunked prefill == training and rollout == trainer hold bitwise there, and
-transformers' ``generate`` runs them exactly over a cache that keeps every key (its sliding-window cache layers,
-which drop keys, are an error naming the fix)."""
+transformers' ``generate`` runs them exactly, with its sliding-window cache layers (whose dropped keys lie before
+every new query's window) or a cache that keeps every key."""
 
 from __future__ import annotations
 
@@ -113,17 +113,28 @@ def test_rollout_past_the_window_equals_the_trainer(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_past_the_window(dtype: torch.dtype) -> None:
-    """Prompts of up to 11 tokens and 10 new ones, left-padded, past a window of 8: over a DynamicCache built
-    without the config (every key kept) each decode step's logits equal the full forward's bitwise (stock kernels:
-    not); the default cache's sliding-window layers drop keys, which is an error naming the fix."""
+    """Prompts of up to 11 tokens and 10 new ones, left-padded, past a window of 8: with the default cache (whose
+    sliding-window layers drop keys past the window) and with a DynamicCache built without the config (every key
+    kept) each decode step's logits equal the full forward's bitwise; negative control: the stock kernels' do not."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
     model = rlexact.exactify(_model("mistral", seed=4, dtype=dtype))
+    made = []
+    update = DynamicSlidingWindowLayer.update
+    def recorded(self: DynamicSlidingWindowLayer, *a: object, **kw: object) -> object:
+        made.append(self)
+        return update(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:  # record the default cache's layers, to see they dropped keys
+        mp.setattr(DynamicSlidingWindowLayer, "update", recorded)
+        equal, total = _decode_vs_full(model, "cpu")
+    assert equal == total == 30
+    assert made and max(layer.cumulative_length - layer.keys.shape[-2] for layer in made) > 0, "nothing dropped"
     equal, total = _decode_vs_full(model, "cpu", cache=DynamicCache())
     assert equal == total == 30
     with rlexact.use_kernels(model, "native"):
         equal, total = _decode_vs_full(model, "cpu", cache=DynamicCache())
     assert equal < total
-    with pytest.raises(ValueError, match=r"dropped keys past its window of 8.*cache=DynamicCache\(\)"):
-        _decode_vs_full(model, "cpu")
 
 
 def test_rollout_max_context_past_max_positions_is_an_error() -> None:

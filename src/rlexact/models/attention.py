@@ -34,8 +34,12 @@ def check_attention_settings(dropout: float) -> None:
         )
 
 
-def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append ``k, v [B, T, Hkv, D]`` to a transformers ``DynamicCache``; return all keys/values ``[B, L, Hkv, D]``."""
+def _cache_update(
+    m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Append ``k, v [B, T, Hkv, D]`` to a transformers ``DynamicCache``; return all keys/values ``[B, L, Hkv, D]`` at
+    their cache indices and how many of the first ones a sliding-window layer dropped (zeros in their place: they lie
+    before every new query's window, and the kernels' key tiles stay anchored at absolute positions)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if not isinstance(cache, DynamicCache):
@@ -45,21 +49,19 @@ def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor)
         )
     k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), m.layer_idx)
     layer = cache.layers[m.layer_idx]
-    if type(layer) is DynamicSlidingWindowLayer:  # holds every key while the cache fits the window
-        if k_all.shape[-2] != layer.cumulative_length:
-            raise ValueError(
-                f"layer {m.layer_idx}'s sliding-window cache dropped keys past its window of {layer.sliding_window}; "
-                "rlexact's kernels place key tiles at absolute positions, so they need every key: pass a cache that "
-                "keeps them, model.generate(..., cache=DynamicCache()) (built without the config), or use "
-                "rlexact.rollout.Generator"
-            )
+    dropped = 0
+    if type(layer) is DynamicSlidingWindowLayer:  # returns the last keys only once the cache outgrows the window
+        dropped = layer.cumulative_length - k_all.shape[-2]
     elif type(layer) is not DynamicLayer:
         raise ValueError(
             f"rlexact's exact attention supports full and sliding-window DynamicCache layers, got "
             f"{type(layer).__name__} in layer {m.layer_idx}; use the default DynamicCache (no quantized or offloaded "
             "layers)"
         )
-    return k_all.transpose(1, 2), v_all.transpose(1, 2)
+    k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)
+    if dropped:  # zeros in their place: every query of this call is past the window of the dropped keys
+        k_all, v_all = (torch.cat([x.new_zeros((x.shape[0], dropped, *x.shape[2:])), x], 1) for x in (k_all, v_all))
+    return k_all, v_all, dropped
 
 
 def _key_starts(
@@ -166,8 +168,11 @@ def transformers_attention(
     padding queries are zero.
     """
     b, t, hq, d = q.shape
-    k_all, v_all = (k, v) if cache is None else _cache_update(m, cache, k, v)
+    k_all, v_all, dropped = (k, v, 0) if cache is None else _cache_update(m, cache, k, v)
     length = k_all.shape[1]
+    if dropped and isinstance(mask, torch.Tensor):  # transformers' mask spans the kept keys: hide the dropped ones
+        hidden = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        mask = torch.cat([mask.new_full((*mask.shape[:-1], dropped), hidden), mask], -1)
     starts = _key_starts(mask, b, t, length, window, position_ids)
     _check_positions(position_ids, starts, b, t, length)
     st = starts.tolist()
