@@ -161,3 +161,11 @@ def test_layers_with_and_without_a_window_agree_with_stock() -> None:
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, atol=2e-4, rtol=2e-4)
     outs = Generator(model, block_size=4).generate([ids[0, :20].tolist()], SamplingParams(max_new_tokens=20, seed=6))
     assert_exact(model, outs)
+
+
+def test_generate_with_a_one_key_window() -> None:
+    """A window of one key: transformers' mask spans fewer keys than its cache layer returns (it keeps them all),
+    which the exact path widens alike; decode == full forward bitwise."""
+    model = rlexact.exactify(_model("mistral", window=1, seed=7))
+    equal, total = _decode_vs_full(model, "cpu")
+    assert equal == total == 30

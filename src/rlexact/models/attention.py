@@ -34,12 +34,10 @@ def check_attention_settings(dropout: float) -> None:
         )
 
 
-def _cache_update(
-    m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _cache_update(m: nn.Module, cache: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Append ``k, v [B, T, Hkv, D]`` to a transformers ``DynamicCache``; return all keys/values ``[B, L, Hkv, D]`` at
-    their cache indices and how many of the first ones a sliding-window layer dropped (zeros in their place: they lie
-    before every new query's window, and the kernels' key tiles stay anchored at absolute positions)."""
+    their cache indices, with zeros for those a sliding-window layer dropped (they lie before every new query's
+    window, and the kernels' key tiles stay anchored at absolute positions)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if not isinstance(cache, DynamicCache):
@@ -61,7 +59,7 @@ def _cache_update(
     k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)
     if dropped:  # zeros in their place: every query of this call is past the window of the dropped keys
         k_all, v_all = (torch.cat([x.new_zeros((x.shape[0], dropped, *x.shape[2:])), x], 1) for x in (k_all, v_all))
-    return k_all, v_all, dropped
+    return k_all, v_all
 
 
 def _key_starts(
@@ -168,11 +166,13 @@ def transformers_attention(
     padding queries are zero.
     """
     b, t, hq, d = q.shape
-    k_all, v_all, dropped = (k, v, 0) if cache is None else _cache_update(m, cache, k, v)
+    k_all, v_all = (k, v) if cache is None else _cache_update(m, cache, k, v)
     length = k_all.shape[1]
-    if dropped and isinstance(mask, torch.Tensor):  # transformers' mask spans the kept keys: hide the dropped ones
+    if window is not None and isinstance(mask, torch.Tensor) and 0 < mask.shape[-1] < length:
+        # transformers' sliding-window mask spans the last keys only (those its cache layer keeps, or fewer): the
+        # others lie before every query's window
         hidden = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
-        mask = torch.cat([mask.new_full((*mask.shape[:-1], dropped), hidden), mask], -1)
+        mask = torch.cat([mask.new_full((*mask.shape[:-1], length - mask.shape[-1]), hidden), mask], -1)
     starts = _key_starts(mask, b, t, length, window, position_ids)
     _check_positions(position_ids, starts, b, t, length)
     st = starts.tolist()
