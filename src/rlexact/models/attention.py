@@ -15,6 +15,7 @@ from rlexact import ops
 from rlexact.models.metadata import AttnMetadata
 from rlexact.models.native_attention import native_paged, native_varlen
 from rlexact.models.state import ExactState, get_state
+from rlexact.ops.reference import hidden_keys
 
 ATTN_IMPL = "rlexact"
 
@@ -88,9 +89,8 @@ def _key_starts(
         )
     kidx = torch.arange(length)
     c = length - t + torch.arange(t)  # cache index of each query
-    expected = (kidx[None, None] >= starts[:, None, None]) & (kidx[None, None] <= c[None, :, None])
-    if window is not None:  # padding shifts a row's queries and keys alike, so the window holds in cache indices
-        expected = expected & (kidx[None, None] > c[None, :, None] - window)
+    # padding shifts a row's queries and keys alike, so causality and the window hold in cache indices
+    expected = (kidx[None, None] >= starts[:, None, None]) & ~hidden_keys(kidx, c, window)[None]
     real = c[None] >= starts[:, None]
     if bool(((valid != expected) & real[:, :, None]).any()):
         raise ValueError(

@@ -172,15 +172,14 @@ def _attention_forward(m: nn.Module) -> Callable:
         cos, sin = position_embeddings
         qw, kw = (None, None) if q_norm is None or full_norm else (q_norm.weight, k_norm.weight)
         paged = None if meta is None else meta.paged
-        if paged is not None and not _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None)):
-            paged = None  # paged steps under autograd: rotate here, attention writes the cache
-        if not rotates:  # nothing to fuse: attention writes the cache
-            paged = None
-        elif paged is None:
-            q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
-        else:  # generator steps: the rotation kernel also stores this layer's new K/V rows in the paged cache
+        # generator steps without autograd: the rotation kernel also stores this layer's new K/V rows in the paged
+        # cache; otherwise (and in layers without rotary) the attention call writes them
+        kv_written = rotates and paged is not None and _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None))
+        if kv_written:
             kc, vc = paged.caches[m.layer_idx]
             q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping)
+        elif rotates:
+            q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
             check_attention_settings(dropout)
@@ -189,8 +188,7 @@ def _attention_forward(m: nn.Module) -> Callable:
         else:
             out, _ = rlexact_attention(
                 m, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, dropout=dropout,
-                scaling=m.scaling, rlexact_meta=meta, sliding_window=sliding_window(m),
-                kv_written=paged is not None,
+                scaling=m.scaling, rlexact_meta=meta, sliding_window=sliding_window(m), kv_written=kv_written,
             )  # fmt: skip
         return m.o_proj(out.reshape(*input_shape, -1)), None
 

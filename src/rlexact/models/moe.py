@@ -89,13 +89,13 @@ def _check_experts_layout(m: nn.Module) -> None:
 
 
 def _router_forward(m: nn.Module) -> Callable:
-    name = type(m).__name__
-    fp32 = RENORMALIZING_ROUTERS.get(name, False)  # the softmax is fp32 either way: only the weights' dtype differs
-    renormalize = name in RENORMALIZING_ROUTERS or bool(getattr(m, "norm_topk_prob", False))
+    fp32 = RENORMALIZING_ROUTERS.get(type(m).__name__)  # None: the router reads norm_topk_prob (at every call)
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, m.weight.shape[1])
         logits = ops.matmul(x, m.weight)
+        renormalize = fp32 is not None or bool(m.norm_topk_prob)
+        # the softmax is fp32 either way: only the weights' dtype differs
         weights, ids = ops.moe_router(logits.float() if fp32 else logits, int(m.top_k), renormalize)
         return logits, weights, ids
 

@@ -7,14 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rlexact.models.metadata import AttnMetadata
-
-
-def _window_mask(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[..., nq, nk]`` True where query position ``qpos`` sees key position ``kpos`` (causal, within ``window``)."""
-    seen = kpos[..., None, :] <= qpos[..., :, None]
-    if window is not None:
-        seen = seen & (kpos[..., None, :] > qpos[..., :, None] - window)
-    return seen
+from rlexact.ops.reference import hidden_keys
 
 
 def native_varlen(
@@ -26,7 +19,7 @@ def native_varlen(
     for s, e in zip(cu[:-1], cu[1:]):
         if e > s:
             pos = torch.arange(e - s, device=q.device)
-            mask = None if window is None else _window_mask(pos, pos, window)
+            mask = None if window is None else ~hidden_keys(pos, pos, window)
             o = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1)[None],
                 k[s:e].transpose(0, 1)[None],
@@ -74,10 +67,7 @@ def native_paged(
         n = qd.shape[0]
         nblk = -(-lmax // bs)
         kk, vv = gather(tables, nblk)
-        kpos = torch.arange(nblk * bs, device=dev)[None]
-        valid = kpos < lens_k[:, None].long()
-        if window is not None:  # the query sits at position lens_k - 1
-            valid = valid & (kpos > lens_k[:, None].long() - 1 - window)
+        valid = ~hidden_keys(torch.arange(nblk * bs, device=dev), lens_k.long() - 1, window)  # the query: lens_k - 1
         o = F.scaled_dot_product_attention(
             qd.reshape(n, hkv, grp, d), kk, vv, attn_mask=valid[:, None, None], scale=scale
         )
@@ -123,7 +113,7 @@ def native_paged(
         qp[valid_q] = q[src]
         qpos = (lk_t - nq_t)[:, None] + qi[None]  # absolute query positions [n, Q]
         kpos = torch.arange(nblk * bs, device=dev)
-        mask = _window_mask(kpos, qpos, window) & (kpos[None, None] < lk_t[:, None, None])
+        mask = ~hidden_keys(kpos, qpos, window) & (kpos[None, None] < lk_t[:, None, None])
         mask = mask | (kpos == 0)[None, None]  # padded query rows attend key 0 (discarded) instead of nothing
         kk, vv = gather(paged.block_tables[idx], nblk)
         qf = qp.reshape(n, qmax, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, grp * qmax, d)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlexact.ops.reference import hidden_keys
+
 ROW_BLOCK = 64
 """Rows per fixed-shape block for matmul, norms, elementwise ops and the log-prob head."""
 ATTN_BLOCK_M = 16
@@ -252,9 +254,8 @@ def _attend(
                 )
                 kpos = j * bn + offs
                 scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
-                masked = (kpos[None, None, :] > pos[:, :, None]) | (kpos[None, None, :] >= klen[:, None, None])
-                if window is not None:  # idle slots (position -1) stay fully masked
-                    masked = masked | (kpos[None, None, :] <= pos[:, :, None] - window)
+                # idle slots (position -1) stay fully masked
+                masked = hidden_keys(kpos, pos, window) | (kpos[None, None, :] >= klen[:, None, None])
                 scores = scores.masked_fill(masked[:, None], float("-inf"))
                 m_new = torch.maximum(m_s, scores.amax(-1))
                 m_use = _finite_or_zero(m_new)

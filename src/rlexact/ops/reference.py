@@ -35,11 +35,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def hidden_keys(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[nq, nk]`` True where query position ``qpos[i]`` does not see key position ``kpos[j]``: a later key, or (with
-    a sliding ``window``, transformers' convention) a key ``window`` or more positions back."""
-    hidden = kpos[None, :] > qpos[:, None]
+    """``[..., nq, nk]`` (``kpos [..., nk]`` and ``qpos [..., nq]`` broadcast) True where query position ``qpos[i]``
+    does not see key position ``kpos[j]``: a later key, or (with a sliding ``window``, transformers' convention) a
+    key ``window`` or more positions back. The one mask rule of every attention path (the CPU twin, the native
+    baseline, transformers' masks checked by :mod:`rlexact.models.attention`)."""
+    k, q = kpos[..., None, :], qpos[..., :, None]
+    hidden = k > q
     if window is not None:
-        hidden = hidden | (kpos[None, :] <= qpos[:, None] - window)
+        hidden = hidden | (k <= q - window)
     return hidden
 
 

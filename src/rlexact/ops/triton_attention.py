@@ -860,9 +860,8 @@ def _forward(
     without it. ``window``: a sliding window (keys per query); such a launch runs the ``tl`` kernel alone, whose rows
     the Gluon kernels equal bitwise without a window (``tests/test_triton_attention.py``), and keeps no plan.
     """
-    if window is not None:
-        cfg = (cfg or {}) | {"GLUON": False}
-    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta) if block_tables is None and cfg is None else None
+    planned = block_tables is None and cfg is None and window is None
+    plan_key = _plan_key(q, k, v, cu_q, out, lse_delta) if planned else None
     if plan_key is not None and _planned_launch(plan_key, q, k, v, cu_q, scale, out, lse_delta):
         return
     lse, delta = lse_delta if lse_delta is not None else (None, None)
@@ -874,11 +873,12 @@ def _forward(
     decode = tq == num_seqs
     override = cfg or {}
     cfg = _launch_config(d, q.dtype, decode) | override
+    gluon = window is None and cfg.get("GLUON", True)  # the Gluon kernels do not mask by a window
     split = cfg["SPLIT"]
     if split % cfg["BLOCK_N"]:
         raise ValueError(f"attention: SPLIT {split} is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
     paged = block_tables is not None
-    if not paged and cfg.get("GLUON", True) and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
+    if not paged and gluon and gluon_attention.supported(q, k, v, cfg["BLOCK_N"]):
         pair = cfg.get("PAIR", gluon_attention_pair.chosen(tq, num_seqs))
         launched = _gluon_packed(pair, q, k, v, cu_q, scale, out, split, lse_delta, programs=cfg.get("PROGRAMS"))
         if plan_key is not None:  # the library's configuration (no override) on aligned tensors
@@ -902,7 +902,7 @@ def _forward(
         stride_vt, stride_vh = v.stride(0), v.stride(1)
         stride_bt = 0
         max_keys = tq
-    if paged and lse is None and _gathered(q, k, v, cu_q, seqlens_k, block_tables, scale, out, cfg, max_keys):
+    if paged and lse is None and gluon and _gathered(q, k, v, cu_q, seqlens_k, block_tables, scale, out, cfg, max_keys):
         return
     block_d = _block_d(d)
     n_split = -(-max_keys // split)
@@ -913,7 +913,7 @@ def _forward(
         and n_split == 1
         and lse is None
         and block_tables.stride(1) == 1
-        and cfg.get("GLUON", True)
+        and gluon
         and gluon_decode.supported(q, k, v, cfg["BLOCK_N"], split)
     ):
         gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, QUERY_ROWS), prefix)
@@ -995,7 +995,7 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     tq, _, d = q.shape
     num_seqs, hkv = cu_q.shape[0] - 1, k.shape[2]
     take = cfg.get("GATHER", kv_gather.chosen(tq, num_seqs, max_keys, hkv * d * k.element_size()))
-    if not take or not cfg.get("GLUON", True) or not (k.is_contiguous() and v.is_contiguous()):
+    if not take or not (k.is_contiguous() and v.is_contiguous()):
         return False
     flat_k, flat_v = k.view(-1, hkv, d), v.view(-1, hkv, d)
     if not gluon_attention.supported(q, flat_k, flat_v, cfg["BLOCK_N"]):
