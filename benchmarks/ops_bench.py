@@ -24,6 +24,11 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
   (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side: GPU time (graph replays),
   eager back-to-back time (``common.bench_stream``: the host's launch cost shows once it exceeds the kernel's) and
   host time per call.
+* ``window``: sliding-window attention (:data:`WINDOW_PREFILL_CASES`, :data:`WINDOW_DECODE_CASES`), which runs the
+  ``tl`` kernels (no Gluon path takes a window): the windowed exact call against the unwindowed exact call at the same
+  shape, and against SDPA given only the work the window leaves (prefill: a boolean window mask, SDPA's choice of
+  backend; decode: the window's last keys, contiguous); a window as long as the sequences must give the unwindowed
+  call's bits (``full_window_equal``).
 * ``logprob``: :func:`rlexact.ops.token_logprobs` vs ``log_softmax((h @ W.T).float()).gather`` at T = 4096 / 16384,
   V = 151936, H = 2048, bf16: time and peak-memory delta.
 * ``norm``: rms_norm and silu_mul vs their torch expressions (memory-bound sanity check).
@@ -245,7 +250,10 @@ def _fresh_prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float)
 
 
 PAGED_CHUNK_CASES = (
-    (2, 8192, 8192), (1, 16384, 8192), (4, 4096, 2048), *((64, 1024, n) for n in (16, 32, 64, 128, 256, 512))
+    (2, 8192, 8192),
+    (1, 16384, 8192),
+    (4, 4096, 2048),
+    *((64, 1024, n) for n in (16, 32, 64, 128, 256, 512)),
 )
 """``(sequences, cached keys each, new queries each)`` of :func:`_paged_chunk_case`: the second chunk of two 16k-token
 prompts at the generator's default token budget, a third chunk, and a sweep of the queries per sequence at a fixed
@@ -315,8 +323,12 @@ def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
 
         call()
         outs[name] = out
-        res[name] = {"graph_ms": bench_graph(call), "eager_ms": bench_stream(call), "host_us": host_us(call),
-                     "host_top_us": host_profile(call, calls=200)}
+        res[name] = {
+            "graph_ms": bench_graph(call),
+            "eager_ms": bench_stream(call),
+            "host_us": host_us(call),
+            "host_top_us": host_profile(call, calls=200),
+        }
         torch.cuda.synchronize()
     res["bitwise_equal"] = bool(torch.equal(outs["default"], outs["tl"]))
     return res
@@ -393,6 +405,103 @@ def bench_attention(quick: bool) -> dict:
             del kc, vc, kcont, vcont
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+    return res
+
+
+WINDOW_PREFILL_CASES = ((8, 4096, 1024), (8, 4096, 4096))
+"""``(sequences, tokens each, window)`` of the windowed prefill cases."""
+WINDOW_DECODE_CASES = ((4, 8192, 4096), (32, 8192, 4096), (256, 512, 128))
+"""``(batch, context, window)`` of the windowed decode cases (CUDA-graph replays)."""
+
+
+def _window_prefill_case(b: int, s: int, w: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+    import torch.nn.functional as F
+
+    from rlexact import ops
+
+    q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    pos = torch.arange(s, device="cuda")
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+    qp = q.view(b, s, hq, d).transpose(1, 2)
+    kp = k.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+    vp = v.view(b, s, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+
+    def windowed() -> torch.Tensor:
+        return ops.attention_varlen(q, k, v, cu, scale, window=w)
+
+    def full() -> torch.Tensor:
+        return ops.attention_varlen(q, k, v, cu, scale)
+
+    equal = bool(torch.equal(windowed(), full())) if w >= s else None
+    t_win, t_full = bench(windowed), bench(full)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale))
+    return {
+        "exact_window_ms": t_win,
+        "exact_full_ms": t_full,
+        "sdpa_window_mask_ms": t_sdpa,
+        "window_over_full": t_win / t_full,
+        "ratio_vs_sdpa": t_sdpa / t_win,
+        "full_window_equal": equal,
+    }
+
+
+def _window_decode_case(b: int, ctx: int, w: int, hq: int, hkv: int, d: int, scale: float) -> dict:
+    import torch.nn.functional as F
+
+    from rlexact import ops
+
+    bs = 16
+    nblk = ctx // bs
+    kc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(b * nblk, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(b * nblk, device="cuda").to(torch.int32).view(b, nblk)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+
+    def last_keys(cache: torch.Tensor) -> torch.Tensor:
+        x = cache[tables.long()].reshape(b, ctx, hkv, d)[:, -w:]
+        return x.transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous()
+
+    kw, vw, qd = last_keys(kc), last_keys(vc), q.view(b, hq, 1, d)
+    args = (q, kc, vc, tables, cu_q, lens, scale)
+    t_win = bench_graph(lambda: ops.attention_paged(*args, max_seqlen_q=1, window=w))
+    t_full = bench_graph(lambda: ops.attention_paged(*args, max_seqlen_q=1))
+    t_sdpa = bench_graph(lambda: F.scaled_dot_product_attention(qd, kw, vw, scale=scale))
+    return {
+        "exact_window_ms": t_win,
+        "exact_full_ms": t_full,
+        "sdpa_window_keys_ms": t_sdpa,
+        "window_over_full": t_win / t_full,
+        "ratio_vs_sdpa": t_sdpa / t_win,
+        "exact_window_kv_gbps": 2 * b * w * hkv * d * 2 / t_win / 1e6,
+    }
+
+
+def bench_window() -> dict:
+    res: dict = {}
+    hq, hkv, d = 16, 8, 128
+    scale = 1.0 / math.sqrt(d)
+    for b, s, w in WINDOW_PREFILL_CASES:
+        try:
+            res[f"prefill_{b}x{s}_w{w}"] = _window_prefill_case(b, s, w, hq, hkv, d, scale)
+        except Exception as e:  # noqa: BLE001
+            res[f"prefill_{b}x{s}_w{w}"] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=3),
+            }
+    for b, ctx, w in WINDOW_DECODE_CASES:
+        try:
+            res[f"decode_b{b}_ctx{ctx}_w{w}"] = _window_decode_case(b, ctx, w, hq, hkv, d, scale)
+        except Exception as e:  # noqa: BLE001
+            res[f"decode_b{b}_ctx{ctx}_w{w}"] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=3),
+            }
+        torch.cuda.empty_cache()
     return res
 
 
@@ -554,6 +663,12 @@ def _table(results: dict) -> str:
                     f"{'':18s} {'  peak mem':28s}  {r['exact_peak_bytes'] / 2**20:8.0f}MB "
                     f"{r['native_peak_bytes'] / 2**20:8.0f}MB"
                 )
+    for case, r in results.get("window", {}).items():
+        if isinstance(r, dict) and "exact_window_ms" in r:
+            lines.append(
+                f"window             {case:28s}  {r['exact_window_ms']:8.3f}ms full {r['exact_full_ms']:8.3f}ms  "
+                f"sdpa/exact {r['ratio_vs_sdpa']:5.2f}"
+            )
     inv = results.get("matmul_invariance", {})
     for name, r in inv.items():
         if isinstance(r, dict):
@@ -566,7 +681,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ops_h200.json"))
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
-    ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm,rope")
+    ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm,rope,window")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ops_bench.py needs a CUDA GPU")
@@ -584,6 +699,7 @@ def main() -> None:
         "logprob": lambda: bench_logprob(args.quick),
         "norm": bench_norm,
         "rope": bench_rope,
+        "window": bench_window,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@
 #   CUDA_VISIBLE_DEVICES=0 scripts/gpu_suite.sh bench train & CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh bench rollout
 #
 # tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, source digest, GPU, driver, versions and
-#   the pytest command; every test file that uses the gpu marker runs (three pytest processes in parallel: Triton
-#   compilation is CPU-bound and the GPU has room for all three). Each group also writes $OUT/gpu_tests_groupN.log as
+#   the pytest command; every test file that uses the gpu marker runs (the four groups' pytest processes in parallel,
+#   the attention group over four pytest-xdist workers where xdist is installed: Triton compilation is CPU-bound and
+#   the GPU has room for all of them). Each group also writes $OUT/gpu_tests_groupN.log as
 #   it runs, so a run cut short by the device call's limit still returns what finished. With cold Triton caches the
 #   four groups can exceed one device call (600 s): run them as two calls, e.g. "0 1" and then "2 3".
 # bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
@@ -39,18 +40,20 @@ gpu_test_files() {
 if [[ $what == tests || $what == all ]]; then
   log=$OUT/gpu_tests_h200.log
   cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -q -rfE --durations=5"
-  # four groups (the longest measured files apart): the kernel tests, the attention tests, the model/rollout tests,
-  # the MoE tests
+  # four groups (the longest measured files apart): the kernel tests, the attention tests, the rollout/module tests,
+  # the MoE and model tests
   mapfile -t files < <(gpu_test_files)
   g0="" g1="" g2="" g3=""
   for f in "${files[@]}"; do
     case $f in
       tests/test_triton_kernels.py | tests/test_segment_sum.py | tests/test_repro_gpu.py | tests/test_gluon_matmul.py) g0+=" $f" ;;
       tests/test_triton_attention.py) g1+=" $f" ;;
-      tests/test_moe.py) g3+=" $f" ;;
+      tests/test_moe.py | tests/test_gpu_models.py) g3+=" $f" ;;
       *) g2+=" $f" ;;
     esac
   done
+  # the attention file is the longest: with pytest-xdist installed its tests spread over four workers
+  python3 -c "import xdist" 2> /dev/null && g1=" -n 4 --dist load$g1"
   parts=("$g0" "$g1" "$g2" "$g3")
   {
     echo "# rlexact GPU test suite, one run at commit $commit"
