@@ -84,4 +84,4 @@ def test_gpu_sliding_window_past_the_window(dtype) -> None:
         assert (train[2] - expected).abs().max() < (1e-3 if dtype == torch.float32 else 0.25)
     outs = Generator(model).generate([s[:40].tolist() for s in seqs], SamplingParams(max_new_tokens=100, seed=1))
     ref_lp = rlexact.sequence_logprobs(model, [o.sequence for o in outs])
-    assert all(torch.equal(o.logprobs, r[-len(o.token_ids) :]) for o, r in zip(outs, ref_lp))
+    assert all(torch.equal(o.logprobs, r[-len(o.token_ids) :].cpu()) for o, r in zip(outs, ref_lp))
