@@ -8,6 +8,7 @@ exits non-zero. Shapes are tiny (the interpreter executes every program in Pytho
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -218,6 +219,14 @@ def check_norm() -> None:
         else:
             torch.testing.assert_close(y, reference.silu_mul(g, u), rtol=1e-2, atol=1e-2)
     _check_invariant(lambda gb: tnorm.silu_mul(gb, gb * 0.5 + 1), torch.randn(20, 1100), 20, "silu_mul")
+    for dtype in (torch.float32, torch.bfloat16):
+        g, u = (torch.randn(6, 1500) * 4).to(dtype), torch.randn(6, 1500).to(dtype)
+        y = tnorm.gelu_tanh_mul(g, u)
+        ref = torch.nn.functional.gelu(g.double(), approximate="tanh") * u.double()
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert _rel_err(y, ref, ref.abs() + 1e-6) < tol, dtype
+        assert not torch.equal(y, tnorm.silu_mul(g, u))  # negative control: the SiLU gate
+    _check_invariant(lambda gb: tnorm.gelu_tanh_mul(gb, gb * 0.5 + 1), torch.randn(20, 1100), 20, "gelu_tanh_mul")
     print("norm ok")
 
 
@@ -374,13 +383,16 @@ def check_backward() -> None:
                     assert dwg is None
                 _assert_grad(got, rx, tol, f"rope d{name} {dtype} norm={norm}")
 
-    # SiLU-gate
+    # SiLU and GELU-tanh gates
+    gelu = functools.partial(torch.nn.functional.gelu, approximate="tanh")
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         g, u, dy = (torch.randn(5, 1500) * 4).to(dtype), torch.randn(5, 1500).to(dtype), torch.randn(5, 1500).to(dtype)
-        dg, du = tbw.silu_mul_backward(g, u, dy)
-        rg, ru = _grads64(lambda a, b: torch.nn.functional.silu(a) * b, [g, u], [dy])
-        _assert_grad(dg, rg, tol, f"silu d_gate {dtype}")
-        _assert_grad(du, ru, tol, f"silu d_up {dtype}")
+        for name, backward, act in (("silu", tbw.silu_mul_backward, torch.nn.functional.silu),
+                                    ("gelu_tanh", tbw.gelu_tanh_mul_backward, gelu)):  # fmt: skip
+            dg, du = backward(g, u, dy)
+            rg, ru = _grads64(lambda a, b, act=act: act(a) * b, [g, u], [dy])
+            _assert_grad(dg, rg, tol, f"{name} d_gate {dtype}")
+            _assert_grad(du, ru, tol, f"{name} d_up {dtype}")
 
     # log-prob head: 4 vocabulary chunks (the last one partial), both output gradients or one, pointer and TMA tiles
     t, h, v = 9, 40, 100

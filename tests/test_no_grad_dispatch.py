@@ -34,7 +34,8 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
 CU = torch.tensor([0, 4, 11], dtype=torch.int32)
 CASES: dict[str, tuple[type, str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]] = {
     "rms_norm": (ag.RMSNormFn, "x", lambda a: ops.rms_norm(a["x"], a["w"], 1e-6)),
-    "silu_mul": (ag.SiluMulFn, "x", lambda a: ops.silu_mul(a["x"], a["x"].flip(0))),
+    "silu_mul": (ag.GatedMulFn, "x", lambda a: ops.silu_mul(a["x"], a["x"].flip(0))),
+    "gelu_tanh_mul": (ag.GatedMulFn, "x", lambda a: ops.gelu_tanh_mul(a["x"], a["x"].flip(0))),
     "qk_norm_rope": (ag.QKNormRopeFn, "q",
                      lambda a: torch.cat([t.flatten() for t in ops.qk_norm_rope(a["q"], a["k"], a["cos"], a["sin"],
                                                                                 a["qw"], a["kw"])])),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -111,14 +113,24 @@ def test_qk_norm_rope_gradients_and_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+def test_gated_mul(dtype: torch.dtype, op: str) -> None:
     g = torch.Generator().manual_seed(1)
-    gate, up = (torch.randn(64, 88, generator=g).to(dtype) for _ in range(2))
-    singles = torch.stack([ops.silu_mul(gate[i : i + 1], up[i : i + 1])[0] for i in range(64)])
+    gate, up = ((3 * torch.randn(64, 88, generator=g)).to(dtype) for _ in range(2))
+    fn = getattr(ops, op)
+    singles = torch.stack([fn(gate[i : i + 1], up[i : i + 1])[0] for i in range(64)])
     for m in range(1, 65):
-        assert torch.equal(ops.silu_mul(gate[:m], up[:m]), singles[:m])
-    ref = torch.nn.functional.silu(gate.double()) * up.double()
-    assert rel_err(ops.silu_mul(gate, up), ref) < TOL[dtype]
+        assert torch.equal(fn(gate[:m], up[:m]), singles[:m])
+    act = torch.nn.functional.silu if op == "silu_mul" else partial(torch.nn.functional.gelu, approximate="tanh")
+    ref = act(gate.double()) * up.double()
+    assert rel_err(fn(gate, up), ref) < TOL[dtype]
+    other = ops.gelu_tanh_mul if op == "silu_mul" else ops.silu_mul
+    assert rel_err(other(gate, up), ref) > 2 * TOL[dtype]  # negative control: the other gate
+    gate32, up32 = (t.detach().float().requires_grad_() for t in (gate, up))
+    fn(gate32, up32).backward(torch.ones_like(gate32))
+    gate64, up64 = (t.detach().double().requires_grad_() for t in (gate, up))
+    (act(gate64) * up64).sum().backward()
+    assert rel_err(gate32.grad, gate64.grad) < 1e-5 and rel_err(up32.grad, up64.grad) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -249,16 +250,20 @@ def test_gpu_rms_norm(dtype: torch.dtype, h: int, round_normed: bool) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_silu_mul(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+def test_gpu_gated_mul(dtype: torch.dtype, op: str) -> None:
     from rlexact.ops import reference, triton_norm
 
     g = torch.Generator(device="cuda").manual_seed(6)
     gate = (4 * torch.randn(300, 6144, device=_dev(), generator=g)).to(dtype)
     up = torch.randn(300, 6144, device=_dev(), generator=g).to(dtype)
-    y = triton_norm.silu_mul(gate, up)
+    fn = getattr(triton_norm, op)
+    y = fn(gate, up)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(y, reference.silu_mul(gate, up), rtol=tol, atol=tol)
-    assert torch.equal(triton_norm.silu_mul(gate[7:8], up[7:8])[0], y[7])
+    torch.testing.assert_close(y, getattr(reference, op)(gate, up), rtol=tol, atol=tol)
+    assert torch.equal(fn(gate[7:8], up[7:8])[0], y[7])
+    other = triton_norm.gelu_tanh_mul if op == "silu_mul" else triton_norm.silu_mul
+    assert not torch.equal(other(gate, up), y)  # negative control: the other gate
 
 
 def _qk_rope_inputs(t: int, d: int, dtype: torch.dtype, norm: bool, seed: int) -> tuple:
@@ -450,16 +455,19 @@ def test_gpu_qk_norm_rope_backward(dtype: torch.dtype, norm: bool) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_silu_mul_backward(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+def test_gpu_gated_mul_backward(dtype: torch.dtype, op: str) -> None:
     from rlexact.ops import triton_backward
 
     g = torch.Generator(device="cuda").manual_seed(23)
     gate, up, dy = ((4 * torch.randn(300, 6144, device=_dev(), generator=g)).to(dtype) for _ in range(3))
-    dg, du = triton_backward.silu_mul_backward(gate, up, dy)
-    rg, ru = _grads64(lambda a, b: torch.nn.functional.silu(a) * b, [gate, up], [dy])
+    backward = getattr(triton_backward, f"{op}_backward")
+    dg, du = backward(gate, up, dy)
+    act = torch.nn.functional.silu if op == "silu_mul" else partial(torch.nn.functional.gelu, approximate="tanh")
+    rg, ru = _grads64(lambda a, b: act(a) * b, [gate, up], [dy])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert _rel(dg, rg) < tol and _rel(du, ru) < tol
-    dg2, du2 = triton_backward.silu_mul_backward(gate, up, dy)
+    dg2, du2 = backward(gate, up, dy)
     assert torch.equal(dg, dg2) and torch.equal(du, du2)
 
 

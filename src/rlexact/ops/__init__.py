@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import AttentionVarlenFn, MatmulFn, QKNormRopeFn, RMSNormFn, SiluMulFn, TokenLogprobsFn, kernel_impl
+from .autograd import AttentionVarlenFn, GatedMulFn, MatmulFn, QKNormRopeFn, RMSNormFn, TokenLogprobsFn, kernel_impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
 from .shared_prefix import SharedPrefix, group_capacity
@@ -23,6 +23,7 @@ __all__ = [
     "attention_varlen",
     "decode_split_keys",
     "gate_up_silu",
+    "gelu_tanh_mul",
     "group_capacity",
     "grouped_matmul",
     "interpreter_enabled",
@@ -251,12 +252,22 @@ def qk_norm_rope_write_kv(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` computed in fp32 and cast once; any leading shape."""
+    return _gated_mul(gate, up, "silu_mul", backend)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (transformers' ``gelu_pytorch_tanh``: Gemma's gate) computed in fp32 and cast once;
+    any leading shape."""
+    return _gated_mul(gate, up, "gelu_tanh_mul", backend)
+
+
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, op: str, backend: str | None) -> torch.Tensor:
     if gate.shape != up.shape:
-        raise ValueError(f"silu_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+        raise ValueError(f"{op}: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     d = gate.shape[-1]
     # row-strided views (column blocks of a fused projection) pass as they are: both backends take any row stride
     g2, u2, be = gate.reshape(-1, d), up.reshape(-1, d), resolve_backend(gate, backend)
-    y = SiluMulFn.apply(g2, u2, be) if _tracked(gate, up) else kernel_impl(be, "silu_mul")(g2, u2)
+    y = GatedMulFn.apply(g2, u2, be, op) if _tracked(gate, up) else kernel_impl(be, op)(g2, u2)
     return y.reshape(gate.shape)
 
 

@@ -10,6 +10,7 @@ float64; none is required to be batch-invariant.
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
@@ -26,6 +27,7 @@ _TRITON_MODULES = {
     "add_rms_norm": ".triton_norm",
     "write_kv": ".triton_kv",
     "silu_mul": ".triton_norm",
+    "gelu_tanh_mul": ".triton_norm",
     "qk_norm_rope": ".triton_rope",
     "qk_norm_rope_write_kv": ".triton_rope",
     "token_logprobs": ".triton_logprob",
@@ -37,6 +39,7 @@ _TRITON_MODULES = {
     "rms_norm_backward": ".triton_backward",
     "qk_norm_rope_backward": ".triton_backward",
     "silu_mul_backward": ".triton_backward",
+    "gelu_tanh_mul_backward": ".triton_backward",
     "head_backward": ".triton_backward",
     "rms_norm_supported": ".triton_backward",
 }
@@ -173,29 +176,40 @@ class QKNormRopeFn(torch.autograd.Function):
         return tuple(grads)
 
 
-class SiluMulFn(torch.autograd.Function):
+GATED_OPS: tuple[str, ...] = ("silu_mul", "gelu_tanh_mul")
+"""The gated activations ``act(gate) * up`` of :class:`GatedMulFn`."""
+
+
+class GatedMulFn(torch.autograd.Function):
+    """``op(gate, up)`` for ``op`` in :data:`GATED_OPS`; the backward is the Triton kernel or :func:`gated_mul_grad`."""
+
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, backend: Backend, op: str) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(gate, up)
-        ctx.backend = backend
-        return kernel_impl(backend, "silu_mul")(gate, up)
+        ctx.backend, ctx.op = backend, op
+        return kernel_impl(backend, op)(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
         if ctx.backend == "triton":
-            d_gate, d_up = kernel_impl("triton", "silu_mul_backward")(gate, up, grad)
-            return d_gate, d_up, None
-        d_gate, d_up = silu_mul_grad(gate.float(), up.float(), grad.float())
-        return d_gate.to(gate.dtype), d_up.to(up.dtype), None
+            d_gate, d_up = kernel_impl("triton", f"{ctx.op}_backward")(gate, up, grad)
+            return d_gate, d_up, None, None
+        d_gate, d_up = gated_mul_grad(gate.float(), up.float(), grad.float(), gelu=ctx.op == "gelu_tanh_mul")
+        return d_gate.to(gate.dtype), d_up.to(up.dtype), None, None
 
 
-def silu_mul_grad(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d_gate, d_up)`` of ``silu(gate) * up`` given the output gradient ``dy``, elementwise in the inputs' dtype
-    (callers pass fp32): ``d_gate = dy * up * s * (1 + gate * (1 - s))`` and ``d_up = dy * gate * s`` with
-    ``s = sigmoid(gate)``."""
-    sig = torch.sigmoid(gate)
-    return dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig
+def gated_mul_grad(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, gelu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_gate, d_up)`` of ``gate * sigmoid(z) * up`` given the output gradient ``dy``, elementwise in the inputs'
+    dtype (callers pass fp32), with ``z = gate`` (SiLU) or, with ``gelu``, ``z = c (gate + a gate^3)``,
+    ``c = 2 sqrt(2 / pi)``, ``a = 0.044715`` (GELU-tanh): ``d_gate = dy * up * s * (1 + gate * (1 - s) * z')`` and
+    ``d_up = dy * gate * s`` with ``s = sigmoid(z)``."""
+    c = 2.0 * math.sqrt(2.0 / math.pi)
+    z, dz = (c * (gate + 0.044715 * gate**3), c * (1 + 3 * 0.044715 * gate**2)) if gelu else (gate, 1.0)
+    sig = torch.sigmoid(z)
+    return dy * up * sig * (1 + gate * (1 - sig) * dz), dy * gate * sig
 
 
 class TokenLogprobsFn(torch.autograd.Function):

@@ -19,6 +19,8 @@ stay fp32 (log-probs, logits, lse, entropy).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +125,22 @@ def _norm_rope_one(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``(silu(gate32) * up32).to(gate.dtype)``: one cast at the end. ``gate, up [M, I]``."""
+    return _gated_mul(gate, up, F.silu)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``(gelu_tanh(gate32) * up32).to(gate.dtype)`` (transformers' ``gelu_pytorch_tanh``). ``gate, up [M, I]``."""
+    return _gated_mul(gate, up, functools.partial(F.gelu, approximate="tanh"))
+
+
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``(act(gate32) * up32).to(gate.dtype)`` on fixed row blocks: torch's vectorized elementwise kernels give a
+    column the same lane whatever the number of rows."""
     gp, m = padded_blocks(gate)
     upp, _ = padded_blocks(up)
     out = torch.empty(gp.shape, dtype=gate.dtype, device=gate.device)
     for s in range(0, gp.shape[0], ROW_BLOCK):
-        out[s : s + ROW_BLOCK] = (F.silu(gp[s : s + ROW_BLOCK].float()) * upp[s : s + ROW_BLOCK].float()).to(gate.dtype)
+        out[s : s + ROW_BLOCK] = (act(gp[s : s + ROW_BLOCK].float()) * upp[s : s + ROW_BLOCK].float()).to(gate.dtype)
     return out[:m]
 
 

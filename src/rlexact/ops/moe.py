@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_moe
-from .autograd import SiluMulFn, silu_mul_grad
+from .autograd import GatedMulFn, gated_mul_grad
 from .backend import Backend, resolve_backend
 
 __all__ = ["MoePlan", "grouped_matmul", "moe_experts", "moe_plan", "moe_router", "sigmoid_gate"]
@@ -101,7 +101,7 @@ def _silu_mul(h: torch.Tensor, inter: int, backend: Backend) -> torch.Tensor:
     """The exact ``silu_mul`` (:func:`rlexact.ops.silu_mul`'s kernels) of the gate and up halves of ``h [S, 2I]``."""
     if backend == "triton":
         return _triton().silu_mul_halves(h, inter)
-    return SiluMulFn.apply(h[:, :inter].contiguous(), h[:, inter:].contiguous(), backend)
+    return GatedMulFn.apply(h[:, :inter].contiguous(), h[:, inter:].contiguous(), backend, "silu_mul")
 
 
 def _combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, backend: Backend) -> torch.Tensor:
@@ -195,7 +195,7 @@ class MoeExpertsFn(torch.autograd.Function):
         d_rw = torch.zeros(order.numel(), dtype=torch.float32, device=x.device)
         d_rw[order] = (u.float() * act.float()).sum(-1)
         d_act = u.float() * rw
-        d_h = torch.cat(silu_mul_grad(h[:, :inter].float(), h[:, inter:].float(), d_act), dim=-1).to(dt)
+        d_h = torch.cat(gated_mul_grad(h[:, :inter].float(), h[:, inter:].float(), d_act), dim=-1).to(dt)
         dw2 = dw1 = None
         if ctx.needs_input_grad[4]:
             gw = (grad[torch.div(order, k, rounding_mode="floor")].float() * rw).to(dt)
@@ -285,9 +285,7 @@ def moe_experts(
     _check_experts(x, ids, weights, gate_up_proj, down_proj)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    return MoeExpertsFn.apply(
-        x.contiguous(), ids, weights, gate_up_proj, down_proj, resolve_backend(x, backend)
-    )
+    return MoeExpertsFn.apply(x.contiguous(), ids, weights, gate_up_proj, down_proj, resolve_backend(x, backend))
 
 
 def grouped_matmul(

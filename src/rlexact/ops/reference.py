@@ -34,6 +34,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``(gelu_tanh(gate32) * up32).to(gate.dtype)``."""
+    return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
+
+
 def hidden_keys(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
     """``[..., nq, nk]`` (``kpos [..., nk]`` and ``qpos [..., nq]`` broadcast) True where query position ``qpos[i]``
     does not see key position ``kpos[j]``: a later key, or (with a sliding ``window``, transformers' convention) a

@@ -330,10 +330,13 @@ def qk_norm_rope_backward(
 
 
 @triton.jit
-def _silu_mul_bwd_kernel(
-    g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, ncols, BLOCK: tl.constexpr, DTYPE: tl.constexpr, RNE: tl.constexpr
-):
-    """``y = silu(g) * u``: ``dg = dy * u * s * (1 + g * (1 - s))``, ``du = dy * g * s`` with ``s = sigmoid(g)``."""
+def _gated_mul_bwd_kernel(
+    g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, ncols, BLOCK: tl.constexpr, DTYPE: tl.constexpr, RNE: tl.constexpr,
+    GELU: tl.constexpr,
+):  # fmt: skip
+    """``y = g * sigmoid(z) * u`` with ``z = g`` (SiLU) or, with ``GELU``, ``z = c (g + a g^3)``
+    (``c = 2 sqrt(2 / pi)``, ``a = 0.044715``: GELU-tanh): ``dg = dy * u * s * (1 + g * (1 - s) * z')``,
+    ``du = dy * g * s`` with ``s = sigmoid(z)`` and ``z' = 1`` or ``c (1 + 3 a g^2)``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < ncols
@@ -341,21 +344,38 @@ def _silu_mul_bwd_kernel(
     g = tl.load(g_ptr + off, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + off, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + off, mask=ok, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-g))
-    tl.store(dg_ptr + off, cast_out(dy * u * s * (1.0 + g * (1.0 - s)), DTYPE, RNE), mask=ok)
+    if GELU:
+        z = 1.5957691216057308 * (g + 0.044715 * (g * g * g))
+        dz = 1.5957691216057308 * (1.0 + 0.134145 * (g * g))
+    else:
+        z = g
+        dz = 1.0
+    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
+    tl.store(dg_ptr + off, cast_out(dy * u * s * (1.0 + g * (1.0 - s) * dz), DTYPE, RNE), mask=ok)
     tl.store(du_ptr + off, cast_out(dy * g * s, DTYPE, RNE), mask=ok)
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`rlexact.ops.triton_norm.silu_mul`: ``gate, up, dy [M, I]`` -> ``(d_gate, d_up)`` in
     ``gate.dtype``, computed in fp32 elementwise."""
+    return _gated_mul_backward(gate, up, dy, gelu=False)
+
+
+def gelu_tanh_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`rlexact.ops.triton_norm.gelu_tanh_mul`, as :func:`silu_mul_backward`."""
+    return _gated_mul_backward(gate, up, dy, gelu=True)
+
+
+def _gated_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, gelu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     M, n = gate.shape
     gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(gate)
     if M and n:
-        _silu_mul_bwd_kernel[(M, triton.cdiv(n, SILU_BWD_BLOCK))](
+        _gated_mul_bwd_kernel[(M, triton.cdiv(n, SILU_BWD_BLOCK))](
             gate, up, dy, dg, du, n, BLOCK=SILU_BWD_BLOCK, DTYPE=TL_DTYPE[gate.dtype], RNE=rne_fix(gate.dtype),
-            num_warps=4,
+            GELU=gelu, num_warps=4,
             **COMPILE_OPTIONS,
         )  # fmt: skip
     return dg, du

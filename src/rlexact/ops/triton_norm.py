@@ -12,7 +12,8 @@ input dtype and stored, and the norm runs on the rounded ``s`` with the arithmet
 bitwise); the decoder layer's residual add and the norm that follows become one launch.
 
 ``silu_mul``: elementwise, ``(silu(gate32) * up32).to(gate.dtype)`` with ``silu(g) = g / (1 + exp(-g))``; an element's
-result depends on that element only.
+result depends on that element only. ``gelu_tanh_mul``: the same kernel with transformers' ``gelu_pytorch_tanh`` gate
+(Gemma), ``g / (1 + exp(-2 sqrt(2 / pi) (g + 0.044715 g^3)))``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, rne_fix, silu_times
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, gate_times, rne_fix
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
@@ -109,7 +110,7 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _gated_mul_kernel(
     g_ptr,
     u_ptr,
     o_ptr,
@@ -120,6 +121,7 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     O_DTYPE: tl.constexpr,
     RNE_O: tl.constexpr,
+    GELU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -128,7 +130,7 @@ def _silu_mul_kernel(
     mask = cols < ncols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * stride_o + cols, cast_out(silu_times(g, u), O_DTYPE, RNE_O), mask=mask)
+    tl.store(o_ptr + row * stride_o + cols, cast_out(gate_times(g, u, GELU), O_DTYPE, RNE_O), mask=mask)
 
 
 def _norm_launch_params(H: int) -> tuple[int, bool, int]:
@@ -209,8 +211,18 @@ def add_rms_norm(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gate, up [M, I]`` (rows contiguous, any row stride) -> ``(silu(gate32) * up32).to(gate.dtype)`` ``[M, I]``."""
+    return _gated_mul(gate, up, gelu=False)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate, up [M, I]`` (rows contiguous, any row stride) -> ``(gelu_tanh(gate32) * up32).to(gate.dtype)``."""
+    return _gated_mul(gate, up, gelu=True)
+
+
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
     if gate.dim() != 2 or gate.shape != up.shape:
-        raise ValueError(f"silu_mul: bad shapes gate {tuple(gate.shape)}, up {tuple(up.shape)}")
+        name = "gelu_tanh_mul" if gelu else "silu_mul"
+        raise ValueError(f"{name}: bad shapes gate {tuple(gate.shape)}, up {tuple(up.shape)}")
     M, n = gate.shape
     gate = gate if gate.stride(1) == 1 else gate.contiguous()
     up = up if up.stride(1) == 1 else up.contiguous()
@@ -218,7 +230,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if M == 0 or n == 0:
         return out
     grid = (M, triton.cdiv(n, SILU_BLOCK))
-    _silu_mul_kernel[grid](
+    _gated_mul_kernel[grid](
         gate,
         up,
         out,
@@ -229,6 +241,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         BLOCK=SILU_BLOCK,
         O_DTYPE=TL_DTYPE[gate.dtype],
         RNE_O=rne_fix(gate.dtype),
+        GELU=gelu,
         num_warps=4,
         **pdl_options(gate.device),
         **COMPILE_OPTIONS,

@@ -165,6 +165,25 @@ def silu_times(g, u):
 
 
 @triton.jit
+def gelu_tanh_times(g, u):
+    """``gelu_tanh(g) * u`` in fp32 (transformers' ``gelu_pytorch_tanh``): since ``0.5 (1 + tanh(y)) = sigmoid(2 y)``,
+    ``gelu_tanh(g) = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))``, computed as :func:`silu_times` is, with the
+    same fast division."""
+    z = 1.5957691216057308 * (g + 0.044715 * (g * g * g))
+    return g / (1.0 + tl.exp(-z)) * u
+
+
+@triton.jit
+def gate_times(g, u, GELU: tl.constexpr):
+    """:func:`gelu_tanh_times` with ``GELU``, else :func:`silu_times`."""
+    if GELU:
+        out = gelu_tanh_times(g, u)
+    else:
+        out = silu_times(g, u)
+    return out
+
+
+@triton.jit
 def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped (L2-friendly) tile order; any order gives the same bits, it only affects speed."""
     num_pid_in_group = GROUP_M * num_pid_n
