@@ -7,6 +7,8 @@ import random
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     GraniteMoeConfig,
@@ -88,6 +90,13 @@ def tiny_model(
     elif arch == "granite":  # scaled embeddings, attention, residual branches and logits
         scales = dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)
         model = GraniteForCausalLM(GraniteConfig(head_dim=head_dim, **scales, **common))
+    elif arch == "gemma3":  # a sliding-window layer, then a full one: two rotary bases, (1 + w) norms, GELU gate
+        config = Gemma3TextConfig(
+            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **common,
+        )  # fmt: skip
+        model = Gemma3ForCausalLM(config)
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

@@ -11,7 +11,7 @@ import torch
 
 import rlexact
 from models import tiny_model
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logprobs
 
 BLOCK = 8
 
@@ -60,6 +60,7 @@ CASES = [
     ("phi3", 4, 1, 16, 64, 97),
     ("smollm3", 4, 2, 16, 64, 97),
     ("granite", 4, 2, 16, 48, 97),
+    ("gemma3", 4, 2, 16, 48, 97),
 ]
 
 
@@ -95,7 +96,9 @@ def test_native_path_differs(dtype) -> None:
     assert differ > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3"]
+)
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
     ref = tiny_model(arch, hidden=64, heads=4, kv_heads=2, head_dim=16)
@@ -127,6 +130,67 @@ def test_olmo2_norms_round_once_bf16() -> None:
             llama = rlexact.ops.rms_norm(x, stock.weight, stock.variance_epsilon)
             llama_differs += int(not torch.equal(llama, stock(x)))
     assert llama_differs > 0
+
+
+def test_gemma3_norms_gate_and_rotary_tables() -> None:
+    """Gemma 3's pieces, each against the stock module and with a negative control:
+
+    * its RMSNorm scales by ``1 + w`` in fp32 and rounds once: the exact norms (the q/k norms on ``[..., heads, D]``
+      included) are bitwise the stock modules on the CPU twin in bf16; without the offset they differ;
+    * its MLP's GELU-tanh gate: the exact MLP agrees with the stock one (fp32), the SiLU gate does not;
+    * its local and global layers rotate from two tables of one rotary module: both are kept, they differ, and each
+      layer type's rows equal the stock forward's."""
+    ref = tiny_model("gemma3", hidden=64, heads=4, kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    model = rlexact.exactify(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(5)
+    norms = [(a, b) for a, b in zip(ref.modules(), model.modules()) if type(a).__name__ == "Gemma3RMSNorm"]
+    assert len(norms) == 6 * 2 + 1  # q/k and four sandwich norms per layer, the final norm
+    without_offset = 0
+    with torch.no_grad():
+        for stock, exact in norms:
+            shape = (11, 4, 16) if stock.weight.shape[0] == 16 else (11, stock.weight.shape[0])
+            x = (3 * torch.randn(*shape, generator=g)).bfloat16()
+            assert torch.equal(exact(x), stock(x)), "exact Gemma 3 norm != stock"
+            plain = rlexact.ops.rms_norm(x, stock.weight.float(), stock.eps, round_normed=False)
+            without_offset += int(not torch.equal(plain, stock(x)))
+    assert without_offset == len(norms)
+
+    ref32 = tiny_model("gemma3", hidden=64, heads=4, kv_heads=2, head_dim=16)
+    model32 = rlexact.exactify(copy.deepcopy(ref32))
+    x = torch.randn(7, 64, generator=g)
+    with torch.no_grad():
+        stock_mlp, exact_mlp = ref32.model.layers[0].mlp, model32.model.layers[0].mlp
+        torch.testing.assert_close(exact_mlp(x), stock_mlp(x), rtol=1e-5, atol=1e-5)
+        silu = stock_mlp.down_proj(torch.nn.functional.silu(stock_mlp.gate_proj(x)) * stock_mlp.up_proj(x))
+        assert (silu - stock_mlp(x)).norm() > 0.01 * stock_mlp(x).norm()
+
+        seq = torch.randint(0, 97, (1, 30), generator=g)
+        model32(seq)  # builds the tables
+        tables = {k[2]: v for k, v in get_state(model32).rope_tables.items()}
+        assert set(tables) == {"sliding_attention", "full_attention"}
+        assert not torch.equal(tables["sliding_attention"][0], tables["full_attention"][0])
+        pos = torch.arange(30)[None]
+        rotary = model32.model.rotary_emb
+        for layer_type, (cos, _) in tables.items():
+            stock_cos, _ = type(rotary).forward(rotary, x, pos, layer_type)
+            torch.testing.assert_close(cos[:30], stock_cos[0].float(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "causal"),
+        ({"hidden_activation": "gelu"}, "hidden activation 'gelu'"),
+    ],
+)
+def test_gemma3_settings_the_kernels_lack_are_errors(change: dict, match: str) -> None:
+    model = tiny_model("gemma3")
+    for k, v in change.items():
+        setattr(model.config, k, v)
+    with pytest.raises(ValueError, match=match):
+        rlexact.exactify(model)
 
 
 def test_restore_and_reexactify() -> None:

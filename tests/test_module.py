@@ -151,7 +151,7 @@ def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> N
     assert module.rollout_step == 2 and trainer.global_step == 2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "olmo2", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3_text"])
 def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     """The exact first mini-step (trainer == rollout, ratio exactly 1) for the dense architectures besides Qwen3,
     built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included)."""
@@ -163,6 +163,9 @@ def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     if model_type == "granite":  # the scaled branches and logits
         cfg |= {"embedding_multiplier": 6.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
                 "logits_scaling": 4.0}  # fmt: skip
+    if model_type == "gemma3_text":  # a sliding-window layer shorter than the sequences, then a full-attention one
+        cfg |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+                "query_pre_attn_scalar": cfg["head_dim"]}  # fmt: skip
     module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
     probe = Inspect()
     fit(module, 2, [probe])

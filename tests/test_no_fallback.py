@@ -46,7 +46,7 @@ def _decode_vs_full(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3"])
 def test_generate_decode_equals_full_forward(arch, dtype) -> None:
     sizes = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch in ("olmo2", "phi3", "smollm3") else {}
     model = rlexact.exactify(tiny_model(arch, dtype=dtype, **sizes))
@@ -59,7 +59,7 @@ def test_generate_decode_equals_full_forward(arch, dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3"])
 def test_generate_decode_equals_full_forward_gpu(arch, dtype) -> None:
     hidden = 512 if arch in ("olmo2", "phi3", "smollm3") else 256  # these derive head_dim from hidden / heads
     model = tiny_model(arch, dtype=dtype, hidden=hidden, heads=8, kv_heads=2, head_dim=64, intermediate=512).cuda()

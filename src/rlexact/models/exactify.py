@@ -35,8 +35,10 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", *MOE_MODEL_TYPES
+    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3_text", *MOE_MODEL_TYPES
 )  # fmt: skip
+GATES: dict[str, str] = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
+"""The gated MLP's activation (``hidden_act``, Gemma's ``hidden_activation``) -> the exact op that applies it."""
 
 
 def _model_type(model: nn.Module) -> str:
@@ -53,21 +55,30 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
             f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Granite, "
-            "Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
+            "Gemma 3 (text), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
         )
-    act = getattr(model.config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r}; rlexact's gated MLP kernel implements silu")
+    gate_op(model.config)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model.config, name, None) is not None:
+            raise ValueError(
+                f"unsupported {name}={getattr(model.config, name)}: rlexact's kernels do not soft-cap logits; load the "
+                f"model with {name}=None if it was trained without it"
+            )
+    if getattr(model.config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True: rlexact's attention kernels are causal")
     rope = getattr(model.config, "rope_scaling", None) or getattr(model.config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
-    partial = float(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
-    partial = float(getattr(model.config, "partial_rotary_factor", partial) or partial)
-    if partial != 1.0:
-        raise ValueError(
-            f"unsupported partial_rotary_factor={partial}: rlexact's fused rotary kernel rotates the whole head"
-        )
+    per_layer_type = isinstance(rope, dict) and rope and all(isinstance(r, dict) for r in rope.values())
+    ropes = list(rope.values()) if per_layer_type else [rope]  # Gemma 3 keeps one rope dict per layer type
+    for r in ropes:
+        rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
+        partial = float(r.get("partial_rotary_factor", 1.0) if isinstance(r, dict) else 1.0)
+        partial = float(getattr(model.config, "partial_rotary_factor", partial) or partial)
+        if partial != 1.0:
+            raise ValueError(
+                f"unsupported partial_rotary_factor={partial}: rlexact's fused rotary kernel rotates the whole head"
+            )
     resid = float(getattr(model.config, "resid_pdrop", 0.0) or 0.0)
     if resid > 0:
         raise ValueError(
@@ -77,9 +88,32 @@ def check_supported(model: nn.Module) -> None:
     check_moe(model)
 
 
-ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm",)
+def gate_op(config: object) -> str:
+    """The name of the :mod:`rlexact.ops` function that applies the gated MLP's activation of a model with ``config``
+    (:data:`GATES`); ``ValueError`` for activations it has none for."""
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+    if act not in GATES:
+        raise ValueError(f"unsupported hidden activation {act!r}; rlexact's gated MLP kernels implement {list(GATES)}")
+    return GATES[act]
+
+
+ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm", "Gemma3RMSNorm")
 """RMSNorm classes that multiply the fp32 normalized row by the weight and round once (``round_normed=False`` of
 :func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
+OFFSET_NORMS: tuple[str, ...] = ("Gemma3RMSNorm",)
+"""RMSNorm classes whose scale is ``1 + weight``, added in fp32 (Gemma's)."""
+
+
+def _norm_forward(m: nn.Module) -> Callable:
+    """Exact forward of a transformers RMSNorm (:data:`ROUND_ONCE_NORMS`, :data:`OFFSET_NORMS`)."""
+    eps, name = _norm_eps(m), type(m).__name__
+    rounded, offset = name not in ROUND_ONCE_NORMS, name in OFFSET_NORMS
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = 1.0 + m.weight.float() if offset else m.weight
+        return ops.rms_norm(x, w, eps, round_normed=rounded)
+
+    return forward
 
 
 def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> None:
@@ -97,26 +131,32 @@ def _patch(state: ExactState, module: nn.Module, exact_forward: Callable) -> Non
     module.forward = forward  # type: ignore[method-assign]
 
 
-def _rope_from_table(state: ExactState, orig: Callable, max_positions: int) -> Callable:
-    """Exact rotary forward: ``(cos, sin)`` gathered from one fp32 table over ``[0, max_positions)`` per device,
-    built once with the stock forward, so a position's values never depend on the shape of the call."""
+def _rope_from_table(state: ExactState, rotary: nn.Module, max_positions: int) -> Callable:
+    """Exact rotary forward of the module ``rotary``: ``(cos, sin)`` gathered from one fp32 table over
+    ``[0, max_positions)`` per device (and per layer type, for rotary modules that take one: Gemma 3's local and global
+    layers rotate at different bases), built once with the stock forward, so a position's values never depend on the
+    shape of the call."""
+    orig = rotary.forward
 
-    def table(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in state.rope_tables:
+    def table(device: torch.device, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rotary, device, layer_type)
+        if key not in state.rope_tables:
             pos = torch.arange(max_positions, device=device)[None]
             dummy = torch.empty(1, dtype=torch.float32, device=device)
             with torch.no_grad():
-                cos, sin = orig(dummy, pos)
-            state.rope_tables[device] = (cos[0].float().contiguous(), sin[0].float().contiguous())
-        return state.rope_tables[device]
+                cos, sin = orig(dummy, pos) if layer_type is None else orig(dummy, pos, layer_type)
+            state.rope_tables[key] = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        return state.rope_tables[key]
 
-    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and int(position_ids.max()) >= max_positions:
             raise ValueError(
                 f"position {int(position_ids.max())} exceeds max_position_embeddings={max_positions} of the model"
             )
-        cos, sin = table(x.device)  # built before capture: the generator runs eager steps first
+        cos, sin = table(x.device, layer_type)  # built before capture: the generator runs eager steps first
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
     return forward
@@ -136,8 +176,10 @@ def _attention_forward(m: nn.Module) -> Callable:
     the full forward computes."""
     q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
     eps = _norm_eps(q_norm)
-    # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 each head
+    # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 and Gemma 3
+    # each head, Qwen3 with Llama's norm (which the fused kernel implements), Gemma 3 with its own
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
+    own_norm = q_norm is not None and not full_norm and type(q_norm).__name__ in ROUND_ONCE_NORMS + OFFSET_NORMS
     rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
     if not rotates and q_norm is not None and not full_norm:
         raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
@@ -167,10 +209,13 @@ def _attention_forward(m: nn.Module) -> Callable:
             q = m.q_proj(hidden_states).view(shape)
             k = m.k_proj(hidden_states).view(shape)
             v = m.v_proj(hidden_states).view(shape)
-        if full_norm:  # the patched norms over the flat projections; the fused kernel then only rotates
+        # the patched norm modules; the fused kernel then only rotates
+        if full_norm:  # over the flat projections
             q, k = q_norm(q.flatten(-2)).view(shape), k_norm(k.flatten(-2)).view(shape)
+        elif own_norm:  # per head
+            q, k = q_norm(q), k_norm(k)
         cos, sin = position_embeddings
-        qw, kw = (None, None) if q_norm is None or full_norm else (q_norm.weight, k_norm.weight)
+        qw, kw = (None, None) if q_norm is None or full_norm or own_norm else (q_norm.weight, k_norm.weight)
         paged = None if meta is None else meta.paged
         # generator steps without autograd: the rotation kernel also stores this layer's new K/V rows in the paged
         # cache; otherwise (and in layers without rotary) the attention call writes them
@@ -211,16 +256,19 @@ def _fused_linear(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | N
     return None if fused is None else ops.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
 
 
-def _mlp_forward(m: nn.Module) -> Callable:
-    """Exact gated MLP: ``down(silu(gate(x)) * up(x))``; with fused weights in effect, gate, up and the SiLU gate are
-    one :func:`rlexact.ops.gate_up_silu` call (bitwise the separate ops)."""
+def _mlp_forward(m: nn.Module, gate_name: str) -> Callable:
+    """Exact gated MLP: ``down(act(gate(x)) * up(x))`` with ``act(g) * u`` the op ``gate_name`` of
+    :data:`GATES`; with fused weights in effect, gate and up are one matmul, and with the SiLU gate also the
+    activation (:func:`rlexact.ops.gate_up_silu`, bitwise the separate ops)."""
+    gated = getattr(ops, gate_name)
+    silu = gate_name == "silu_mul"
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         fused = _fused_entry(m, x)
-        if fused is not None and fused.bias is None and fused.sizes[0] == fused.sizes[1]:
+        if silu and fused is not None and fused.bias is None and fused.sizes[0] == fused.sizes[1]:
             return m.down_proj(ops.gate_up_silu(x, fused.weight))
         gate, up = _fused_linear(m, x) or (m.gate_proj(x), m.up_proj(x))
-        return m.down_proj(ops.silu_mul(gate, up))
+        return m.down_proj(gated(gate, up))
 
     return forward
 
@@ -271,10 +319,12 @@ def _is_fused_gated_mlp(m: nn.Module) -> bool:
 
 def _is_decoder_layer(m: nn.Module) -> bool:
     """A pre-norm decoder layer whose residual adds :func:`_decoder_layer_forward` fuses into the norms (Granite's
-    scaled residual branches, ``residual_multiplier``, keep the stock forward)."""
+    scaled residual branches, ``residual_multiplier``, and Gemma's norms around each branch keep the stock
+    forward)."""
     return (
         type(m).__name__.endswith("DecoderLayer")
         and float(getattr(m, "residual_multiplier", 1.0)) == 1.0
+        and not hasattr(m, "pre_feedforward_layernorm")
         and all(_is_rmsnorm(getattr(m, n, None)) for n in ("input_layernorm", "post_attention_layernorm"))
         and all(isinstance(getattr(m, n, None), nn.Module) for n in ("self_attn", "mlp"))
     )
@@ -386,20 +436,19 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     check_supported(model)
     register_attention()
     state = ExactState(original_attn_impl=getattr(model.config, "_attn_implementation", None))
-    max_pos = context_limit(model)
+    max_pos, gate = context_limit(model), gate_op(model.config)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
         elif _is_rmsnorm(m):
-            eps, rounded = _norm_eps(m), type(m).__name__ not in ROUND_ONCE_NORMS
-            _patch(state, m, lambda x, m=m, eps=eps, r=rounded: ops.rms_norm(x, m.weight, eps, round_normed=r))
+            _patch(state, m, _norm_forward(m))
         elif _is_gated_mlp(m):
-            _patch(state, m, _mlp_forward(m))
+            _patch(state, m, _mlp_forward(m, gate))
             m.__dict__[STATE_ATTR] = state
         elif _is_fused_gated_mlp(m):
             _patch(state, m, _fused_mlp_forward(m))
         elif type(m).__name__.endswith("RotaryEmbedding"):
-            _patch(state, m, _rope_from_table(state, m.forward, max_pos))
+            _patch(state, m, _rope_from_table(state, m, max_pos))
         elif is_attention(m):
             _patch(state, m, _attention_forward(m))
         elif (moe_fwd := moe_forward(m)) is not None:

@@ -26,7 +26,8 @@ class ExactState:
         kernels: ``"exact"`` or ``"native"``; change it with :func:`use_kernels` (reentrant, try/finally).
         original_forwards: the replaced modules and their original ``forward`` (restored by ``enabled=False``).
         original_attn_impl: ``config._attn_implementation`` before exactify.
-        rope_tables: fp32 ``(cos, sin)`` tables over ``[0, max_position_embeddings)`` per device.
+        rope_tables: fp32 ``(cos, sin)`` tables over ``[0, max_position_embeddings)`` per rotary module, device and
+            layer type (``None`` for rotary modules with one table).
         fused: concatenated projection weights per attention layer / gated MLP, used in exact mode without autograd
             (set for the duration of a generator call by :func:`rlexact.models.fusion.use_fused_projections`).
     """
@@ -34,7 +35,9 @@ class ExactState:
     kernels: Kernels = "exact"
     original_forwards: list[tuple[nn.Module, Callable]] = field(default_factory=list)
     original_attn_impl: str | None = None
-    rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    rope_tables: dict[tuple[nn.Module, torch.device, str | None], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
     fused: dict[nn.Module, object] = field(default_factory=dict)
 
     @property
