@@ -74,18 +74,33 @@ from rlexact.ops import kv_gather
 from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
+GEMMA3_1B = dict(
+    vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+    rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+)  # fmt: skip
+"""Gemma 3 1B's text config (``--arch gemma3``): five sliding-window layers to one full-attention layer."""
+MODEL_NAMES = {"qwen3": "Qwen3-1.7B shape (random init)", "gemma3": "Gemma 3 1B shape (random init)"}
+
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    if args.tiny:
-        cfg = Qwen3Config(
+    if args.arch == "gemma3":
+        layers = args.layers or GEMMA3_1B["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        cfg = Gemma3TextConfig(**(GEMMA3_1B | {"num_hidden_layers": layers, "layer_types": types}))
+        cls = Gemma3ForCausalLM
+    elif args.tiny:
+        cls, cfg = Qwen3ForCausalLM, Qwen3Config(
             vocab_size=1003, hidden_size=64, intermediate_size=160, num_hidden_layers=args.layers or 2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
             tie_word_embeddings=True,
         )  # fmt: skip
     else:
-        cfg = Qwen3Config(
+        cls, cfg = Qwen3ForCausalLM, Qwen3Config(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers or 28,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -93,7 +108,7 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = cls._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -512,6 +527,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
     ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
+    ap.add_argument("--arch", choices=["qwen3", "gemma3"], default="qwen3",
+                    help="qwen3: Qwen3-1.7B's shape (default; --tiny: a tiny Qwen3); gemma3: Gemma 3 1B's")  # fmt: skip
     ap.add_argument("--engines", nargs="+", default=["exact", "native", "hf_generate"])
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs in the rlexact engines")
     ap.add_argument("--hf-calls", type=int, default=3,
@@ -546,6 +563,8 @@ def main() -> int:
         ap.error(f"--profile-start must be at least 1, got {args.profile_start}")
     if args.hf_calls < 1:
         ap.error(f"--hf-calls must be at least 1, got {args.hf_calls}")
+    if args.tiny and args.arch != "qwen3":
+        ap.error("--tiny builds a tiny Qwen3; leave --arch at qwen3 with it")
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))
@@ -556,7 +575,7 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     result: dict = header("rollout_throughput", "triton", "transformers") | {
         "setup": {
-            "model": "tiny Qwen3" if args.tiny else "Qwen3-1.7B shape (random init)",
+            "model": "tiny Qwen3" if args.tiny else MODEL_NAMES[args.arch],
             "dtype": str(dtype).replace("torch.", ""),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
