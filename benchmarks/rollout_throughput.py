@@ -88,7 +88,7 @@ MODEL_NAMES = {"qwen3": "Qwen3-1.7B shape (random init)", "gemma3": "Gemma 3 1B 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    if args.arch == "gemma3":
+    if getattr(args, "arch", "qwen3") == "gemma3":  # other scripts build with their own arguments
         layers = args.layers or GEMMA3_1B["num_hidden_layers"]
         types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
         cfg = Gemma3TextConfig(**(GEMMA3_1B | {"num_hidden_layers": layers, "layer_types": types}))
