@@ -58,17 +58,22 @@ def test_generate_decode_equals_full_forward(arch, dtype) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3"])
-def test_generate_decode_equals_full_forward_gpu(arch, dtype) -> None:
+def test_generate_decode_equals_full_forward_gpu(arch) -> None:
+    """fp32 and bf16: every decode step equals the full forward. Negative control: the unmodified model differs in
+    at least one of the two dtypes (at these sizes the stock kernels of one dtype can agree on every step: on an
+    H200, SmolLM3's stock bf16 decode matched its full forward everywhere, its fp32 decode did not)."""
     hidden = 512 if arch in ("olmo2", "phi3", "smollm3") else 256  # these derive head_dim from hidden / heads
-    model = tiny_model(arch, dtype=dtype, hidden=hidden, heads=8, kv_heads=2, head_dim=64, intermediate=512).cuda()
-    rlexact.exactify(model)
-    equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
-    assert equal == total
-    rlexact.exactify(model, enabled=False)  # negative control: the unmodified model differs
-    equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
-    assert equal < total
+    stock_differs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(arch, dtype=dtype, hidden=hidden, heads=8, kv_heads=2, head_dim=64, intermediate=512)
+        rlexact.exactify(model.cuda())
+        equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
+        assert equal == total, dtype
+        rlexact.exactify(model, enabled=False)
+        equal, total = _decode_vs_full(model, "cuda", new_tokens=40)
+        stock_differs.append(equal < total)
+    assert any(stock_differs)
 
 
 def test_right_padding_is_an_error() -> None:
