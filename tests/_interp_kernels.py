@@ -177,6 +177,15 @@ def check_norm_round_once() -> None:
         finally:
             tnorm.MAX_NORM_BLOCK = old
     _check_invariant(lambda xb: tnorm.rms_norm(xb, w, 1e-6, round_normed=False), x.float() * 2, 9, "rms_norm once")
+    # offset (Gemma 3): the scale 1 + w added in fp32 in the kernel, bitwise an fp32 weight 1 + w and the CPU twin
+    y = tnorm.rms_norm(x, w, 1e-6, round_normed=False, offset=True)
+    assert torch.equal(y, tnorm.rms_norm(x, 1.0 + w.float(), 1e-6, round_normed=False))
+    assert torch.equal(y, cpu.rms_norm(x, w, 1e-6, round_normed=False, offset=True))
+    assert not torch.equal(y, tnorm.rms_norm(x, w, 1e-6, round_normed=False)), "negative control: no offset"
+    r = (torch.randn(9, 100) * 3).bfloat16()
+    normed, summed = tnorm.add_rms_norm(x, r, w, 1e-6, round_normed=False, offset=True)
+    assert torch.equal(summed, x + r)
+    assert torch.equal(normed, tnorm.rms_norm(x + r, w, 1e-6, round_normed=False, offset=True))
 
 
 def check_norm() -> None:

@@ -235,7 +235,7 @@ def test_add_rms_norm_autograd_and_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "phi3", "gemma3"])
 def test_model_fused_equals_unfused(arch: str, dtype: torch.dtype) -> None:
     hd = 12 if arch in ("qwen2", "phi3") else 16
     model = rlexact.exactify(tiny_model(arch, layers=3, heads=4, kv_heads=2, head_dim=hd, dtype=dtype, seed=2))
@@ -249,7 +249,8 @@ def test_moe_model_fused_equals_unfused() -> None:
     check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (12, 5)])
 
 
-def _fp32_sum_variant(x, r, w, eps, *, backend=None):  # noqa: ANN001, ANN202
+def _fp32_sum_variant(x, r, w, eps, *, backend=None, round_normed=True, offset=False):  # noqa: ANN001, ANN202
+    assert round_normed and not offset, "the variant implements Qwen3's norm"
     s = x + r
     if torch.is_grad_enabled() and (x.requires_grad or r.requires_grad or w.requires_grad):
         return ops.rms_norm(s, w, eps), s
@@ -436,8 +437,9 @@ def test_gpu_add_rms_norm() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_model_fused_equals_unfused(dtype: torch.dtype) -> None:
-    model = rlexact.exactify(tiny_model("qwen3", layers=3, hidden=128, heads=4, head_dim=32, dtype=dtype).cuda())
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_gpu_model_fused_equals_unfused(arch: str, dtype: torch.dtype) -> None:
+    model = rlexact.exactify(tiny_model(arch, layers=3, hidden=128, heads=4, head_dim=32, dtype=dtype).cuda())
     g = torch.Generator().manual_seed(0)
     check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (40, 1, 77)])
 

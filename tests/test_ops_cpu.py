@@ -113,6 +113,29 @@ def test_qk_norm_rope_gradients_and_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_offset(dtype: torch.dtype) -> None:
+    """Gemma 3's norm: scale ``1 + w`` added in fp32, one rounding; row invariant, float64 agreement of the values and
+    of both gradients, the fused add equal to the separate ops; negative control: without the offset it differs."""
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(40, 72, generator=g)).to(dtype)
+    w = (0.3 * torch.randn(72, generator=g)).to(dtype)
+    y = ops.rms_norm(x, w, 1e-6, round_normed=False, offset=True)
+    assert_row_invariant(lambda xb: ops.rms_norm(xb, w, 1e-6, round_normed=False, offset=True), x, 40)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = (1 + w64) * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_err(y, ref.detach()) < TOL[dtype]
+    assert rel_err(ops.rms_norm(x, w, 1e-6, round_normed=False), ref.detach()) > 10 * TOL[dtype]  # negative control
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    dy = torch.randn(40, 72, generator=g)
+    ops.rms_norm(x32, w32, 1e-6, round_normed=False, offset=True).backward(dy)
+    ref.backward(dy.double())
+    assert rel_err(x32.grad, x64.grad) < 1e-5 and rel_err(w32.grad, w64.grad) < 1e-5
+    r = (3 * torch.randn(40, 72, generator=g)).to(dtype)
+    normed, s = ops.add_rms_norm(x, r, w, 1e-6, round_normed=False, offset=True)
+    assert torch.equal(s, x + r) and torch.equal(normed, ops.rms_norm(x + r, w, 1e-6, round_normed=False, offset=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 def test_gated_mul(dtype: torch.dtype, op: str) -> None:
     g = torch.Generator().manual_seed(1)

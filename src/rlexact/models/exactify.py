@@ -104,14 +104,19 @@ OFFSET_NORMS: tuple[str, ...] = ("Gemma3RMSNorm",)
 """RMSNorm classes whose scale is ``1 + weight``, added in fp32 (Gemma's)."""
 
 
+def _norm_kind(m: nn.Module | None) -> dict[str, bool]:
+    """The ``round_normed`` and ``offset`` arguments of :func:`rlexact.ops.rms_norm` that a transformers RMSNorm
+    module ``m`` computes with (:data:`ROUND_ONCE_NORMS`, :data:`OFFSET_NORMS`)."""
+    name = type(m).__name__
+    return {"round_normed": name not in ROUND_ONCE_NORMS, "offset": name in OFFSET_NORMS}
+
+
 def _norm_forward(m: nn.Module) -> Callable:
-    """Exact forward of a transformers RMSNorm (:data:`ROUND_ONCE_NORMS`, :data:`OFFSET_NORMS`)."""
-    eps, name = _norm_eps(m), type(m).__name__
-    rounded, offset = name not in ROUND_ONCE_NORMS, name in OFFSET_NORMS
+    """Exact forward of a transformers RMSNorm (:func:`_norm_kind`)."""
+    eps, kind = _norm_eps(m), _norm_kind(m)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        w = 1.0 + m.weight.float() if offset else m.weight
-        return ops.rms_norm(x, w, eps, round_normed=rounded)
+        return ops.rms_norm(x, m.weight, eps, **kind)
 
     return forward
 
@@ -317,15 +322,22 @@ def _is_fused_gated_mlp(m: nn.Module) -> bool:
     )
 
 
+SANDWICH_NORMS: tuple[str, ...] = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+"""The norms of a layer that normalizes both branches' outputs as well as their inputs (Gemma 3): its
+``post_attention_layernorm`` then normalizes the attention output before the residual add."""
+
+
 def _is_decoder_layer(m: nn.Module) -> bool:
-    """A pre-norm decoder layer whose residual adds :func:`_decoder_layer_forward` fuses into the norms (Granite's
-    scaled residual branches, ``residual_multiplier``, and Gemma's norms around each branch keep the stock
+    """A pre-norm decoder layer whose residual adds :func:`_decoder_layer_forward` fuses into the norms, with or
+    without :data:`SANDWICH_NORMS` (Granite's scaled residual branches, ``residual_multiplier``, keep the stock
     forward)."""
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if any(hasattr(m, n) for n in SANDWICH_NORMS):
+        norms += SANDWICH_NORMS
     return (
         type(m).__name__.endswith("DecoderLayer")
         and float(getattr(m, "residual_multiplier", 1.0)) == 1.0
-        and not hasattr(m, "pre_feedforward_layernorm")
-        and all(_is_rmsnorm(getattr(m, n, None)) for n in ("input_layernorm", "post_attention_layernorm"))
+        and all(_is_rmsnorm(getattr(m, n, None)) for n in norms)
         and all(isinstance(getattr(m, n, None), nn.Module) for n in ("self_attn", "mlp"))
     )
 
@@ -340,22 +352,30 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handoff: list) -> Callable:
-    """Exact forward of a pre-norm (Qwen, Llama, Mistral, their MoE) decoder layer, transformers'
+    """Exact forward of a pre-norm (Qwen, Llama, Mistral, their MoE, Gemma 3) decoder layer, transformers'
     ``DecoderLayer.forward`` with the residual adds fused into the norms that follow them
     (:func:`rlexact.ops.add_rms_norm`): one launch instead of an add and a norm. Outputs are bitwise those of the
     unfused layer; every kwarg goes to ``self_attn``.
 
-    Without autograd (no grad mode, or no input requiring grad): the post-attention add and
-    ``post_attention_layernorm`` are one call, and the MLP-output add is fused with ``next_norm`` (the next layer's
+    Without autograd (no grad mode, or no input requiring grad): the post-attention add and the norm after it
+    (``post_attention_layernorm``, or with :data:`SANDWICH_NORMS` ``pre_feedforward_layernorm``, the attention output
+    normalized by ``post_attention_layernorm`` first) are one call, and the MLP-output add (of its output normalized
+    by ``post_feedforward_layernorm`` with sandwich norms) is fused with ``next_norm`` (the next layer's
     ``input_layernorm``; ``None`` for the last layer). The layer still returns the residual stream; the normed rows
     go to the next layer through ``handoff`` (one slot shared by the layers of a stack), which uses them only when it
     receives that very tensor and its norm weight is the one used, unmodified; else it runs its norm itself. A
     sharded (DTensor) next weight is not read. With autograd (grad mode on and a parameter of the layer or its input
     requiring grad) the layer runs its class forward (transformers' layer over the exact modules, with its activation
     checkpointing when enabled): the trainer's backward is unchanged."""
-    in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
-    post_eps = _norm_eps(post_norm)
-    next_eps = _norm_eps(next_norm)
+    sandwich = hasattr(layer, SANDWICH_NORMS[0])
+    in_norm = layer.input_layernorm
+    attn_out_norm, post_norm, mlp_out_norm = (
+        (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+        if sandwich
+        else (None, layer.post_attention_layernorm, None)
+    )
+    post_eps, post_kind = _norm_eps(post_norm), _norm_kind(post_norm)
+    next_eps, next_kind = _norm_eps(next_norm), _norm_kind(next_norm)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -386,12 +406,16 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
-        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps)
+        if attn_out_norm is not None:
+            hidden_states = attn_out_norm(hidden_states)
+        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps, **post_kind)
         hidden_states = layer.mlp(hidden_states)
+        if mlp_out_norm is not None:
+            hidden_states = mlp_out_norm(hidden_states)
         w = None if next_norm is None else next_norm.weight
         if w is None or type(w) not in (torch.Tensor, nn.Parameter) or not _no_autograd(hidden_states, residual, w):
             return residual + hidden_states
-        normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps)
+        normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps, **next_kind)
         handoff[0] = ((out, w), (_version(out), _version(w)), normed)
         return out
 

@@ -117,25 +117,40 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None
 
 
 def rms_norm(
-    x: torch.Tensor, w: torch.Tensor, eps: float, *, round_normed: bool = True, backend: str | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    *,
+    round_normed: bool = True,
+    offset: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim with transformers semantics; any leading shape. ``round_normed`` (Llama, Qwen):
     ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` in ``promote(w.dtype, x.dtype)``; else (OLMo-2)
-    ``(w * x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, one rounding. Batch invariant either way."""
+    ``(w * x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, one rounding. ``offset`` (Gemma 3, with
+    ``round_normed=False``): the scale is ``1 + w``, added in fp32. Batch invariant either way."""
     if w.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(w.shape)} does not match hidden size {x.shape[-1]}")
     x2, be, eps = x.reshape(-1, x.shape[-1]).contiguous(), resolve_backend(x, backend), float(eps)
     if _tracked(x, w):
-        y = RMSNormFn.apply(x2, w, eps, be, bool(round_normed))
+        y = RMSNormFn.apply(x2, w, eps, be, bool(round_normed), bool(offset))
     else:
-        y = kernel_impl(be, "rms_norm")(x2, w, eps, bool(round_normed))
+        y = kernel_impl(be, "rms_norm")(x2, w, eps, bool(round_normed), bool(offset))
     return y.reshape(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    *,
+    round_normed: bool = True,
+    offset: bool = False,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's residual add and the RMSNorm after it: ``(rms_norm(s, w, eps), s)``, ``s = x + residual``.
+    """A decoder layer's residual add and the RMSNorm after it: ``(rms_norm(s, w, eps, ...), s)``,
+    ``s = x + residual`` (``round_normed`` and ``offset`` as in :func:`rms_norm`).
 
     Bitwise contract: both outputs equal ``s = x + residual`` (torch's elementwise add) and ``rms_norm(s, w, eps)``
     computed separately; any leading shape, ``x`` and ``residual`` of one shape. With autograd off or no input
@@ -149,9 +164,10 @@ def add_rms_norm(
     be = resolve_backend(x, backend)
     if _tracked(x, residual, w) or residual.dtype != x.dtype:
         s = x + residual
-        return rms_norm(s, w, eps, backend=be), s
+        return rms_norm(s, w, eps, round_normed=round_normed, offset=offset, backend=be), s
     h = x.shape[-1]
-    normed, s = kernel_impl(be, "add_rms_norm")(x.reshape(-1, h), residual.reshape(-1, h), w, float(eps))
+    x2, r2 = x.reshape(-1, h), residual.reshape(-1, h)
+    normed, s = kernel_impl(be, "add_rms_norm")(x2, r2, w, float(eps), bool(round_normed), bool(offset))
     return normed.reshape(x.shape), s.reshape(x.shape)
 
 

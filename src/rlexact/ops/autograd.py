@@ -111,31 +111,33 @@ _matmul_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, MatmulF
 
 
 class RMSNormFn(torch.autograd.Function):
+    """The exact norm; with ``offset`` the scale is ``1 + w`` in fp32, and the backward (which takes a scale) runs on
+    that fp32 scale, whose gradient is ``w``'s."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, backend: Backend,  # noqa: ANN001
-                round_normed: bool) -> torch.Tensor:  # fmt: skip
+                round_normed: bool, offset: bool) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(x, w)
-        ctx.eps = eps
-        ctx.backend = backend
-        ctx.round_normed = round_normed
-        return kernel_impl(backend, "rms_norm")(x, w, eps, round_normed)
+        ctx.eps, ctx.backend, ctx.round_normed, ctx.offset = eps, backend, round_normed, offset
+        return kernel_impl(backend, "rms_norm")(x, w, eps, round_normed, offset)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
+        scale = 1.0 + w.float() if ctx.offset else w
+        want = ctx.needs_input_grad
         # the Triton backward where it takes this hidden size, else the reference autograd
         if ctx.backend == "triton" and kernel_impl("triton", "rms_norm_supported")(x.shape[-1]):
-            dx, dw = kernel_impl("triton", "rms_norm_backward")(x, w, grad, ctx.eps, ctx.round_normed)
-            want = ctx.needs_input_grad
-            return (dx if want[0] else None), (dw if want[1] else None), None, None, None
+            dx, dw = kernel_impl("triton", "rms_norm_backward")(x, scale, grad, ctx.eps, ctx.round_normed)
+            return (dx if want[0] else None), (dw.to(w.dtype) if want[1] else None), None, None, None, None
         with torch.enable_grad():
-            xr = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wr = w.detach().requires_grad_(ctx.needs_input_grad[1])
+            xr = x.detach().requires_grad_(want[0])
+            wr = scale.detach().requires_grad_(want[1])
             out = reference.rms_norm(xr, wr, ctx.eps, ctx.round_normed)
             inputs = [t for t in (xr, wr) if t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad))
         gx = next(grads) if xr.requires_grad else None
-        return gx, (next(grads) if wr.requires_grad else None), None, None, None
+        return gx, (next(grads).to(w.dtype) if wr.requires_grad else None), None, None, None, None
 
 
 class QKNormRopeFn(torch.autograd.Function):

@@ -60,10 +60,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:m].to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True, offset: bool = False
+) -> torch.Tensor:
     """transformers RMSNorm semantics (:func:`rlexact.ops.reference.rms_norm`): ``w * (x32 * rsqrt(mean(x32^2) +
     eps)).to(x.dtype)`` in ``promote(w.dtype, x.dtype)``; with ``round_normed=False`` the product in fp32, rounded
-    once to ``x.dtype``. ``x [M, H]``."""
+    once to ``x.dtype``; with ``offset`` the scale is ``1 + w`` added in fp32. ``x [M, H]``."""
+    w = 1.0 + w.float() if offset else w
     xp, m = padded_blocks(x)
     out_dtype = torch.promote_types(w.dtype, x.dtype) if round_normed else x.dtype
     out = torch.empty(xp.shape, dtype=out_dtype, device=x.device)
@@ -75,11 +78,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = 
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(s, w, eps), s)`` with ``s = x + residual`` (torch's add: exactly rounded, so batch-invariant)."""
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(rms_norm(s, w, eps, ...), s)`` with ``s = x + residual`` (torch's add: exactly rounded, so
+    batch-invariant)."""
     s = x + residual
-    return rms_norm(s, w, eps), s
+    return rms_norm(s, w, eps, round_normed, offset), s
 
 
 def write_kv(

@@ -5,7 +5,8 @@ H only, so a row's sum of squares is reduced with the same tree whatever the num
 block size at 256 tokens" trap of other stacks cannot happen). Semantics are transformers' (and
 :func:`rlexact.ops.cpu.rms_norm`'s): ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` with the product in
 ``promote(w.dtype, x.dtype)`` (Llama, Qwen), or with ``round_normed=False`` ``(w * x32 * rsqrt(...)).to(x.dtype)``,
-the product in fp32 and rounded once (OLMo-2).
+the product in fp32 and rounded once (OLMo-2); with ``offset`` the scale is ``1 + w``, added in fp32 (Gemma 3, which
+also rounds once).
 
 ``add_rms_norm``: the same kernel with a residual input: the row ``s = x + r`` is added in fp32, rounded once to the
 input dtype and stored, and the norm runs on the rounded ``s`` with the arithmetic above (so it equals ``rms_norm(s)``
@@ -55,6 +56,15 @@ def _normed(x, r, X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, ROUND_NORMED: tl.c
 
 
 @triton.jit
+def _norm_weight(w_ptr, idx, mask, OFFSET: tl.constexpr):
+    """The scale of elements ``idx`` in fp32: ``w``, or with ``OFFSET`` ``1 + w`` added in fp32 (Gemma's)."""
+    w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     r_ptr,
@@ -76,6 +86,7 @@ def _rms_norm_kernel(
     RNE_X: tl.constexpr,
     RNE_O: tl.constexpr,
     ROUND_NORMED: tl.constexpr,
+    OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -91,7 +102,7 @@ def _rms_norm_kernel(
         var = tl.math.div_rn(tl.sum(x * x, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
         y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = _norm_weight(w_ptr, cols, mask, OFFSET)
         tl.store(o_row + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -105,7 +116,7 @@ def _rms_norm_kernel(
             mask = off + cols < H
             x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, False, X_DTYPE, RNE_X)
             y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
-            w = tl.load(w_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+            w = _norm_weight(w_ptr, off + cols, mask, OFFSET)
             tl.store(o_row + off + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
 
 
@@ -141,7 +152,7 @@ def _norm_launch_params(H: int) -> tuple[int, bool, int]:
 
 
 def _launch_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, round_normed: bool = True
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, round_normed: bool, offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one launcher of :func:`_rms_norm_kernel`: ``(normed, summed)``, ``summed`` ``None`` without a residual."""
     M, H = x.shape
@@ -178,6 +189,7 @@ def _launch_norm(
         RNE_X=rne_fix(x.dtype),
         RNE_O=rne_fix(out_dtype),
         ROUND_NORMED=round_normed,
+        OFFSET=offset,
         num_warps=warps,
         **pdl_options(x.device),
         **COMPILE_OPTIONS,
@@ -185,17 +197,20 @@ def _launch_norm(
     return out, summed
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True, offset: bool = False
+) -> torch.Tensor:
     """``x [M, H]``, ``w [H]`` -> ``[M, H]`` in ``promote(w.dtype, x.dtype)`` (``x.dtype`` without
-    ``round_normed``: module doc); one row per program."""
+    ``round_normed``: module doc); one row per program. ``offset``: the scale is ``1 + w`` (added in fp32)."""
     if x.dim() != 2 or w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm: bad shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
-    return _launch_norm(x, None, w, eps, round_normed)[0]
+    return _launch_norm(x, None, w, eps, round_normed, offset)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True,
+    offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``x, residual [M, H]`` (one dtype), ``w [H]`` -> ``(rms_norm(s, w, eps), s)`` with ``s = x + residual``.
 
     One launch. ``s`` is added in fp32 and rounded once to ``x.dtype`` (torch's elementwise add); the norm of a row
@@ -204,7 +219,7 @@ def add_rms_norm(
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or w.shape != (x.shape[1],):
         shapes = f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, w {tuple(w.shape)}"
         raise ValueError(f"add_rms_norm: bad shapes or dtypes {shapes}")
-    normed, summed = _launch_norm(x, residual, w, eps)
+    normed, summed = _launch_norm(x, residual, w, eps, round_normed, offset)
     assert summed is not None
     return normed, summed
 
