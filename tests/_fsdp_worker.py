@@ -13,9 +13,10 @@ Checks on every rank, written to ``<out>/rank<r>.json``:
   - the parameters are identical on both ranks after training (gathered full state dict hash),
 and rank 0 exports a transformers checkpoint with ``rlexact.export.save_pretrained``.
 
-Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass] [dense|moe|mixtral]
-(``moe``: the tiny model is a Qwen3-MoE with 8 experts, top-2, and a dense second layer; ``mixtral``: a Mixtral of 8
-experts, top-2, every layer sparse)
+Usage: python tests/_fsdp_worker.py OUT_DIR [float32|bfloat16|bf16-mixed] [exact|recompute|bypass]
+[dense|moe|mixtral|gemma3] (``moe``: the tiny model is a Qwen3-MoE with 8 experts, top-2, and a dense second layer;
+``mixtral``: a Mixtral of 8 experts, top-2, every layer sparse; ``gemma3``: a Gemma 3 whose first layer's sliding
+window is shorter than the sequences)
 """
 
 from __future__ import annotations
@@ -85,10 +86,15 @@ def main() -> None:
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
     kind = sys.argv[4] if len(sys.argv) > 4 else "dense"
-    if kind not in ("dense", "moe", "mixtral"):
-        raise ValueError(f"model kind must be dense, moe or mixtral, got {kind!r}")
-    arch = "mixtral" if kind == "mixtral" else "qwen3_moe"
-    cfg = tiny_rl_config(len(tok)) if kind == "dense" else tiny_moe_rl_config(len(tok), arch=arch)
+    if kind not in ("dense", "moe", "mixtral", "gemma3"):
+        raise ValueError(f"model kind must be dense, moe, mixtral or gemma3, got {kind!r}")
+    if kind in ("dense", "gemma3"):
+        cfg = tiny_rl_config(len(tok))
+        if kind == "gemma3":
+            cfg |= {"model_type": "gemma3_text", "sliding_window": 4, "query_pre_attn_scalar": cfg["head_dim"],
+                    "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    else:
+        cfg = tiny_moe_rl_config(len(tok), arch="mixtral" if kind == "mixtral" else "qwen3_moe")
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]
     data = [
         {"prompt_ids": tok(t)["input_ids"], "prompt_text": t, "answer": None, "index": i} for i, t in enumerate(texts)

@@ -73,8 +73,9 @@ def test_pdl_kernels_wait_before_memory() -> None:
                 stride_s=i, eps="fp32")  # fmt: skip
     const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16, RNE_X=False,
                  RNE_O=False)  # fmt: skip
-    for round_normed in (True, False):
-        _check_order(triton_norm._rms_norm_kernel, norm, const | dict(ROUND_NORMED=round_normed), num_warps=4)
+    for round_normed, offset in ((True, False), (False, False), (False, True)):
+        kind = dict(ROUND_NORMED=round_normed, OFFSET=offset)
+        _check_order(triton_norm._rms_norm_kernel, norm, const | kind, num_warps=4)
     kv = dict(k_ptr=p, v_ptr=p, kc_ptr=p, vc_ptr=p, slot_ptr="*i64", block_size=i, HKV=i, D=i,
               **dict.fromkeys(["s_kt", "s_kh", "s_kd", "s_vt", "s_vh", "s_vd"], i),
               **dict.fromkeys(["c_kb", "c_ko", "c_kh", "c_kd", "c_vb", "c_vo", "c_vh", "c_vd"], i))  # fmt: skip
