@@ -104,6 +104,10 @@ OFFSET_NORMS: tuple[str, ...] = ("Gemma3RMSNorm",)
 """RMSNorm classes whose scale is ``1 + weight``, added in fp32 (Gemma's)."""
 
 
+LLAMA_NORM: dict[str, bool] = {"round_normed": True, "offset": False}
+"""The :func:`_norm_kind` of Llama's RMSNorm, which the fused q/k-norm + rotary kernel implements."""
+
+
 def _norm_kind(m: nn.Module | None) -> dict[str, bool]:
     """The ``round_normed`` and ``offset`` arguments of :func:`rlexact.ops.rms_norm` that a transformers RMSNorm
     module ``m`` computes with (:data:`ROUND_ONCE_NORMS`, :data:`OFFSET_NORMS`)."""
@@ -184,7 +188,7 @@ def _attention_forward(m: nn.Module) -> Callable:
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 and Gemma 3
     # each head, Qwen3 with Llama's norm (which the fused kernel implements), Gemma 3 with its own
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
-    own_norm = q_norm is not None and not full_norm and type(q_norm).__name__ in ROUND_ONCE_NORMS + OFFSET_NORMS
+    own_norm = q_norm is not None and not full_norm and _norm_kind(q_norm) != LLAMA_NORM
     rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
     if not rotates and q_norm is not None and not full_norm:
         raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
