@@ -6,6 +6,9 @@
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | sweeps | all (default all)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
 #
+# <sha>: the commit as the local checkout names it, written out literally; a copied tree may carry a stale .git (the
+# device tool's copy holds the session start's), where $(git rev-parse HEAD) names the wrong commit.
+#
 # On a two-GPU machine the halves run side by side, e.g.
 #   CUDA_VISIBLE_DEVICES=0 scripts/gpu_suite.sh bench train & CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh bench rollout
 #
