@@ -193,12 +193,14 @@ def test_gemma3_settings_the_kernels_lack_are_errors(change: dict, match: str) -
         rlexact.exactify(model)
 
 
-def test_restore_and_reexactify() -> None:
-    ref = tiny_model("qwen3")
+@pytest.mark.parametrize(("arch", "prefix"), [("qwen3", "Qwen3"), ("gemma3", "Gemma3")])
+def test_restore_and_reexactify(arch: str, prefix: str) -> None:
+    ref = tiny_model(arch)
     model = rlexact.exactify(copy.deepcopy(ref))
     ids = torch.randint(0, 97, (1, 20))
     patched = [type(m).__name__ for m in model.modules() if "forward" in m.__dict__]
-    assert {"Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm", "Linear", "Qwen3RotaryEmbedding"} <= set(patched)
+    kinds = ("Attention", "MLP", "RMSNorm", "RotaryEmbedding", "DecoderLayer")
+    assert {"Linear", *(prefix + k for k in kinds)} <= set(patched)
     with torch.no_grad():
         exact_logits = model(ids).logits
         rlexact.exactify(model, enabled=False)
