@@ -21,6 +21,8 @@ from transformers import (
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -80,6 +82,13 @@ def tiny_model(
     elif arch == "olmo2":
         assert heads * head_dim == hidden, "olmo2 derives head_dim from hidden/heads"
         model = Olmo2ForCausalLM(Olmo2Config(pad_token_id=0, eos_token_id=2, **common))  # ids inside tiny vocabularies
+    elif arch == "olmo3":  # OLMo-2's layers, a sliding-window layer then a full one (rotary tables per layer type)
+        assert heads * head_dim == hidden, "olmo3 derives head_dim from hidden/heads"
+        config = Olmo3Config(
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+            + ["sliding_attention"] * (layers % 2), pad_token_id=0, eos_token_id=2, **common,
+        )  # fmt: skip
+        model = Olmo3ForCausalLM(config)
     elif arch == "phi3":
         assert heads * head_dim == hidden, "phi3 derives head_dim from hidden/heads"
         model = Phi3ForCausalLM(Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common))

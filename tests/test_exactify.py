@@ -61,6 +61,7 @@ CASES = [
     ("smollm3", 4, 2, 16, 64, 97),
     ("granite", 4, 2, 16, 48, 97),
     ("gemma3", 4, 2, 16, 48, 97),
+    ("olmo3", 4, 2, 16, 64, 97),
 ]
 
 
@@ -97,7 +98,7 @@ def test_native_path_differs(dtype) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3"]
+    "arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3"]
 )
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""

@@ -151,21 +151,24 @@ def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> N
     assert module.rollout_step == 2 and trainer.global_step == 2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text"]
+)
 def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     """The exact first mini-step (trainer == rollout, ratio exactly 1) for the dense architectures besides Qwen3,
     built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included)."""
     cfg = tiny_config() | {"model_type": model_type}
-    if model_type in ("olmo2", "phi3", "smollm3"):  # their default special-token ids lie past the tiny vocabulary
+    if model_type in ("olmo2", "olmo3", "phi3", "smollm3"):  # default special-token ids past the tiny vocabulary
         cfg |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if model_type == "smollm3":
         cfg |= {"no_rope_layer_interval": 2}  # its second layer without rotary
     if model_type == "granite":  # the scaled branches and logits
         cfg |= {"embedding_multiplier": 6.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
                 "logits_scaling": 4.0}  # fmt: skip
-    if model_type == "gemma3_text":  # a sliding-window layer shorter than the sequences, then a full-attention one
-        cfg |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
-                "query_pre_attn_scalar": cfg["head_dim"]}  # fmt: skip
+    if model_type in ("gemma3_text", "olmo3"):  # a sliding-window layer shorter than the sequences, then a full one
+        cfg |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    if model_type == "gemma3_text":
+        cfg |= {"query_pre_attn_scalar": cfg["head_dim"]}
     module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
     probe = Inspect()
     fit(module, 2, [probe])

@@ -35,7 +35,8 @@ from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "qwen3", "qwen2", "llama", "mistral", "olmo2", "phi3", "smollm3", "granite", "gemma3_text", *MOE_MODEL_TYPES
+    "qwen3", "qwen2", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text",
+    *MOE_MODEL_TYPES,
 )  # fmt: skip
 GATES: dict[str, str] = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 """The gated MLP's activation (``hidden_act``, Gemma's ``hidden_activation``) -> the exact op that applies it."""
@@ -54,8 +55,8 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, Phi-3 / Phi-4, SmolLM3, Granite, "
-            "Gemma 3 (text), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, OLMo 3, Phi-3 / Phi-4, SmolLM3, "
+            "Granite, Gemma 3 (text), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
         )
     gate_op(model.config)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -97,7 +98,7 @@ def gate_op(config: object) -> str:
     return GATES[act]
 
 
-ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm", "Gemma3RMSNorm")
+ROUND_ONCE_NORMS: tuple[str, ...] = ("Olmo2RMSNorm", "Olmo3RMSNorm", "Gemma3RMSNorm")
 """RMSNorm classes that multiply the fp32 normalized row by the weight and round once (``round_normed=False`` of
 :func:`rlexact.ops.rms_norm`); the others round the normalized row first, as Llama's does."""
 OFFSET_NORMS: tuple[str, ...] = ("Gemma3RMSNorm",)
