@@ -46,6 +46,7 @@ import math
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -334,6 +335,15 @@ def _launch_case(hq: int, hkv: int, d: int, scale: float) -> dict:
     return res
 
 
+def _case(fn: Callable[..., dict], *args: object) -> dict:
+    """``fn(*args)``, or the error it raised with a short traceback: one failing case is recorded and the section
+    goes on."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+
+
 def bench_attention(quick: bool) -> dict:
     import torch.nn.functional as F
 
@@ -346,26 +356,12 @@ def bench_attention(quick: bool) -> dict:
     # backend forced (the default on Hopper may be cuDNN's kernel, not the flash one)
     for b, s in PREFILL_CASES[:1] if quick else PREFILL_CASES:
         name = "prefill" if (b, s) == PREFILL_CASES[0] else f"prefill_{b}x{s}"
-        try:
-            res[name] = _prefill_case(16 if quick and b == 64 else b, s, hq, hkv, d, scale)
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+        res[name] = _case(_prefill_case, 16 if quick and b == 64 else b, s, hq, hkv, d, scale)
     for b, s in FRESH_PREFILL_CASES[:1] if quick else FRESH_PREFILL_CASES:
-        name = f"fresh_prefill_{b}x{s}"
-        try:
-            res[name] = _fresh_prefill_case(b, s, hq, hkv, d, scale)
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+        res[f"fresh_prefill_{b}x{s}"] = _case(_fresh_prefill_case, b, s, hq, hkv, d, scale)
     for b, past, new in PAGED_CHUNK_CASES[:1] if quick else PAGED_CHUNK_CASES:
-        name = f"paged_chunk_{b}x{past}+{new}"
-        try:
-            res[name] = _paged_chunk_case(b, past, new, hq, hkv, d, scale)
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
-    try:
-        res["launch_microbatch"] = _launch_case(hq, hkv, d, scale)
-    except Exception as e:  # noqa: BLE001
-        res["launch_microbatch"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=3)}
+        res[f"paged_chunk_{b}x{past}+{new}"] = _case(_paged_chunk_case, b, past, new, hq, hkv, d, scale)
+    res["launch_microbatch"] = _case(_launch_case, hq, hkv, d, scale)
     # decode over a paged cache: one new query per sequence
     for b, ctx in DECODE_CASES:
         name = f"decode_b{b}" if ctx == 512 else f"decode_b{b}_ctx{ctx}"
@@ -486,21 +482,9 @@ def bench_window() -> dict:
     hq, hkv, d = 16, 8, 128
     scale = 1.0 / math.sqrt(d)
     for b, s, w in WINDOW_PREFILL_CASES:
-        try:
-            res[f"prefill_{b}x{s}_w{w}"] = _window_prefill_case(b, s, w, hq, hkv, d, scale)
-        except Exception as e:  # noqa: BLE001
-            res[f"prefill_{b}x{s}_w{w}"] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(limit=3),
-            }
+        res[f"prefill_{b}x{s}_w{w}"] = _case(_window_prefill_case, b, s, w, hq, hkv, d, scale)
     for b, ctx, w in WINDOW_DECODE_CASES:
-        try:
-            res[f"decode_b{b}_ctx{ctx}_w{w}"] = _window_decode_case(b, ctx, w, hq, hkv, d, scale)
-        except Exception as e:  # noqa: BLE001
-            res[f"decode_b{b}_ctx{ctx}_w{w}"] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(limit=3),
-            }
+        res[f"decode_b{b}_ctx{ctx}_w{w}"] = _case(_window_decode_case, b, ctx, w, hq, hkv, d, scale)
         torch.cuda.empty_cache()
     return res
 

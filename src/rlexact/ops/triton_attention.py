@@ -1170,8 +1170,7 @@ def attention_varlen_backward(
     _forward(q, k, v, cu, None, None, float(scale), do, (lse, delta), window=window)
     cfg = _bwd_config(d, q.dtype)
     common = {"HEAD_DIM": d, "BLOCK_D": _block_d(d), "GROUP": hq // hkv, "SCAN": _SCAN}
-    common["HAS_WINDOW"] = window is not None
-    common.update(_dtype_flags(q.dtype))
+    common |= {"HAS_WINDOW": window is not None, **_dtype_flags(q.dtype)}
     qk_scale = float(scale) * _LOG2E
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2], *lse.stride())
     bm, bn, warps, stages = cfg["dkdv"]
@@ -1183,8 +1182,7 @@ def attention_varlen_backward(
     bm, bn, warps, stages = cfg["dq"]
     _attn_bwd_dq_kernel[(t // bm + num_seqs, hq)](
         q, k, v, do, lse, delta, dq, cu, qk_scale, float(scale), num_seqs, window or 0, *strides, *dq.stride()[:2],
-        BLOCK_M=bm,
-        BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
         **COMPILE_OPTIONS,
     )  # fmt: skip
     return dq, dk, dv

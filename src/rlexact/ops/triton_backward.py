@@ -43,6 +43,7 @@ from .triton_shared import (
     cuda_props,
     device_key,
     dot_flags,
+    gelu_tanh_arg,
     num_sms,
     rne_fix,
     tile_coords,
@@ -345,8 +346,8 @@ def _gated_mul_bwd_kernel(
     u = tl.load(u_ptr + off, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + off, mask=ok, other=0.0).to(tl.float32)
     if GELU:
-        z = 1.5957691216057308 * (g + 0.044715 * (g * g * g))
-        dz = 1.5957691216057308 * (1.0 + 0.134145 * (g * g))
+        z = gelu_tanh_arg(g)
+        dz = 1.5957691216057308 * (1.0 + 0.134145 * (g * g))  # dz/dg
     else:
         z = g
         dz = 1.0

@@ -1,5 +1,5 @@
 """Helpers the Triton launchers and kernels share: dtype mapping and rounding flags, device properties, TMA
-availability, the grouped tile order, the output cast and the SiLU gate's formula."""
+availability, the grouped tile order, the output cast and the SiLU and GELU-tanh gates' formulas."""
 
 from __future__ import annotations
 
@@ -165,12 +165,17 @@ def silu_times(g, u):
 
 
 @triton.jit
+def gelu_tanh_arg(g):
+    """``z = 2 sqrt(2 / pi) (g + 0.044715 g^3)``: ``gelu_tanh(g) = g * sigmoid(z)``, since
+    ``0.5 (1 + tanh(y)) = sigmoid(2 y)`` (the forward's and the backward's one argument)."""
+    return 1.5957691216057308 * (g + 0.044715 * (g * g * g))
+
+
+@triton.jit
 def gelu_tanh_times(g, u):
-    """``gelu_tanh(g) * u`` in fp32 (transformers' ``gelu_pytorch_tanh``): since ``0.5 (1 + tanh(y)) = sigmoid(2 y)``,
-    ``gelu_tanh(g) = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))``, computed as :func:`silu_times` is, with the
-    same fast division."""
-    z = 1.5957691216057308 * (g + 0.044715 * (g * g * g))
-    return g / (1.0 + tl.exp(-z)) * u
+    """``gelu_tanh(g) * u`` in fp32 (transformers' ``gelu_pytorch_tanh``): ``g * sigmoid(gelu_tanh_arg(g)) * u``,
+    computed as :func:`silu_times` is, with the same fast division."""
+    return g / (1.0 + tl.exp(-gelu_tanh_arg(g))) * u
 
 
 @triton.jit
