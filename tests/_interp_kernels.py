@@ -239,30 +239,34 @@ def check_norm() -> None:
     print("norm ok")
 
 
+ROPE_NORMS = (None, (True, False), (False, True))
+"""The fused rotary kernel's q/k norms: none, Llama's, Gemma 3's round-once ``1 + w`` (``(round_normed, offset)``)."""
+
+
 def check_rope() -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        for norm in (True, False):
+        for kind in ROPE_NORMS:
             for hq, hk, d in ((4, 2, 16), (3, 3, 24)):
-                t = 12
+                t, norm, flags = 12, kind is not None, kind or (True, False)
                 q, k = (torch.randn(t, hq, d) * 2).to(dtype), (torch.randn(t, hk, d) * 2).to(dtype)
                 ang = torch.rand(t, d // 2) * 50
                 cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
                 qw = torch.rand(d).add(0.5).to(dtype) if norm else None
                 kw = torch.rand(d).add(0.5).to(dtype) if norm else None
-                qo, ko = trope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
-                cq, ck = cpu.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+                qo, ko = trope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, *flags)
+                cq, ck = cpu.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, *flags)
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 for got, twin, x, w in ((qo, cq, q, qw), (ko, ck, k, kw)):
-                    ref = reference.norm_rope(
-                        x.double(), cos.double(), sin.double(), None if w is None else w.double(), 1e-6
-                    )
-                    assert (got.double() - ref).norm() / ref.norm() < tol, (dtype, norm, hq, d)
+                    w64 = None if w is None else w.double()
+                    ref = reference.norm_rope(x.double(), cos.double(), sin.double(), w64, 1e-6, offset=flags[1])
+                    assert (got.double() - ref).norm() / ref.norm() < tol, (dtype, kind, hq, d)
                     torch.testing.assert_close(got.float(), twin.float(), rtol=tol, atol=tol)
+                if kind == (False, True):  # negative control: Gemma's norm is not Llama's
+                    assert not torch.equal(trope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)[0], qo)
                 for i in range(t):
-                    q1, k1 = trope.qk_norm_rope(
-                        q[i : i + 1], k[i : i + 1], cos[i : i + 1], sin[i : i + 1], qw, kw, 1e-6
-                    )
-                    assert torch.equal(q1, qo[i : i + 1]) and torch.equal(k1, ko[i : i + 1]), f"rope row {i} differs"
+                    r = slice(i, i + 1)
+                    q1, k1 = trope.qk_norm_rope(q[r], k[r], cos[r], sin[r], qw, kw, 1e-6, *flags)
+                    assert torch.equal(q1, qo[r]) and torch.equal(k1, ko[r]), f"rope row {i} differs"
     print("rope ok")
 
 
@@ -373,24 +377,29 @@ def check_backward() -> None:
 
     # q/k norm + rotary: fp32 (tight) and bf16, with and without the norm
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for norm in (True, False):
+        for kind in ROPE_NORMS:
             t, hq, hk, d = 13, 4, 2, 16
+            norm, (round_normed, offset) = kind is not None, kind or (True, False)
             q, k = (torch.randn(t, hq, d) * 2).to(dtype), (torch.randn(t, hk, d) * 2).to(dtype)
             ang = torch.rand(t, d // 2) * 50
             cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
             qw = torch.rand(d).add(0.5).to(dtype) if norm else None
             kw = torch.rand(d).add(0.5).to(dtype) if norm else None
+            scales = [None if w is None else (1.0 + w.float() if offset else w) for w in (qw, kw)]
             gq, gk = torch.randn(t, hq, d).to(dtype), torch.randn(t, hk, d).to(dtype)
-            dq, dk, dqw, dkw = tbw.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+            dq, dk, dqw, dkw = tbw.qk_norm_rope_backward(q, k, cos, sin, *scales, gq, gk, 1e-6, round_normed)
             c64, s64 = cos.double(), sin.double()
             for got, x, w, g, dwg, name in ((dq, q, qw, gq, dqw, "q"), (dk, k, kw, gk, dkw, "k")):
                 if norm:
-                    rx, rw = _grads64(lambda a, b, c=c64, s=s64: reference.norm_rope(a, c, s, b, 1e-6), [x, w], [g])
-                    _assert_grad(dwg, rw, tol, f"rope d{name}_weight {dtype}")
+                    def fn(a, b, c=c64, s=s64, o=offset):  # noqa: ANN001, ANN202
+                        return reference.norm_rope(a, c, s, b, 1e-6, offset=o)
+
+                    rx, rw = _grads64(fn, [x, w], [g])
+                    _assert_grad(dwg, rw, tol, f"rope d{name}_weight {dtype} {kind}")
                 else:
                     (rx,) = _grads64(lambda a, c=c64, s=s64: reference.norm_rope(a, c, s, None, 1e-6), [x], [g])
                     assert dwg is None
-                _assert_grad(got, rx, tol, f"rope d{name} {dtype} norm={norm}")
+                _assert_grad(got, rx, tol, f"rope d{name} {dtype} {kind}")
 
     # SiLU and GELU-tanh gates
     gelu = functools.partial(torch.nn.functional.gelu, approximate="tanh")

@@ -140,7 +140,8 @@ def test_gemma3_norms_gate_and_rotary_tables() -> None:
       included) are bitwise the stock modules on the CPU twin in bf16; without the offset they differ;
     * its MLP's GELU-tanh gate: the exact MLP agrees with the stock one (fp32), the SiLU gate does not;
     * its local and global layers rotate from two tables of one rotary module: both are kept, they differ, and each
-      layer type's rows equal the stock forward's."""
+      layer type's rows equal the stock forward's;
+    * its q/k norms run inside the fused rotary kernel: the exact forward calls neither module."""
     ref = tiny_model("gemma3", hidden=64, heads=4, kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     model = rlexact.exactify(copy.deepcopy(ref))
     g = torch.Generator().manual_seed(5)
@@ -175,6 +176,13 @@ def test_gemma3_norms_gate_and_rotary_tables() -> None:
         for layer_type, (cos, _) in tables.items():
             stock_cos, _ = type(rotary).forward(rotary, x, pos, layer_type)
             torch.testing.assert_close(cos[:30], stock_cos[0].float(), rtol=0, atol=1e-6)
+
+        calls = []
+        for layer in model32.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.register_forward_hook(lambda *_: calls.append(1))
+        model32(seq)
+        assert not calls, "Gemma 3's q/k norms ran as modules, not in the fused rotary kernel"
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,36 @@ def test_qk_norm_rope(dtype: torch.dtype, norm: bool, shape: tuple[int, int, int
         assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_gemma_norm(dtype: torch.dtype) -> None:
+    """Gemma 3's q/k norm (round once, scale ``1 + w``) in the fused op: bitwise the exact norm op followed by the
+    rotation alone, row-invariant, float64-close, not Llama's norm (negative control), and its gradients (through
+    the fp32 scale) float64's."""
+    q, k, cos, sin, qw, kw = rope_inputs(40, 4, 2, 32, dtype, 11)
+    gemma = {"round_normed": False, "offset": True}
+    qo, ko = ops.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, **gemma)
+    for x, w, out in ((q, qw, qo), (k, kw, ko)):
+        normed = ops.rms_norm(x, w, 1e-6, **gemma)
+        assert torch.equal(out, ops.qk_norm_rope(normed, normed[:, :1], cos, sin)[0])
+        ref = reference.norm_rope(x.double(), cos.double(), sin.double(), w.double(), 1e-6, offset=True)
+        assert rel_err(out, ref) < TOL[dtype]
+    for m in (1, 7, 40):
+        got = ops.qk_norm_rope(q[-m:], k[-m:], cos[-m:], sin[-m:], qw, kw, 1e-6, **gemma)
+        assert torch.equal(got[0], qo[-m:]) and torch.equal(got[1], ko[-m:])
+    assert not torch.equal(ops.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)[0], qo)
+
+    q, k, cos, sin, qw, kw = rope_inputs(9, 4, 2, 16, torch.float64, 5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    qo, ko = ops.qk_norm_rope(leaves[0], leaves[1], cos, sin, leaves[2], leaves[3], 1e-6, **gemma, backend="torch")
+    (qo.square().sum() + ko.sin().sum()).backward()
+    refs = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    rq = reference.norm_rope(refs[0], cos, sin, refs[2], 1e-6, offset=True)
+    rk = reference.norm_rope(refs[1], cos, sin, refs[3], 1e-6, offset=True)
+    (rq.square().sum() + rk.sin().sum()).backward()
+    for got, ref in zip(leaves, refs):
+        assert rel_err(got.grad, ref.grad) < 1e-6
+
+
 def test_qk_norm_rope_gradients_and_errors() -> None:
     q, k, cos, sin, qw, kw = rope_inputs(9, 4, 2, 16, torch.float64, 3)
     leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]

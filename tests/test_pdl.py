@@ -50,7 +50,7 @@ def test_pdl_kernels_wait_before_memory() -> None:
     dependency control at all."""
     import triton.language as tl
 
-    from rlexact.ops import triton_kv, triton_matmul, triton_norm
+    from rlexact.ops import triton_kv, triton_matmul, triton_norm, triton_rope
 
     p, i = "*bf16", "i32"
     mm = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_PROGS=132, WS=False, SUBTILE=False, OUT_DTYPE=tl.bfloat16,
@@ -81,6 +81,14 @@ def test_pdl_kernels_wait_before_memory() -> None:
               **dict.fromkeys(["c_kb", "c_ko", "c_kh", "c_kd", "c_vb", "c_vo", "c_vh", "c_vd"], i))  # fmt: skip
     const = dict(BLOCK_H=8, BLOCK_D=128, CAST=False, C_DTYPE=tl.bfloat16, RNE=False)
     _check_order(triton_kv._write_kv_kernel, kv, const, num_warps=4)
+    rope = dict(**dict.fromkeys(["q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "qw_ptr", "kw_ptr", "c_ptr", "s_ptr"], p),
+                stride_q=i, stride_k=i, HQ=i, HKV=i, HALF=i, eps="fp32", D_f="fp32", v_ptr=p, kc_ptr=p, vc_ptr=p,
+                slot_ptr="*i64", block_size=i,
+                **dict.fromkeys(["s_vt", "s_vh", "c_kb", "c_ko", "c_kh", "c_vb", "c_vo", "c_vh"], i))  # fmt: skip
+    const = dict(BHQ=4, BHK=1, BHALF=128, NORM=True, DTYPE=tl.bfloat16, RNE=False, WRITE_KV=True)
+    for round_normed, offset in ((True, False), (False, True)):  # Qwen3's q/k norm, Gemma 3's
+        kind = dict(ROUND_NORMED=round_normed, OFFSET=offset)
+        _check_order(triton_rope._qk_norm_rope_kernel, rope, const | kind, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -279,27 +279,36 @@ def _qk_rope_inputs(t: int, d: int, dtype: torch.dtype, norm: bool, seed: int) -
     return q, k, cos, sin, qw, kw
 
 
+ROPE_NORMS = {"none": None, "llama": (True, False), "gemma": (False, True)}
+"""The q/k norm of the fused rotary kernel: none, Llama's (Qwen3), Gemma 3's round-once ``1 + w`` norm (its
+``(round_normed, offset)``)."""
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("norm", [True, False])
-def test_gpu_qk_norm_rope(dtype: torch.dtype, norm: bool) -> None:
-    """Qwen3-1.7B heads (16 q / 8 kv, head_dim 128): float64 reference and bitwise row invariance, 1..64 rows."""
+@pytest.mark.parametrize("norm", list(ROPE_NORMS))
+def test_gpu_qk_norm_rope(dtype: torch.dtype, norm: str) -> None:
+    """Qwen3-1.7B heads (16 q / 8 kv, head_dim 128): float64 reference and bitwise row invariance, 1..64 rows; the
+    Gemma norm differs from Llama's (negative control)."""
     from rlexact.ops import reference, triton_rope
 
     t, d = 300, 128
-    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm, seed=5)
-    qo, ko = triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    kind = ROPE_NORMS[norm] or (True, False)
+    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm != "none", seed=5)
+    qo, ko = triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, *kind)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, x, w in ((qo, q, qw), (ko, k, kw)):
-        ref = reference.norm_rope(x.double(), cos.double(), sin.double(), None if w is None else w.double(), 1e-6)
+        w64 = None if w is None else w.double()
+        ref = reference.norm_rope(x.double(), cos.double(), sin.double(), w64, 1e-6, offset=kind[1])
         assert ((got.double() - ref).norm() / ref.norm()).item() < tol
     for m in (1, 2, 7, 64):
         for start in (0, 100, t - m):
-            qs, ks = triton_rope.qk_norm_rope(
-                q[start : start + m], k[start : start + m], cos[start : start + m], sin[start : start + m], qw, kw, 1e-6
-            )
-            assert torch.equal(qs, qo[start : start + m]) and torch.equal(ks, ko[start : start + m])
+            rows = slice(start, start + m)
+            qs, ks = triton_rope.qk_norm_rope(q[rows], k[rows], cos[rows], sin[rows], qw, kw, 1e-6, *kind)
+            assert torch.equal(qs, qo[rows]) and torch.equal(ks, ko[rows])
+    if norm == "gemma":
+        assert not torch.equal(triton_rope.qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)[0], qo)
 
 
 def _head_inputs(t: int, h: int, v: int, dtype: torch.dtype, seed: int):
@@ -429,25 +438,28 @@ def test_gpu_column_sum_order_negative_control() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("norm", [True, False])
-def test_gpu_qk_norm_rope_backward(dtype: torch.dtype, norm: bool) -> None:
+@pytest.mark.parametrize("norm", list(ROPE_NORMS))
+def test_gpu_qk_norm_rope_backward(dtype: torch.dtype, norm: str) -> None:
+    """Float64 gradients; the Gemma norm's backward runs on its fp32 scale ``1 + w``, whose gradient is ``w``'s."""
     from rlexact.ops import reference, triton_backward
 
     t, d = 2000, 128
-    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm, seed=22)
+    round_normed, offset = ROPE_NORMS[norm] or (True, False)
+    q, k, cos, sin, qw, kw = _qk_rope_inputs(t, d, dtype, norm != "none", seed=22)
+    scales = [None if w is None else (1.0 + w.float() if offset else w) for w in (qw, kw)]
     gq, gk = torch.randn_like(q), torch.randn_like(k)
-    out = triton_backward.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+    out = triton_backward.qk_norm_rope_backward(q, k, cos, sin, *scales, gq, gk, 1e-6, round_normed)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     c64, s64 = cos.double(), sin.double()
     for got, gw, x, w, gx in ((out[0], out[2], q, qw, gq), (out[1], out[3], k, kw, gk)):
-        if norm:
-            rx, rw = _grads64(lambda a, b: reference.norm_rope(a, c64, s64, b, 1e-6), [x, w], [gx])
+        if w is not None:
+            rx, rw = _grads64(lambda a, b: reference.norm_rope(a, c64, s64, b, 1e-6, offset=offset), [x, w], [gx])
             assert _rel(gw, rw) < tol
         else:
             (rx,) = _grads64(lambda a: reference.norm_rope(a, c64, s64, None, 1e-6), [x], [gx])
             assert gw is None
         assert _rel(got, rx) < tol
-    again = triton_backward.qk_norm_rope_backward(q, k, cos, sin, qw, kw, gq, gk, 1e-6)
+    again = triton_backward.qk_norm_rope_backward(q, k, cos, sin, *scales, gq, gk, 1e-6, round_normed)
     for a, b in zip(out, again):
         assert (a is None and b is None) or torch.equal(a, b)
 

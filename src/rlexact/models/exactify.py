@@ -105,10 +105,6 @@ OFFSET_NORMS: tuple[str, ...] = ("Gemma3RMSNorm",)
 """RMSNorm classes whose scale is ``1 + weight``, added in fp32 (Gemma's)."""
 
 
-LLAMA_NORM: dict[str, bool] = {"round_normed": True, "offset": False}
-"""The :func:`_norm_kind` of Llama's RMSNorm, which the fused q/k-norm + rotary kernel implements."""
-
-
 def _norm_kind(m: nn.Module | None) -> dict[str, bool]:
     """The ``round_normed`` and ``offset`` arguments of :func:`rlexact.ops.rms_norm` that a transformers RMSNorm
     module ``m`` computes with (:data:`ROUND_ONCE_NORMS`, :data:`OFFSET_NORMS`)."""
@@ -173,11 +169,12 @@ def _rope_from_table(state: ExactState, rotary: nn.Module, max_positions: int) -
 
 
 def _attention_forward(m: nn.Module) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / Phi-3 / SmolLM3 attention layer: the
-    projections, one fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`) instead of the stock per-op
-    chain, the exact attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run
-    as the model's (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from
-    its one ``qkv_proj``. SmolLM3's NoPE layers (``use_rope`` False) skip the kernel.
+    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / OLMo 3 / Phi-3 / SmolLM3 / Gemma 3 attention
+    layer: the projections, one fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`, with the per-head
+    norms' kind: Qwen3's Llama norm, Gemma 3's round-once ``1 + w`` norm) instead of the stock per-op chain, the exact
+    attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's
+    (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from its one
+    ``qkv_proj``. SmolLM3's NoPE layers (``use_rope`` False) skip the kernel.
 
     With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
     :func:`~rlexact.models.attention.rlexact_attention`. Without it (a plain transformers call: ``model(ids)``,
@@ -187,9 +184,11 @@ def _attention_forward(m: nn.Module) -> Callable:
     q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
     eps = _norm_eps(q_norm)
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 and Gemma 3
-    # each head, Qwen3 with Llama's norm (which the fused kernel implements), Gemma 3 with its own
+    # each head, in the fused kernel with their norm's kind
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
-    own_norm = q_norm is not None and not full_norm and _norm_kind(q_norm) != LLAMA_NORM
+    kind = _norm_kind(q_norm)
+    if q_norm is not None and not full_norm and _norm_kind(k_norm) != kind:
+        raise ValueError(f"{type(m).__name__}: q_norm and k_norm of different kinds are not implemented by rlexact")
     rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
     if not rotates and q_norm is not None and not full_norm:
         raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
@@ -219,22 +218,19 @@ def _attention_forward(m: nn.Module) -> Callable:
             q = m.q_proj(hidden_states).view(shape)
             k = m.k_proj(hidden_states).view(shape)
             v = m.v_proj(hidden_states).view(shape)
-        # the patched norm modules; the fused kernel then only rotates
-        if full_norm:  # over the flat projections
+        if full_norm:  # the patched norm modules over the flat projections; the fused kernel then only rotates
             q, k = q_norm(q.flatten(-2)).view(shape), k_norm(k.flatten(-2)).view(shape)
-        elif own_norm:  # per head
-            q, k = q_norm(q), k_norm(k)
         cos, sin = position_embeddings
-        qw, kw = (None, None) if q_norm is None or full_norm or own_norm else (q_norm.weight, k_norm.weight)
+        qw, kw = (None, None) if q_norm is None or full_norm else (q_norm.weight, k_norm.weight)
         paged = None if meta is None else meta.paged
         # generator steps without autograd: the rotation kernel also stores this layer's new K/V rows in the paged
         # cache; otherwise (and in layers without rotary) the attention call writes them
         kv_written = rotates and paged is not None and _no_autograd(q, k, v, *(w for w in (qw, kw) if w is not None))
         if kv_written:
             kc, vc = paged.caches[m.layer_idx]
-            q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping)
+            q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping, **kind)
         elif rotates:
-            q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps)
+            q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps, **kind)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
             check_attention_settings(dropout)

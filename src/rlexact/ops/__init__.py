@@ -180,21 +180,25 @@ def qk_norm_rope(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
+    round_normed: bool = True,
+    offset: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention prologue: optional per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``), then rotary embedding.
 
     ``q [..., Hq, D]``, ``k [..., Hkv, D]`` with the same leading shape and dtype; ``cos, sin [..., D]`` (broadcast to
     that leading shape; any float dtype, the rotation is computed in fp32); ``q_weight, k_weight [D]`` both or
-    neither. Returns rotated ``(q, k)`` in the input dtype and shape. Row-local: a head's result depends only on
+    neither; ``round_normed``, ``offset``: the norm's kind, as in :func:`rms_norm` (Gemma 3's q/k norms: ``False``,
+    ``True``). Returns rotated ``(q, k)`` in the input dtype and shape. Row-local: a head's result depends only on
     that head, its position's ``cos``/``sin`` and the weights. Semantics in :mod:`rlexact.ops.triton_rope`.
     """
     q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
     be = resolve_backend(q, backend)
+    kind = (bool(round_normed), bool(offset))
     if _tracked(q, k, cos, sin, q_weight, k_weight):
-        qo, ko = QKNormRopeFn.apply(q3, k3, c, s, q_weight, k_weight, float(eps), be)
+        qo, ko = QKNormRopeFn.apply(q3, k3, c, s, q_weight, k_weight, float(eps), be, kind)
     else:
-        qo, ko = kernel_impl(be, "qk_norm_rope")(q3, k3, c, s, q_weight, k_weight, float(eps))
+        qo, ko = kernel_impl(be, "qk_norm_rope")(q3, k3, c, s, q_weight, k_weight, float(eps), *kind)
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
@@ -240,6 +244,8 @@ def qk_norm_rope_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    round_normed: bool = True,
+    offset: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope` that also stores the rotated keys and ``v`` (``[..., Hkv, D]``, the leading shape of ``k``)
@@ -255,14 +261,17 @@ def qk_norm_rope_write_kv(
     with torch.no_grad():
         be = resolve_backend(q, backend)
         if be == "torch":
-            qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, backend=be)
+            qo, ko = qk_norm_rope(
+                q, k, cos, sin, q_weight, k_weight, eps, round_normed=round_normed, offset=offset, backend=be
+            )
             k3, v3 = ko.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
             write_kv(k3, v3, k_cache, v_cache, slot_mapping, backend=be)
             return qo, ko
         q3, k3, c, s = _rope_rows(q, k, cos, sin, q_weight, k_weight)
         qo, ko = kernel_impl(be, "qk_norm_rope_write_kv")(
-            q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping
-        )
+            q3, k3, v.reshape(k3.shape), c, s, q_weight, k_weight, float(eps), k_cache, v_cache, slot_mapping,
+            bool(round_normed), bool(offset),
+        )  # fmt: skip
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 

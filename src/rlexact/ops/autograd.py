@@ -141,34 +141,37 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class QKNormRopeFn(torch.autograd.Function):
-    """Forward: the fused kernel. Backward: :func:`rlexact.ops.triton_backward.qk_norm_rope_backward` on the Triton
-    backend, autograd through :func:`reference.norm_rope` in fp32 on the torch backend."""
+    """Forward: the fused kernel (``kind``: the norm's ``(round_normed, offset)``). Backward:
+    :func:`rlexact.ops.triton_backward.qk_norm_rope_backward` on the Triton backend, autograd through
+    :func:`reference.norm_rope` in fp32 on the torch backend; both run on the norms' fp32 scales (``1 + w`` with
+    ``offset``), whose gradients are the weights'."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, qw, kw, eps: float, backend: Backend):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, cos, sin, qw, kw, eps: float, backend: Backend, kind: tuple[bool, bool]):  # noqa: ANN001, ANN205
         ctx.save_for_backward(q, k, cos, sin, qw, kw)
-        ctx.eps = eps
-        ctx.backend = backend
+        ctx.eps, ctx.backend, ctx.kind = eps, backend, kind
         ctx.set_materialize_grads(False)
-        return kernel_impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps)
+        return kernel_impl(backend, "qk_norm_rope")(q, k, cos, sin, qw, kw, eps, *kind)
 
     @staticmethod
     def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None):  # noqa: ANN001, ANN205
         q, k, cos, sin, qw, kw = ctx.saved_tensors
+        round_normed, offset = ctx.kind
+        scales = [None if w is None else (1.0 + w.float() if offset else w) for w in (qw, kw)]
         want = ctx.needs_input_grad
-        grads: list[torch.Tensor | None] = [None] * 8
+        grads: list[torch.Tensor | None] = [None] * 9
         if ctx.backend == "triton":
             gq = torch.zeros_like(q) if gq is None else gq
             gk = torch.zeros_like(k) if gk is None else gk
-            out = kernel_impl("triton", "qk_norm_rope_backward")(q, k, cos, sin, qw, kw, gq, gk, ctx.eps)
-            for j, d in zip((0, 1, 4, 5), out):
-                grads[j] = d if want[j] else None
+            out = kernel_impl("triton", "qk_norm_rope_backward")(q, k, cos, sin, *scales, gq, gk, ctx.eps, round_normed)
+            for j, d, src in zip((0, 1, 4, 5), out, (q, k, qw, kw)):
+                grads[j] = d.to(src.dtype) if want[j] else None
             return tuple(grads)
         with torch.enable_grad():
-            for i, (x, w, g) in enumerate(((q, qw, gq), (k, kw, gk))):
+            for i, (x, w, g) in enumerate(((q, scales[0], gq), (k, scales[1], gk))):
                 xr = x.detach().float().requires_grad_(want[i])
                 wr = None if w is None else w.detach().float().requires_grad_(want[4 + i])
-                pairs = ((i, xr, x), (4 + i, wr, w))
+                pairs = ((i, xr, x), (4 + i, wr, (qw, kw)[i]))
                 leaves = [(j, t, src) for j, t, src in pairs if t is not None and t.requires_grad]
                 if not leaves or g is None:
                     continue

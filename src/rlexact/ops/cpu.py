@@ -106,23 +106,29 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    round_normed: bool = True,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (when weights are given) then rotary in fp32, cast once; see
-    :mod:`rlexact.ops.triton_rope`. ``q [T, Hq, D]``, ``k [T, Hkv, D]``, fp32 ``cos, sin [T, D]``."""
+    """Per-head RMSNorm (when weights are given; ``round_normed``, ``offset``: its kind, as in :func:`rms_norm`)
+    then rotary in fp32, cast once; see :mod:`rlexact.ops.triton_rope`. ``q [T, Hq, D]``, ``k [T, Hkv, D]``, fp32
+    ``cos, sin [T, D]``."""
+    kind = (round_normed, offset)
     return (
-        _norm_rope_one(q, cos, sin, q_weight, eps),
-        _norm_rope_one(k, cos, sin, k_weight, eps),
+        _norm_rope_one(q, cos, sin, q_weight, eps, kind),
+        _norm_rope_one(k, cos, sin, k_weight, eps, kind),
     )
 
 
 def _norm_rope_one(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float, kind: tuple[bool, bool]
 ) -> torch.Tensor:
     """The norm runs on fixed row blocks (:func:`rms_norm`); the rotation is exactly rounded multiplies and adds (no
-    transcendental, no fused multiply-add), so vectorized and scalar code agree and it needs no blocking."""
+    transcendental, no fused multiply-add), so vectorized and scalar code agree and it needs no blocking. Llama's
+    norm multiplies by the weight in the input dtype; a round-once norm scales in fp32, as the kernel does."""
     t, h, d = x.shape
     if w is not None:
-        x = rms_norm(x.reshape(t * h, d), w.to(x.dtype), eps).reshape(t, h, d)
+        w = w.to(x.dtype) if kind[0] else w
+        x = rms_norm(x.reshape(t * h, d), w, eps, *kind).reshape(t, h, d)
     xf, half = x.float(), d // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos.float()[:, None] + rot * sin.float()[:, None]).to(x.dtype)

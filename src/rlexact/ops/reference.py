@@ -19,11 +19,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = 
     return w * n.to(x.dtype) if round_normed else (w * n).to(x.dtype)
 
 
-def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float):
-    """Per-head RMSNorm (when ``w`` is given) then rotary, all in the dtype of ``x`` (use float64 for a reference).
-    ``x [T, H, D]``, ``cos, sin [T, D]``."""
+def norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor | None, eps: float, offset: bool = False
+):  # fmt: skip
+    """Per-head RMSNorm (when ``w`` is given; with ``offset`` its scale is ``1 + w``) then rotary, all in the dtype
+    of ``x`` (use float64 for a reference). ``x [T, H, D]``, ``cos, sin [T, D]``."""
     if w is not None:
-        x = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        x = (1 + w if offset else w) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None].to(x.dtype) + rot * sin[:, None].to(x.dtype)

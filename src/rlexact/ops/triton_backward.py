@@ -44,6 +44,7 @@ from .triton_shared import (
     device_key,
     dot_flags,
     gelu_tanh_arg,
+    normed_row,
     num_sms,
     rne_fix,
     tile_coords,
@@ -134,10 +135,7 @@ def _rms_norm_bwd_kernel(
             dn = dy * w
             c = tl.math.div_rn(tl.sum(dn * n, axis=0), H_f)
             tl.store(dx_ptr + off, cast_out(r * (dn - n * c), X_DTYPE, RNE), mask=ok)
-            if ROUND_NORMED:
-                dw += dy * cast_out(n, X_DTYPE, RNE).to(tl.float32)
-            else:
-                dw += dy * n
+            dw += dy * normed_row(x, r, X_DTYPE, RNE, ROUND_NORMED)
     tl.store(dwp_ptr + pid * H + cols, dw, mask=ok)
 
 
@@ -194,6 +192,7 @@ def _norm_rope_rows_bwd(
     BH: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
 ):
@@ -229,8 +228,8 @@ def _norm_rope_rows_bwd(
                 r = r[:, None]
                 n1 = x1 * r
                 n2 = x2 * r
-                dw1 += tl.sum(dy1 * cast_out(n1, DTYPE, RNE).to(tl.float32), axis=0)[None, :]
-                dw2 += tl.sum(dy2 * cast_out(n2, DTYPE, RNE).to(tl.float32), axis=0)[None, :]
+                dw1 += tl.sum(dy1 * normed_row(x1, r, DTYPE, RNE, ROUND_NORMED), axis=0)[None, :]
+                dw2 += tl.sum(dy2 * normed_row(x2, r, DTYPE, RNE, ROUND_NORMED), axis=0)[None, :]
                 dn1 = dy1 * w1
                 dn2 = dy2 * w2
                 dot = tl.math.div_rn(tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1), D_f)[:, None]
@@ -268,6 +267,7 @@ def _qk_norm_rope_bwd_kernel(
     BHK: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
 ):
@@ -276,12 +276,12 @@ def _qk_norm_rope_bwd_kernel(
     if tl.program_id(1) == 0:
         _norm_rope_rows_bwd(
             q_ptr, gq_ptr, dq_ptr, qw_ptr, c_ptr, s_ptr, dwp_ptr, pid, T, ROWS, HQ, HALF, eps, D_f,
-            BHQ, BHALF, NORM, DTYPE, RNE,
+            BHQ, BHALF, NORM, ROUND_NORMED, DTYPE, RNE,
         )  # fmt: skip
     else:
         _norm_rope_rows_bwd(
             k_ptr, gk_ptr, dk_ptr, kw_ptr, c_ptr, s_ptr, dwp_ptr + P * 2 * HALF, pid, T, ROWS, HKV, HALF, eps, D_f,
-            BHK, BHALF, NORM, DTYPE, RNE,
+            BHK, BHALF, NORM, ROUND_NORMED, DTYPE, RNE,
         )  # fmt: skip
 
 
@@ -295,12 +295,15 @@ def qk_norm_rope_backward(
     gq: torch.Tensor,
     gk: torch.Tensor,
     eps: float,
+    round_normed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`rlexact.ops.triton_rope.qk_norm_rope` (same argument layout; ``gq, gk`` are the output
     gradients) -> ``(dq, dk, dq_weight, dk_weight)`` in the input dtypes (weights ``None`` without norm).
 
     Semantics as :func:`rlexact.ops.reference.norm_rope` in fp32, with the weight gradient taken against the
-    normalized value rounded to the input dtype (the value the forward multiplies by the weight)."""
+    normalized value the forward multiplies by the weight: rounded to the input dtype, or with ``round_normed=False``
+    the fp32 one. The weights are the norms' scales (for an ``offset`` norm pass ``1 + w`` in fp32; its gradient is
+    ``w``'s)."""
     T, hq, d = q.shape
     q, k, gq, gk = q.contiguous(), k.contiguous(), gq.contiguous(), gk.contiguous()
     dq, dk = torch.empty_like(q), torch.empty_like(k)
@@ -316,7 +319,7 @@ def qk_norm_rope_backward(
         q, k, gq, gk, dq, dk, qw, kw, cos.contiguous(), sin.contiguous(), part,
         T, per, progs, hq, k.shape[1], d // 2, float(eps), float(d),
         BHQ=triton.next_power_of_2(hq), BHK=triton.next_power_of_2(k.shape[1]), BHALF=triton.next_power_of_2(d // 2),
-        NORM=norm, DTYPE=TL_DTYPE[q.dtype], RNE=rne_fix(q.dtype), num_warps=4,
+        NORM=norm, ROUND_NORMED=round_normed, DTYPE=TL_DTYPE[q.dtype], RNE=rne_fix(q.dtype), num_warps=4,
         **COMPILE_OPTIONS,
     )  # fmt: skip
     if not norm:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, gate_times, rne_fix
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, gate_times, norm_scale, normed_row, rne_fix
 
 MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
@@ -44,24 +44,6 @@ def _norm_input(x_row, r_row, s_row, idx, mask, HAS_RES: tl.constexpr, STORE: tl
             tl.store(s_row + idx, s, mask=mask)
         x = s.to(tl.float32)
     return x
-
-
-@triton.jit
-def _normed(x, r, X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, ROUND_NORMED: tl.constexpr):
-    """The normalized row ``x * r`` in fp32, rounded to the input dtype first when ``ROUND_NORMED``."""
-    y = x * r
-    if ROUND_NORMED:
-        y = cast_out(y, X_DTYPE, RNE_X).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _norm_weight(w_ptr, idx, mask, OFFSET: tl.constexpr):
-    """The scale of elements ``idx`` in fp32: ``w``, or with ``OFFSET`` ``1 + w`` added in fp32 (Gemma's)."""
-    w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        w = w + 1.0
-    return w
 
 
 @triton.jit
@@ -101,8 +83,8 @@ def _rms_norm_kernel(
         x = _norm_input(x_row, r_row, s_row, cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
         var = tl.math.div_rn(tl.sum(x * x, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
-        y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
-        w = _norm_weight(w_ptr, cols, mask, OFFSET)
+        y = normed_row(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
+        w = norm_scale(w_ptr, cols, mask, OFFSET)
         tl.store(o_row + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -115,8 +97,8 @@ def _rms_norm_kernel(
         for off in range(0, H, BLOCK):
             mask = off + cols < H
             x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, False, X_DTYPE, RNE_X)
-            y = _normed(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
-            w = _norm_weight(w_ptr, off + cols, mask, OFFSET)
+            y = normed_row(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
+            w = norm_scale(w_ptr, off + cols, mask, OFFSET)
             tl.store(o_row + off + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
 
 

@@ -10,7 +10,9 @@ Semantics (:func:`rlexact.ops.cpu.qk_norm_rope` is the CPU twin, :func:`rlexact.
 reference), per head row ``x [D]`` with halves ``x1, x2``:
 
 * norm (when weights are given): ``y = (w32 * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)).to(dtype)``
-  (transformers RMSNorm when ``w`` has the input dtype), else ``y = x``;
+  (transformers RMSNorm when ``w`` has the input dtype), with ``round_normed=False`` the product rounded once,
+  ``y = (s32 * x32 * rsqrt(...)).to(dtype)``, and with ``offset`` the scale ``s32 = 1 + w32`` (Gemma 3's q/k norms:
+  both), else ``y = x``;
 * rotary in fp32, cast once: ``out = (y32 * cos + rotate_half(y32) * sin).to(dtype)`` with
   ``rotate_half(y) = [-y2, y1]`` and ``cos, sin [D]`` of the row's position (upcast to fp32; transformers' rotary
   modules return them in the model dtype).
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from .triton_kv import check_kv_write, write_kv
 from .triton_pdl import pdl_entry, pdl_options
-from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, rne_fix
+from .triton_shared import COMPILE_OPTIONS, TL_DTYPE, cast_out, norm_scale, normed_row, rne_fix
 
 
 @triton.jit
@@ -45,6 +47,8 @@ def _norm_rope_rows(
     BH: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
+    OFFSET: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
     WRITE2: tl.constexpr,
@@ -62,10 +66,10 @@ def _norm_rope_rows(
     if NORM:
         var = tl.math.div_rn(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), D_f)
         r = tl.math.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
-        x1 = cast_out(w1 * cast_out(x1 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
-        x2 = cast_out(w2 * cast_out(x2 * r, DTYPE, RNE).to(tl.float32), DTYPE, RNE).to(tl.float32)
+        w1 = norm_scale(w_ptr, c, c_ok, OFFSET)
+        w2 = norm_scale(w_ptr, HALF + c, c_ok, OFFSET)
+        x1 = cast_out(w1 * normed_row(x1, r, DTYPE, RNE, ROUND_NORMED), DTYPE, RNE).to(tl.float32)
+        x2 = cast_out(w2 * normed_row(x2, r, DTYPE, RNE, ROUND_NORMED), DTYPE, RNE).to(tl.float32)
     cs = t * (2 * HALF) + c
     c1 = tl.load(c_ptr + cs, mask=c_ok, other=0.0).to(tl.float32)
     c2 = tl.load(c_ptr + cs + HALF, mask=c_ok, other=0.0).to(tl.float32)
@@ -114,6 +118,8 @@ def _qk_norm_rope_kernel(
     BHK: tl.constexpr,
     BHALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
+    OFFSET: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -123,8 +129,8 @@ def _qk_norm_rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _norm_rope_rows(
-            q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, stride_q, HQ, HALF, eps, D_f, qo_ptr, 0, BHQ, BHALF, NORM, DTYPE,
-            RNE, False,
+            q_ptr, qo_ptr, qw_ptr, c_ptr, s_ptr, t, stride_q, HQ, HALF, eps, D_f, qo_ptr, 0, BHQ, BHALF, NORM,
+            ROUND_NORMED, OFFSET, DTYPE, RNE, False,
         )  # fmt: skip
     else:
         kc_row = kc_ptr
@@ -140,7 +146,7 @@ def _qk_norm_rope_kernel(
             tl.store(vc_ptr + blk * c_vb + off * c_vo + h * c_vh + d, v, mask=vm)
         _norm_rope_rows(
             k_ptr, ko_ptr, kw_ptr, c_ptr, s_ptr, t, stride_k, HKV, HALF, eps, D_f, kc_row, c_kh, BHK, BHALF, NORM,
-            DTYPE, RNE, WRITE_KV,
+            ROUND_NORMED, OFFSET, DTYPE, RNE, WRITE_KV,
         )  # fmt: skip
 
 
@@ -157,11 +163,14 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    round_normed: bool = True,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, Hq, D]``, ``k [T, Hkv, D]`` (same dtype), ``cos, sin [T, D]`` (any float dtype, upcast to fp32 in the
     kernel), optional weights ``[D]`` (both or neither) -> rotated ``(q, k)`` in the input dtype, contiguous. ``q`` and
-    ``k`` may be row-strided views (e.g. column blocks of a fused q/k/v projection) whose heads are contiguous."""
-    return _launch(q, k, cos, sin, q_weight, k_weight, eps, None)
+    ``k`` may be row-strided views (e.g. column blocks of a fused q/k/v projection) whose heads are contiguous.
+    ``round_normed``, ``offset``: the norm's kind, as in :func:`rlexact.ops.triton_norm.rms_norm`."""
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps, (round_normed, offset), None)
 
 
 def qk_norm_rope_write_kv(
@@ -176,6 +185,8 @@ def qk_norm_rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    round_normed: bool = True,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope`, and the rotated keys and ``v [T, Hkv, D]`` (any strides) written to slots
     ``slot_mapping [T]`` of ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` in the same launch, bitwise what
@@ -183,10 +194,10 @@ def qk_norm_rope_write_kv(
     through ``write_kv`` after the rotation (a second launch, the same bits)."""
     same = k_cache.dtype == q.dtype and v_cache.dtype == v.dtype == q.dtype
     if not (same and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and v.stride(-1) == 1):
-        qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+        qo, ko = qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, round_normed, offset)
         write_kv(ko, v, k_cache, v_cache, slot_mapping)
         return qo, ko
-    return _launch(q, k, cos, sin, q_weight, k_weight, eps, (v, k_cache, v_cache, slot_mapping))
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps, (round_normed, offset), (v, k_cache, v_cache, slot_mapping))
 
 
 def _launch(
@@ -197,6 +208,7 @@ def _launch(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    kind: tuple[bool, bool],
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, hq, d = q.shape
@@ -229,6 +241,8 @@ def _launch(
         BHK=triton.next_power_of_2(k.shape[1]),
         BHALF=triton.next_power_of_2(d // 2),
         NORM=norm,
+        ROUND_NORMED=kind[0],
+        OFFSET=kind[1],
         DTYPE=TL_DTYPE[q.dtype],
         RNE=rne_fix(q.dtype),
         WRITE_KV=kv is not None,

@@ -155,6 +155,24 @@ def cast_out(x, DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
 
 
 @triton.jit
+def normed_row(x, r, X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, ROUND_NORMED: tl.constexpr):
+    """The normalized row ``x * r`` in fp32, rounded to the input dtype first when ``ROUND_NORMED``."""
+    y = x * r
+    if ROUND_NORMED:
+        y = cast_out(y, X_DTYPE, RNE_X).to(tl.float32)
+    return y
+
+
+@triton.jit
+def norm_scale(w_ptr, idx, mask, OFFSET: tl.constexpr):
+    """The scale of elements ``idx`` in fp32: ``w``, or with ``OFFSET`` ``1 + w`` added in fp32 (Gemma's)."""
+    w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
 def silu_times(g, u):
     """``silu(g) * u`` in fp32, ``silu(g) = g / (1 + exp(-g))`` with the GPU's fast division (``div.full.f32``): the
     one formula of the exact SiLU gate (the ``silu_mul`` kernel and the gated matmuls' epilogues use it, so they share
