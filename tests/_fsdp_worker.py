@@ -86,13 +86,17 @@ def main() -> None:
     mode = sys.argv[3] if len(sys.argv) > 3 else "exact"
     tok = build_char_tokenizer()
     kind = sys.argv[4] if len(sys.argv) > 4 else "dense"
-    if kind not in ("dense", "moe", "mixtral", "gemma3"):
-        raise ValueError(f"model kind must be dense, moe, mixtral or gemma3, got {kind!r}")
-    if kind in ("dense", "gemma3"):
+    if kind not in ("dense", "moe", "mixtral", "gemma3", "gemma3_vl"):
+        raise ValueError(f"model kind must be dense, moe, mixtral, gemma3 or gemma3_vl, got {kind!r}")
+    if kind in ("dense", "gemma3", "gemma3_vl"):
         cfg = tiny_rl_config(len(tok))
-        if kind == "gemma3":
+        if kind != "dense":
             cfg |= {"model_type": "gemma3_text", "sliding_window": 4, "query_pre_attn_scalar": cfg["head_dim"],
                     "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+        if kind == "gemma3_vl":  # the same text decoder in the image-text model (Gemma 3 4B and up)
+            vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "image_size": 28, "patch_size": 14}  # fmt: skip
+            cfg = {"model_type": "gemma3", "text_config": cfg, "vision_config": vision, "mm_tokens_per_image": 4}
     else:
         cfg = tiny_moe_rl_config(len(tok), arch="mixtral" if kind == "mixtral" else "qwen3_moe")
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]

@@ -7,7 +7,9 @@ import random
 
 import torch
 from transformers import (
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
@@ -33,6 +35,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -99,13 +102,23 @@ def tiny_model(
     elif arch == "granite":  # scaled embeddings, attention, residual branches and logits
         scales = dict(embedding_multiplier=6.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)
         model = GraniteForCausalLM(GraniteConfig(head_dim=head_dim, **scales, **common))
-    elif arch == "gemma3":  # a sliding-window layer, then a full one: two rotary bases, (1 + w) norms, GELU gate
+    elif arch in ("gemma3", "gemma3_vl"):  # a sliding-window layer, then a full one: two rotary bases, (1 + w)
+        # norms, GELU gate; gemma3_vl: the same text decoder in the image-text model (Gemma 3 4B and up)
         config = Gemma3TextConfig(
             head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **common,
         )  # fmt: skip
-        model = Gemma3ForCausalLM(config)
+        if arch == "gemma3":
+            model = Gemma3ForCausalLM(config)
+        else:
+            vision = SiglipVisionConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14,
+            )  # fmt: skip
+            tokens = dict(image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2)
+            full = Gemma3Config(text_config=config, vision_config=vision, mm_tokens_per_image=4, **tokens)
+            model = Gemma3ForConditionalGeneration(full)
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

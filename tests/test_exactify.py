@@ -11,7 +11,7 @@ import torch
 
 import rlexact
 from models import tiny_model
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logprobs
+from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logprobs, text_config
 
 BLOCK = 8
 
@@ -19,7 +19,7 @@ BLOCK = 8
 def _paged_logprobs(model: torch.nn.Module, seq: torch.Tensor, chunk: int, shuffle_seed: int = 0) -> torch.Tensor:
     """Teacher-forced log-probs of seq[1:] through the generator's numeric path: chunked prefill of ``chunk``
     tokens per forward over a paged KV cache with shuffled blocks, then (for chunk=1) one token per forward."""
-    cfg = model.config
+    cfg = text_config(model)
     n = seq.numel()
     n_blocks = -(-n // BLOCK) + 2
     dtype = next(model.parameters()).dtype
@@ -62,6 +62,7 @@ CASES = [
     ("granite", 4, 2, 16, 48, 97),
     ("gemma3", 4, 2, 16, 48, 97),
     ("olmo3", 4, 2, 16, 64, 97),
+    ("gemma3_vl", 4, 2, 16, 48, 97),
 ]
 
 
@@ -98,7 +99,8 @@ def test_native_path_differs(dtype) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3", "llama", "qwen2", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3"]
+    "arch",
+    ["qwen3", "llama", "qwen2", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3", "gemma3_vl"],
 )
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
@@ -218,6 +220,39 @@ def test_restore_and_reexactify(arch: str, prefix: str) -> None:
         assert torch.equal(model(ids).logits, ref(ids).logits), "enabled=False must restore the stock forward"
         rlexact.exactify(model)
         assert torch.equal(model(ids).logits, exact_logits)
+
+
+def test_gemma3_image_text_model_runs_its_text_decoder(tmp_path) -> None:
+    """Gemma 3 4B and up (``Gemma3ForConditionalGeneration``, what ``AutoModelForCausalLM`` loads): exactify patches
+    the text decoder and the LM head only, so the vision tower keeps its stock modules and attention implementation;
+    images then raise an error naming the fix (the causal kernels would attend over image tokens wrongly), and after
+    ``enabled=False`` they run again, bitwise the stock model. A checkpoint saved from the trained model loads back
+    as the image-text model with the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from rlexact.export import save_pretrained
+
+    ref = tiny_model("gemma3_vl")
+    model = rlexact.exactify(copy.deepcopy(ref))
+    vision = model.model.vision_tower
+    assert not any("forward" in m.__dict__ for m in vision.modules() if m is not vision)
+    assert "forward" in model.model.language_model.layers[0].self_attn.__dict__
+    assert vision.config._attn_implementation == ref.model.vision_tower.config._attn_implementation != "rlexact"
+    assert rlexact.models.text_config(model)._attn_implementation == "rlexact"
+    ids = torch.randint(0, 90, (1, 12))
+    ids[0, 2:6] = model.config.image_token_index
+    pixels = torch.randn(1, 3, 28, 28)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="pixel_values"):
+            model(ids, pixel_values=pixels)
+        rlexact.exactify(model, enabled=False)
+        assert torch.equal(model(ids, pixel_values=pixels).logits, ref(ids, pixel_values=pixels).logits)
+    rlexact.exactify(model)
+    save_pretrained(model, tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(back) is type(ref)
+    for (name, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_from_pretrained_local_dir(tmp_path) -> None:

@@ -62,17 +62,20 @@ def test_fsdp2_two_ranks_exact(tmp_path: Path, precision: str) -> None:
     assert reloaded.config._attn_implementation != "rlexact"
 
 
-def test_fsdp2_two_ranks_gemma3(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "exported"), [("gemma3", "Gemma3ForCausalLM"),
+                                                 ("gemma3_vl", "Gemma3ForConditionalGeneration")])  # fmt: skip
+def test_fsdp2_two_ranks_gemma3(tmp_path: Path, kind: str, exported: str) -> None:
     """FSDP2 on a Gemma 3 (bf16 compute over fp32 master weights): its ``1 + w`` norms, GELU gate, sliding-window
     layer and per-layer-type rotary tables keep rollout == trainer and ratio exactly 1 on every rank, and the
     generator's scoring == the trainer after updates; identical parameters on both ranks; the export reloads as
-    ``Gemma3ForCausalLM``."""
+    the model it was (``gemma3_vl``: the image-text model of Gemma 3 4B and up, its text decoder sharded per
+    layer)."""
     from transformers import AutoModelForCausalLM
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "bf16-mixed", "exact", "gemma3"],
+        [sys.executable, str(WORKER), str(tmp_path), "bf16-mixed", "exact", kind],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -82,4 +85,4 @@ def test_fsdp2_two_ranks_gemma3(tmp_path: Path) -> None:
         for key in ("rollout_equal", "first_ratio_one", "post_update_equal"):
             assert res[key] == [True] * len(res[key]), key
     assert results[0]["param_hash"] == results[1]["param_hash"]
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "export")).__name__ == "Gemma3ForCausalLM"
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "export")).__name__ == exported

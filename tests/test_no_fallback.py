@@ -47,7 +47,7 @@ def _decode_vs_full(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "arch", ["qwen3", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3"]
+    "arch", ["qwen3", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3", "gemma3_vl"]
 )
 def test_generate_decode_equals_full_forward(arch, dtype) -> None:
     derived = ("olmo2", "olmo3", "phi3", "smollm3")  # these derive head_dim from hidden / heads

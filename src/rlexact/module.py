@@ -45,7 +45,7 @@ from rlexact.checkpoint import AtomicCheckpointIO
 from rlexact.config import DTYPES, AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataset, check_tokenizer_source, load_tokenizer
 from rlexact.distributed import is_fsdp
-from rlexact.models import context_limit, exactify, uncompiled
+from rlexact.models import context_limit, exactify, text_config, uncompiled
 from rlexact.reduction import MetricReducer
 from rlexact.rewards import RewardConfig, RewardExecutor, RewardResult, resolve_reward, shared_executor
 from rlexact.rollout import Completion, Generator, SamplingParams
@@ -295,7 +295,7 @@ class RLModule(L.LightningModule):
                 rank_zero_warn(message)
         dataset = getattr(data, "train_dataset", None)
         if isinstance(dataset, PromptDataset) and len(dataset):  # prompt problems surface now, not at their batch
-            data_checks.check_token_ids(dataset.max_token_id, int(self.model.config.vocab_size), data.path)
+            data_checks.check_token_ids(dataset.max_token_id, int(text_config(self.model).vocab_size), data.path)
             longest, row = dataset.longest_prompt
             max_context = sampling.max_context(self.rollout_cfg, context_limit(self.model))
             data_checks.check_prompt_lengths(longest, row, max_context, self.rollout_cfg.max_new_tokens)

@@ -4,9 +4,10 @@ from rlexact.models.attention import ATTN_IMPL
 from rlexact.models.compiled import uncompiled
 from rlexact.models.context import context_limit
 from rlexact.models.exactify import SUPPORTED_MODEL_TYPES, check_supported, exactify
-from rlexact.models.forward import decoder, forward_hidden, head_logits, head_logprobs, lm_head_weight
+from rlexact.models.forward import forward_hidden, head_logits, head_logprobs, lm_head_weight
 from rlexact.models.metadata import AttnMetadata, PagedKV
 from rlexact.models.state import ExactState, get_state, is_exactified, use_kernels
+from rlexact.models.text import decoder, text_config, text_modules
 
 __all__ = [
     "ATTN_IMPL",
@@ -24,6 +25,8 @@ __all__ = [
     "head_logprobs",
     "is_exactified",
     "lm_head_weight",
+    "text_config",
+    "text_modules",
     "uncompiled",
     "use_kernels",
 ]

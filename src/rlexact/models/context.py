@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from rlexact.models.text import text_config
+
 CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral", "phi3")
 """Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
 
@@ -36,7 +38,7 @@ def sliding_window(m: nn.Module) -> int | None:
 
 def context_limit(model: nn.Module) -> int:
     """The longest sequence ``model`` runs: its ``max_position_embeddings`` (the exact rotary table's length)."""
-    max_pos = int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 0)
+    max_pos = int(getattr(text_config(model), "max_position_embeddings", 0) or 0)
     if max_pos < 1:
         raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings; expected a transformers LM")
     return max_pos

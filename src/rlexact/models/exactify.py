@@ -33,41 +33,44 @@ from rlexact.models.compiled import uncompiled
 from rlexact.models.context import context_limit, is_attention, sliding_window
 from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
+from rlexact.models.text import TEXT_OF_MULTIMODAL, decoder, text_config, text_modules
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "qwen3", "qwen2", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text",
-    *MOE_MODEL_TYPES,
+    *TEXT_OF_MULTIMODAL, *MOE_MODEL_TYPES,
 )  # fmt: skip
 GATES: dict[str, str] = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 """The gated MLP's activation (``hidden_act``, Gemma's ``hidden_activation``) -> the exact op that applies it."""
 
 
-def _model_type(model: nn.Module) -> str:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no transformers config; expected a transformers causal LM")
-    return str(getattr(config, "model_type", ""))
-
-
 def check_supported(model: nn.Module) -> None:
     """Raise ``ValueError`` listing the supported architectures when ``model`` is not one of them."""
-    mt = _model_type(model)
+    config = text_config(model)
+    mt = str(getattr(model.config, "model_type", ""))
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
             f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, OLMo 3, Phi-3 / Phi-4, SmolLM3, "
-            "Granite, Gemma 3 (text), Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM)"
+            "Granite, Gemma 3 (text, and the text of the image-text models), Qwen3-MoE, Qwen2-MoE, Mixtral and "
+            "Granite-MoE *ForCausalLM)"
         )
-    gate_op(model.config)
+    if mt in TEXT_OF_MULTIMODAL and (
+        getattr(config, "model_type", None) != TEXT_OF_MULTIMODAL[mt] or decoder(model) is model.model
+    ):
+        raise ValueError(
+            f"{type(model).__name__} ({mt!r}): expected its text decoder at model.model.language_model with a "
+            f"{TEXT_OF_MULTIMODAL[mt]!r} text_config (transformers' *ForConditionalGeneration)"
+        )
+    gate_op(config)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(model.config, name, None) is not None:
+        if getattr(config, name, None) is not None:
             raise ValueError(
-                f"unsupported {name}={getattr(model.config, name)}: rlexact's kernels do not soft-cap logits; load the "
+                f"unsupported {name}={getattr(config, name)}: rlexact's kernels do not soft-cap logits; load the "
                 f"model with {name}=None if it was trained without it"
             )
-    if getattr(model.config, "use_bidirectional_attention", False):
+    if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True: rlexact's attention kernels are causal")
-    rope = getattr(model.config, "rope_scaling", None) or getattr(model.config, "rope_parameters", None) or {}
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     per_layer_type = isinstance(rope, dict) and rope and all(isinstance(r, dict) for r in rope.values())
     ropes = list(rope.values()) if per_layer_type else [rope]  # Gemma 3 keeps one rope dict per layer type
     for r in ropes:
@@ -75,12 +78,12 @@ def check_supported(model: nn.Module) -> None:
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
         partial = float(r.get("partial_rotary_factor", 1.0) if isinstance(r, dict) else 1.0)
-        partial = float(getattr(model.config, "partial_rotary_factor", partial) or partial)
+        partial = float(getattr(config, "partial_rotary_factor", partial) or partial)
         if partial != 1.0:
             raise ValueError(
                 f"unsupported partial_rotary_factor={partial}: rlexact's fused rotary kernel rotates the whole head"
             )
-    resid = float(getattr(model.config, "resid_pdrop", 0.0) or 0.0)
+    resid = float(getattr(config, "resid_pdrop", 0.0) or 0.0)
     if resid > 0:
         raise ValueError(
             f"resid_pdrop={resid}: residual dropout makes the trainer's forward differ from the rollout's. Load the "
@@ -296,7 +299,7 @@ def fused_groups(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Linear]]
     """``(module, linears)`` whose outputs one fused matmul may compute: each attention layer's q/k/v and each gated
     MLP's gate/up projections, in the order their outputs are split (none for layers whose checkpoint already fuses
     them, as Phi-3's)."""
-    for m in model.modules():
+    for m in text_modules(model):
         if is_attention(m) and hasattr(m, "q_proj"):
             yield m, [m.q_proj, m.k_proj, m.v_proj]
         elif _is_gated_mlp(m):
@@ -426,7 +429,7 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
 def _patch_decoder_layers(state: ExactState, model: nn.Module) -> None:
     """Patch every stack (``nn.ModuleList``) of decoder layers with :func:`_decoder_layer_forward`, each layer fused
     with the next one's ``input_layernorm``."""
-    for stack in model.modules():
+    for stack in text_modules(model):
         if not isinstance(stack, nn.ModuleList) or not len(stack) or not all(map(_is_decoder_layer, stack)):
             continue
         handoff: list = [None]
@@ -440,7 +443,9 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
 
     Idempotent. Works on models from ``from_pretrained`` and ``from_config``, fp32 and bf16, before or after FSDP2
     ``fully_shard``. Raises ``ValueError`` for unsupported architectures (listing the supported ones). Given a
-    ``torch.compile`` wrapper, works on and returns the module it wraps (:func:`rlexact.models.uncompiled`).
+    ``torch.compile`` wrapper, works on and returns the module it wraps (:func:`rlexact.models.uncompiled`). Of an
+    image-text model (:data:`rlexact.models.text.TEXT_OF_MULTIMODAL`) only the text decoder and the LM head run the
+    exact kernels; its vision tower then raises, since images would need attention the causal kernels lack.
     """
     model = uncompiled(model)
     state = get_state(model)
@@ -460,9 +465,13 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
         return model
     check_supported(model)
     register_attention()
-    state = ExactState(original_attn_impl=getattr(model.config, "_attn_implementation", None))
-    max_pos, gate = context_limit(model), gate_op(model.config)
-    for m in model.modules():
+    state = ExactState(original_attn_impl=getattr(text_config(model), "_attn_implementation", None))
+    max_pos, gate = context_limit(model), gate_op(text_config(model))
+    vision = getattr(getattr(model, "model", None), "vision_tower", None)
+    if vision is not None and decoder(model) is not model.model:  # in both kernel modes
+        state.original_forwards.append((vision, vision.forward))
+        vision.forward = _text_only(model)  # type: ignore[method-assign]
+    for m in text_modules(model):
         if isinstance(m, nn.Linear):
             _patch(state, m, lambda x, m=m: ops.linear(x, m.weight, m.bias))
         elif _is_rmsnorm(m):
@@ -486,8 +495,21 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     return model
 
 
+def _text_only(model: nn.Module) -> Callable:
+    """The vision tower's forward in an exactified image-text model: an error naming the fix."""
+
+    def forward(*args: object, **kwargs: object) -> None:
+        raise ValueError(
+            f"{type(model).__name__} is exactified for text: rlexact's exact kernels run its text decoder, whose "
+            "image tokens would need bidirectional attention the causal kernels lack. Pass text only (no "
+            "pixel_values), or call rlexact.exactify(model, enabled=False) before running images."
+        )
+
+    return forward
+
+
 def _set_attn_impl(model: nn.Module, name: str) -> None:
-    for m in model.modules():
+    for m in text_modules(model):
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = name

@@ -9,15 +9,8 @@ from torch import nn
 from rlexact import ops
 from rlexact.models.metadata import AttnMetadata
 from rlexact.models.state import get_state
+from rlexact.models.text import decoder, text_config
 from rlexact.models.truncation import truncated_logprobs, truncates
-
-
-def decoder(model: nn.Module) -> nn.Module:
-    """The base transformer (``model.model`` for transformers causal LMs)."""
-    base = getattr(model, "model", None)
-    if base is None:
-        raise ValueError(f"{type(model).__name__} has no .model decoder; expected a transformers *ForCausalLM")
-    return base
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
@@ -53,7 +46,7 @@ def forward_hidden(
 def logits_scale(model: nn.Module) -> float:
     """The divisor the model applies to its logits before the softmax (Granite's ``config.logits_scaling``; 1 for
     the others). The head folds it into the temperature: every path computes ``z / (temperature * scale)``."""
-    return float(getattr(getattr(model, "config", None), "logits_scaling", 1.0) or 1.0)
+    return float(getattr(text_config(model), "logits_scaling", 1.0) or 1.0)
 
 
 def head_logprobs(

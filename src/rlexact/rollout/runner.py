@@ -32,7 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlexact.models import AttnMetadata, PagedKV, forward_hidden, get_state, head_logits, head_logprobs, lm_head_weight
+from rlexact.models import (
+    AttnMetadata,
+    PagedKV,
+    forward_hidden,
+    get_state,
+    head_logits,
+    head_logprobs,
+    lm_head_weight,
+    text_config,
+)
 from rlexact.models.truncation import LogprobMode
 from rlexact.ops import SharedPrefix, decode_split_keys, group_capacity
 from rlexact.rollout.block_manager import BlockManager
@@ -44,8 +53,8 @@ from rlexact.rollout.sequence import Sequence, Status
 
 
 def model_kv_shape(model: nn.Module) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` from a transformers config."""
-    cfg = model.config
+    """``(num_layers, num_kv_heads, head_dim)`` from a transformers config (the text decoder's)."""
+    cfg = text_config(model)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -222,7 +231,7 @@ class ModelRunner:
         self.use_graphs = bool(config.cuda_graphs and self.device.type == "cuda" and sampling is not None)
         _, kv_heads, head_dim = model_kv_shape(model)
         self.prefix_capacity = (
-            group_capacity(int(model.config.num_attention_heads), kv_heads)
+            group_capacity(int(text_config(model).num_attention_heads), kv_heads)
             if config.shared_prefix_decode and self.use_graphs and not native
             else 0
         )
@@ -467,7 +476,7 @@ class ModelRunner:
             table=table,
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             split_counters=torch.zeros(
-                (max_bs + 1) * int(self.model.config.num_attention_heads), dtype=torch.int32, device=dev
+                (max_bs + 1) * int(text_config(self.model).num_attention_heads), dtype=torch.int32, device=dev
             ),
             out=torch.zeros((2, max_bs), dtype=torch.float64, device=dev),
             prefix=self._prefix_buffer(max_bs),
