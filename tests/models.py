@@ -17,6 +17,10 @@ from transformers import (
     GraniteMoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Ministral3Config,
+    Ministral3ForCausalLM,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -27,6 +31,7 @@ from transformers import (
     Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PixtralVisionConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -119,6 +124,20 @@ def tiny_model(
             tokens = dict(image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2)
             full = Gemma3Config(text_config=config, vision_config=vision, mm_tokens_per_image=4, **tokens)
             model = Gemma3ForConditionalGeneration(full)
+    elif arch in ("ministral3", "mistral3_vl"):  # yarn tables; queries scaled by position past every 16 tokens;
+        # mistral3_vl: the same text decoder in the image-text model (Ministral 3, Mistral Small 3.x)
+        rope = dict(rope_type="yarn", rope_theta=10_000.0, factor=max_pos / 16, original_max_position_embeddings=16,
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                    llama_4_scaling_beta=0.1)  # fmt: skip
+        config = Ministral3Config(head_dim=head_dim, rope_parameters=rope, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, **common)  # fmt: skip
+        if arch == "ministral3":
+            model = Ministral3ForCausalLM(config)
+        else:
+            vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)  # fmt: skip
+            full = Mistral3Config(text_config=config, vision_config=vision, image_token_index=vocab - 1)
+            model = Mistral3ForConditionalGeneration(full)
     elif arch == "qwen2":
         assert heads * head_dim == hidden, "qwen2 derives head_dim from hidden/heads"
         model = Qwen2ForCausalLM(Qwen2Config(**common))

@@ -4,6 +4,7 @@ negative controls on the native path, correctness vs the unmodified model, resto
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -63,6 +64,8 @@ CASES = [
     ("gemma3", 4, 2, 16, 48, 97),
     ("olmo3", 4, 2, 16, 64, 97),
     ("gemma3_vl", 4, 2, 16, 48, 97),
+    ("ministral3", 4, 2, 16, 48, 97),
+    ("mistral3_vl", 4, 2, 16, 48, 97),
 ]
 
 
@@ -100,8 +103,9 @@ def test_native_path_differs(dtype) -> None:
 
 @pytest.mark.parametrize(
     "arch",
-    ["qwen3", "llama", "qwen2", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3", "gemma3_vl"],
-)
+    ["qwen3", "llama", "qwen2", "mistral", "ministral3", "mistral3_vl", "olmo2", "olmo3", "phi3", "smollm3",
+     "granite", "gemma3", "gemma3_vl"],
+)  # fmt: skip
 def test_matches_unmodified_transformers_fp32(arch) -> None:
     """Exactified log-probs agree with the stock transformers model within 1e-4 (fp32)."""
     ref = tiny_model(arch, hidden=64, heads=4, kv_heads=2, head_dim=16)
@@ -253,6 +257,35 @@ def test_gemma3_image_text_model_runs_its_text_decoder(tmp_path) -> None:
     assert type(back) is type(ref)
     for (name, a), b in zip(model.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_ministral3_query_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ministral 3 multiplies its rotated queries by ``1 + beta log(1 + floor(p / original))``: the exact factor
+    agrees with transformers' ``get_llama_4_attn_scale`` at every position, the exact model agrees with the stock one
+    over many periods, and without the factor it does not (negative control)."""
+    from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+    from rlexact.models.query_scale import position_query_scale
+
+    ref = tiny_model("ministral3", weight_scale=3.0)  # sharper attention: the factor moves the log-probs more
+    pos = torch.arange(512)[None]
+    ones = torch.ones(1, 512, 1, 1)
+    got = position_query_scale(ref.model.layers[0].self_attn)(ones, pos)[0, :, 0, 0]
+    torch.testing.assert_close(got, get_llama_4_attn_scale(pos, 0.1, 16)[0, 0, :, 0], rtol=1e-6, atol=0)
+    assert got[0] == 1 and got[-1] > 1.3
+    seqs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(9)) for n in (40, 300)]
+
+    def stock_agreement(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            worst = 0.0
+            for s, lp in zip(seqs, rlexact.sequence_logprobs(model, seqs)):
+                logp = torch.log_softmax(ref(s[None]).logits[0].float(), -1)[:-1].gather(-1, s[1:, None])[:, 0]
+                worst = max(worst, (lp - logp).abs().max().item())
+        return worst
+
+    assert stock_agreement(rlexact.exactify(copy.deepcopy(ref))) < 1e-4
+    monkeypatch.setattr(sys.modules["rlexact.models.exactify"], "position_query_scale", lambda m: None)
+    assert stock_agreement(rlexact.exactify(copy.deepcopy(ref))) > 1e-2
 
 
 def test_from_pretrained_local_dir(tmp_path) -> None:

@@ -152,12 +152,15 @@ def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> N
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text", "gemma3"]
-)
+    "model_type",
+    ["llama", "mistral", "ministral3", "mistral3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text",
+     "gemma3"],
+)  # fmt: skip
 def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     """The exact first mini-step (trainer == rollout, ratio exactly 1) for the dense architectures besides Qwen3,
-    built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included). ``gemma3``: the
-    image-text model (Gemma 3 4B and up) that ``AutoModelForCausalLM`` builds, trained on its text decoder."""
+    built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included). ``gemma3``,
+    ``mistral3``: the image-text models (Gemma 3 4B and up; Ministral 3, Mistral Small 3.x), trained on their text
+    decoders."""
     cfg = tiny_config() | {"model_type": model_type}
     if model_type in ("olmo2", "olmo3", "phi3", "smollm3"):  # default special-token ids past the tiny vocabulary
         cfg |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -170,12 +173,19 @@ def test_exact_first_ministep_per_architecture(model_type: str) -> None:
         cfg |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
     if model_type == "gemma3_text":
         cfg |= {"query_pre_attn_scalar": cfg["head_dim"]}
+    if model_type in ("ministral3", "mistral3"):  # queries scaled by position past every 4 tokens
+        cfg |= {"model_type": "ministral3", "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10_000.0, "factor": cfg["max_position_embeddings"] / 4,
+            "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
     if model_type == "gemma3":
         text = cfg | {"model_type": "gemma3_text", "query_pre_attn_scalar": cfg["head_dim"], "sliding_window": 4,
                       "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
-        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "image_size": 28, "patch_size": 14}  # fmt: skip
         cfg = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "mm_tokens_per_image": 4}
+    if model_type == "mistral3":
+        vision |= {"model_type": "pixtral", "head_dim": 16}
+        cfg = {"model_type": "mistral3", "text_config": cfg, "vision_config": vision}
     module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
     probe = Inspect()
     fit(module, 2, [probe])

@@ -47,8 +47,9 @@ def _decode_vs_full(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "arch", ["qwen3", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3", "gemma3_vl"]
-)
+    "arch", ["qwen3", "llama", "mistral", "ministral3", "mistral3_vl", "olmo2", "olmo3", "phi3", "smollm3",
+             "granite", "gemma3", "gemma3_vl"]
+)  # fmt: skip
 def test_generate_decode_equals_full_forward(arch, dtype) -> None:
     derived = ("olmo2", "olmo3", "phi3", "smollm3")  # these derive head_dim from hidden / heads
     sizes = dict(hidden=64, heads=4, kv_heads=2, head_dim=16) if arch in derived else {}

@@ -103,14 +103,18 @@ def test_fresh_prefill_steps_run_packed_attention(llama_bf16, monkeypatch):
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, wrong))
 
 
-@pytest.mark.parametrize("arch", ["mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3", "gemma3_vl"])
+@pytest.mark.parametrize(
+    "arch", ["mistral", "ministral3", "mistral3_vl", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3",
+             "gemma3_vl"]
+)  # fmt: skip
 def test_exact_rollout_per_architecture_bf16(arch):
     """Rollout == trainer bitwise in bf16 through chunked prefill for the architectures without a fixture of their
     own (OLMo-2: whole-projection q/k norms before the rotation; Phi-3: one qkv_proj and one gate_up_proj; SmolLM3:
     layers without rotary; Granite: scaled residual branches and logits; Gemma 3: a sliding-window layer and a
     full one with their own rotary tables, (1 + w) norms, the GELU-tanh gate; OLMo 3: OLMo-2's layers with the
-    windows and tables of Gemma 3; Gemma 3 4B+: the same text decoder inside the image-text model); negative
-    control: the native kernels differ."""
+    windows and tables of Gemma 3; Gemma 3 4B+: the same text decoder inside the image-text model; Ministral 3:
+    queries scaled by position, alone and inside Mistral 3's image-text model); negative control: the native kernels
+    differ."""
     model = make_model(arch, dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=16, seed=6)
     prompts, params = prompts_for(9, 97, lo=2, hi=25, seed=6), SamplingParams(max_new_tokens=6, seed=6)
     assert_exact(model, Generator(model, max_num_batched_tokens=16, block_size=4).generate(prompts, params))

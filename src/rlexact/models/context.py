@@ -11,7 +11,7 @@ from torch import nn
 
 from rlexact.models.text import text_config
 
-CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "mixtral", "phi3")
+CONFIG_WINDOW_MODEL_TYPES: tuple[str, ...] = ("mistral", "ministral3", "mixtral", "phi3")
 """Model types whose attention layers apply ``config.sliding_window`` itself (the others set a layer attribute)."""
 
 
@@ -24,8 +24,8 @@ def is_attention(m: nn.Module) -> bool:
 def sliding_window(m: nn.Module) -> int | None:
     """The sliding window attention layer ``m`` applies: its ``sliding_window`` attribute where it has one (Qwen2,
     Qwen3, SmolLM3, Gemma 3 and OLMo 3 set it per layer, None or absent on full-attention layers), else its config's
-    for the model types that read the config (:data:`CONFIG_WINDOW_MODEL_TYPES`: Mistral, Mixtral, Phi-3), else
-    None."""
+    for the model types that read the config (:data:`CONFIG_WINDOW_MODEL_TYPES`: Mistral, Ministral 3, Mixtral,
+    Phi-3), else None."""
     config = getattr(m, "config", None)
     if hasattr(m, "sliding_window"):
         window = m.sliding_window

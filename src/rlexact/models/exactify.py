@@ -32,12 +32,13 @@ from rlexact.models.attention import (
 from rlexact.models.compiled import uncompiled
 from rlexact.models.context import context_limit, is_attention, sliding_window
 from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
+from rlexact.models.query_scale import position_query_scale
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
 from rlexact.models.text import TEXT_OF_MULTIMODAL, decoder, text_config, text_modules
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "qwen3", "qwen2", "llama", "mistral", "olmo2", "olmo3", "phi3", "smollm3", "granite", "gemma3_text",
-    *TEXT_OF_MULTIMODAL, *MOE_MODEL_TYPES,
+    "qwen3", "qwen2", "llama", "mistral", "ministral3", "olmo2", "olmo3", "phi3", "smollm3", "granite",
+    "gemma3_text", *TEXT_OF_MULTIMODAL, *MOE_MODEL_TYPES,
 )  # fmt: skip
 GATES: dict[str, str] = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 """The gated MLP's activation (``hidden_act``, Gemma's ``hidden_activation``) -> the exact op that applies it."""
@@ -50,16 +51,17 @@ def check_supported(model: nn.Module) -> None:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mt!r} ({type(model).__name__}); rlexact supports model_type in "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, OLMo-2, OLMo 3, Phi-3 / Phi-4, SmolLM3, "
-            "Granite, Gemma 3 (text, and the text of the image-text models), Qwen3-MoE, Qwen2-MoE, Mixtral and "
-            "Granite-MoE *ForCausalLM)"
+            f"{list(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen2, Llama, Mistral, Ministral 3, OLMo-2, OLMo 3, Phi-3 / "
+            "Phi-4, SmolLM3, Granite, Gemma 3, Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE *ForCausalLM, and the "
+            "text decoders of the Gemma 3 and Mistral 3 image-text models)"
         )
     if mt in TEXT_OF_MULTIMODAL and (
-        getattr(config, "model_type", None) != TEXT_OF_MULTIMODAL[mt] or decoder(model) is model.model
+        getattr(config, "model_type", None) not in TEXT_OF_MULTIMODAL[mt] or decoder(model) is model.model
     ):
         raise ValueError(
             f"{type(model).__name__} ({mt!r}): expected its text decoder at model.model.language_model with a "
-            f"{TEXT_OF_MULTIMODAL[mt]!r} text_config (transformers' *ForConditionalGeneration)"
+            f"text_config of model_type in {list(TEXT_OF_MULTIMODAL[mt])} (transformers' *ForConditionalGeneration); "
+            f"got {getattr(config, 'model_type', None)!r}"
         )
     gate_op(config)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -172,12 +174,13 @@ def _rope_from_table(state: ExactState, rotary: nn.Module, max_positions: int) -
 
 
 def _attention_forward(m: nn.Module) -> Callable:
-    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / OLMo-2 / OLMo 3 / Phi-3 / SmolLM3 / Gemma 3 attention
-    layer: the projections, one fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`, with the per-head
-    norms' kind: Qwen3's Llama norm, Gemma 3's round-once ``1 + w`` norm) instead of the stock per-op chain, the exact
-    attention, and the output projection. OLMo-2's q/k norms span the whole projection, so they run as the model's
-    (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v come from its one
-    ``qkv_proj``. SmolLM3's NoPE layers (``use_rope`` False) skip the kernel.
+    """Exact forward of a Qwen3 / Qwen2 / Llama / Mistral / Ministral 3 / OLMo-2 / OLMo 3 / Phi-3 / SmolLM3 /
+    Gemma 3 attention layer: the projections, one fused q/k-norm + rotary kernel (:func:`rlexact.ops.qk_norm_rope`,
+    with the per-head norms' kind: Qwen3's Llama norm, Gemma 3's round-once ``1 + w`` norm) instead of the stock
+    per-op chain, the exact attention, and the output projection. OLMo-2's q/k norms span the whole projection, so
+    they run as the model's (exact) RMSNorm modules before the kernel, which then only rotates. Phi-3's q, k and v
+    come from its one ``qkv_proj``. SmolLM3's NoPE layers (``use_rope`` False) skip the kernel. Ministral 3 scales
+    the rotated queries by their position (:mod:`rlexact.models.query_scale`).
 
     With :class:`~rlexact.models.metadata.AttnMetadata` (the generator and the trainer) attention is
     :func:`~rlexact.models.attention.rlexact_attention`. Without it (a plain transformers call: ``model(ids)``,
@@ -195,6 +198,7 @@ def _attention_forward(m: nn.Module) -> Callable:
     rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
     if not rotates and q_norm is not None and not full_norm:
         raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
+    query_scale = position_query_scale(m)
     qkv_proj = getattr(m, "qkv_proj", None)
     if qkv_proj is not None:
         hq, hkv = m.config.num_attention_heads, m.config.num_key_value_heads
@@ -234,10 +238,14 @@ def _attention_forward(m: nn.Module) -> Callable:
             q, k = ops.qk_norm_rope_write_kv(q, k, v, cos, sin, qw, kw, eps, kc, vc, paged.slot_mapping, **kind)
         elif rotates:
             q, k = ops.qk_norm_rope(q, k, cos, sin, qw, kw, eps, **kind)
+        position_ids = kwargs.get("position_ids")
+        if query_scale is not None:  # Ministral 3: rotated queries scaled by their position
+            if position_ids is None:
+                raise ValueError(f"{type(m).__name__}: its position-dependent query scale needs position_ids")
+            q = query_scale(q, position_ids)
         dropout = m.attention_dropout if m.training else 0.0
         if meta is None:
             check_attention_settings(dropout)
-            position_ids = kwargs.get("position_ids")
             out = transformers_attention(m, q, k, v, attention_mask, cache, position_ids, sliding_window(m))
         else:
             out, _ = rlexact_attention(
@@ -445,7 +453,7 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     ``fully_shard``. Raises ``ValueError`` for unsupported architectures (listing the supported ones). Given a
     ``torch.compile`` wrapper, works on and returns the module it wraps (:func:`rlexact.models.uncompiled`). Of an
     image-text model (:data:`rlexact.models.text.TEXT_OF_MULTIMODAL`) only the text decoder and the LM head run the
-    exact kernels; its vision tower then raises, since images would need attention the causal kernels lack.
+    exact kernels; its vision tower then raises: rlexact trains such models on text.
     """
     model = uncompiled(model)
     state = get_state(model)
@@ -500,9 +508,10 @@ def _text_only(model: nn.Module) -> Callable:
 
     def forward(*args: object, **kwargs: object) -> None:
         raise ValueError(
-            f"{type(model).__name__} is exactified for text: rlexact's exact kernels run its text decoder, whose "
-            "image tokens would need bidirectional attention the causal kernels lack. Pass text only (no "
-            "pixel_values), or call rlexact.exactify(model, enabled=False) before running images."
+            f"{type(model).__name__} is exactified for text: rlexact's exact kernels run its text decoder and LM "
+            "head, not its vision tower, whose image features would differ between the rollout and the trainer "
+            "(and Gemma 3's image tokens attend bidirectionally, which the causal kernels do not). Pass text only "
+            "(no pixel_values), or call rlexact.exactify(model, enabled=False) before running images."
         )
 
     return forward

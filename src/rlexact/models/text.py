@@ -2,8 +2,9 @@
 
 A text-only causal LM (``*ForCausalLM``) is its own text decoder: ``model.model`` is the base transformer and
 ``model.config`` its config. An image-text model whose text half rlexact runs (:data:`TEXT_OF_MULTIMODAL`: Gemma 3
-4B and up, ``Gemma3ForConditionalGeneration``) keeps it at ``model.model.language_model``, with the config at
-``model.config.text_config``; its vision tower and projector are not part of the text decoder.
+4B and up, Mistral Small 3.x and Ministral 3 as ``*ForConditionalGeneration``) keeps it at
+``model.model.language_model``, with the config at ``model.config.text_config``; its vision tower and projector are
+not part of the text decoder.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 from torch import nn
 
-TEXT_OF_MULTIMODAL: dict[str, str] = {"gemma3": "gemma3_text"}
-"""Image-text ``model_type`` -> the ``model_type`` of its text decoder, for the models rlexact runs on text alone."""
+TEXT_OF_MULTIMODAL: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "ministral3")}
+"""Image-text ``model_type`` -> the ``model_type`` values of its text decoder, for the models rlexact runs on text
+alone."""
 
 
 def text_config(model: nn.Module) -> Any:

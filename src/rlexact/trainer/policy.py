@@ -18,6 +18,7 @@ from torch import nn
 from rlexact.config import DTYPES, FSDPConfig
 from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
+from rlexact.models.text import TEXT_OF_MULTIMODAL
 from rlexact.resources import missing_local_path, resolve
 
 __all__ = [
@@ -85,20 +86,30 @@ def build_model(
     model_path: str | None, model_config: dict[str, Any] | None, dtype_name: str | None, init_seed: int
 ) -> nn.Module:
     """Load ``model_path`` with ``AutoModelForCausalLM.from_pretrained`` (in ``dtype_name``, else the checkpoint's
-    dtype) or build a freshly initialized model from ``model_config`` (seeded by ``init_seed``, float32 by default)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    dtype) or build a freshly initialized model from ``model_config`` (seeded by ``init_seed``, float32 by default).
+    Image-text models whose text decoder rlexact trains (:data:`rlexact.models.text.TEXT_OF_MULTIMODAL`) load with
+    ``AutoModelForImageTextToText``, which maps the ones ``AutoModelForCausalLM`` does not (Mistral 3)."""
+    from transformers import AutoConfig
 
     dtype = DTYPES[dtype_name] if dtype_name else None
     if model_path is not None:
+        path = os.path.expanduser(resolve(model_path))
         kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(resolve(model_path)), **kwargs)
+        return _auto_class(AutoConfig.from_pretrained(path).model_type).from_pretrained(path, **kwargs)
     if model_config is None:
         raise ValueError("build_model needs model_path or model_config")
     cfg = dict(model_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+        return _auto_class(config.model_type).from_config(config, dtype=dtype or torch.float32)
+
+
+def _auto_class(model_type: str) -> Any:
+    """The transformers auto class that builds a ``model_type`` model with its LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if model_type in TEXT_OF_MULTIMODAL else AutoModelForCausalLM
 
 
 def make_reference(model: nn.Module) -> nn.Module:
