@@ -27,7 +27,9 @@ bitwise checks (then it would have to replace the query-side entries of ``_fwd_c
 64 x 2,048, 32 x 8,192 and 4 x 8,192 keys (the last two split-parallel), each checked bitwise against the library's
 decode launch and, installed as ``DECODE_LAUNCH_16BIT``, for decode == training forward; ``choice.decode_launch``
 (the fastest total among those) goes into ``rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT``.
-Output: ``attention_decode_configs_h200.json``.
+Output: ``attention_decode_configs_h200.json``. ``--shape gemma3`` runs the decode sweep at Gemma 3 1B's heads (4
+query / 1 KV head, head_dim 256), installing each candidate in ``DECODE_LAUNCH_BY_HEAD_DIM[256]``; its choice goes
+there. Output: ``attention_decode_configs_gemma3_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from common import ROOT, bench_graph, header
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
+HEADS = {"qwen3": (HQ, HKV, D), "gemma3": (4, 1, 256)}
+"""``--shape`` -> ``(query heads, KV heads, head_dim)`` of the decode sweep."""
 DT = torch.bfloat16
 DEV = "cuda"
 SCALE = 1 / math.sqrt(D)
@@ -74,12 +78,13 @@ def prefill_case(b: int, s: int) -> tuple:
     return q, k, v, _cu([s] * b), None, None
 
 
-def decode_case(b: int, ctx: int) -> tuple:
+def decode_case(b: int, ctx: int, heads: tuple[int, int, int] = HEADS["qwen3"]) -> tuple:
+    hq, hkv, d = heads
     nblk = math.ceil(ctx / PAGE)
-    kc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
-    vc = torch.randn(b * nblk, PAGE, HKV, D, device=DEV, dtype=DT)
+    kc = torch.randn(b * nblk, PAGE, hkv, d, device=DEV, dtype=DT)
+    vc = torch.randn(b * nblk, PAGE, hkv, d, device=DEV, dtype=DT)
     tables = torch.randperm(b * nblk, device=DEV).to(torch.int32).view(b, nblk)
-    q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+    q = torch.randn(b, hq, d, device=DEV, dtype=DT)
     lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
     return q, kc, vc, _cu([1] * b), lens, tables
 
@@ -88,7 +93,8 @@ def run(case: tuple, cfg: dict | None) -> torch.Tensor:
     q, k, v, cu, lens, tables = case
     out = torch.empty_like(q)
     decode = tables is not None and q.shape[0] == lens.shape[0]  # one query per sequence: the generator's bound
-    ta._forward(q, k, v, cu, lens, tables, SCALE, out, cfg=cfg, max_seqlen_q=1 if decode else None)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ta._forward(q, k, v, cu, lens, tables, scale, out, cfg=cfg, max_seqlen_q=1 if decode else None)
     return out
 
 
@@ -118,10 +124,14 @@ def decode_eq_prefill(
     lens: tuple[int, ...] = (1100, 300, 37, 9),
     chunk: int = 256,
     n_decode: int = 8,
+    heads: tuple[int, int, int] = HEADS["qwen3"],
 ) -> bool:
     """Training forward == chunked paged prefill (prefill launch) + decode steps (decode launch), bitwise, with
     ``launch`` installed as the library's prefill launch and ``decode_launch`` (default: the library's) as its
-    decode launch."""
+    decode launch (:data:`rlexact.ops.triton_attention.DECODE_LAUNCH_BY_HEAD_DIM` at a head_dim the 16-bit
+    launches do not cover)."""
+    HQ, HKV, D = heads  # noqa: N806 - the shape's constants
+    SCALE = 1 / math.sqrt(D)  # noqa: N806
     lens = list(lens)
     g = torch.Generator(device=DEV).manual_seed(1)
     t = sum(lens)
@@ -134,9 +144,12 @@ def decode_eq_prefill(
     kc = torch.full((n_blocks, PAGE, HKV, D), float("nan"), device=DEV, dtype=DT)
     vc = torch.full_like(kc, float("nan"))
     starts = cu.tolist()
-    saved = ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT
+    saved = ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT, dict(ta.DECODE_LAUNCH_BY_HEAD_DIM)
     ta.PREFILL_LAUNCH_16BIT = dict(launch)
-    ta.DECODE_LAUNCH_16BIT = dict(decode_launch or saved[1])
+    if ta._block_d(D) in ta.PREFILL_LAUNCH_HEAD_DIMS:
+        ta.DECODE_LAUNCH_16BIT = dict(decode_launch or saved[1])
+    elif decode_launch is not None:
+        ta.DECODE_LAUNCH_BY_HEAD_DIM[ta._block_d(D)] = dict(decode_launch)
     try:
         full = ta.attention_varlen(q, k, v, cu, SCALE)
         out = torch.full_like(q, float("nan"))
@@ -157,34 +170,42 @@ def decode_eq_prefill(
             seqk = torch.tensor(done, device=DEV, dtype=torch.int32)
             out[rows] = ta.attention_paged(q[rows], kc, vc, tables, _cu(step), seqk, SCALE)
     finally:
-        ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT = saved
+        ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT = saved[:2]
+        ta.DECODE_LAUNCH_BY_HEAD_DIM.clear()
+        ta.DECODE_LAUNCH_BY_HEAD_DIM.update(saved[2])
     return bool(torch.equal(out, full))
 
 
-def decode_sweep(out: str) -> int:
-    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` from :data:`DECODE_CANDIDATES`."""
+def decode_sweep(out: str, shape: str = "qwen3") -> int:
+    """``--decode``: pick :data:`rlexact.ops.triton_attention.DECODE_LAUNCH_16BIT` (at ``shape``'s head_dim
+    outside the swept ones: its :data:`~rlexact.ops.triton_attention.DECODE_LAUNCH_BY_HEAD_DIM` entry) from
+    :data:`DECODE_CANDIDATES`."""
     t0 = time.time()
     torch.manual_seed(0)
-    library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT
+    heads = HEADS[shape]
+    hkv, d = heads[1:]
+    library = ta._launch_config(d, DT, decode=True)
     prefill_launch = dict(ta.PREFILL_LAUNCH_16BIT)
-    cases = {f"decode_b{b}_ctx{c}": decode_case(b, c) for b, c in DECODE_SWEEP_SHAPES}
-    kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * HKV * D * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}
+    cases = {f"decode_b{b}_ctx{c}": decode_case(b, c, heads) for b, c in DECODE_SWEEP_SHAPES}
+    kv_bytes = {f"decode_b{b}_ctx{c}": 2 * b * c * hkv * d * DT.itemsize for b, c in DECODE_SWEEP_SHAPES}
     refs = {name: run(case, library) for name, case in cases.items()}
+    library_launch = {key: library[key] for key in ("BLOCK_M", "num_warps", "num_stages")}
+    candidates = DECODE_CANDIDATES + ([] if library_launch in DECODE_CANDIDATES else [library_launch])
     result: dict = header("attention_decode_configs", "triton") | {
-        "shape": SHAPE,
-        "library_decode_launch": dict(ta.DECODE_LAUNCH_16BIT),
+        "shape": SHAPE | dict(zip(("q_heads", "kv_heads", "head_dim"), heads)) | {"name": shape},
+        "library_decode_launch": library_launch,
         "library_prefill_launch": prefill_launch,
         "timing": "median of do_bench_cudagraph (GPU time), microseconds; kv_tb_s = K/V bytes read / time",
         "rows": [],
     }
-    for launch in DECODE_CANDIDATES:
+    for launch in candidates:
         row: dict = {"launch": launch}
         cfg = library | launch
         try:
             row["bitwise"], times = bitwise_times(cases, refs, cfg)
             for name, us in times.items():
                 row[name] = {"us": us, "kv_tb_s": kv_bytes[name] / us / 1e6}
-            row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch)
+            row["decode_eq_prefill"] = decode_eq_prefill(prefill_launch, launch, heads=heads)
             row["total_us"] = sum(row[n]["us"] for n in cases)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is recorded, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -197,7 +218,7 @@ def decode_sweep(out: str) -> int:
     choice: dict = {"rule": "min total decode time over the shapes among bitwise-equal candidates"}
     if exact:
         best = min(exact, key=lambda r: r["total_us"])
-        lib = next((r for r in exact if r["launch"] == ta.DECODE_LAUNCH_16BIT), None)
+        lib = next((r for r in exact if r["launch"] == library_launch), None)
         choice["decode_launch"] = best["launch"]
         choice["total_us"] = best["total_us"]
         choice["library_total_us"] = lib["total_us"] if lib is not None else None
@@ -214,10 +235,14 @@ def main() -> int:
         "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
     )
     ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
+    ap.add_argument("--shape", choices=list(HEADS), default="qwen3", help="heads of the decode sweep")
     args = ap.parse_args()
     results = ROOT / "benchmarks" / "results"
+    if args.shape != "qwen3" and not args.decode:
+        ap.error("--shape applies to the decode sweep (--decode)")
     if args.decode:
-        return decode_sweep(args.out or str(results / "attention_decode_configs_h200.json"))
+        name = "attention_decode_configs" + ("" if args.shape == "qwen3" else f"_{args.shape}") + "_h200.json"
+        return decode_sweep(args.out or str(results / name), args.shape)
     args.out = args.out or str(results / "attention_configs_h200.json")
     t0 = time.time()
     torch.manual_seed(0)

@@ -143,7 +143,12 @@ DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
-entries."""
+entries, but decode launches at the head dims of :data:`DECODE_LAUNCH_BY_HEAD_DIM`."""
+DECODE_LAUNCH_BY_HEAD_DIM: dict[int, dict[str, int]] = {}
+"""Query-side launch of bf16/fp16 pure decode launches at padded head dims outside :data:`PREFILL_LAUNCH_HEAD_DIMS`
+(Gemma 3's 256), each set from ``benchmarks/attention_configs.py --decode --shape NAME`` under the same rule as
+:data:`DECODE_LAUNCH_16BIT`: bitwise equal to :func:`_fwd_config`'s launch, and decode == training forward with it
+installed. Empty where no sweep has chosen one."""
 
 
 @functools.cache
@@ -173,12 +178,13 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> Mapping[str, int]:
 
 def _launch_config(head_dim: int, dtype: torch.dtype, decode: bool) -> Mapping[str, int]:
     """The forward config of one launch: :func:`_fwd_config`, with the query-side entries of
-    :data:`DECODE_LAUNCH_16BIT` when every sequence of the launch has exactly one query (``decode``), else of
-    :data:`PREFILL_LAUNCH_16BIT`. The key-side entries (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for
-    both."""
+    :data:`DECODE_LAUNCH_16BIT` (:data:`DECODE_LAUNCH_BY_HEAD_DIM` at other head dims) when every sequence of the
+    launch has exactly one query (``decode``), else of :data:`PREFILL_LAUNCH_16BIT`. The key-side entries
+    (``BLOCK_N``, ``SPLIT``), which fix the bits, are the same for both."""
     cfg = _fwd_config(head_dim, dtype)
     if not _swept_launch(head_dim, dtype):
-        return cfg
+        other = DECODE_LAUNCH_BY_HEAD_DIM.get(_block_d(head_dim)) if decode and dtype != torch.float32 else None
+        return cfg if other is None else cfg | other
     return cfg | (DECODE_LAUNCH_16BIT if decode else PREFILL_LAUNCH_16BIT)
 
 
