@@ -144,11 +144,12 @@ PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
 entries, but decode launches at the head dims of :data:`DECODE_LAUNCH_BY_HEAD_DIM`."""
-DECODE_LAUNCH_BY_HEAD_DIM: dict[int, dict[str, int]] = {}
+DECODE_LAUNCH_BY_HEAD_DIM: dict[int, dict[str, int]] = {256: {"BLOCK_M": 16, "num_warps": 4, "num_stages": 5}}
 """Query-side launch of bf16/fp16 pure decode launches at padded head dims outside :data:`PREFILL_LAUNCH_HEAD_DIMS`
 (Gemma 3's 256), each set from ``benchmarks/attention_configs.py --decode --shape NAME`` under the same rule as
 :data:`DECODE_LAUNCH_16BIT`: bitwise equal to :func:`_fwd_config`'s launch, and decode == training forward with it
-installed. Empty where no sweep has chosen one."""
+installed (256: ``benchmarks/results/attention_decode_configs_gemma3_h100.json``). Head dims without an entry keep
+:func:`_fwd_config`'s launch."""
 
 
 @functools.cache
