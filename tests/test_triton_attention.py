@@ -83,6 +83,39 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stages(1, 2 * split, cfg={"num_stages": 3}) == 3
 
 
+@pytest.mark.skipif(triton_missing, reason="needs triton")
+def test_decode_launch_by_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pure decode launch at head_dim 256 (Gemma 3) in bf16 takes ``DECODE_LAUNCH_BY_HEAD_DIM[256]``'s query-side
+    entries; its prefill chunks, fp32 launches and head_dim 128 keep theirs, and the key-side entries (the bits'
+    ``BLOCK_N``, ``SPLIT``) are never replaced."""
+    from rlexact.ops import triton_attention as ta
+
+    fwd = _LaunchRecorder()
+    monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
+    wide = ta.DECODE_LAUNCH_BY_HEAD_DIM[256]
+    assert wide != {k: ta._fwd_config(256, torch.bfloat16)[k] for k in wide}, "the entry must change the launch"
+
+    def launch(d: int, dtype: torch.dtype, queries: int) -> dict:
+        page, blocks, hkv = 16, 4, 1
+        kc = torch.zeros(2 * blocks, page, hkv, d, dtype=dtype)
+        tables = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks)
+        q = torch.zeros(2 * queries, 4, d, dtype=dtype)
+        cu = torch.arange(0, 2 * queries + 1, queries, dtype=torch.int32)
+        lens = torch.full((2,), page * blocks, dtype=torch.int32)
+        ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), max_seqlen_q=queries)
+        return fwd.calls[-1][1]
+
+    decode = launch(256, torch.bfloat16, 1)
+    assert all(decode[k] == v for k, v in wide.items())
+    base = ta._fwd_config(256, torch.bfloat16)
+    assert (decode["BLOCK_N"], decode["SPLIT"]) == (base["BLOCK_N"], base["SPLIT"])
+    prefill = launch(256, torch.bfloat16, 8)
+    assert all(prefill[k] == base[k] for k in wide)
+    fp32 = launch(256, torch.float32, 1)
+    assert all(fp32[k] == ta._fwd_config(256, torch.float32)[k] for k in wide)
+    assert launch(128, torch.bfloat16, 1)["BLOCK_M"] == ta.DECODE_LAUNCH_16BIT["BLOCK_M"]
+
+
 def _arg_types(kernel, const: dict) -> dict[str, str]:  # noqa: ANN001 - a Triton JITFunction
     """Runtime argument types of an attention kernel for a bf16 launch: tensors bf16 (the log-sum-exp, delta and
     split partials fp32; index tables int32), scales fp32, other scalars int32."""
