@@ -192,11 +192,12 @@ def _attention_forward(m: nn.Module) -> Callable:
     # OLMo-2 normalizes the whole projection (weights of Hq * D and Hkv * D) before splitting heads; Qwen3 and Gemma 3
     # each head, in the fused kernel with their norm's kind
     full_norm = q_norm is not None and q_norm.weight.shape[-1] != m.head_dim
-    kind = _norm_kind(q_norm)
-    if q_norm is not None and not full_norm and _norm_kind(k_norm) != kind:
+    per_head = q_norm is not None and not full_norm
+    kind = _norm_kind(q_norm) if per_head else {}  # the kernel's defaults where it only rotates
+    if per_head and _norm_kind(k_norm) != kind:
         raise ValueError(f"{type(m).__name__}: q_norm and k_norm of different kinds are not implemented by rlexact")
     rotates = bool(getattr(m, "use_rope", True))  # SmolLM3's NoPE layers attend without positions
-    if not rotates and q_norm is not None and not full_norm:
+    if not rotates and per_head:
         raise ValueError(f"{type(m).__name__}: per-head q/k norms without rotary are not implemented by rlexact")
     query_scale = position_query_scale(m)
     qkv_proj = getattr(m, "qkv_proj", None)
@@ -228,7 +229,7 @@ def _attention_forward(m: nn.Module) -> Callable:
         if full_norm:  # the patched norm modules over the flat projections; the fused kernel then only rotates
             q, k = q_norm(q.flatten(-2)).view(shape), k_norm(k.flatten(-2)).view(shape)
         cos, sin = position_embeddings
-        qw, kw = (None, None) if q_norm is None or full_norm else (q_norm.weight, k_norm.weight)
+        qw, kw = (q_norm.weight, k_norm.weight) if per_head else (None, None)
         paged = None if meta is None else meta.paged
         # generator steps without autograd: the rotation kernel also stores this layer's new K/V rows in the paged
         # cache; otherwise (and in layers without rotary) the attention call writes them
