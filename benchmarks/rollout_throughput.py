@@ -125,9 +125,9 @@ KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match 
     ("attention", ("attn", "flash", "fmha")),
     ("lm_head_logprob", ("logprob", "lm_head", "_lse", "_head_")),
     ("sampler", ("sample", "gumbel", "argmax")),
+    ("rotary_kv_write", ("rotary", "rope", "write_kv", "_kv_")),  # before "norm": _qk_norm_rope_kernel
     ("norm", ("norm",)),
-    ("silu_mul", ("silu",)),
-    ("rotary_kv_write", ("rotary", "rope", "write_kv", "_kv_")),
+    ("gated_mul", ("silu", "gated_mul", "gelu")),
 )
 
 
