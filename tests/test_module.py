@@ -663,6 +663,22 @@ def test_model_object_and_path(tmp_path: Path) -> None:
     assert all(torch.equal(v, sd[k]) for k, v in from_path.model.state_dict().items())
 
 
+def test_image_text_checkpoint_loads_from_path(tmp_path: Path) -> None:
+    """A saved Mistral 3 image-text checkpoint (which ``AutoModelForCausalLM`` does not map) loads through
+    ``model_path`` as that model, exactified on its text decoder, with every weight as saved."""
+    from models import tiny_model
+    from rlexact import is_exactified
+
+    saved = tiny_model("mistral3_vl", vocab=len(TOK))
+    saved.save_pretrained(tmp_path / "m")
+    TOK.save_pretrained(tmp_path / "m")
+    module = RLModule(str(tmp_path / "m"), reward=length_reward, rollout={"n": 2, "max_new_tokens": 3})
+    module.configure_model()
+    assert type(module.model) is type(saved) and is_exactified(module.model)
+    sd = saved.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in module.model.state_dict().items())
+
+
 def test_validation_between_training_steps() -> None:
     """Validation (under Lightning's inference mode) between rollout steps must not break later training steps."""
     module = make_module()
