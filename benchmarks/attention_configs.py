@@ -130,28 +130,28 @@ def decode_eq_prefill(
     ``launch`` installed as the library's prefill launch and ``decode_launch`` (default: the library's) as its
     decode launch (:data:`rlexact.ops.triton_attention.DECODE_LAUNCH_BY_HEAD_DIM` at a head_dim the 16-bit
     launches do not cover)."""
-    HQ, HKV, D = heads  # noqa: N806 - the shape's constants
-    SCALE = 1 / math.sqrt(D)  # noqa: N806
+    hq, hkv, d = heads
+    scale = 1 / math.sqrt(d)
     lens = list(lens)
     g = torch.Generator(device=DEV).manual_seed(1)
     t = sum(lens)
-    q, k, v = (torch.randn(t, h, D, device=DEV, dtype=DT, generator=g) for h in (HQ, HKV, HKV))
+    q, k, v = (torch.randn(t, h, d, device=DEV, dtype=DT, generator=g) for h in (hq, hkv, hkv))
     cu = _cu(lens)
     width = 16 * math.ceil(max(math.ceil(n / PAGE) for n in lens) / 16)
     n_blocks = len(lens) * width
     perm = torch.randperm(n_blocks, device=DEV, generator=g).to(torch.int32)
     tables = perm.view(len(lens), width)
-    kc = torch.full((n_blocks, PAGE, HKV, D), float("nan"), device=DEV, dtype=DT)
+    kc = torch.full((n_blocks, PAGE, hkv, d), float("nan"), device=DEV, dtype=DT)
     vc = torch.full_like(kc, float("nan"))
     starts = cu.tolist()
     saved = ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT, dict(ta.DECODE_LAUNCH_BY_HEAD_DIM)
     ta.PREFILL_LAUNCH_16BIT = dict(launch)
-    if ta._block_d(D) in ta.PREFILL_LAUNCH_HEAD_DIMS:
+    if ta._block_d(d) in ta.PREFILL_LAUNCH_HEAD_DIMS:
         ta.DECODE_LAUNCH_16BIT = dict(decode_launch or saved[1])
     elif decode_launch is not None:
-        ta.DECODE_LAUNCH_BY_HEAD_DIM[ta._block_d(D)] = dict(decode_launch)
+        ta.DECODE_LAUNCH_BY_HEAD_DIM[ta._block_d(d)] = dict(decode_launch)
     try:
-        full = ta.attention_varlen(q, k, v, cu, SCALE)
+        full = ta.attention_varlen(q, k, v, cu, scale)
         out = torch.full_like(q, float("nan"))
         done = [0] * len(lens)
         goal = [n - n_decode for n in lens]
@@ -164,11 +164,11 @@ def decode_eq_prefill(
             seq = torch.cat([torch.full((n,), b) for b, n in enumerate(step)])
             rows, pos, seq = rows.to(DEV), pos.to(DEV), seq.to(DEV)
             slots = tables[seq, pos // PAGE].long() * PAGE + pos % PAGE
-            kc.view(-1, HKV, D)[slots] = k[rows]
-            vc.view(-1, HKV, D)[slots] = v[rows]
+            kc.view(-1, hkv, d)[slots] = k[rows]
+            vc.view(-1, hkv, d)[slots] = v[rows]
             done = [d + n for d, n in zip(done, step)]
             seqk = torch.tensor(done, device=DEV, dtype=torch.int32)
-            out[rows] = ta.attention_paged(q[rows], kc, vc, tables, _cu(step), seqk, SCALE)
+            out[rows] = ta.attention_paged(q[rows], kc, vc, tables, _cu(step), seqk, scale)
     finally:
         ta.PREFILL_LAUNCH_16BIT, ta.DECODE_LAUNCH_16BIT = saved[:2]
         ta.DECODE_LAUNCH_BY_HEAD_DIM.clear()

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
-from models import tiny_moe_rl_config, tiny_rl_config
+from models import image_text_config, tiny_moe_rl_config, tiny_rl_config
 from rlexact.callbacks.base import RLCallback
 from rlexact.char_tokenizer import build_char_tokenizer
 from rlexact.export import save_pretrained
@@ -94,9 +94,7 @@ def main() -> None:
             cfg |= {"model_type": "gemma3_text", "sliding_window": 4, "query_pre_attn_scalar": cfg["head_dim"],
                     "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
         if kind == "gemma3_vl":  # the same text decoder in the image-text model (Gemma 3 4B and up)
-            vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                      "image_size": 28, "patch_size": 14}  # fmt: skip
-            cfg = {"model_type": "gemma3", "text_config": cfg, "vision_config": vision, "mm_tokens_per_image": 4}
+            cfg = image_text_config("gemma3", cfg)
     else:
         cfg = tiny_moe_rl_config(len(tok), arch="mixtral" if kind == "mixtral" else "qwen3_moe")
     texts = [("const " if i % 2 else "") + f"{i}+{i}=" for i in range(8)]

@@ -46,6 +46,20 @@ from transformers import (
 )
 
 MOE_VOCAB = 97
+TINY_VISION: dict = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         image_size=28, patch_size=14)  # fmt: skip
+"""A one-layer vision tower for the tiny image-text models (Siglip's; Pixtral's adds ``head_dim=16``)."""
+IMAGE_TEXT_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
+"""``model_type`` of the tiny image-text models -> the text decoder's they are built around."""
+
+
+def image_text_config(model_type: str, text: dict) -> dict:
+    """``model_config`` dict of a tiny image-text model (:data:`IMAGE_TEXT_TYPES`) around the text decoder's
+    ``model_config`` dict ``text``, with a :data:`TINY_VISION` tower."""
+    if model_type == "gemma3":
+        return {"model_type": model_type, "text_config": text, "vision_config": TINY_VISION, "mm_tokens_per_image": 4}
+    vision = TINY_VISION | {"model_type": "pixtral", "head_dim": 16}
+    return {"model_type": model_type, "text_config": text, "vision_config": vision}
 
 
 def tiny_model(
@@ -117,10 +131,7 @@ def tiny_model(
         if arch == "gemma3":
             model = Gemma3ForCausalLM(config)
         else:
-            vision = SiglipVisionConfig(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                patch_size=14,
-            )  # fmt: skip
+            vision = SiglipVisionConfig(**TINY_VISION)
             tokens = dict(image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2)
             full = Gemma3Config(text_config=config, vision_config=vision, mm_tokens_per_image=4, **tokens)
             model = Gemma3ForConditionalGeneration(full)
@@ -134,8 +145,7 @@ def tiny_model(
         if arch == "ministral3":
             model = Ministral3ForCausalLM(config)
         else:
-            vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)  # fmt: skip
+            vision = PixtralVisionConfig(**TINY_VISION, head_dim=16)
             full = Mistral3Config(text_config=config, vision_config=vision, image_token_index=vocab - 1)
             model = Mistral3ForConditionalGeneration(full)
     elif arch == "qwen2":

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from models import tiny_rl_config
+from models import IMAGE_TEXT_TYPES, image_text_config, tiny_model, tiny_rl_config
 from rlexact import algorithms as alg
 from rlexact import sequence_logprobs
 from rlexact.callbacks.base import RLCallback
@@ -161,31 +161,25 @@ def test_exact_first_ministep_per_architecture(model_type: str) -> None:
     built from ``model_config`` (bf16; the backward of OLMo-2's whole-projection q/k norms included). ``gemma3``,
     ``mistral3``: the image-text models (Gemma 3 4B and up; Ministral 3, Mistral Small 3.x), trained on their text
     decoders."""
-    cfg = tiny_config() | {"model_type": model_type}
-    if model_type in ("olmo2", "olmo3", "phi3", "smollm3"):  # default special-token ids past the tiny vocabulary
+    text_type = IMAGE_TEXT_TYPES.get(model_type, model_type)
+    cfg = tiny_config() | {"model_type": text_type}
+    if text_type in ("olmo2", "olmo3", "phi3", "smollm3"):  # default special-token ids past the tiny vocabulary
         cfg |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "smollm3":
+    if text_type == "smollm3":
         cfg |= {"no_rope_layer_interval": 2}  # its second layer without rotary
-    if model_type == "granite":  # the scaled branches and logits
+    if text_type == "granite":  # the scaled branches and logits
         cfg |= {"embedding_multiplier": 6.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
                 "logits_scaling": 4.0}  # fmt: skip
-    if model_type in ("gemma3_text", "olmo3"):  # a sliding-window layer shorter than the sequences, then a full one
+    if text_type in ("gemma3_text", "olmo3"):  # a sliding-window layer shorter than the sequences, then a full one
         cfg |= {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
-    if model_type == "gemma3_text":
+    if text_type == "gemma3_text":
         cfg |= {"query_pre_attn_scalar": cfg["head_dim"]}
-    if model_type in ("ministral3", "mistral3"):  # queries scaled by position past every 4 tokens
-        cfg |= {"model_type": "ministral3", "rope_parameters": {
+    if text_type == "ministral3":  # queries scaled by position past every 4 tokens
+        cfg |= {"rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10_000.0, "factor": cfg["max_position_embeddings"] / 4,
             "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}}  # fmt: skip
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 28, "patch_size": 14}  # fmt: skip
-    if model_type == "gemma3":
-        text = cfg | {"model_type": "gemma3_text", "query_pre_attn_scalar": cfg["head_dim"], "sliding_window": 4,
-                      "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
-        cfg = {"model_type": "gemma3", "text_config": text, "vision_config": vision, "mm_tokens_per_image": 4}
-    if model_type == "mistral3":
-        vision |= {"model_type": "pixtral", "head_dim": 16}
-        cfg = {"model_type": "mistral3", "text_config": cfg, "vision_config": vision}
+    if model_type != text_type:
+        cfg = image_text_config(model_type, cfg)
     module = make_module("bfloat16", model_config=cfg, algorithm={"old_logprob_mode": "exact"})
     probe = Inspect()
     fit(module, 2, [probe])
@@ -666,7 +660,6 @@ def test_model_object_and_path(tmp_path: Path) -> None:
 def test_image_text_checkpoint_loads_from_path(tmp_path: Path) -> None:
     """A saved Mistral 3 image-text checkpoint (which ``AutoModelForCausalLM`` does not map) loads through
     ``model_path`` as that model, exactified on its text decoder, with every weight as saved."""
-    from models import tiny_model
     from rlexact import is_exactified
 
     saved = tiny_model("mistral3_vl", vocab=len(TOK))

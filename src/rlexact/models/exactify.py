@@ -34,7 +34,7 @@ from rlexact.models.context import context_limit, is_attention, sliding_window
 from rlexact.models.moe import MOE_MODEL_TYPES, check_moe, moe_forward
 from rlexact.models.query_scale import position_query_scale
 from rlexact.models.state import STATE_ATTR, ExactState, get_state
-from rlexact.models.text import TEXT_OF_MULTIMODAL, decoder, text_config, text_modules
+from rlexact.models.text import TEXT_OF_MULTIMODAL, decoder, text_config, text_modules, vision_tower
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "qwen3", "qwen2", "llama", "mistral", "ministral3", "olmo2", "olmo3", "phi3", "smollm3", "granite",
@@ -476,8 +476,8 @@ def exactify(model: nn.Module, enabled: bool = True) -> nn.Module:
     register_attention()
     state = ExactState(original_attn_impl=getattr(text_config(model), "_attn_implementation", None))
     max_pos, gate = context_limit(model), gate_op(text_config(model))
-    vision = getattr(getattr(model, "model", None), "vision_tower", None)
-    if vision is not None and decoder(model) is not model.model:  # in both kernel modes
+    vision = vision_tower(model)
+    if vision is not None:  # in both kernel modes
         state.original_forwards.append((vision, vision.forward))
         vision.forward = _text_only(model)  # type: ignore[method-assign]
     for m in text_modules(model):

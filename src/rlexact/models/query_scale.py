@@ -3,8 +3,9 @@ position ``p`` are multiplied by ``1 + beta * log(1 + floor(p / original_max_pos
 query dtype (transformers' ``get_llama_4_attn_scale``).
 
 The factor takes one value per ``n = floor(p / original)``, so it is read from a table of those values, computed
-once per device in fp32 on the CPU. Every path (training, chunked prefill, decode, a transformers ``generate``) then
-multiplies by the same bits: an elementwise product is correctly rounded whatever the batch.
+once in fp32 on the CPU and kept per device and query dtype. Every path (training, chunked prefill, decode, a
+transformers ``generate``) then multiplies by the same bits: an elementwise product is correctly rounded whatever the
+batch.
 """
 
 from __future__ import annotations
@@ -29,13 +30,12 @@ def position_query_scale(m: nn.Module) -> Callable[[torch.Tensor, torch.Tensor],
         )
     periods = int(m.config.max_position_embeddings) // period + 1
     values = 1 + float(beta) * torch.log(1 + torch.arange(periods, dtype=torch.float32))
-    tables: dict[torch.device, torch.Tensor] = {}
+    tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def scaled(q: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        table = tables.get(q.device)
-        if table is None:  # built on the first (eager) call; CUDA-graph replays read it
-            table = tables[q.device] = values.to(q.device)
-        factor = table[torch.div(position_ids, period, rounding_mode="floor")].to(q.dtype)
-        return q * factor[..., None, None]
+        table = tables.get((q.device, q.dtype))
+        if table is None:  # built on the first (eager) call, rounded to the query dtype; CUDA-graph replays read it
+            table = tables[(q.device, q.dtype)] = values.to(q.device, q.dtype)
+        return q * table[torch.div(position_ids, period, rounding_mode="floor")][..., None, None]
 
     return scaled

@@ -22,12 +22,11 @@ alone."""
 
 def text_config(model: nn.Module) -> Any:
     """The config of ``model``'s text decoder: ``model.config`` for a text-only LM, its ``text_config`` for an
-    image-text one."""
+    image-text one (:data:`TEXT_OF_MULTIMODAL`). A class-attribute lookup, cheap enough for the per-step head."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no transformers config; expected a transformers causal LM")
-    get = getattr(config, "get_text_config", None)
-    return config if get is None else get()
+    return config.text_config if getattr(config, "model_type", None) in TEXT_OF_MULTIMODAL else config
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -37,6 +36,12 @@ def decoder(model: nn.Module) -> nn.Module:
     if base is None:
         raise ValueError(f"{type(model).__name__} has no .model decoder; expected a transformers *ForCausalLM")
     return getattr(base, "language_model", base)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The vision tower of an image-text model (``model.model.vision_tower`` beside its text decoder), else None."""
+    base = getattr(model, "model", None)
+    return None if decoder(model) is base else getattr(base, "vision_tower", None)
 
 
 def text_modules(model: nn.Module) -> Iterator[nn.Module]:

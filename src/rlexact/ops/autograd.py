@@ -112,7 +112,7 @@ _matmul_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, MatmulF
 
 class RMSNormFn(torch.autograd.Function):
     """The exact norm; with ``offset`` the scale is ``1 + w`` in fp32, and the backward (which takes a scale) runs on
-    that fp32 scale, whose gradient is ``w``'s."""
+    that fp32 scale (:func:`rlexact.ops.cpu.offset_scale`), whose gradient is ``w``'s."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float, backend: Backend,  # noqa: ANN001
@@ -124,7 +124,7 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        scale = 1.0 + w.float() if ctx.offset else w
+        scale = cpu.offset_scale(w, ctx.offset)
         want = ctx.needs_input_grad
         # the Triton backward where it takes this hidden size, else the reference autograd
         if ctx.backend == "triton" and kernel_impl("triton", "rms_norm_supported")(x.shape[-1]):
@@ -157,7 +157,7 @@ class QKNormRopeFn(torch.autograd.Function):
     def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None):  # noqa: ANN001, ANN205
         q, k, cos, sin, qw, kw = ctx.saved_tensors
         round_normed, offset = ctx.kind
-        scales = [None if w is None else (1.0 + w.float() if offset else w) for w in (qw, kw)]
+        scales = [None if w is None else cpu.offset_scale(w, offset) for w in (qw, kw)]
         want = ctx.needs_input_grad
         grads: list[torch.Tensor | None] = [None] * 9
         if ctx.backend == "triton":

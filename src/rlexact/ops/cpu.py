@@ -60,13 +60,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:m].to(x.dtype)
 
 
+def offset_scale(w: torch.Tensor, offset: bool) -> torch.Tensor:
+    """The scale a norm multiplies by: ``w``, or with ``offset`` (Gemma's) ``1 + w`` added in fp32."""
+    return 1.0 + w.float() if offset else w
+
+
 def rms_norm(
     x: torch.Tensor, w: torch.Tensor, eps: float, round_normed: bool = True, offset: bool = False
 ) -> torch.Tensor:
     """transformers RMSNorm semantics (:func:`rlexact.ops.reference.rms_norm`): ``w * (x32 * rsqrt(mean(x32^2) +
     eps)).to(x.dtype)`` in ``promote(w.dtype, x.dtype)``; with ``round_normed=False`` the product in fp32, rounded
     once to ``x.dtype``; with ``offset`` the scale is ``1 + w`` added in fp32. ``x [M, H]``."""
-    w = 1.0 + w.float() if offset else w
+    w = offset_scale(w, offset)
     xp, m = padded_blocks(x)
     out_dtype = torch.promote_types(w.dtype, x.dtype) if round_normed else x.dtype
     out = torch.empty(xp.shape, dtype=out_dtype, device=x.device)

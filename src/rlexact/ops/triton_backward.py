@@ -44,6 +44,7 @@ from .triton_shared import (
     device_key,
     dot_flags,
     gelu_tanh_arg,
+    gelu_tanh_arg_grad,
     normed_row,
     num_sms,
     rne_fix,
@@ -350,7 +351,7 @@ def _gated_mul_bwd_kernel(
     dy = tl.load(dy_ptr + off, mask=ok, other=0.0).to(tl.float32)
     if GELU:
         z = gelu_tanh_arg(g)
-        dz = 1.5957691216057308 * (1.0 + 0.134145 * (g * g))  # dz/dg
+        dz = gelu_tanh_arg_grad(g)
     else:
         z = g
         dz = 1.0

@@ -190,6 +190,12 @@ def gelu_tanh_arg(g):
 
 
 @triton.jit
+def gelu_tanh_arg_grad(g):
+    """``dz/dg`` of :func:`gelu_tanh_arg`: ``2 sqrt(2 / pi) (1 + 3 * 0.044715 g^2)``."""
+    return 1.5957691216057308 * (1.0 + 0.134145 * (g * g))
+
+
+@triton.jit
 def gelu_tanh_times(g, u):
     """``gelu_tanh(g) * u`` in fp32 (transformers' ``gelu_pytorch_tanh``): ``g * sigmoid(gelu_tanh_arg(g)) * u``,
     computed as :func:`silu_times` is, with the same fast division."""
