@@ -394,6 +394,65 @@ def test_gpu_gluon_pair_dispatch(dtype, monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_gluon_pair_counter_left_zero() -> None:
+    """The paired kernel's item counter is one buffer per stream, which every launch leaves zero: launches of several
+    sizes (so grids of several program counts) on one stream, on a second stream and replays of a CUDA graph captured
+    on a third all give the ``tl`` kernel's rows bitwise, with the counters zero after each. Negative control: a
+    counter left non-zero makes the next launch skip items."""
+    from rlexact.ops import gluon_attention
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = QWEN3
+    probe = torch.empty(1, hq, d, device="cuda", dtype=torch.bfloat16)
+    if not gluon_attention.supported(probe, probe[:, :hkv], probe[:, :hkv], 64):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def case(lens: list[int]) -> tuple:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        t = sum(lens)
+        q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+        tl = torch.empty_like(q)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, tl, cfg={"GLUON": False})
+        return q, k, v, cu, tl
+
+    def paired(q, k, v, cu, programs: int | None = None) -> torch.Tensor:  # noqa: ANN001
+        out = torch.zeros_like(q)
+        ta._forward(q, k, v, cu, None, None, d**-0.5, out, cfg={"PAIR": True, "PROGRAMS": programs})
+        return out
+
+    cases = [case(lens) for lens in ([300, 200], [4096, 1000, 3000], [256] * 40, [700])]
+    counter = gluon_attention.item_counter(dev)
+    for (q, k, v, cu, tl), programs in zip(cases, (None, 3, None, 1)):
+        assert torch.equal(paired(q, k, v, cu, programs), tl)
+        torch.cuda.synchronize()
+        assert gluon_attention.item_counter(dev) is counter and not counter.any()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        q, k, v, cu, tl = cases[1]
+        out = paired(q, k, v, cu)
+        side_counter = gluon_attention.item_counter(dev)
+    side.synchronize()
+    assert side_counter is not counter and not side_counter.any() and torch.equal(out, tl)
+    q, k, v, cu, tl = cases[2]
+    paired(q, k, v, cu)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paired(q, k, v, cu)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, tl) and not counter.any()
+    counter[0] = 1 << 20  # as if a launch had not zeroed it: every item drawn from it lies past the launch's items
+    assert not torch.equal(paired(q, k, v, cu), tl)
+    torch.cuda.synchronize()
+    assert not counter.any()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_gluon_planned_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Launches through kept plans (token counts that share one, and the backward's preprocessing) give the rows
     and gradients of the launches that keep them, which equal the ``tl`` kernel's bitwise. Negative control: a

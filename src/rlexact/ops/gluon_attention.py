@@ -61,6 +61,7 @@ from .triton_shared import (
     cuda_queries,
     direct_launch_ok,
     launch_hooks_installed,
+    stream_buffer,
 )
 
 __all__ = [
@@ -529,8 +530,9 @@ class PackedPlan:
     tile slots of ``slot_positions`` query positions over ``heads`` head groups.
 
     A plan with a ``q_layout`` is a descriptor kernel's: it reads Q and writes O through descriptors of ``q_box``
-    boxes in that layout, its arguments end with the Q descriptor, a zero int32 item counter and the O descriptor,
-    and it runs at most ``programs`` programs on a 1-D grid, which draw the items from the counter. Any other plan
+    boxes in that layout, its arguments end with the Q descriptor, the item counter (:func:`item_counter`) and the O
+    descriptor, and it runs at most ``programs`` programs on a 1-D grid, which draw the items from the counter and
+    leave it zero. Any other plan
     has one program per tile slot and head group."""
 
     kernel: object
@@ -557,10 +559,29 @@ class PackedPlan:
         if self.q_layout is None:
             return (*args, *self.tail), tensors, ints
         t, hq, d = q.shape
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = item_counter(q.device)
         q_desc = descriptor(q, [t, hq, d], list(q.stride()), self.q_box, self.q_layout)  # the caller checked q, out
         o_desc = descriptor(out, [t, hq, d], list(out.stride()), self.q_box, self.q_layout)
         return (*args, *self.tail, q_desc, counter, o_desc), (*tensors, counter), (*ints, *self.tail, t, hq)
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+"""``(device index, raw stream) -> ``the item counter of the persistent launches on that stream."""
+
+
+def item_counter(device: torch.device) -> torch.Tensor:
+    """The item counter of a persistent launch on ``device``'s current stream: two int32 zeros (the items drawn, the
+    programs done drawing), which the kernel leaves zero, so the launches on one stream share them
+    (:func:`~rlexact.ops.triton_shared.stream_buffer`); new zeros on a device other than CUDA (host-only timing)."""
+    if device.type != "cuda":
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    _, raw_stream, _ = cuda_queries()
+    return stream_buffer(_COUNTERS, device.index, raw_stream(device.index), 2, _zero_counter)
+
+
+def _zero_counter(numel: int, device: torch.device) -> torch.Tensor:
+    """``numel`` new int32 zeros on ``device``."""
+    return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
 def launch_plan(plan: PackedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float,

@@ -81,8 +81,8 @@ MIN_MEAN_KEYS = 128
 """Mean keys per sequence from which a packed launch takes this kernel (``benchmarks/results/ops_attention_h200.json``,
 each prefill case's ``gluon_kernels``: less GPU time than the single-tile kernel, as CUDA-graph replays, at every case
 from this mean on, the shortest measured). Where a launch's GPU time is shorter than the host's work for it (an eager
-call on its own at a few thousand tokens), its four TMA descriptors and item counter can make the eager call slower;
-inside a model's forward the host runs ahead of the GPU and the GPU time is what counts."""
+call on its own at a few thousand tokens), its four TMA descriptors can make the eager call slower; inside a model's
+forward the host runs ahead of the GPU and the GPU time is what counts."""
 WARPS = 4
 """Warps of each consumer partition (16 query rows per warp), as the library kernel's program."""
 PROGRAMS_PER_SM = 1
@@ -170,6 +170,16 @@ if ga.gluon is not None:
         return gl.max(gl.where(lane == 0, old, -1), 0)
 
     @gluon.jit
+    def _release_counter(counter_ptr, lay: gl.constexpr):
+        """Count this program out of the launch's counter (its second entry: the programs done drawing); the last
+        program out zeroes both entries. Every ticket was drawn by then (each program counts itself out after its last
+        draw, and the atomics order the two), so the counter is zero again for the next launch that uses it."""
+        lane = gl.arange(0, 32, layout=lay)
+        done = _ticket(counter_ptr + 1, lay)
+        last = done == gl.num_programs(0) - 1
+        gl.store(counter_ptr + lane, gl.zeros([32], gl.int32, layout=lay), mask=(lane < 2) & last)
+
+    @gluon.jit
     def _field(rec, k: gl.constexpr, lay: gl.constexpr):
         """Entry ``k`` of an item record held whole by every thread."""
         return gl.sum(gl.where(gl.arange(0, INFO, layout=lay) == k, rec, 0), 0)
@@ -217,6 +227,7 @@ if ga.gluon is not None:
                 x0 += n_tiles
                 n += 1
             i = _ticket(counter_ptr, lay)
+        _release_counter(counter_ptr, lay)
         s = n % ITEM_SLOTS
         mbarrier.wait(item_empty.index(s), ((n // ITEM_SLOTS) & 1) ^ 1)
         info_smem.index(s).store(gl.zeros([INFO], gl.int32, rec_lay))  # entry 7 zero: no item
@@ -439,8 +450,8 @@ if ga.gluon is not None:
                      stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, seqk_ptr, kv_rows, heads, q_desc,
                      counter_ptr, o_desc):  # fmt: skip
         """The packed launch's arguments (``q_ptr`` and its strides unread: Q arrives through ``q_desc``, boxes of a
-        query tile's positions and heads), the head groups, the launch's item counter (zero, advanced here) and the
-        output's descriptor (``out`` in ``q_desc``'s boxes)."""
+        query tile's positions and heads), the head groups, the launch's item counter (two int32 zeros, advanced here
+        and left zero: :func:`_release_counter`) and the output's descriptor (``out`` in ``q_desc``'s boxes)."""
         gl.static_assert(PAIR_HP > 0, "launch a specialization bound by rlexact.ops.gluon_attention_pair.kernel")
         P: gl.constexpr = 16 * W // PAIR_HP
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * ITEM_SLOTS, P, PAIR_HP, HEAD_D], q_desc.layout)

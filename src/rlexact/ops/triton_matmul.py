@@ -128,6 +128,7 @@ from .triton_shared import (
     num_sms,
     rne_fix,
     silu_times,
+    stream_buffer,
     tile_coords,
     tma_ok,
 )
@@ -546,19 +547,15 @@ def ensure_allocator() -> None:
 
 
 def _scratch(size: int, device: int, stream: int) -> torch.Tensor:
-    """Descriptor scratch of at least ``size`` bytes for a launch on ``stream`` of CUDA device ``device``.
+    """Descriptor scratch of at least ``size`` bytes for a launch on ``stream`` of CUDA device ``device``: each launch
+    writes its descriptors before reading them, so the launches on one stream share a buffer
+    (:func:`~rlexact.ops.triton_shared.stream_buffer`)."""
+    return stream_buffer(_SCRATCH, device, stream, size, _scratch_bytes)
 
-    Kernels on one stream run in order and each writes its descriptors before reading them, so launches on the same
-    stream share one buffer (cached per device and stream, grown when needed). During CUDA-graph capture a fresh
-    tensor comes from the graph's private pool instead, so a replay never shares scratch with an eager launch on
-    another stream."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
-    key = (device, stream)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=torch.device("cuda", device))
-    return buf
+
+def _scratch_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """A new int8 scratch buffer of at least ``size`` bytes (at least 64 KiB, so small launches share one)."""
+    return torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
 
 
 def _torch_alloc(size: int, alignment: int, stream) -> torch.Tensor:  # noqa: ANN001

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -86,6 +86,21 @@ def cuda_queries() -> tuple:
     (the per-launch queries of the cached launchers; CUDA builds of torch only)."""
     c = torch._C
     return c._cuda_getDevice, c._cuda_getCurrentRawStream, c._cuda_isCurrentStreamCapturing
+
+
+def stream_buffer(cache: dict[tuple[int, int], torch.Tensor], device: int, stream: int, numel: int,
+                  make: Callable[[int, torch.device], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """A tensor of at least ``numel`` elements, ``make(numel, device)``, for launches on raw ``stream`` of CUDA device
+    ``device``. Kernels on one stream run in order, so launches on the same stream share one tensor: kept in ``cache``
+    per device and stream and made again when too small. During CUDA-graph capture a fresh tensor comes from the
+    graph's private pool instead, so a replay never shares it with an eager launch on another stream. Use it only for
+    a buffer that each launch reads after writing it, or leaves as it found it."""
+    if torch.cuda.is_current_stream_capturing():
+        return make(numel, torch.device("cuda", device))
+    buf = cache.get((device, stream))
+    if buf is None or buf.numel() < numel:
+        buf = cache[(device, stream)] = make(numel, torch.device("cuda", device))
+    return buf
 
 
 def direct_launch_ok(launcher) -> bool:  # noqa: ANN001
