@@ -12,20 +12,23 @@ the call stack:
 * ``unplanned``: the same call with ``cfg={}`` (the library's configuration, every decision made again: configs,
   Gluon support, kernel choice, plan, launch key);
 * ``unplanned_checked``: ``unplanned`` with Triton's checking descriptor constructor (the launch path before the
-  plans and the unchecked descriptors).
+  plans and the unchecked descriptors);
+* ``ops_fresh_counter``: ``ops`` with a new zeroed item counter per launch (``torch.zeros``: the paired kernel's
+  launch before its counter was kept per stream and left zero by the kernel).
 
 GPU mode records per layer the host microseconds per call (calls issued back to back without synchronizing), and for
-``ops``, ``unplanned_checked`` and SDPA on the padded batch the eager back-to-back time (``common.bench_stream``:
-the host's cost shows once it exceeds the kernel's) and the CUDA-graph replay time, with ``eager_ratio`` (SDPA's
-eager time over exact's) and whether each call is bound by its launch (host time above graph time). The
-prefill rows of ``ops_bench.py --sections attention`` time the same shapes against SDPA in alternating rounds.
+``ops``, ``ops_fresh_counter``, ``unplanned_checked`` and SDPA on the padded batch the eager back-to-back time
+(``common.bench_stream``: the host's cost shows once it exceeds the kernel's) and the CUDA-graph replay time, with
+``eager_ratio`` (SDPA's eager time over exact's) and whether each call is bound by its launch (host time above graph
+time). The prefill rows of ``ops_bench.py --sections attention`` time the same shapes against SDPA in alternating
+rounds.
 
-``--host-only`` times the same Python layers on CPU tensors, but ``ops`` (whose output allocation would be the CPU
-allocator's, not the CUDA caching allocator's), and profiles ``planned``. Gluon's GPU checks are taken as passed,
-and the compiled kernel is a stand-in whose launcher runs Triton's own per-launch Python (``CudaLauncher.__call__``
-and its tensor-descriptor unpacking) around a no-op C launch, with the host TMA descriptor encoding stubbed. The C
-launch (argument parsing, ``cuLaunchKernelEx``), TMA descriptor encoding and the CUDA caching allocator are not in
-these numbers; the GPU mode has them.
+``--host-only`` times the same Python layers on CPU tensors, but the ``ops`` layers (whose output allocation would be
+the CPU allocator's, not the CUDA caching allocator's), and profiles ``planned``. Gluon's GPU checks are taken as
+passed, and the compiled kernel is a stand-in whose launcher runs Triton's own per-launch Python
+(``CudaLauncher.__call__`` and its tensor-descriptor unpacking) around a no-op C launch, with the host TMA descriptor
+encoding stubbed. The C launch (argument parsing, ``cuLaunchKernelEx``), TMA descriptor encoding and the CUDA caching
+allocator are not in these numbers; the GPU mode has them.
 """
 
 from __future__ import annotations
@@ -64,8 +67,13 @@ def _layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
         with swapped(ga, "DESCRIPTOR_DEFAULTS", None):
             ta._forward(q, k, v, cu, None, None, scale, out, cfg={})
 
+    def ops_fresh_counter() -> None:
+        with swapped(ga, "item_counter", lambda device: torch.zeros(2, dtype=torch.int32, device=device)):
+            ops.attention_varlen(q, k, v, cu, scale, backend="triton")
+
     return {
         "ops": lambda: ops.attention_varlen(q, k, v, cu, scale, backend="triton"),
+        "ops_fresh_counter": ops_fresh_counter,
         "planned": lambda: ta._forward(q, k, v, cu, None, None, scale, out),
         "unplanned": lambda: ta._forward(q, k, v, cu, None, None, scale, out, cfg={}),
         "unplanned_checked": unplanned_checked,
@@ -87,11 +95,12 @@ def gpu() -> dict:
             fn()
         torch.cuda.synchronize()
         row: dict[str, object] = {"host_us": {name: host_us(fn, calls=200) for name, fn in fns.items()}}
-        for name in ("ops", "unplanned_checked", "sdpa"):
+        for name in ("ops", "ops_fresh_counter", "unplanned_checked", "sdpa"):
             eager, graph = bench_stream(fns[name]), bench_graph(fns[name])
             row[name] = {"eager_ms": eager, "graph_ms": graph,
                          "launch_bound": row["host_us"][name] / 1e3 > graph}  # fmt: skip
-        row["eager_ratio"] = {n: row["sdpa"]["eager_ms"] / row[n]["eager_ms"] for n in ("ops", "unplanned_checked")}
+        row["eager_ratio"] = {n: row["sdpa"]["eager_ms"] / row[n]["eager_ms"]
+                              for n in ("ops", "ops_fresh_counter", "unplanned_checked")}  # fmt: skip
         row["cprofile_ops"] = host_profile(fns["ops"])
         res["shapes"][f"{b}x{s}"] = row
         print(f"[attention_launch] {b}x{s}", json.dumps({k: row[k] for k in ("host_us", "eager_ratio")}), flush=True)
@@ -144,7 +153,8 @@ def host_only() -> dict:
     res["shapes"] = {}
     for b, s in SHAPES:
         fns = _layers(*_inputs(b, s, "cpu"))
-        del fns["ops"]  # its output allocation would be the CPU allocator's (page faults), not CUDA's caching one
+        for name in ("ops", "ops_fresh_counter"):  # their output allocation would be the CPU allocator's (page
+            del fns[name]  # faults), not CUDA's caching one
         for fn in fns.values():
             fn()
         times = {name: host_us(fn, calls=5000, sync=lambda: None) for name, fn in fns.items()}
