@@ -188,6 +188,40 @@ def check_norm_round_once() -> None:
     assert torch.equal(normed, tnorm.rms_norm(x + r, w, 1e-6, round_normed=False, offset=True))
 
 
+def check_norm_add_norm() -> None:
+    """``norm_add_rms_norm``: bitwise the norm kernel then the add-norm kernel for each norm kind and dtype, at a row
+    that fits one block and (``MAX_NORM_BLOCK`` lowered) at one that takes the separate launches; a different branch
+    ``eps`` changes the bits (negative control); a branch norm that would promote the rows is refused."""
+    kinds = ({}, {"round_normed": False}, {"round_normed": False, "offset": True})
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for kind in kinds:
+            x, r = (torch.randn(9, 100) * 3).to(dtype), torch.randn(9, 100).to(dtype)
+            wx, w = (1 + 0.1 * torch.randn(100)).to(dtype), (1 + 0.1 * torch.randn(100)).to(dtype)
+            separate = tnorm.add_rms_norm(tnorm.rms_norm(x, wx, 1e-6, **kind), r, w, 1e-5, **kind)
+            fused = tnorm.norm_add_rms_norm(x, wx, 1e-6, r, w, 1e-5, **kind)
+            assert all(torch.equal(a, b) for a, b in zip(fused, separate)), (dtype, kind)
+            other = tnorm.norm_add_rms_norm(x, wx, 1e-1, r, w, 1e-5, **kind)
+            assert not torch.equal(other[1], fused[1]), "negative control: the branch eps"
+    old = tnorm.MAX_NORM_BLOCK
+    tnorm.MAX_NORM_BLOCK = 32
+    try:
+        x, r = torch.randn(5, 100).bfloat16(), torch.randn(5, 100).bfloat16()
+        wx, w = torch.randn(100).bfloat16(), torch.randn(100).bfloat16()
+        fused = tnorm.norm_add_rms_norm(x, wx, 1e-6, r, w, 1e-5)
+        separate = tnorm.add_rms_norm(tnorm.rms_norm(x, wx, 1e-6), r, w, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+    finally:
+        tnorm.MAX_NORM_BLOCK = old
+    try:
+        tnorm.norm_add_rms_norm(x, wx.float(), 1e-6, r, w, 1e-5)
+    except ValueError as e:
+        assert "apart" in str(e)
+    else:
+        raise AssertionError("an fp32 branch weight would promote the branch norm's rows")
+    _check_invariant(lambda xb: tnorm.norm_add_rms_norm(xb, wx.float(), 1e-6, xb * 0.5, w.float(), 1e-5)[0],
+                     torch.randn(20, 100), 20, "norm_add_rms_norm")  # fmt: skip
+
+
 def check_norm() -> None:
     for h in (1, 40, 64, 100):
         for xd, wd in [
@@ -217,6 +251,7 @@ def check_norm() -> None:
     w = 1 + 0.1 * torch.randn(100)
     _check_invariant(lambda xb: tnorm.rms_norm(xb, w, 1e-6), torch.randn(20, 100), 20, "rms_norm")
     check_norm_round_once()
+    check_norm_add_norm()
 
     for dtype in (torch.float32, torch.bfloat16):
         g, u = (torch.randn(6, 1500) * 4).to(dtype), torch.randn(6, 1500).to(dtype)

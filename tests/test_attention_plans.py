@@ -52,11 +52,12 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def _normal(arg: object) -> object:
-    """A launch argument as comparable data: tensors by address and layout, but the item counter (fresh each
-    launch) by its value; descriptors by every field."""
+    """A launch argument as comparable data: tensors by address and layout, but the item counter (new zeros each
+    launch on CPU tensors, :func:`~rlexact.ops.gluon_attention.item_counter`) by its values; descriptors by every
+    field."""
     if isinstance(arg, torch.Tensor):
-        if arg.shape == (1,) and arg.dtype == torch.int32:
-            return ("counter", arg.item())
+        if arg.shape == (2,) and arg.dtype == torch.int32:
+            return ("counter", tuple(arg.tolist()))
         return ("tensor", arg.data_ptr(), tuple(arg.shape), arg.stride(), arg.dtype)
     if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
         fields = {f.name: getattr(arg, f.name) for f in dataclasses.fields(arg)}
@@ -108,8 +109,8 @@ CASES = {
 @pytest.mark.parametrize("q_stride", [HQ, HQ + 2 * HKV], ids=["dense_q", "q_in_qkv_rows"])
 def test_planned_launch_equals_unplanned(launches: list, case: str, q_stride: int) -> None:
     """The first launch keeps a plan; the next launches of the same inputs go through it and pass the cached
-    launcher what the unplanned path passes: the same kernel, grid and arguments (a fresh zero counter for the
-    paired kernel)."""
+    launcher what the unplanned path passes: the same kernel, grid and arguments (a zeroed counter for the paired
+    kernel)."""
     args = _inputs(CASES[case], q_stride=q_stride)
     _launch(launches, True, *args)
     assert len(ta._PLANS) == 1
@@ -230,3 +231,31 @@ def test_windowed_launch_keeps_to_the_tl_kernel(launches: list, monkeypatch: pyt
         (call_args, meta), *_ = tl_launches[-1:]
         assert meta["HAS_WINDOW"] and call_args[at] == window
     assert len(launches) == 1 and len(ta._PLANS) == 1 and len(tl_launches) == 2
+
+
+def test_stream_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``triton_shared.stream_buffer`` (the paired kernel's item counters, the matmul's descriptor scratch): one
+    tensor per device and stream, made again when too small, and a new one for every launch during CUDA-graph
+    capture, which the cache never keeps."""
+    from rlexact.ops import triton_shared
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    made: list = []
+
+    def make(n: int, device: torch.device) -> torch.Tensor:
+        made.append((n, device))
+        return torch.zeros(n, dtype=torch.int32)
+
+    cache: dict = {}
+    a = triton_shared.stream_buffer(cache, 0, 11, 2, make)
+    assert triton_shared.stream_buffer(cache, 0, 11, 2, make) is a
+    assert triton_shared.stream_buffer(cache, 0, 12, 2, make) is not a  # another stream
+    assert triton_shared.stream_buffer(cache, 1, 11, 2, make) is not a  # another device
+    bigger = triton_shared.stream_buffer(cache, 0, 11, 5, make)
+    assert bigger.numel() == 5 and triton_shared.stream_buffer(cache, 0, 11, 2, make) is bigger
+    capturing[0] = True
+    captured = [triton_shared.stream_buffer(cache, 0, 11, 2, make) for _ in range(2)]
+    assert captured[0] is not captured[1] and all(c is not bigger for c in captured)
+    assert cache[(0, 11)] is bigger and len(cache) == 3
+    assert made[0] == (2, torch.device("cuda", 0)) and len(made) == 6

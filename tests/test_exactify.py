@@ -189,6 +189,13 @@ def test_gemma3_norms_gate_and_rotary_tables() -> None:
                 norm.register_forward_hook(lambda *_: calls.append(1))
         model32(seq)
         assert not calls, "Gemma 3's q/k norms ran as modules, not in the fused rotary kernel"
+        branch, layers = [], model32.model.layers
+        for i, layer in enumerate(layers):
+            layer.post_attention_layernorm.register_forward_hook(lambda *_, i=i: branch.append(("attn", i)))
+            layer.post_feedforward_layernorm.register_forward_hook(lambda *_, i=i: branch.append(("mlp", i)))
+        model32(seq)
+        # the last layer's MLP output has no next norm to join: it runs its norm and the add
+        assert branch == [("mlp", len(layers) - 1)], "Gemma 3's branch norms ran apart from the add-norm kernel"
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,40 @@ def test_rms_norm_offset(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [{}, {"round_normed": False, "offset": True}], ids=["llama", "gemma"])
+def test_norm_add_rms_norm(dtype: torch.dtype, kind: dict) -> None:
+    """A branch norm, the residual add and the norm after it: both outputs equal the separate ops bitwise (any leading
+    shape), row invariant; with autograd the same values and the separate ops' gradients; a branch weight that would
+    promote the rows takes the separate ops; bad shapes are errors. Negative control: a different branch eps."""
+    g = torch.Generator().manual_seed(5)
+    x, r = ((3 * torch.randn(6, 5, 72, generator=g)).to(dtype) for _ in range(2))
+    wx, w = ((1 + 0.3 * torch.randn(72, generator=g)).to(dtype) for _ in range(2))
+    normed, s = ops.norm_add_rms_norm(x, wx, 1e-6, r, w, 1e-5, **kind)
+    sep_normed, sep_s = ops.add_rms_norm(ops.rms_norm(x, wx, 1e-6, **kind), r, w, 1e-5, **kind)
+    assert torch.equal(normed, sep_normed) and torch.equal(s, sep_s)
+    assert not torch.equal(ops.norm_add_rms_norm(x, wx, 1e-1, r, w, 1e-5, **kind)[1], s)
+    x2, r2 = x.reshape(30, 72), r.reshape(30, 72)
+    assert_row_invariant(lambda xb: ops.norm_add_rms_norm(xb, wx, 1e-6, xb * 0.5, w, 1e-5, **kind)[0], x2, 30)
+    leaves = [t.detach().float().requires_grad_() for t in (x2, wx, r2, w)]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    out = ops.norm_add_rms_norm(leaves[0], leaves[1], 1e-6, leaves[2], leaves[3], 1e-5, **kind)
+    ref = ops.add_rms_norm(ops.rms_norm(twins[0], twins[1], 1e-6, **kind), twins[2], twins[3], 1e-5, **kind)
+    dy = [torch.randn(30, 72, generator=g) for _ in range(2)]
+    torch.autograd.backward(out, dy)
+    torch.autograd.backward(ref, dy)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, twins))
+    if dtype != torch.float32 and kind == {}:  # an fp32 branch weight makes the rounded branch norm's rows fp32
+        promoted = ops.norm_add_rms_norm(x, wx.float(), 1e-6, r, w, 1e-5)
+        expect = ops.add_rms_norm(ops.rms_norm(x, wx.float(), 1e-6), r, w, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(promoted, expect))
+    with pytest.raises(ValueError, match="x_weight"):
+        ops.norm_add_rms_norm(x, wx[:8], 1e-6, r, w, 1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        ops.norm_add_rms_norm(x, wx, 1e-6, r[:2], w, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 def test_gated_mul(dtype: torch.dtype, op: str) -> None:
     g = torch.Generator().manual_seed(1)

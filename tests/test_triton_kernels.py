@@ -249,6 +249,33 @@ def test_gpu_rms_norm(dtype: torch.dtype, h: int, round_normed: bool) -> None:
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h", [1152, 2560, 5376, 8192, 12288, 40])
+@pytest.mark.parametrize("norm", ["llama", "gemma"])
+def test_gpu_norm_add_rms_norm(dtype: torch.dtype, h: int, norm: str) -> None:
+    """The branch norm, add and norm in one launch: both outputs bitwise the norm kernel then the add-norm kernel (at
+    Gemma 3's hidden sizes, the largest one-block row, a row that takes the separate launches), row invariant.
+    Negative control: a different branch eps."""
+    from rlexact.ops import triton_norm
+
+    round_normed, offset = ROPE_NORMS[norm]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x, r = ((3 * torch.randn(300, h, device=_dev(), generator=g)).to(dtype) for _ in range(2))
+    wx, w = ((0.3 * torch.randn(h, device=_dev(), generator=g)).to(dtype) for _ in range(2))
+
+    def fused(xb: torch.Tensor, rb: torch.Tensor, x_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_norm.norm_add_rms_norm(xb, wx, x_eps, rb, w, 1e-5, round_normed, offset)
+
+    out = fused(x, r)
+    separate = triton_norm.add_rms_norm(triton_norm.rms_norm(x, wx, 1e-6, round_normed, offset), r, w, 1e-5,
+                                        round_normed, offset)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(out, separate))
+    assert all(torch.equal(a[0], b[41]) for a, b in zip(fused(x[41:42], r[41:42]), out))
+    assert not torch.equal(fused(x, r, 1e-1)[1], out[1])
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 def test_gpu_gated_mul(dtype: torch.dtype, op: str) -> None:

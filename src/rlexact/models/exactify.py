@@ -372,14 +372,15 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
 
     Without autograd (no grad mode, or no input requiring grad): the post-attention add and the norm after it
     (``post_attention_layernorm``, or with :data:`SANDWICH_NORMS` ``pre_feedforward_layernorm``, the attention output
-    normalized by ``post_attention_layernorm`` first) are one call, and the MLP-output add (of its output normalized
-    by ``post_feedforward_layernorm`` with sandwich norms) is fused with ``next_norm`` (the next layer's
-    ``input_layernorm``; ``None`` for the last layer). The layer still returns the residual stream; the normed rows
-    go to the next layer through ``handoff`` (one slot shared by the layers of a stack), which uses them only when it
-    receives that very tensor and its norm weight is the one used, unmodified; else it runs its norm itself. A
-    sharded (DTensor) next weight is not read. With autograd (grad mode on and a parameter of the layer or its input
-    requiring grad) the layer runs its class forward (transformers' layer over the exact modules, with its activation
-    checkpointing when enabled): the trainer's backward is unchanged."""
+    normalized by ``post_attention_layernorm`` first) are one call, and the MLP-output add (of its output normalized by
+    ``post_feedforward_layernorm`` with sandwich norms) is fused with ``next_norm`` (the next layer's
+    ``input_layernorm``; ``None`` for the last layer). A branch's output norm of the same kind as the norm after the add
+    runs in that call too (:func:`rlexact.ops.norm_add_rms_norm`). The layer still returns the residual stream; the
+    normed rows go to the next layer through ``handoff`` (one slot shared by the layers of a stack), which uses them
+    only when it receives that very tensor and its norm weight is the one used, unmodified; else it runs its norm
+    itself. A sharded (DTensor) next weight is not read. With autograd (grad mode on and a parameter of the layer or its
+    input requiring grad) the layer runs its class forward (transformers' layer over the exact modules, with its
+    activation checkpointing when enabled): the trainer's backward is unchanged."""
     sandwich = hasattr(layer, SANDWICH_NORMS[0])
     in_norm = layer.input_layernorm
     attn_out_norm, post_norm, mlp_out_norm = (
@@ -389,6 +390,9 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
     )
     post_eps, post_kind = _norm_eps(post_norm), _norm_kind(post_norm)
     next_eps, next_kind = _norm_eps(next_norm), _norm_kind(next_norm)
+    # a branch's output norm joins the add-norm after it when both norms are of one kind (Gemma 3's are)
+    attn_fused = attn_out_norm is not None and _norm_kind(attn_out_norm) == post_kind
+    mlp_fused = mlp_out_norm is not None and next_norm is not None and _norm_kind(mlp_out_norm) == next_kind
 
     def forward(
         hidden_states: torch.Tensor,
@@ -419,16 +423,27 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
-        if attn_out_norm is not None:
-            hidden_states = attn_out_norm(hidden_states)
-        hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps, **post_kind)
+        if attn_fused:
+            hidden_states, residual = ops.norm_add_rms_norm(
+                hidden_states, attn_out_norm.weight, _norm_eps(attn_out_norm), residual, post_norm.weight, post_eps,
+                **post_kind,
+            )  # fmt: skip
+        else:
+            if attn_out_norm is not None:
+                hidden_states = attn_out_norm(hidden_states)
+            hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps, **post_kind)
         hidden_states = layer.mlp(hidden_states)
-        if mlp_out_norm is not None:
-            hidden_states = mlp_out_norm(hidden_states)
         w = None if next_norm is None else next_norm.weight
         if w is None or type(w) not in (torch.Tensor, nn.Parameter) or not _no_autograd(hidden_states, residual, w):
-            return residual + hidden_states
-        normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps, **next_kind)
+            return residual + (hidden_states if mlp_out_norm is None else mlp_out_norm(hidden_states))
+        if mlp_fused:
+            normed, out = ops.norm_add_rms_norm(
+                hidden_states, mlp_out_norm.weight, _norm_eps(mlp_out_norm), residual, w, next_eps, **next_kind
+            )  # fmt: skip
+        else:
+            if mlp_out_norm is not None:
+                hidden_states = mlp_out_norm(hidden_states)
+            normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps, **next_kind)
         handoff[0] = ((out, w), (_version(out), _version(w)), normed)
         return out
 

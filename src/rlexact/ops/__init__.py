@@ -33,6 +33,7 @@ __all__ = [
     "matmul_k_splits",
     "moe_experts",
     "moe_router",
+    "norm_add_rms_norm",
     "qk_norm_rope",
     "qk_norm_rope_write_kv",
     "resolve_backend",
@@ -168,6 +169,44 @@ def add_rms_norm(
     h = x.shape[-1]
     x2, r2 = x.reshape(-1, h), residual.reshape(-1, h)
     normed, s = kernel_impl(be, "add_rms_norm")(x2, r2, w, float(eps), bool(round_normed), bool(offset))
+    return normed.reshape(x.shape), s.reshape(x.shape)
+
+
+def norm_add_rms_norm(
+    x: torch.Tensor,
+    x_weight: torch.Tensor,
+    x_eps: float,
+    residual: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    *,
+    round_normed: bool = True,
+    offset: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A branch's output norm, the residual add and the RMSNorm after it (Gemma 3's sandwich norms):
+    :func:`add_rms_norm` of ``rms_norm(x, x_weight, x_eps)`` and ``residual``, both norms of one kind
+    (``round_normed``, ``offset``).
+
+    Bitwise contract: both outputs equal :func:`rms_norm` then :func:`add_rms_norm` computed separately. With autograd
+    off or no input requiring grad, one input dtype and a branch norm that keeps it, it is one launch where a row fits
+    the norm kernel's block (:func:`rlexact.ops.triton_norm.norm_add_rms_norm`); otherwise it runs the separate ops.
+    """
+    if x_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm_add_rms_norm: x_weight {tuple(x_weight.shape)} does not match hidden size {x.shape[-1]}"
+                         )  # fmt: skip
+    be = resolve_backend(x, backend)
+    keeps = not round_normed or torch.promote_types(x_weight.dtype, x.dtype) == x.dtype
+    if _tracked(x, x_weight, residual, w) or residual.dtype != x.dtype or not keeps:
+        normed = rms_norm(x, x_weight, x_eps, round_normed=round_normed, offset=offset, backend=be)
+        return add_rms_norm(normed, residual, w, eps, round_normed=round_normed, offset=offset, backend=be)
+    if residual.shape != x.shape or w.shape != (x.shape[-1],):
+        shapes = f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and w {tuple(w.shape)}"
+        raise ValueError(f"norm_add_rms_norm: {shapes} do not match")
+    h = x.shape[-1]
+    x2, r2 = x.reshape(-1, h), residual.reshape(-1, h)
+    normed, s = kernel_impl(be, "norm_add_rms_norm")(x2, x_weight, float(x_eps), r2, w, float(eps), bool(round_normed),
+                                                      bool(offset))  # fmt: skip
     return normed.reshape(x.shape), s.reshape(x.shape)
 
 

@@ -25,6 +25,7 @@ _TRITON_MODULES = {
     "matmul": ".triton_matmul",
     "rms_norm": ".triton_norm",
     "add_rms_norm": ".triton_norm",
+    "norm_add_rms_norm": ".triton_norm",
     "write_kv": ".triton_kv",
     "silu_mul": ".triton_norm",
     "gelu_tanh_mul": ".triton_norm",

@@ -92,6 +92,14 @@ def add_rms_norm(
     return rms_norm(s, w, eps, round_normed, offset), s
 
 
+def norm_add_rms_norm(
+    x: torch.Tensor, x_weight: torch.Tensor, x_eps: float, residual: torch.Tensor, w: torch.Tensor, eps: float,
+    round_normed: bool = True, offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`add_rms_norm` of ``rms_norm(x, x_weight, x_eps, ...)`` and ``residual``."""
+    return add_rms_norm(rms_norm(x, x_weight, x_eps, round_normed, offset), residual, w, eps, round_normed, offset)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

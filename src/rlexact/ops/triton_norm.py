@@ -10,7 +10,9 @@ also rounds once).
 
 ``add_rms_norm``: the same kernel with a residual input: the row ``s = x + r`` is added in fp32, rounded once to the
 input dtype and stored, and the norm runs on the rounded ``s`` with the arithmetic above (so it equals ``rms_norm(s)``
-bitwise); the decoder layer's residual add and the norm that follows become one launch.
+bitwise); the decoder layer's residual add and the norm that follows become one launch. ``norm_add_rms_norm``: the
+same with the added branch normalized first in the same program (Gemma 3's norms after each branch), by the code of
+``rms_norm`` and rounded as it stores.
 
 ``silu_mul``: elementwise, ``(silu(gate32) * up32).to(gate.dtype)`` with ``silu(g) = g / (1 + exp(-g))``; an element's
 result depends on that element only. ``gelu_tanh_mul``: the same kernel with transformers' ``gelu_pytorch_tanh`` gate
@@ -33,11 +35,18 @@ SILU_BLOCK = 1024
 
 
 @triton.jit
-def _norm_input(x_row, r_row, s_row, idx, mask, HAS_RES: tl.constexpr, STORE: tl.constexpr, X_DTYPE: tl.constexpr,
-                RNE_X: tl.constexpr):  # fmt: skip
+def _norm_input(x_row, r_row, s_row, idx, mask, xw_ptr, x_eps, H_f, HAS_RES: tl.constexpr, STORE: tl.constexpr,
+                X_DTYPE: tl.constexpr, RNE_X: tl.constexpr, X_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr,
+                OFFSET: tl.constexpr):  # fmt: skip
     """fp32 elements ``idx`` of the row to normalize: ``x``, or with ``HAS_RES`` the sum ``x + r`` added in fp32 and
-    rounded once to ``X_DTYPE`` (torch's elementwise add), stored to the sum row when ``STORE``."""
+    rounded once to ``X_DTYPE`` (torch's elementwise add), stored to the sum row when ``STORE``. With ``X_NORM``
+    (``idx`` the whole row) ``x`` is first normalized by the scale at ``xw_ptr`` and ``x_eps`` with the kernel's
+    arithmetic, rounded to ``X_DTYPE``: the norm's output as the kernel stores it."""
     x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
+    if X_NORM:
+        r = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=0), H_f) + x_eps)
+        y = normed_row(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
+        x = cast_out(norm_scale(xw_ptr, idx, mask, OFFSET) * y, X_DTYPE, RNE_X).to(tl.float32)
     if HAS_RES:
         s = cast_out(x + tl.load(r_row + idx, mask=mask, other=0.0).to(tl.float32), X_DTYPE, RNE_X)
         if STORE:
@@ -53,6 +62,7 @@ def _rms_norm_kernel(
     w_ptr,
     o_ptr,
     s_ptr,
+    xw_ptr,
     H,
     H_f,
     stride_x,
@@ -60,9 +70,11 @@ def _rms_norm_kernel(
     stride_o,
     stride_s,
     eps,
+    x_eps,
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,
     HAS_RES: tl.constexpr,
+    X_NORM: tl.constexpr,
     X_DTYPE: tl.constexpr,
     O_DTYPE: tl.constexpr,
     RNE_X: tl.constexpr,
@@ -71,6 +83,7 @@ def _rms_norm_kernel(
     OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    tl.static_assert(SINGLE or not X_NORM, "a normalized x needs the whole row in one block")
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -80,7 +93,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < H
-        x = _norm_input(x_row, r_row, s_row, cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
+        x = _norm_input(x_row, r_row, s_row, cols, mask, xw_ptr, x_eps, H_f, HAS_RES, True, X_DTYPE, RNE_X, X_NORM,
+                        ROUND_NORMED, OFFSET)  # fmt: skip
         var = tl.math.div_rn(tl.sum(x * x, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
         y = normed_row(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
@@ -90,13 +104,15 @@ def _rms_norm_kernel(
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for off in range(0, H, BLOCK):
             mask = off + cols < H
-            x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, True, X_DTYPE, RNE_X)
+            x = _norm_input(x_row, r_row, s_row, off + cols, mask, xw_ptr, x_eps, H_f, HAS_RES, True, X_DTYPE, RNE_X,
+                            False, ROUND_NORMED, OFFSET)  # fmt: skip
             acc += x * x
         var = tl.math.div_rn(tl.sum(acc, axis=0), H_f)
         r = tl.math.rsqrt(var + eps)
         for off in range(0, H, BLOCK):
             mask = off + cols < H
-            x = _norm_input(x_row, r_row, s_row, off + cols, mask, HAS_RES, False, X_DTYPE, RNE_X)
+            x = _norm_input(x_row, r_row, s_row, off + cols, mask, xw_ptr, x_eps, H_f, HAS_RES, False, X_DTYPE,
+                            RNE_X, False, ROUND_NORMED, OFFSET)  # fmt: skip
             y = normed_row(x, r, X_DTYPE, RNE_X, ROUND_NORMED)
             w = norm_scale(w_ptr, off + cols, mask, OFFSET)
             tl.store(o_row + off + cols, cast_out(w * y, O_DTYPE, RNE_O), mask=mask)
@@ -134,9 +150,11 @@ def _norm_launch_params(H: int) -> tuple[int, bool, int]:
 
 
 def _launch_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, round_normed: bool, offset: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The one launcher of :func:`_rms_norm_kernel`: ``(normed, summed)``, ``summed`` ``None`` without a residual."""
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, round_normed: bool, offset: bool,
+    x_norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The one launcher of :func:`_rms_norm_kernel`: ``(normed, summed)``, ``summed`` ``None`` without a residual;
+    ``x_norm``: ``(weight, eps)`` of a norm that ``x`` goes through first (with a residual, in one block)."""
     M, H = x.shape
     x = x.contiguous()
     w = w.contiguous()
@@ -150,12 +168,14 @@ def _launch_norm(
         return out, summed
     block, single, warps = _norm_launch_params(H)
     r, s = (x, out) if residual is None else (residual, summed)  # unused pointers when there is no residual
+    xw, x_eps = (w, 0.0) if x_norm is None else (x_norm[0].contiguous(), x_norm[1])  # xw unread without x_norm
     _rms_norm_kernel[(M,)](
         x,
         r,
         w,
         out,
         s,
+        xw,
         H,
         float(H),
         x.stride(0),
@@ -163,9 +183,11 @@ def _launch_norm(
         out.stride(0),
         s.stride(0),
         float(eps),
+        float(x_eps),
         BLOCK=block,
         SINGLE=single,
         HAS_RES=residual is not None,
+        X_NORM=x_norm is not None,
         X_DTYPE=TL_DTYPE[x.dtype],
         O_DTYPE=TL_DTYPE[out_dtype],
         RNE_X=rne_fix(x.dtype),
@@ -202,6 +224,31 @@ def add_rms_norm(
         shapes = f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, w {tuple(w.shape)}"
         raise ValueError(f"add_rms_norm: bad shapes or dtypes {shapes}")
     normed, summed = _launch_norm(x, residual, w, eps, round_normed, offset)
+    assert summed is not None
+    return normed, summed
+
+
+def norm_add_rms_norm(
+    x: torch.Tensor, x_weight: torch.Tensor, x_eps: float, residual: torch.Tensor, w: torch.Tensor, eps: float,
+    round_normed: bool = True, offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``x, residual [M, H]`` (one dtype), ``x_weight, w [H]`` -> ``(rms_norm(s, w, eps), s)`` with ``s =
+    rms_norm(x, x_weight, x_eps) + residual``, both norms of one kind whose output dtype is ``x.dtype``.
+
+    One launch where a row fits one block (:func:`_norm_launch_params`), else the norm and :func:`add_rms_norm`. The
+    branch norm is computed by the code of :func:`rms_norm` and rounded as it stores, then added and normalized as in
+    :func:`add_rms_norm`, so both outputs equal the separate ops bitwise."""
+    same = residual.shape == x.shape and residual.dtype == x.dtype and w.shape == x_weight.shape == (x.shape[-1],)
+    if x.dim() != 2 or not same:
+        shapes = f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, x_weight "
+        raise ValueError(f"norm_add_rms_norm: bad shapes or dtypes {shapes}{tuple(x_weight.shape)}, w {tuple(w.shape)}")
+    if round_normed and torch.promote_types(x_weight.dtype, x.dtype) != x.dtype:
+        promoted = torch.promote_types(x_weight.dtype, x.dtype)
+        raise ValueError(f"norm_add_rms_norm: a {x_weight.dtype} x_weight makes the branch norm of {x.dtype} rows "
+                         f"{promoted}; run rms_norm and add_rms_norm apart")  # fmt: skip
+    if not _norm_launch_params(x.shape[1])[1]:
+        return add_rms_norm(rms_norm(x, x_weight, x_eps, round_normed, offset), residual, w, eps, round_normed, offset)
+    normed, summed = _launch_norm(x, residual, w, eps, round_normed, offset, (x_weight, x_eps))
     assert summed is not None
     return normed, summed
 
