@@ -69,13 +69,15 @@ def test_pdl_kernels_wait_before_memory() -> None:
     const = dict(BM=16, BN=16, BK=128, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False)
     for gated in (False, True):
         _check_order(triton_matmul._mm_ptr_kernel, ptr, const | dict(GATED=gated), num_warps=4, num_stages=4)
-    norm = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i, stride_o=i,
-                stride_s=i, eps="fp32")  # fmt: skip
-    const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16, RNE_X=False,
-                 RNE_O=False)  # fmt: skip
+    norm = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, xw_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i,
+                stride_o=i, stride_s=i, eps="fp32", x_eps="fp32")  # fmt: skip
+    const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_NORM=False, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16,
+                 RNE_X=False, RNE_O=False)  # fmt: skip
     for round_normed, offset in ((True, False), (False, False), (False, True)):
         kind = dict(ROUND_NORMED=round_normed, OFFSET=offset)
         _check_order(triton_norm._rms_norm_kernel, norm, const | kind, num_warps=4)
+    gemma = dict(ROUND_NORMED=False, OFFSET=True, X_NORM=True)  # the branch norm, add and norm of Gemma 3's layers
+    _check_order(triton_norm._rms_norm_kernel, norm, const | gemma, num_warps=4)
     kv = dict(k_ptr=p, v_ptr=p, kc_ptr=p, vc_ptr=p, slot_ptr="*i64", block_size=i, HKV=i, D=i,
               **dict.fromkeys(["s_kt", "s_kh", "s_kd", "s_vt", "s_vh", "s_vd"], i),
               **dict.fromkeys(["c_kb", "c_ko", "c_kh", "c_kd", "c_vb", "c_vo", "c_vh", "c_vd"], i))  # fmt: skip

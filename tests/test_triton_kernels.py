@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ from interpreter_jobs import failure_report
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_NVIDIA_BACKEND = HAS_TRITON and importlib.util.find_spec("triton.backends.nvidia") is not None
 HAS_CUDA = torch.cuda.is_available() and HAS_TRITON
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and triton")
@@ -247,15 +249,57 @@ def test_gpu_rms_norm(dtype: torch.dtype, h: int, round_normed: bool) -> None:
     assert torch.equal(norm(big)[1234], norm(pool[3:4])[0])
 
 
+def _fma_counts(dtype: str, round_normed: bool, offset: bool, x_norm: bool) -> dict[str, int]:
+    """FMAs by type in the sm_90 code of the norm kernel with a residual (and with ``x_norm`` the branch norm first)
+    for ``dtype`` rows of a norm of that kind: every FMA of the kernels is the compiler's contraction."""
+    import triton.language as tl
+
+    from hopper_compile import compile_for_hopper
+    from rlexact.ops import triton_norm
+
+    p, i = f"*{dtype}", "i32"
+    args = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, xw_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i,
+                stride_o=i, stride_s=i, eps="fp32", x_eps="fp32")  # fmt: skip
+    tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+    const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_NORM=x_norm, X_DTYPE=tdt, O_DTYPE=tdt, RNE_X=False,
+                 RNE_O=False, ROUND_NORMED=round_normed, OFFSET=offset, PDL=False)  # fmt: skip
+    ptx = compile_for_hopper(triton_norm._rms_norm_kernel, args, const, num_warps=4).asm["ptx"]
+    return {t: len(re.findall(rf"\bfma\.rn\.{t}\b", ptx)) for t in ("f32", "bf16x2", "bf16", "f16x2", "f16")}
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+def test_norm_add_rms_norm_launches_only_what_keeps_the_roundings() -> None:
+    """Compiled for sm_90 on the host: the one-launch branch norm, add and norm of the configurations
+    ``triton_norm.norm_add_rms_norm`` launches (16-bit rows of a norm that rounds once) has the FMAs of two add-norm
+    reductions and nothing else, so the branch norm's product is rounded before the add as the separate kernels round
+    it. The configurations it leaves to the separate kernels show why (negative controls): a norm that rounds the
+    normalized row first gets a 16-bit FMA of that product and the add, an fp32 row an fp32 one."""
+    from rlexact.ops import triton_norm
+
+    for dtype in ("bf16", "fp16"):
+        base = _fma_counts(dtype, False, True, x_norm=False)
+        assert base["f32"] > 0 and sum(base.values()) == base["f32"]
+        for offset in (True, False):
+            fused = _fma_counts(dtype, False, offset, x_norm=True)
+            assert fused == {k: 2 * v for k, v in base.items()}, (dtype, offset)
+        llama = _fma_counts(dtype, True, False, x_norm=True)
+        assert llama[f"{'bf' if dtype == 'bf16' else 'f'}16x2"] > 0, dtype
+    fp32 = _fma_counts("fp32", False, True, x_norm=True)
+    assert fp32["f32"] > 2 * _fma_counts("fp32", False, True, x_norm=False)["f32"]
+    assert triton_norm.FUSED_BRANCH_NORM_DTYPES == (torch.bfloat16, torch.float16)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("h", [1152, 2560, 5376, 8192, 12288, 40])
 @pytest.mark.parametrize("norm", ["llama", "gemma"])
 def test_gpu_norm_add_rms_norm(dtype: torch.dtype, h: int, norm: str) -> None:
-    """The branch norm, add and norm in one launch: both outputs bitwise the norm kernel then the add-norm kernel (at
-    Gemma 3's hidden sizes, the largest one-block row, a row that takes the separate launches), row invariant.
-    Negative control: a different branch eps."""
+    """The branch norm, add and norm: both outputs bitwise the norm kernel then the add-norm kernel (at Gemma 3's
+    hidden sizes, the largest one-block row, a row that takes the separate launches), row invariant. The one-launch
+    kernel runs for Gemma's norm in 16 bits; the other cases check that the op leaves them to the separate kernels
+    (at f9e5e7c, which launched them at once, they differed: ``gpu_tests_norm_add_h200.log``). Negative control: a
+    different branch eps."""
     from rlexact.ops import triton_norm
 
     round_normed, offset = ROPE_NORMS[norm]

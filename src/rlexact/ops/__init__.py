@@ -189,8 +189,9 @@ def norm_add_rms_norm(
     (``round_normed``, ``offset``).
 
     Bitwise contract: both outputs equal :func:`rms_norm` then :func:`add_rms_norm` computed separately. With autograd
-    off or no input requiring grad, one input dtype and a branch norm that keeps it, it is one launch where a row fits
-    the norm kernel's block (:func:`rlexact.ops.triton_norm.norm_add_rms_norm`); otherwise it runs the separate ops.
+    off or no input requiring grad, one input dtype and a branch norm that keeps it, the Triton backend launches it
+    once where that keeps the bits (:func:`rlexact.ops.triton_norm.norm_add_rms_norm`: 16-bit rows of a norm that
+    rounds once, Gemma 3's); otherwise it runs the separate ops.
     """
     if x_weight.shape != (x.shape[-1],):
         raise ValueError(f"norm_add_rms_norm: x_weight {tuple(x_weight.shape)} does not match hidden size {x.shape[-1]}"

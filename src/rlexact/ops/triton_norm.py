@@ -32,6 +32,9 @@ MAX_NORM_BLOCK = 8192
 """Rows longer than this are reduced in fixed ``MAX_NORM_BLOCK`` chunks (two passes)."""
 SILU_BLOCK = 1024
 """Columns per program of ``silu_mul``."""
+FUSED_BRANCH_NORM_DTYPES = (torch.bfloat16, torch.float16)
+"""Row dtypes for which :func:`norm_add_rms_norm` of a norm that rounds once is one launch: the rounding to 16 bits
+between the branch norm's product and the add keeps the compiler from contracting them."""
 
 
 @triton.jit
@@ -235,9 +238,13 @@ def norm_add_rms_norm(
     """``x, residual [M, H]`` (one dtype), ``x_weight, w [H]`` -> ``(rms_norm(s, w, eps), s)`` with ``s =
     rms_norm(x, x_weight, x_eps) + residual``, both norms of one kind whose output dtype is ``x.dtype``.
 
-    One launch where a row fits one block (:func:`_norm_launch_params`), else the norm and :func:`add_rms_norm`. The
-    branch norm is computed by the code of :func:`rms_norm` and rounded as it stores, then added and normalized as in
-    :func:`add_rms_norm`, so both outputs equal the separate ops bitwise."""
+    One launch for :data:`FUSED_BRANCH_NORM_DTYPES` rows of a norm that rounds once (Gemma 3's) where a row fits one
+    block (:func:`_norm_launch_params`); else the norm and :func:`add_rms_norm`. The branch norm is computed by the
+    code of :func:`rms_norm` and rounded as it stores, then added and normalized as in :func:`add_rms_norm`, so both
+    outputs equal the separate ops bitwise. Elsewhere the compiler contracts the branch norm's last product into the
+    add: with an fp32 row nothing rounds between them, and a norm that rounds the normalized row first makes that
+    product one of two 16-bit values, which LLVM narrows to a 16-bit multiply and fuses with the (likewise narrowed)
+    add into one 16-bit FMA (``tests/test_triton_kernels.py``'s sm_90 compile check)."""
     same = residual.shape == x.shape and residual.dtype == x.dtype and w.shape == x_weight.shape == (x.shape[-1],)
     if x.dim() != 2 or not same:
         shapes = f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, x_weight "
@@ -246,7 +253,7 @@ def norm_add_rms_norm(
         promoted = torch.promote_types(x_weight.dtype, x.dtype)
         raise ValueError(f"norm_add_rms_norm: a {x_weight.dtype} x_weight makes the branch norm of {x.dtype} rows "
                          f"{promoted}; run rms_norm and add_rms_norm apart")  # fmt: skip
-    if not _norm_launch_params(x.shape[1])[1]:
+    if round_normed or x.dtype not in FUSED_BRANCH_NORM_DTYPES or not _norm_launch_params(x.shape[1])[1]:
         return add_rms_norm(rms_norm(x, x_weight, x_eps, round_normed, offset), residual, w, eps, round_normed, offset)
     normed, summed = _launch_norm(x, residual, w, eps, round_normed, offset, (x_weight, x_eps))
     assert summed is not None
