@@ -170,24 +170,30 @@ def _outputs(model: torch.nn.Module, seqs: list[torch.Tensor], logits: bool = Tr
 
 
 def check_model_fused_equal(model: torch.nn.Module, seqs: list[torch.Tensor], logits: bool = True) -> None:
-    """Fused decoder layers == unfused exact layers, bitwise, and the fused op really ran (2 * layers - 1 calls)."""
+    """Fused decoder layers == unfused exact layers, bitwise, and the fused ops really ran (2 * layers - 1 calls of
+    ``add_rms_norm``, or of ``norm_add_rms_norm`` where a branch's output norm joins it)."""
     calls = []
-    orig = ops.add_rms_norm
+    names = ("add_rms_norm", "norm_add_rms_norm")
+    origs = {name: getattr(ops, name) for name in names}
 
-    def spy(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        calls.append(1)
-        return orig(*a, **kw)
+    def spy(name: str):  # noqa: ANN202
+        def call(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls.append(name)
+            return origs[name](*a, **kw)
+
+        return call
 
     with torch.no_grad():
-        ops.add_rms_norm = spy
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name in names:
+                mp.setattr(ops, name, spy(name))
             fused = _outputs(model, seqs, logits)
-        finally:
-            ops.add_rms_norm = orig
         with unfused(model):
             ref = _outputs(model, seqs, logits)
     n_layers = model.config.num_hidden_layers
     assert len(calls) == (2 * n_layers - 1) * (2 if logits else 1), len(calls)
+    sandwich = any(hasattr(m, "pre_feedforward_layernorm") for m in model.modules())  # Gemma 3's branch norms
+    assert set(calls) == {names[1] if sandwich else names[0]}, set(calls)
     for i, (a, b) in enumerate(zip(fused, ref)):
         assert torch.equal(a, b), f"output {i}: fused decoder layers differ from the unfused exact layers"
 
@@ -371,14 +377,15 @@ def _interpreter_main() -> None:
     check_add_rms_norm("cpu", "triton")
     print("add_rms_norm ok", flush=True)
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        model = rlexact.exactify(tiny_model("qwen3", layers=3, hidden=32, heads=2, kv_heads=1, dtype=dtype, seed=7))
-        with forced_backend("triton"):
-            check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (6, 3)], logits=False)
-        used = set(autograd._TRITON_IMPLS)  # the Triton functions the forward resolved
-        want = {"add_rms_norm", "rms_norm", "matmul", "attention_varlen", "silu_mul", "qk_norm_rope_write_kv"}
-        assert want <= used, used
-        print(f"model {dtype} ok", flush=True)
+    for arch, extra in (("qwen3", {"add_rms_norm", "silu_mul"}), ("gemma3", {"norm_add_rms_norm", "gelu_tanh_mul"})):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = rlexact.exactify(tiny_model(arch, layers=3, hidden=32, heads=2, kv_heads=1, dtype=dtype, seed=7))
+            with forced_backend("triton"):
+                check_model_fused_equal(model, [torch.randint(0, 97, (n,), generator=g) for n in (6, 3)], logits=False)
+            used = set(autograd._TRITON_IMPLS)  # the Triton functions resolved so far (this forward's among them)
+            want = {"rms_norm", "matmul", "attention_varlen", "qk_norm_rope_write_kv"} | extra
+            assert want <= used, (arch, used)
+            print(f"model {arch} {dtype} ok", flush=True)
     print("fused decode ops ok")
 
 
