@@ -532,8 +532,7 @@ class PackedPlan:
     A plan with a ``q_layout`` is a descriptor kernel's: it reads Q and writes O through descriptors of ``q_box``
     boxes in that layout, its arguments end with the Q descriptor, the item counter (:func:`item_counter`) and the O
     descriptor, and it runs at most ``programs`` programs on a 1-D grid, which draw the items from the counter and
-    leave it zero. Any other plan
-    has one program per tile slot and head group."""
+    leave it zero. Any other plan has one program per tile slot and head group."""
 
     kernel: object
     options: Mapping[str, int]
@@ -566,7 +565,7 @@ class PackedPlan:
 
 
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-"""``(device index, raw stream) -> ``the item counter of the persistent launches on that stream."""
+"""``(device index, raw stream)`` -> the item counter of the persistent launches on that stream."""
 
 
 def item_counter(device: torch.device) -> torch.Tensor:
