@@ -12,8 +12,9 @@
 # On a two-GPU machine the halves run side by side, e.g.
 #   CUDA_VISIBLE_DEVICES=0 scripts/gpu_suite.sh bench train & CUDA_VISIBLE_DEVICES=1 scripts/gpu_suite.sh bench rollout
 #
-# tests: $OUT/gpu_tests_h200.log, one complete log whose header names the commit, source digest, GPU, driver, versions and
-#   the pytest command; every test file that uses the gpu marker runs (the four groups' pytest processes in parallel,
+# tests: $OUT/gpu_tests_<card>.log (<card>: h200, h100 or gpu, from nvidia-smi's name), one complete log whose header
+#   names the commit, source digest, GPU, driver, versions and the pytest command; every test file that uses the gpu
+#   marker runs (the four groups' pytest processes in parallel,
 #   the attention group over four pytest-xdist workers where xdist is installed: Triton compilation is CPU-bound and
 #   the GPU has room for all of them). Each group also writes $OUT/gpu_tests_groupN.log as
 #   it runs, so a run cut short by the device call's limit still returns what finished. With cold Triton caches the
@@ -41,7 +42,12 @@ gpu_test_files() {
 }
 
 if [[ $what == tests || $what == all ]]; then
-  log=$OUT/gpu_tests_h200.log
+  case $(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1) in
+    *H200*) card=h200 ;;
+    *H100*) card=h100 ;;
+    *) card=gpu ;;
+  esac
+  log=$OUT/gpu_tests_$card.log
   cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -q -rfE --durations=5"
   # four groups (the longest measured files apart): the kernel tests, the attention tests, the rollout/module tests,
   # the MoE and model tests
