@@ -259,3 +259,25 @@ def test_stream_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     assert captured[0] is not captured[1] and all(c is not bigger for c in captured)
     assert cache[(0, 11)] is bigger and len(cache) == 3
     assert made[0] == (2, torch.device("cuda", 0)) and len(made) == 6
+
+
+def test_item_counter_per_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gluon_attention.item_counter`` on a CUDA device (its queries stubbed): one pair of zeros per current stream,
+    the same tensor for every launch on that stream, a new one on another stream or during capture; new zeros each
+    call for CPU tensors."""
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(ga, "cuda_queries", lambda: ((lambda: 0), (lambda device: stream[0]), (lambda: capturing[0])))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(ga, "_zero_counter", lambda n, device: torch.zeros(n, dtype=torch.int32))
+    monkeypatch.setattr(ga, "_COUNTERS", {})
+    dev = torch.device("cuda", 0)
+    first = ga.item_counter(dev)
+    assert first.tolist() == [0, 0] and ga.item_counter(dev) is first
+    stream[0] = 8
+    assert ga.item_counter(dev) is not first
+    stream[0], capturing[0] = 7, True
+    assert ga.item_counter(dev) is not first
+    capturing[0] = False
+    assert ga.item_counter(dev) is first and set(ga._COUNTERS) == {(0, 7), (0, 8)}
+    cpu = torch.device("cpu")
+    assert ga.item_counter(cpu) is not ga.item_counter(cpu)
