@@ -390,9 +390,7 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
     )
     post_eps, post_kind = _norm_eps(post_norm), _norm_kind(post_norm)
     next_eps, next_kind = _norm_eps(next_norm), _norm_kind(next_norm)
-    # a branch's output norm joins the add-norm after it when both norms are of one kind (Gemma 3's are)
-    attn_fused = attn_out_norm is not None and _norm_kind(attn_out_norm) == post_kind
-    mlp_fused = mlp_out_norm is not None and next_norm is not None and _norm_kind(mlp_out_norm) == next_kind
+    attn_branch, mlp_branch = _branch_norm(attn_out_norm, post_kind), _branch_norm(mlp_out_norm, next_kind)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -423,31 +421,34 @@ def _decoder_layer_forward(layer: nn.Module, next_norm: nn.Module | None, handof
             hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )  # fmt: skip
-        if attn_fused:
-            hidden_states, residual = ops.norm_add_rms_norm(
-                hidden_states, attn_out_norm.weight, _norm_eps(attn_out_norm), residual, post_norm.weight, post_eps,
-                **post_kind,
-            )  # fmt: skip
-        else:
-            if attn_out_norm is not None:
-                hidden_states = attn_out_norm(hidden_states)
-            hidden_states, residual = ops.add_rms_norm(hidden_states, residual, post_norm.weight, post_eps, **post_kind)
+        hidden_states, residual = _add_norm(attn_branch, hidden_states, residual, post_norm.weight, post_eps, post_kind)
         hidden_states = layer.mlp(hidden_states)
         w = None if next_norm is None else next_norm.weight
         if w is None or type(w) not in (torch.Tensor, nn.Parameter) or not _no_autograd(hidden_states, residual, w):
             return residual + (hidden_states if mlp_out_norm is None else mlp_out_norm(hidden_states))
-        if mlp_fused:
-            normed, out = ops.norm_add_rms_norm(
-                hidden_states, mlp_out_norm.weight, _norm_eps(mlp_out_norm), residual, w, next_eps, **next_kind
-            )  # fmt: skip
-        else:
-            if mlp_out_norm is not None:
-                hidden_states = mlp_out_norm(hidden_states)
-            normed, out = ops.add_rms_norm(hidden_states, residual, w, next_eps, **next_kind)
+        normed, out = _add_norm(mlp_branch, hidden_states, residual, w, next_eps, next_kind)
         handoff[0] = ((out, w), (_version(out), _version(w)), normed)
         return out
 
     return forward
+
+
+def _branch_norm(norm: nn.Module | None, kind: dict[str, bool]) -> tuple[nn.Module | None, float, bool]:
+    """``(norm, its eps, whether it joins the add-norm after it)`` of a branch whose output ``norm`` (None: none)
+    normalizes before the residual add that a norm of ``kind`` follows: it joins when both norms are of one kind
+    (Gemma 3's are)."""
+    return norm, _norm_eps(norm), norm is not None and _norm_kind(norm) == kind
+
+
+def _add_norm(branch: tuple[nn.Module | None, float, bool], h: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+              eps: float, kind: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(rms_norm(s, w, eps), s)`` with ``s = residual + h``, ``h`` first through the branch norm of ``branch``
+    (:func:`_branch_norm`): one :func:`rlexact.ops.norm_add_rms_norm` call where the norm joins, else the norm module
+    and :func:`rlexact.ops.add_rms_norm`."""
+    norm, norm_eps, joins = branch
+    if joins:
+        return ops.norm_add_rms_norm(h, norm.weight, norm_eps, residual, w, eps, **kind)
+    return ops.add_rms_norm(h if norm is None else norm(h), residual, w, eps, **kind)
 
 
 def _patch_decoder_layers(state: ExactState, model: nn.Module) -> None:

@@ -3,7 +3,7 @@ position ``p`` are multiplied by ``1 + beta * log(1 + floor(p / original_max_pos
 query dtype (transformers' ``get_llama_4_attn_scale``).
 
 The factor takes one value per ``n = floor(p / original)``, so it is read from a table of those values, computed
-once in fp32 on the CPU and kept per device and query dtype. Every path (training, chunked prefill, decode, a
+in fp32 on the CPU when a layer is exactified and kept, per layer, for each device and query dtype. Every path (training, chunked prefill, decode, a
 transformers ``generate``) then multiplies by the same bits: an elementwise product is correctly rounded whatever the
 batch.
 """
