@@ -2,10 +2,10 @@
 position ``p`` are multiplied by ``1 + beta * log(1 + floor(p / original_max_position_embeddings))``, rounded to the
 query dtype (transformers' ``get_llama_4_attn_scale``).
 
-The factor takes one value per ``n = floor(p / original)``, so it is read from a table of those values, computed
-in fp32 on the CPU when a layer is exactified and kept, per layer, for each device and query dtype. Every path (training, chunked prefill, decode, a
-transformers ``generate``) then multiplies by the same bits: an elementwise product is correctly rounded whatever the
-batch.
+The factor takes one value per ``n = floor(p / original)``, so it is read from a table of those values, computed in fp32
+on the CPU when a layer is exactified and kept, per layer, for each device and query dtype. Every path (training,
+chunked prefill, decode, a transformers ``generate``) then multiplies by the same bits: an elementwise product is
+correctly rounded whatever the batch.
 """
 
 from __future__ import annotations
