@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import sys
 import time
@@ -101,9 +102,14 @@ def check_matmul() -> None:
     # negative control: the splits are taken (the unsplit chain rounds differently)
     assert not torch.equal(full, tmm.matmul_with_config(pool, w, tmm.MatmulConfig("tma", 16, 32, 32, 4, 1)))
 
-    # the SiLU-gated product (w = [gate rows; up rows]): bitwise the two products under the same tiles and silu_mul,
-    # in both kernels, with N not a multiple of BN (the last gate tile reads up rows; their columns are clipped)
+    # the gated products (w = [gate rows; up rows]): bitwise the two products under the same tiles and the gate's op
+    # (silu_mul, gelu_tanh_mul), in both kernels, with N not a multiple of BN (the last gate tile reads up rows; their
+    # columns are clipped)
     n, k = 40, 72
+    gates = {
+        False: (tnorm.silu_mul, torch.nn.functional.silu),
+        True: (tnorm.gelu_tanh_mul, functools.partial(torch.nn.functional.gelu, approximate="tanh")),
+    }
     for cfg in [
         tmm.MatmulConfig("ptr", 16, 32, 32, 4, 1),
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1),
@@ -111,25 +117,27 @@ def check_matmul() -> None:
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, joint=True),
         tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, subtile=True, joint=True),
     ]:
-        for dtype in (torch.float32, torch.bfloat16):
+        for (gelu, (gate_op, act64)), dtype in itertools.product(gates.items(), (torch.float32, torch.bfloat16)):
             x, w = torch.randn(21, k).to(dtype), (torch.randn(2 * n, k) * 0.3).to(dtype)
-            got = tmm.matmul_with_config(x, w, cfg, gated=True)
+            got = tmm.matmul_with_config(x, w, cfg, gated=True, gelu=gelu)
             plain = dataclasses.replace(cfg, joint=False)
             g, u = tmm.matmul_with_config(x, w[:n], plain), tmm.matmul_with_config(x, w[n:], plain)
-            assert torch.equal(got, tnorm.silu_mul(g, u)), (cfg, dtype)
+            assert torch.equal(got, gate_op(g, u)), (cfg, dtype, gelu)
             xd, gd, ud = x.double(), w[:n].double(), w[n:].double()
-            ref = torch.nn.functional.silu(xd @ gd.T) * (xd @ ud.T)
+            ref = act64(xd @ gd.T) * (xd @ ud.T)
             scale = (xd.abs() @ gd.abs().T) * (xd.abs() @ ud.abs().T)  # bounds |g| |u|: the product's error scale
-            assert _rel_err(got, ref, scale) < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, dtype)
-            # negative controls: the halves swapped, and (bf16) the gate applied to the unrounded fp32 products
-            assert not torch.equal(got, tnorm.silu_mul(u, g)), cfg
+            assert _rel_err(got, ref, scale) < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, dtype, gelu)
+            # negative controls: the halves swapped, the other gate, and (bf16) the gate applied to the unrounded
+            # fp32 products
+            assert not torch.equal(got, gate_op(u, g)), cfg
+            assert not torch.equal(got, gates[not gelu][0](g, u)), cfg
             if dtype == torch.bfloat16:
                 g32 = tmm.matmul_with_config(x.float(), w[:n].float(), plain)
                 u32 = tmm.matmul_with_config(x.float(), w[n:].float(), plain)
-                assert not torch.equal(got, tnorm.silu_mul(g32, u32).to(dtype)), cfg
+                assert not torch.equal(got, gate_op(g32, u32).to(dtype)), cfg
         _check_invariant(
-            lambda xb, w=w, cfg=cfg: tmm.matmul_with_config(xb, w, cfg, gated=True), torch.randn(14, k).bfloat16(),
-            14, f"gated {cfg.kernel}",
+            lambda xb, w=w, cfg=cfg: tmm.matmul_with_config(xb, w, cfg, gated=True, gelu=True),
+            torch.randn(14, k).bfloat16(), 14, f"gated {cfg.kernel}",
         )  # fmt: skip
     for cfg, gated, msg in [
         (tmm.MatmulConfig("tma", 16, 32, 32, 4, 1, KS=32), True, "splits K"),

@@ -83,18 +83,21 @@ def test_groups_whose_k_splits_differ_run_unfused(qwen2, monkeypatch) -> None:
     assert len(FusedProjections(qwen2).table) == 2 * len(qwen2.model.layers)  # control: equal chains fuse
 
 
-def test_gate_up_silu_is_the_separate_ops() -> None:
-    """``ops.gate_up_silu`` equals ``silu_mul`` of the two products bitwise (here the CPU path, the products and the
-    gate); the halves swapped differ; a weight without two equal halves is refused with the expected layout."""
+@pytest.mark.parametrize(("fused", "gate"), [("gate_up_silu", "silu_mul"), ("gate_up_gelu_tanh", "gelu_tanh_mul")])
+def test_gate_up_is_the_separate_ops(fused: str, gate: str) -> None:
+    """``ops.gate_up_silu`` / ``ops.gate_up_gelu_tanh`` equal their gate's op of the two products bitwise (here the
+    CPU path, the products and the gate); the halves swapped differ; a weight without two equal halves is refused
+    with the expected layout."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 24, generator=g).bfloat16()
     w = torch.randn(2 * 40, 24, generator=g).bfloat16()
-    y = ops.gate_up_silu(x, w)
+    op, gate_op = getattr(ops, fused), getattr(ops, gate)
+    y = op(x, w)
     assert y.shape == (3, 5, 40)
-    assert torch.equal(y, ops.silu_mul(ops.linear(x, w[:40]), ops.linear(x, w[40:])))
-    assert not torch.equal(y, ops.silu_mul(ops.linear(x, w[40:]), ops.linear(x, w[:40])))
+    assert torch.equal(y, gate_op(ops.linear(x, w[:40]), ops.linear(x, w[40:])))
+    assert not torch.equal(y, gate_op(ops.linear(x, w[40:]), ops.linear(x, w[:40])))
     with pytest.raises(ValueError, match="gate rows, then up rows"):
-        ops.gate_up_silu(x, w[:79])
+        op(x, w[:79])
 
 
 def test_generator_fuses_only_exact_cuda() -> None:

@@ -47,7 +47,7 @@ def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | No
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
-@pytest.mark.parametrize("mode", [0, 1], ids=["plain", "gated"])
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["plain", "silu", "gelu"])
 def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
     _gluon()
     from hopper_compile import compile_gluon_for_hopper, tma_desc_type
@@ -59,7 +59,7 @@ def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
                 N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
     k = compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=mode), **gm.options_for(cfg))
     assert k.metadata.shared >= cfg.ring_bytes(gated=mode > 0)
-    assert _wgmmas(k) == (2 if mode == 1 else 1) * 4  # four k16 steps per 64-column slice, per chain
+    assert _wgmmas(k) == (2 if mode else 1) * 4  # four k16 steps per 64-column slice, per chain
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,45 +41,47 @@ def test_config_rejects_unsupported_tiles() -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("kind", ["plain", "silu", "gelu"])
 @pytest.mark.parametrize("nk", [(2048, 2048), (300, 2048), (6144, 2048), (200, 72)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], gated: bool, dtype: torch.dtype) -> None:
+def test_gpu_gluon_matmul_equals_library(nk: tuple[int, int], kind: str, dtype: torch.dtype) -> None:
     """Every tile shape, at row counts around and across its tiles and for column counts that end mid-tile, gives
-    the rows of the library's ``matmul`` (plain) or ``gated_matmul`` (``w [2N, K]``: a gate chain and an up chain)
-    bitwise, and agrees with an fp32 reference. Negative control: a perturbed ``x`` row changes that row and no
-    other."""
+    the rows of the library's ``matmul`` (plain) or ``gated_matmul`` (``w [2N, K]``: a gate chain and an up chain,
+    SiLU or GELU gate) bitwise, and agrees with an fp32 reference. Negative control: a perturbed ``x`` row changes
+    that row and no other."""
     from rlexact.ops import gluon_matmul
     from rlexact.ops import triton_matmul as tmm
 
     n, k = nk
+    gated, gelu = kind != "plain", kind == "gelu"
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     if not gluon_matmul.supported(w.device):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     if gated and tmm.gated_config_for(256, n, k, dtype, w.device) is None:
         pytest.skip("the library runs no gated kernel for this shape")
-    lib = tmm.gated_matmul if gated else tmm.matmul
+    lib = functools.partial(tmm.gated_matmul, gelu=gelu) if gated else tmm.matmul
     assert not tmm.chain_splits(n, k, dtype, w.device)
     for m in ROWS:
         x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
         ref = lib(x, w)
         full = x.float() @ w.float().T
         if gated:
-            full = torch.nn.functional.silu(full[:, :n]) * full[:, n:]
+            act = functools.partial(torch.nn.functional.gelu, approximate="tanh") if gelu else torch.nn.functional.silu
+            full = act(full[:, :n]) * full[:, n:]
         torch.testing.assert_close(ref.float(), full, atol=3e-2, rtol=3e-2)
         for cfg in _configs() if dtype == torch.bfloat16 else _configs()[1::3]:  # fp16: two tile shapes
             if cfg.ring_bytes(gated) > gluon_matmul.SMEM_LIMIT:
                 with pytest.raises(ValueError, match="shared memory"):
-                    gluon_matmul.forward(x, w, torch.empty_like(ref), cfg, gated)
+                    gluon_matmul.forward(x, w, torch.empty_like(ref), cfg, gated, gelu)
                 continue
             out = torch.full_like(ref, float("nan"))
-            gluon_matmul.forward(x, w, out, cfg, gated)
+            gluon_matmul.forward(x, w, out, cfg, gated, gelu)
             assert torch.equal(out, ref), (m, cfg)
     x2 = x.clone()
     x2[3, 0] += 1.0
     out = torch.empty_like(ref)
-    gluon_matmul.forward(x2, w, out, _configs()[1], gated)
+    gluon_matmul.forward(x2, w, out, _configs()[1], gated, gelu)
     assert not torch.equal(out[3], ref[3])
     others = torch.arange(x.shape[0], device="cuda") != 3
     assert torch.equal(out[others], ref[others])

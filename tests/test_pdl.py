@@ -5,6 +5,7 @@ changes no bit (GPU)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 
 import pytest
@@ -54,12 +55,12 @@ def test_pdl_kernels_wait_before_memory() -> None:
 
     p, i = "*bf16", "i32"
     mm = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_PROGS=132, WS=False, SUBTILE=False, OUT_DTYPE=tl.bfloat16,
-              UPCAST=False, RNE_FIX=False, DEV_DESC=True, KS=0, GATED=0)  # fmt: skip
+              UPCAST=False, RNE_FIX=False, DEV_DESC=True, KS=0, GATED=0, GELU=False)  # fmt: skip
     tma = dict(x_desc=p, w_desc=p, o_desc=p, M=i, N=i, K=i)
     _check_order(triton_matmul._mm_tma_kernel, tma, mm, num_warps=8)
     _check_order(triton_matmul._mm_tma_kernel, tma, mm | dict(BM=64, BN=64, BK=128, KS=1536), num_warps=4)
-    for gated in (1, 2):  # the SiLU-gated launches: two dots, or one joint [2, BN, BK] block
-        _check_order(triton_matmul._mm_tma_kernel, tma, mm | dict(GATED=gated), num_warps=8)
+    for gated, gelu in itertools.product((1, 2), (False, True)):  # gated: two dots, or one joint [2, BN, BK] block
+        _check_order(triton_matmul._mm_tma_kernel, tma, mm | dict(GATED=gated, GELU=gelu), num_warps=8)
     split = dict(x_ptr=p, w_ptr=p, ws_ptr="*fp32", M=i, N=i, K=i)
     const = dict(BM=16, BN=64, BK=128, KS=1536, UPCAST=False)
     _check_order(triton_matmul._mm_split_kernel, split, const, num_warps=4, num_stages=4)
@@ -67,8 +68,9 @@ def test_pdl_kernels_wait_before_memory() -> None:
     _check_order(triton_matmul._split_sum_kernel, dict(ws_ptr="*fp32", o_ptr=p, numel=i, splits=i), const)
     ptr = dict(x_ptr=p, w_ptr=p, o_ptr=p, M=i, N=i, K=i, stride_xm=i, stride_wn=i, stride_om=i)
     const = dict(BM=16, BN=16, BK=128, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False)
-    for gated in (False, True):
-        _check_order(triton_matmul._mm_ptr_kernel, ptr, const | dict(GATED=gated), num_warps=4, num_stages=4)
+    for gated, gelu in ((False, False), (True, False), (True, True)):
+        _check_order(triton_matmul._mm_ptr_kernel, ptr, const | dict(GATED=gated, GELU=gelu), num_warps=4,
+                     num_stages=4)  # fmt: skip
     norm = dict(x_ptr=p, r_ptr=p, w_ptr=p, o_ptr=p, s_ptr=p, xw_ptr=p, H=i, H_f="fp32", stride_x=i, stride_r=i,
                 stride_o=i, stride_s=i, eps="fp32", x_eps="fp32")  # fmt: skip
     const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_NORM=False, X_DTYPE=tl.bfloat16, O_DTYPE=tl.bfloat16,

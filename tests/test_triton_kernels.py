@@ -179,35 +179,43 @@ def test_gpu_matmul_k_splits_taken() -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("nk", [(6144, 2048), (1000, 1000)])
-def test_gpu_gated_matmul_equals_products_and_silu_mul(nk: tuple[int, int]) -> None:
-    """The SiLU-gated matmul (one launch) equals the trainer's ops, ``silu_mul`` of the two exact products, bitwise
-    at every M of its variants and of the products' variants (M = 1 .. 64, and up to 8,192 with rows at many
-    positions), and it is the library's path for these shapes. Negative control: the gate applied to the unrounded
-    fp32 products differs."""
+@pytest.mark.parametrize("nk", [(6144, 2048), (1000, 1000), (6912, 1152)])
+@pytest.mark.parametrize("gate", ["silu_mul", "gelu_tanh_mul"])
+def test_gpu_gated_matmul_equals_products_and_gate(nk: tuple[int, int], gate: str) -> None:
+    """The gated matmul (one launch; SiLU or GELU gate) equals the trainer's ops, the gate's op of the two exact
+    products, bitwise at every M of its variants and of the products' variants (M = 1 .. 64, and up to 8,192 with
+    rows at many positions), and it is the library's path for these shapes (Qwen3-1.7B's and Gemma 3 1B's MLPs).
+    Negative controls: the gate applied to the unrounded fp32 products, and the other gate, differ."""
     from rlexact import ops
     from rlexact.ops import triton_norm
 
     tm = _tm()
     n, k = nk
+    gelu = gate == "gelu_tanh_mul"
+    gate_op, other = getattr(triton_norm, gate), triton_norm.silu_mul if gelu else triton_norm.gelu_tanh_mul
+    gate_up = ops.gate_up_gelu_tanh if gelu else ops.gate_up_silu
     assert tm.gated_config_for(64, n, k, torch.bfloat16, _dev()) is not None
     g = torch.Generator(device="cuda").manual_seed(7)
     w = (torch.randn(2 * n, k, device=_dev(), generator=g) * k**-0.5).bfloat16()
     pool = torch.randn(80, k, device=_dev(), generator=g).bfloat16()
 
     def trainer(x: torch.Tensor) -> torch.Tensor:
-        return triton_norm.silu_mul(tm.matmul(x, w[:n]), tm.matmul(x, w[n:]))
+        return gate_op(tm.matmul(x, w[:n]), tm.matmul(x, w[n:]))
 
-    _rows_match_singles(lambda xb: tm.gated_matmul(xb, w), pool, _small_batches(80), f"gated {n}x{k}")
-    assert torch.equal(tm.gated_matmul(pool, w), trainer(pool))
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return tm.gated_matmul(x, w, gelu=gelu)
+
+    _rows_match_singles(fused, pool, _small_batches(80), f"gated {n}x{k}")
+    assert torch.equal(fused(pool), trainer(pool))
     for m in (65, 200, 256, 300, 1000, 2048, 8192):
         x = torch.randn(m, k, device=_dev(), generator=g).bfloat16()
         x[-16:] = pool[:16]
-        y = ops.gate_up_silu(x, w)
-        assert torch.equal(y, trainer(x)), f"M={m}: gated != silu_mul of the products"
-        assert torch.equal(y[-16:], tm.gated_matmul(pool[:16], w)), f"M={m}: rows depend on the batch"
+        y = gate_up(x, w)
+        assert torch.equal(y, trainer(x)), f"M={m}: gated != {gate} of the products"
+        assert torch.equal(y[-16:], fused(pool[:16])), f"M={m}: rows depend on the batch"
     g32, u32 = tm.matmul(pool.float(), w[:n].float()), tm.matmul(pool.float(), w[n:].float())
-    assert not torch.equal(tm.gated_matmul(pool, w), triton_norm.silu_mul(g32, u32).bfloat16()), "negative control"
+    assert not torch.equal(fused(pool), gate_op(g32, u32).bfloat16()), "negative control: unrounded products"
+    assert not torch.equal(fused(pool), other(tm.matmul(pool, w[:n]), tm.matmul(pool, w[n:]))), "the other gate"
 
 
 @gpu
@@ -265,6 +273,58 @@ def _fma_counts(dtype: str, round_normed: bool, offset: bool, x_norm: bool) -> d
                  RNE_O=False, ROUND_NORMED=round_normed, OFFSET=offset, PDL=False)  # fmt: skip
     ptx = compile_for_hopper(triton_norm._rms_norm_kernel, args, const, num_warps=4).asm["ptx"]
     return {t: len(re.findall(rf"\bfma\.rn\.{t}\b", ptx)) for t in ("f32", "bf16x2", "bf16", "f16x2", "f16")}
+
+
+def _float_ops_per_element(ptx: str) -> dict[str, float]:
+    """The fp32 operations of a gate's formula in ``ptx``, per gated element (each evaluates one ``ex2``)."""
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
+              for op in ("fma.rn.f32", "mul.f32", "add.f32", "ex2.approx.f32", "div.full.f32")}  # fmt: skip
+    return {op: n / counts["ex2.approx.f32"] for op, n in counts.items()}
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")
+def test_gated_matmul_epilogues_compute_the_gate_kernels_operations() -> None:
+    """Compiled for sm_90 on the host: the gated matmuls' epilogues (the pointer and TMA ``tl`` kernels, two dots or
+    one joint block, and the Gluon kernel where this Triton has Gluon) evaluate each gate with the fp32 operations
+    of the separate gate kernel (``silu_mul`` / ``gelu_tanh_mul``), contractions included, so no FMA joins
+    operations that the separate kernels keep apart (docs/design.md §2.3). The GPU tests check the bits. Negative
+    control: the two gates' operations differ."""
+    import triton.language as tl
+
+    from hopper_compile import compile_for_hopper
+    from rlexact.ops import gluon_attention, triton_matmul, triton_norm
+
+    p, i = "*bf16", "i32"
+    per_gate = {}
+    for gelu in (False, True):
+        args = dict(g_ptr=p, u_ptr=p, o_ptr=p, ncols=i, stride_g=i, stride_u=i, stride_o=i)
+        const = dict(BLOCK=1024, O_DTYPE=tl.bfloat16, RNE_O=False, GELU=gelu, PDL=False)
+        sep = compile_for_hopper(triton_norm._gated_mul_kernel, args, const, num_warps=4)
+        want = per_gate[gelu] = _float_ops_per_element(sep.asm["ptx"])
+        assert want["div.full.f32"] == 1 and want["fma.rn.f32"] == (1 if gelu else 0), want
+        ptr = dict(x_ptr=p, w_ptr=p, o_ptr=p, M=i, N=i, K=i, stride_xm=i, stride_wn=i, stride_om=i)
+        const = dict(BM=16, BN=32, BK=64, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False, PDL=False, GATED=True,
+                     GELU=gelu)  # fmt: skip
+        kernels = [compile_for_hopper(triton_matmul._mm_ptr_kernel, ptr, const, num_warps=4, num_stages=4)]
+        tma = dict(x_desc=p, w_desc=p, o_desc=p, M=i, N=i, K=i)
+        const = dict(BM=128, BN=128, BK=64, GROUP_M=8, NUM_PROGS=132, WS=False, SUBTILE=False, OUT_DTYPE=tl.bfloat16,
+                     UPCAST=False, RNE_FIX=False, DEV_DESC=True, KS=0, PDL=False, GELU=gelu)  # fmt: skip
+        for gated in (1, 2):
+            kernels.append(compile_for_hopper(triton_matmul._mm_tma_kernel, tma, const | dict(GATED=gated),
+                                              num_warps=8, num_stages=3))  # fmt: skip
+        if gluon_attention.gluon is not None:
+            from hopper_compile import compile_gluon_for_hopper, tma_desc_type
+            from rlexact.ops import gluon_matmul as gm
+
+            cfg = gm.GluonMatmulConfig(128, 128)
+            args = dict(x_desc=tma_desc_type(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
+                        w_desc=tma_desc_type(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr=p,
+                        M=i, N=i, K=i, stride_om=i, group_m=i)  # fmt: skip
+            kernels.append(compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=2 if gelu else 1),
+                                                    **gm.options_for(cfg)))  # fmt: skip
+        for k in kernels:
+            assert _float_ops_per_element(k.asm["ptx"]) == want, (k.name, gelu)
+    assert per_gate[False] != per_gate[True]
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="needs triton's CUDA backend")

@@ -42,6 +42,8 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 GATES: dict[str, str] = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 """The gated MLP's activation (``hidden_act``, Gemma's ``hidden_activation``) -> the exact op that applies it."""
+GATE_UPS: dict[str, str] = {"silu_mul": "gate_up_silu", "gelu_tanh_mul": "gate_up_gelu_tanh"}
+"""A gate's op -> the op that runs the gate and up products and that gate over one fused ``[gate; up]`` weight."""
 
 
 def check_supported(model: nn.Module) -> None:
@@ -276,15 +278,14 @@ def _fused_linear(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | N
 
 def _mlp_forward(m: nn.Module, gate_name: str) -> Callable:
     """Exact gated MLP: ``down(act(gate(x)) * up(x))`` with ``act(g) * u`` the op ``gate_name`` of
-    :data:`GATES`; with fused weights in effect, gate and up are one matmul, and with the SiLU gate also the
-    activation (:func:`rlexact.ops.gate_up_silu`, bitwise the separate ops)."""
-    gated = getattr(ops, gate_name)
-    silu = gate_name == "silu_mul"
+    :data:`GATES`; with fused weights in effect, gate, up and the activation are one op (:data:`GATE_UPS`, bitwise
+    the separate ops)."""
+    gated, gate_up = getattr(ops, gate_name), getattr(ops, GATE_UPS[gate_name])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         fused = _fused_entry(m, x)
-        if silu and fused is not None and fused.bias is None and fused.sizes[0] == fused.sizes[1]:
-            return m.down_proj(ops.gate_up_silu(x, fused.weight))
+        if fused is not None and fused.bias is None and fused.sizes[0] == fused.sizes[1]:
+            return m.down_proj(gate_up(x, fused.weight))
         gate, up = _fused_linear(m, x) or (m.gate_proj(x), m.up_proj(x))
         return m.down_proj(gated(gate, up))
 

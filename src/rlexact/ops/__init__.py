@@ -22,6 +22,7 @@ __all__ = [
     "attention_paged",
     "attention_varlen",
     "decode_split_keys",
+    "gate_up_gelu_tanh",
     "gate_up_silu",
     "gelu_tanh_mul",
     "group_capacity",
@@ -104,17 +105,27 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None
     leading shape. Without autograd, on GPUs where :func:`rlexact.ops.triton_matmul.gated_supported` holds, one
     launch computes both products and the gate (no ``[..., 2N]`` intermediate); elsewhere it runs the two products
     and :func:`silu_mul`."""
+    return _gate_up(x, w, "silu_mul", backend)
+
+
+def gate_up_gelu_tanh(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """:func:`gate_up_silu` with :func:`gelu_tanh_mul`'s gate: ``gelu_tanh_mul(linear(x, w[:N]), linear(x, w[N:]))``,
+    bitwise, in one launch where the SiLU-gated product runs in one."""
+    return _gate_up(x, w, "gelu_tanh_mul", backend)
+
+
+def _gate_up(x: torch.Tensor, w: torch.Tensor, op: str, backend: str | None) -> torch.Tensor:
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"gate_up_silu: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K] "
-                         "and w [2N, K] (gate rows, then up rows)")  # fmt: skip
+        raise ValueError(f"gate_up ({op}): x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected "
+                         "x [..., K] and w [2N, K] (gate rows, then up rows)")  # fmt: skip
     be = resolve_backend(x, backend)
     n = w.shape[0] // 2
     if be == "triton" and x.dtype == w.dtype and not _tracked(x, w):
         from . import triton_matmul as tmm
 
         if tmm.gated_supported(n, w.shape[1], x.dtype, x.device):
-            return tmm.gated_matmul(x, w)
-    return silu_mul(linear(x, w[:n], backend=be), linear(x, w[n:], backend=be), backend=be)
+            return tmm.gated_matmul(x, w, gelu=op == "gelu_tanh_mul")
+    return _gated_mul(linear(x, w[:n], backend=be), linear(x, w[n:], backend=be), op, be)
 
 
 def rms_norm(

@@ -1,14 +1,15 @@
-"""The exact matmul in Triton's Gluon dialect, for Hopper: persistent, warp-specialized, plain or SiLU-gated.
+"""The exact matmul in Triton's Gluon dialect, for Hopper: persistent, warp-specialized, plain or gated (SiLU or GELU).
 
-Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated_matmul``) for shapes without fixed
-K splits: every output element is the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column
-K tile in ascending order, carried through the wgmma accumulator (k16 steps, ascending), rounded once to the output
-dtype. The gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles, rounds both to
-the output dtype and stores ``silu(gate) * up`` with the library's formula (``g / (1 + exp(-g)) * u`` in fp32 with
-the GPU's fast division, rounded once). Tile shapes do not enter a row's arithmetic (the wgmma instruction's N width
-and the number of warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s module
-docstring), so this kernel and the ``tl`` tiles give the same bits; the GPU tests check it. (Summing fixed K splits
-in the consumer, as the ``tl`` kernel does for K-heavy shapes, was bitwise equal but slower at decode row counts:
+Bitwise the rows of :func:`rlexact.ops.triton_matmul.matmul` (and of its ``gated_matmul``) for shapes without fixed K
+splits: every output element is the fp32 chain ``acc = 0``, then ``acc = x_k @ w_k^T + acc`` for every 64-column K tile
+in ascending order, carried through the wgmma accumulator (k16 steps, ascending), rounded once to the output dtype. The
+gated product runs the gate row's chain and the up row's chain on the same ``x`` tiles, rounds both to the output dtype
+and stores ``silu(gate) * up`` with the library's formula (``g / (1 + exp(-g)) * u`` in fp32 with the GPU's fast
+division, rounded once), or ``gelu_tanh(gate) * up`` with the same division over the GELU's argument
+(:func:`rlexact.ops.triton_shared.gelu_tanh_times`). Tile shapes do not enter a row's arithmetic (the wgmma
+instruction's N width and the number of warpgroups do not change an element's k16 chain: ``rlexact.ops.triton_matmul``'s
+module docstring), so this kernel and the ``tl`` tiles give the same bits; the GPU tests check it. (Summing fixed K
+splits in the consumer, as the ``tl`` kernel does for K-heavy shapes, was bitwise equal but slower at decode row counts:
 ``benchmarks/results/gluon_matmul_probe_down_h200.json``.)
 
 What differs is how the operands reach the tensor cores. A producer warp streams each tile's ``x`` and ``w`` K slices
@@ -117,20 +118,25 @@ if gluon is not None:
                 c += 1
 
     @gluon.jit
-    def _silu_times(gate, up):
-        """``silu(gate) * up`` in fp32 with the library's formula (:func:`rlexact.ops.triton_shared.silu_times`)."""
-        return gate / (1.0 + gl.exp(-gate)) * up
+    def _gate_times(gate, up, GATED: gl.constexpr):
+        """The gate times ``up`` in fp32 with the library's formulas (:func:`rlexact.ops.triton_shared.gate_times`):
+        ``GATED`` 1 SiLU, 2 GELU (tanh), whose argument is ``gelu_tanh_arg``'s."""
+        if GATED == 2:
+            gate_arg = 1.5957691216057308 * (gate + 0.044715 * (gate * gate * gate))
+        else:
+            gate_arg = gate
+        return gate / (1.0 + gl.exp(-gate_arg)) * up
 
     @gluon.jit
     def _store(out_ptr, acc, up, M, N, stride_om, row0, col0, GATED: gl.constexpr):
         """Store the tile at ``(row0, col0)``: ``acc`` rounded to the output dtype, or with ``GATED`` both chains
-        rounded as stored products, then the exact SiLU gate in fp32 (:func:`_silu_times`), rounded once."""
+        rounded as stored products, then the exact gate in fp32 (:func:`_gate_times`), rounded once."""
         bm: gl.constexpr = acc.type.shape[0]
         width: gl.constexpr = acc.type.shape[1]
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [bm // 16, 1], [1, 0])
         dt: gl.constexpr = out_ptr.dtype.element_ty
         if GATED:
-            acc = _silu_times(acc.to(dt).to(gl.float32), up.to(dt).to(gl.float32))
+            acc = _gate_times(acc.to(dt).to(gl.float32), up.to(dt).to(gl.float32), GATED)
         rows = row0 + gl.arange(0, bm, layout=gl.SliceLayout(1, out_layout))
         cols = col0 + gl.arange(0, width, layout=gl.SliceLayout(0, out_layout))
         ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
@@ -141,7 +147,7 @@ if gluon is not None:
     def _consumer(out_ptr, a_smem, b_smem, u_smem, ready, empty, M, N, K, stride_om, group_m, BM: gl.constexpr,
                   BN: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
         """Every tile of this program: the wgmma chain(s) over its K slices, then the store of its rows.
-        ``GATED``: 0 plain; 1 the gate chain in ``b_smem`` and the up chain in ``u_smem``."""
+        ``GATED``: 0 plain; 1 (SiLU) or 2 (GELU) the gate chain in ``b_smem`` and the up chain in ``u_smem``."""
         CW: gl.constexpr = BM // 16
         bk: gl.constexpr = a_smem.type.shape[2]
         acc_layout: gl.constexpr = wgmma_layout(CW, BN)
@@ -176,7 +182,7 @@ if gluon is not None:
     @gluon.jit
     def _mm_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, group_m, BM: gl.constexpr, BN: gl.constexpr,
                    GATED: gl.constexpr):  # fmt: skip
-        """``GATED``: 0 plain, 1 gated (:func:`_consumer`)."""
+        """``GATED``: 0 plain, 1 SiLU-gated, 2 GELU-gated (:func:`_consumer`)."""
         dt: gl.constexpr = x_desc.dtype
         bk: gl.constexpr = x_desc.block_type.shape[1]
         up_rows: gl.constexpr = BN if GATED else 8  # else an unused slot
@@ -217,12 +223,14 @@ def supported(device: torch.device) -> bool:
     return gluon is not None and key[0] == "cuda" and sm90(key[1])
 
 
-def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool) -> None:
+def forward(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmulConfig, gated: bool, gelu: bool = False
+) -> None:
     """``out [M, N] = x [M, K] @ w [N, K].T``, or with ``gated`` (``w [2N, K]``, gate rows then up rows)
-    ``silu(x @ w[:N].T) * (x @ w[N:].T)``, in ``cfg``'s tiles: one chain over all of K, so the library's rows for
-    shapes without fixed K splits (:func:`rlexact.ops.triton_matmul.chain_splits` is 0). Call only where
-    :func:`supported` holds. TMA descriptors need 16-byte-aligned bases, so a misaligned operand is copied first, as
-    the ``tl`` descriptor tiles do."""
+    ``silu(x @ w[:N].T) * (x @ w[N:].T)`` (with ``gelu``: ``gelu_tanh`` as the gate), in ``cfg``'s tiles: one chain
+    over all of K, so the library's rows for shapes without fixed K splits
+    (:func:`rlexact.ops.triton_matmul.chain_splits` is 0). Call only where :func:`supported` holds. TMA descriptors
+    need 16-byte-aligned bases, so a misaligned operand is copied first, as the ``tl`` descriptor tiles do."""
     if cfg.ring_bytes(gated) > SMEM_LIMIT:
         kind = "gated" if gated else "plain"
         raise ValueError(f"gluon_matmul: {cfg} ({kind}) needs {cfg.ring_bytes(gated)} bytes of shared memory, more "
@@ -237,7 +245,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GluonMatmu
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     grid = (min(tiles, cfg.per_sm * num_sms(x.device)), 1)
     stride = out.stride(0)
-    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, int(gated))
+    args = (x_desc, w_desc, out, m, n, k, stride, GROUP_M, cfg.BM, cfg.BN, (2 if gelu else 1) if gated else 0)
     options = options_for(cfg)
     launch(_mm_kernel, grid, args, (x, w, out), (m, n, k, stride, n_rows, GROUP_M), options)
 

@@ -124,10 +124,10 @@ from .triton_shared import (
     device_key,
     direct_launch_ok,
     dot_flags,
+    gate_times,
     launch_hooks_installed,
     num_sms,
     rne_fix,
-    silu_times,
     stream_buffer,
     tile_coords,
     tma_ok,
@@ -301,11 +301,12 @@ def config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device)
 
 
 @triton.jit
-def _gate_up(acc, acc_up, OUT_DTYPE: tl.constexpr, RNE_FIX: tl.constexpr):
+def _gate_up(acc, acc_up, OUT_DTYPE: tl.constexpr, RNE_FIX: tl.constexpr, GELU: tl.constexpr):
     """The gated epilogue: both fp32 chains rounded to ``OUT_DTYPE`` (as the separate products store them), then
-    :func:`silu_times` of the rounded values, in fp32 (the caller rounds once more, as ``silu_mul`` does)."""
+    :func:`~rlexact.ops.triton_shared.gate_times` of the rounded values, in fp32 (the caller rounds once more, as
+    ``silu_mul`` / ``gelu_tanh_mul`` do)."""
     gate = cast_out(acc, OUT_DTYPE, RNE_FIX).to(tl.float32)
-    return silu_times(gate, cast_out(acc_up, OUT_DTYPE, RNE_FIX).to(tl.float32))
+    return gate_times(gate, cast_out(acc_up, OUT_DTYPE, RNE_FIX).to(tl.float32), GELU)
 
 
 @triton.jit
@@ -338,6 +339,7 @@ def _mm_tma_kernel(
     PDL: tl.constexpr,
     KS: tl.constexpr,
     GATED: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     """Persistent matmul over tensor descriptors: ``x_desc [M, K]`` block ``[BM, BK]``, ``w_desc [N, K]`` block
     ``[BN, BK]`` (loaded as the B^T tile), ``o_desc [M, N]`` block ``[BM, BN]`` (``[BM, BN // 2]`` if SUBTILE).
@@ -346,9 +348,9 @@ def _mm_tma_kernel(
     (cheaper launches; needs a Triton allocator for the descriptor scratch, see :func:`ensure_allocator`).
     ``KS > 0``: the chain restarts from zero every ``KS`` columns and the splits are summed in ascending order.
     ``GATED`` (with ``KS == 0`` and ``DEV_DESC``): ``w_desc`` is ``[2N, K]``, gate rows then up rows; each tile runs
-    the chain of its gate columns and, on the same ``x`` tiles, of its up columns, and stores ``silu(gate) * up``
-    (:func:`_gate_up`). ``GATED == 1`` runs two dots of width ``BN``; ``GATED == 2`` loads the gate and up tiles as
-    one ``[2, BN, BK]`` block and runs one dot of width ``2 * BN``."""
+    the chain of its gate columns and, on the same ``x`` tiles, of its up columns, and stores ``silu(gate) * up``, or
+    with ``GELU`` ``gelu_tanh(gate) * up`` (:func:`_gate_up`). ``GATED == 1`` runs two dots of width ``BN``;
+    ``GATED == 2`` loads the gate and up tiles as one ``[2, BN, BK]`` block and runs one dot of width ``2 * BN``."""
     pdl_entry(PDL)  # before the descriptors are written: the previous launch may still read the same scratch
     if DEV_DESC:
         OB: tl.constexpr = BN // 2 if SUBTILE else BN
@@ -391,10 +393,10 @@ def _mm_tma_kernel(
         if KS > 0:
             acc = total
         if GATED == 1:
-            acc = _gate_up(acc, acc_up, OUT_DTYPE, RNE_FIX)
+            acc = _gate_up(acc, acc_up, OUT_DTYPE, RNE_FIX, GELU)
         if GATED == 2:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-            acc = _gate_up(gate, up, OUT_DTYPE, RNE_FIX)
+            acc = _gate_up(gate, up, OUT_DTYPE, RNE_FIX, GELU)
         tile_id_c += NUM_PROGS
         pid_m, pid_n = tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_cm = pid_m * BM
@@ -439,9 +441,11 @@ def _mm_ptr_kernel(
     RNE_FIX: tl.constexpr,
     PDL: tl.constexpr,
     GATED: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     """Portable pointer matmul (one output tile per program); same per-element recurrence as the TMA kernel.
-    ``GATED``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output ``silu(gate) * up``, as the TMA kernel."""
+    ``GATED``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output ``silu(gate) * up`` (with ``GELU``
+    ``gelu_tanh(gate) * up``), as the TMA kernel."""
     pdl_entry(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
@@ -465,7 +469,7 @@ def _mm_ptr_kernel(
         x_ptrs += BK
         w_ptrs += BK
     if GATED:
-        acc = _gate_up(acc, acc_up, o_ptr.dtype.element_ty, RNE_FIX)
+        acc = _gate_up(acc, acc_up, o_ptr.dtype.element_ty, RNE_FIX, GELU)
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty, RNE_FIX), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -587,18 +591,25 @@ class _Launch:
 
 
 _LAUNCHES: dict = {}
-"""``(M, N, K, dtype, device index) -> _Launch``; gated products (``..., "gated"``) map to a :class:`_Launch` or to
-the :class:`rlexact.ops.gluon_matmul.GluonMatmulConfig` they run in."""
+"""``(M, N, K, dtype, device index) -> _Launch``; gated products (``..., "gated", gelu``) map to a :class:`_Launch`
+or to the :class:`rlexact.ops.gluon_matmul.GluonMatmulConfig` they run in."""
 
 MAX_LAUNCHES = 4096
 """Most launch plans kept (packed training batches produce many distinct M; the cache is cleared when full)."""
 
 
 def _plan(
-    M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, cfg: MatmulConfig, gated: bool = False
+    M: int,
+    N: int,
+    K: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    cfg: MatmulConfig,
+    gated: bool = False,
+    gelu: bool = False,
 ) -> _Launch:
-    """The launch of ``cfg`` for ``[M, K] @ [N, K].T``; ``gated``: of the SiLU-gated product over ``[2N, K]`` weights
-    (``"tma"`` or ``"ptr"`` configurations without ``KS``)."""
+    """The launch of ``cfg`` for ``[M, K] @ [N, K].T``; ``gated``: of the gated product over ``[2N, K]`` weights
+    (``"tma"`` or ``"ptr"`` configurations without ``KS``), its gate SiLU or, with ``gelu``, GELU (tanh)."""
     if gated and (cfg.kernel == "split" or cfg.KS):
         raise ValueError(f"gated matmul: {cfg} splits K; the gated kernels run one chain over all of K")
     if cfg.joint and not (gated and cfg.kernel == "tma" and cfg.device_desc):
@@ -620,13 +631,14 @@ def _plan(
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, NUM_PROGS=num_progs,
             WS=cfg.warp_specialize and cfg not in _WS_BROKEN and not _INTERPRET, SUBTILE=cfg.subtile,
             OUT_DTYPE=TL_DTYPE[dtype], UPCAST=_INTERPRET, DEV_DESC=cfg.device_desc, KS=cfg.KS,
-            GATED=(2 if cfg.joint else 1) if gated else 0,
+            GATED=(2 if cfg.joint else 1) if gated else 0, GELU=gelu,
             **out_flags,
         )  # fmt: skip
         return _Launch(cfg, _mm_tma_kernel, (num_progs,), constexprs, options, (M, N, K), idx)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     constexprs = dict(
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, **dot_flags(dtype), **out_flags
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, GATED=gated, GELU=gelu, **dot_flags(dtype),
+        **out_flags,
     )  # fmt: skip
     return _Launch(cfg, _mm_ptr_kernel, grid, constexprs, options, (M, N, K, K, K, N), idx)
 
@@ -782,9 +794,11 @@ def _direct_runner(device: int, compiled, grid: tuple, tail: tuple):  # noqa: AN
     return runner
 
 
-def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig, gated: bool = False) -> torch.Tensor:
+def matmul_with_config(
+    x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig, gated: bool = False, gelu: bool = False
+) -> torch.Tensor:
     """Run one explicit configuration (tests and benchmarks). ``x [M, K]``, ``w [N, K]``, same dtype; ``gated``: the
-    SiLU-gated product of :func:`gated_matmul` (``w [2N, K]``, output ``[M, N]``)."""
+    gated product of :func:`gated_matmul` (``w [2N, K]``, output ``[M, N]``), SiLU or with ``gelu`` GELU (tanh)."""
     x, w = x.contiguous(), w.contiguous()
     M, K = x.shape
     N = w.shape[0] // 2 if gated else w.shape[0]
@@ -793,7 +807,7 @@ def matmul_with_config(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig, gate
         return out
     if K == 0:
         return out.zero_()
-    _launch(_plan(M, N, K, x.dtype, x.device, cfg, gated), x, w, out)
+    _launch(_plan(M, N, K, x.dtype, x.device, cfg, gated, gelu), x, w, out)
     return out
 
 
@@ -834,7 +848,7 @@ def gluon_gated_config(M: int, N: int, K: int, dtype: torch.dtype,
 def gated_supported(N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`gated_matmul` runs ``[M, K] @ [2N, K].T`` gated products (any M) on ``device``: on Hopper-class
     GPUs with the row-tile variants on, in 16-bit dtypes, for shapes whose products do not split K (elsewhere the
-    caller runs the two products and ``silu_mul``)."""
+    caller runs the two products and the gate's op)."""
     return USE_ROW_TILE_VARIANTS and tma_ok(2 * N, K, dtype, device) and not chain_splits(N, K, dtype, device)
 
 
@@ -846,11 +860,12 @@ def gated_config_for(M: int, N: int, K: int, dtype: torch.dtype, device: torch.d
     return next(cfg for max_m, cfg in GATED_VARIANTS if max_m is None or M <= max_m)
 
 
-def gated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gated_matmul(x: torch.Tensor, w: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     """``silu(x @ w[:N].T) * (x @ w[N:].T)`` for ``x [..., K]``, ``w [2N, K]`` (gate rows, then up rows), bitwise
-    ``silu_mul(matmul(x, w[:N]), matmul(x, w[N:]))``: each tile runs both products' per-element chains, rounds them
-    to ``x.dtype`` as a product's output is rounded, and applies the SiLU gate's formula (:func:`silu_times`) before
-    its one store. Needs :func:`gated_config_for` to name a configuration (it raises otherwise)."""
+    ``silu_mul(matmul(x, w[:N]), matmul(x, w[N:]))``; with ``gelu`` the GELU (tanh) gate, bitwise ``gelu_tanh_mul``
+    of the products. Each tile runs both products' per-element chains, rounds them to ``x.dtype`` as a product's
+    output is rounded, and applies the gate's formula (:func:`~rlexact.ops.triton_shared.gate_times`) before its one
+    store. Needs :func:`gated_config_for` to name a configuration (it raises otherwise)."""
     if w.dim() != 2 or w.shape[0] % 2 or x.dim() == 0 or x.size(-1) != w.size(1):
         raise ValueError(f"gated_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not match; expected x [..., K]"
                          " and w [2N, K] (gate rows, then up rows)")  # fmt: skip
@@ -859,22 +874,22 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x, w = x.contiguous(), w.contiguous()
     (N2, K), shape = w.shape, x.shape
     N, M = N2 // 2, math.prod(shape[:-1])
-    key = (M, N, K, x.dtype, x.get_device(), "gated")
+    key = (M, N, K, x.dtype, x.get_device(), "gated", gelu)
     plan = _LAUNCHES.get(key)
     if plan is None:
         cfg = gated_config_for(M, N, K, x.dtype, x.device)
         if cfg is None:
             raise ValueError(f"gated_matmul: no gated kernel for N={N}, K={K}, {x.dtype} on {x.device}; run the two "
-                             "products and silu_mul (see gated_config_for)")  # fmt: skip
+                             "products and the gate's op (see gated_config_for)")  # fmt: skip
         if not (M and N and K):
-            return matmul_with_config(x.reshape(M, K), w, cfg, gated=True).reshape(*shape[:-1], N)
+            return matmul_with_config(x.reshape(M, K), w, cfg, gated=True, gelu=gelu).reshape(*shape[:-1], N)
         if len(_LAUNCHES) >= MAX_LAUNCHES:
             _LAUNCHES.clear()
         gluon_cfg = gluon_gated_config(M, N, K, x.dtype, x.device)
-        plan = _LAUNCHES[key] = gluon_cfg or _plan(M, N, K, x.dtype, x.device, cfg, gated=True)
+        plan = _LAUNCHES[key] = gluon_cfg or _plan(M, N, K, x.dtype, x.device, cfg, gated=True, gelu=gelu)
     out = torch.empty((*shape[:-1], N), dtype=x.dtype, device=x.device)
     if isinstance(plan, gluon_matmul.GluonMatmulConfig):
-        gluon_matmul.forward(x.view(M, K), w, out.view(M, N), plan, gated=True)
+        gluon_matmul.forward(x.view(M, K), w, out.view(M, N), plan, gated=True, gelu=gelu)
     else:
         _launch(plan, x, w, out)
     return out
