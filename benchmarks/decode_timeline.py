@@ -1,9 +1,9 @@
 """Where a decode step's GPU time goes between kernels: the device timeline of profiled exact ``generate`` calls.
 
 ``rollout_throughput.py --profile`` sums kernel durations per step; this script looks at *when* they ran. It profiles
-one exact ``generate`` per batch (Qwen3-1.7B shape, bf16, ``--prompt-len`` random prompt tokens, ``--new-tokens``
-new tokens, EOS ignored) after two warm-up calls, and over the decode steps (from the ``--skip``-th CUDA-graph launch
-to the end) reports:
+one exact ``generate`` per batch (Qwen3-1.7B's shape, or with ``--arch gemma3`` Gemma 3 1B's; bf16, ``--prompt-len``
+random prompt tokens, ``--new-tokens`` new tokens, EOS ignored) after two warm-up calls, and over the decode steps
+(from the ``--skip``-th CUDA-graph launch to the end) reports:
 
 - ``busy_ms_per_step`` / ``idle_ms_per_step`` / ``busy_fraction``: the union of the device intervals (kernels,
   copies, memsets) and the rest;
@@ -48,7 +48,7 @@ from common import ROOT, header
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout.runner import ModelRunner
 from rlexact.rollout.scheduler import Scheduler
-from rollout_throughput import build_model
+from rollout_throughput import MODEL_NAMES, build_model
 
 HOST_CALLS = ("cudaGraphLaunch", "cudaMemcpy", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaHostAlloc",
               "cudaLaunchKernel", "cuLaunchKernel", "cudaMalloc", "cudaFree", "cudaEventRecord")  # fmt: skip
@@ -239,6 +239,7 @@ def main() -> int:
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--arch", choices=sorted(MODEL_NAMES), default="qwen3", help="the model's shape (random weights)")
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens (at least 2 * batch)")
     ap.add_argument("--host-profile", type=int, default=0, help="functions listed from a cProfile'd call (0: none)")
     ap.add_argument("--phases", action="store_true", help="host phases of one unprofiled call (``phases``)")
@@ -251,7 +252,8 @@ def main() -> int:
     device = torch.device("cuda")
     model = rlexact.exactify(build_model(args, device, torch.bfloat16))
     result = header("decode_timeline", "triton", "transformers") | {
-        "setup": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "skip": args.skip},
+        "setup": {"model": MODEL_NAMES[args.arch], "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                  "skip": args.skip},
         "results": {},
     }
     for batch in args.batches:
