@@ -81,10 +81,10 @@ def _gated(m: int) -> tmm.MatmulConfig:
 def _matmul_case(cfg: tmm.MatmulConfig, gated: bool) -> tuple:
     flags = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.group_m, RNE_FIX=False, PDL=False, UPCAST=False)
     if cfg.kernel == "ptr":
-        return tmm._mm_ptr_kernel, MM_PTR_ARGS, flags | dict(IEEE=False, GATED=gated), cfg
+        return tmm._mm_ptr_kernel, MM_PTR_ARGS, flags | dict(IEEE=False, GATED=gated, GELU=False), cfg
     gate = (2 if cfg.joint else 1) if gated else 0
     tma = dict(NUM_PROGS=132, WS=False, SUBTILE=cfg.subtile, OUT_DTYPE=tl.bfloat16, DEV_DESC=True, KS=cfg.KS)
-    return tmm._mm_tma_kernel, MM_TMA_ARGS, flags | tma | dict(GATED=gate), cfg
+    return tmm._mm_tma_kernel, MM_TMA_ARGS, flags | tma | dict(GATED=gate, GELU=False), cfg
 
 
 def cases() -> dict[str, tuple]:
