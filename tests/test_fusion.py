@@ -100,6 +100,27 @@ def test_gate_up_is_the_separate_ops(fused: str, gate: str) -> None:
         op(x, w[:79])
 
 
+@pytest.mark.parametrize(("arch", "joined", "gate"), [("qwen3", "gate_up_silu", "silu_mul"),
+                                                      ("gemma3", "gate_up_gelu_tanh", "gelu_tanh_mul")])  # fmt: skip
+def test_fused_mlp_runs_its_gates_joined_op(arch: str, joined: str, gate: str, monkeypatch) -> None:
+    """With fused projections in effect, a no-grad forward runs each gated MLP through the joined op of its gate
+    (SiLU: ``gate_up_silu``, Gemma 3's GELU: ``gate_up_gelu_tanh``) once per layer and never the gate's op apart;
+    with autograd (the trainer) the gate's op runs apart, once per layer, and the joined op not at all."""
+    calls: list[str] = []
+    for name in (joined, gate):  # before exactify, which binds each MLP's ops
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _name=name, _real=real, **kw: calls.append(_name) or _real(*a, **kw))
+    model = rlexact.exactify(tiny_model(arch, layers=3, seed=4))
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with use_fused_projections(model, FusedProjections(model)):
+        with torch.no_grad():
+            model(ids)
+        assert calls == [joined] * 3
+        calls.clear()
+        model(ids).logits.sum().backward()
+        assert calls == [gate] * 3
+
+
 def test_generator_fuses_only_exact_cuda() -> None:
     model = rlexact.exactify(tiny_model("qwen3", seed=1))
     gen = Generator(model)
@@ -108,7 +129,7 @@ def test_generator_fuses_only_exact_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "gemma3"])
 def test_gpu_fused_generation_equals_unfused_and_trainer(arch) -> None:
     """Fused and unfused generation are bitwise equal, and equal the trainer's log-probs, at batch sizes that use the
     decode, mid and training matmul variants; a different seed differs (the comparison can fail)."""
