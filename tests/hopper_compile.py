@@ -83,3 +83,13 @@ def decode_attention_types() -> dict[str, str]:
     plan = dict.fromkeys(("start_ptr", "members_ptr", "tiles_ptr", "count_ptr"), "*i32")
     return (dict(q_ptr="*bf16", o_ptr="*bf16", k_desc=pages, v_desc=pages, bt_ptr="*i32", seqlens_ptr="*i32",
                  ml_ptr="*fp32", sacc_ptr="*fp32", qk_scale="fp32") | plan | dict.fromkeys(ints, "i32"))  # fmt: skip
+
+
+def gluon_matmul_types() -> dict[str, str]:
+    """The runtime argument types of a Gluon matmul launch (:mod:`rlexact.ops.gluon_matmul`) in bf16 128 x 128 tiles:
+    ``x [256, 2048]``, ``w [4096, 2048]``."""
+    from rlexact.ops import gluon_matmul as gm
+
+    return dict(x_desc=tma_desc_type(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
+                w_desc=tma_desc_type(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
+                N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip

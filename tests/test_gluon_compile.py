@@ -50,14 +50,12 @@ def _assert_overlapped(sass: str, consumers: int, in_flight: dict[str, int] | No
 @pytest.mark.parametrize("mode", [0, 1, 2], ids=["plain", "silu", "gelu"])
 def test_gluon_matmul_compiles_for_sm90(mode: int) -> None:
     _gluon()
-    from hopper_compile import compile_gluon_for_hopper, tma_desc_type
+    from hopper_compile import compile_gluon_for_hopper, gluon_matmul_types
     from rlexact.ops import gluon_matmul as gm
 
     cfg = gm.GluonMatmulConfig(128, 128)
-    args = dict(x_desc=tma_desc_type(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
-                w_desc=tma_desc_type(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr="*bf16", M="i32",
-                N="i32", K="i32", stride_om="i32", group_m="i32")  # fmt: skip
-    k = compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=mode), **gm.options_for(cfg))
+    k = compile_gluon_for_hopper(gm._mm_kernel, gluon_matmul_types(), dict(BM=128, BN=128, GATED=mode),
+                                 **gm.options_for(cfg))  # fmt: skip
     assert k.metadata.shared >= cfg.ring_bytes(gated=mode > 0)
     assert _wgmmas(k) == (2 if mode else 1) * 4  # four k16 steps per 64-column slice, per chain
 

@@ -272,13 +272,18 @@ def _fma_counts(dtype: str, round_normed: bool, offset: bool, x_norm: bool) -> d
     const = dict(BLOCK=2048, SINGLE=True, HAS_RES=True, X_NORM=x_norm, X_DTYPE=tdt, O_DTYPE=tdt, RNE_X=False,
                  RNE_O=False, ROUND_NORMED=round_normed, OFFSET=offset, PDL=False)  # fmt: skip
     ptx = compile_for_hopper(triton_norm._rms_norm_kernel, args, const, num_warps=4).asm["ptx"]
-    return {t: len(re.findall(rf"\bfma\.rn\.{t}\b", ptx)) for t in ("f32", "bf16x2", "bf16", "f16x2", "f16")}
+    types = ("f32", "bf16x2", "bf16", "f16x2", "f16")
+    return dict(zip(types, _op_counts(ptx, [f"fma.rn.{t}" for t in types]).values()))
+
+
+def _op_counts(ptx: str, ops: list[str]) -> dict[str, int]:
+    """How often each of the PTX instructions ``ops`` (whole names) occurs in ``ptx``."""
+    return {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx)) for op in ops}
 
 
 def _float_ops_per_element(ptx: str) -> dict[str, float]:
     """The fp32 operations of a gate's formula in ``ptx``, per gated element (each evaluates one ``ex2``)."""
-    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
-              for op in ("fma.rn.f32", "mul.f32", "add.f32", "ex2.approx.f32", "div.full.f32")}  # fmt: skip
+    counts = _op_counts(ptx, ["fma.rn.f32", "mul.f32", "add.f32", "ex2.approx.f32", "div.full.f32"])
     return {op: n / counts["ex2.approx.f32"] for op, n in counts.items()}
 
 
@@ -313,15 +318,12 @@ def test_gated_matmul_epilogues_compute_the_gate_kernels_operations() -> None:
             kernels.append(compile_for_hopper(triton_matmul._mm_tma_kernel, tma, const | dict(GATED=gated),
                                               num_warps=8, num_stages=3))  # fmt: skip
         if gluon_attention.gluon is not None:
-            from hopper_compile import compile_gluon_for_hopper, tma_desc_type
+            from hopper_compile import compile_gluon_for_hopper, gluon_matmul_types
             from rlexact.ops import gluon_matmul as gm
 
-            cfg = gm.GluonMatmulConfig(128, 128)
-            args = dict(x_desc=tma_desc_type(256, 2048, [128, gm.BK], gm._smem_layout(128, False)),
-                        w_desc=tma_desc_type(4096, 2048, [128, gm.BK], gm._smem_layout(128, False)), out_ptr=p,
-                        M=i, N=i, K=i, stride_om=i, group_m=i)  # fmt: skip
-            kernels.append(compile_gluon_for_hopper(gm._mm_kernel, args, dict(BM=128, BN=128, GATED=2 if gelu else 1),
-                                                    **gm.options_for(cfg)))  # fmt: skip
+            options = gm.options_for(gm.GluonMatmulConfig(128, 128))
+            const = dict(BM=128, BN=128, GATED=2 if gelu else 1)
+            kernels.append(compile_gluon_for_hopper(gm._mm_kernel, gluon_matmul_types(), const, **options))
         for k in kernels:
             assert _float_ops_per_element(k.asm["ptx"]) == want, (k.name, gelu)
     assert per_gate[False] != per_gate[True]

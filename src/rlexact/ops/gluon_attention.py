@@ -573,7 +573,7 @@ def item_counter(device: torch.device) -> torch.Tensor:
     programs done drawing), which the kernel leaves zero, so the launches on one stream share them
     (:func:`~rlexact.ops.triton_shared.stream_buffer`); new zeros on a device other than CUDA (host-only timing)."""
     if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
+        return _zero_counter(2, device)
     _, raw_stream, _ = cuda_queries()
     return stream_buffer(_COUNTERS, device.index, raw_stream(device.index), 2, _zero_counter)
 
