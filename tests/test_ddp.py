@@ -8,23 +8,19 @@ The runs are ``tests/_ddp_worker.py`` subprocesses (Lightning's launcher re-runs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ranks import ranks_report, run_ranks
+
 TESTS = Path(__file__).resolve().parent
 
 
 def run_two_ranks(out_dir: Path, mode: str) -> tuple[dict, dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("MASTER_PORT", None)  # Lightning picks a free port
-    proc = subprocess.run([sys.executable, str(TESTS / "_ddp_worker.py"), str(out_dir), mode], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = run_ranks(TESTS / "_ddp_worker.py", str(out_dir), mode)
+    assert proc.returncode == 0, ranks_report(proc)
     return tuple(torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1))
 
 

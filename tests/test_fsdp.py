@@ -7,31 +7,20 @@ for a pytest process), started here as a subprocess with a timeout.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ranks import ranks_report, run_ranks
+
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
 def test_fsdp2_two_ranks_exact(tmp_path: Path, precision: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), precision],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_ranks(WORKER, str(tmp_path), precision)
+    assert proc.returncode == 0, ranks_report(proc)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert res["world_size"] == 2 and res["is_fsdp"]
@@ -72,13 +61,8 @@ def test_fsdp2_two_ranks_gemma3(tmp_path: Path, kind: str, exported: str) -> Non
     layer)."""
     from transformers import AutoModelForCausalLM
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "bf16-mixed", "exact", kind],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_ranks(WORKER, str(tmp_path), "bf16-mixed", "exact", kind)
+    assert proc.returncode == 0, ranks_report(proc)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert res["is_fsdp"] and len(res["rollout_equal"]) >= 2

@@ -15,9 +15,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +32,7 @@ from hopper_compile import compile_for_hopper
 from interpreter_jobs import failure_report
 from models import MOE_VOCAB as VOCAB
 from models import addition_items, prompts_for, tiny_moe, tiny_moe_rl_config
+from ranks import ranks_report, run_ranks
 from rlexact import ops
 from rlexact.callbacks.base import RLCallback
 from rlexact.ops.moe import moe_plan
@@ -446,13 +445,8 @@ def test_fsdp2_two_ranks_moe(tmp_path: Path, kind: str, cls: str) -> None:
     """FSDP2 (``fully_shard`` per decoder layer, 3-D expert weights sharded on the expert dim; 2 CPU ranks, gloo,
     bf16 compute over fp32 master weights): rollout == trainer and ratio exactly 1 on every rank, the generator's
     scoring == the trainer after updates, identical parameters on both ranks, export. Runs ``tests/_fsdp_worker.py``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_fsdp_worker.py"), str(tmp_path), "bf16-mixed", "exact", kind],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_ranks(HERE / "_fsdp_worker.py", str(tmp_path), "bf16-mixed", "exact", kind)
+    assert proc.returncode == 0, ranks_report(proc)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert res["world_size"] == 2 and res["is_fsdp"]
