@@ -37,6 +37,21 @@ def count_reward(prompts: list[str], completions: list[str], answers: list[str |
     return [float(c.count("1")) for c in completions]
 
 
+def scalar_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> float:
+    """Wrong: one float for the whole batch instead of one per sample."""
+    return 1.0
+
+
+def text_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> list[str]:
+    """Wrong: the scores as strings."""
+    return ["1" for _ in completions]
+
+
+def two_argument_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    """Wrong: no ``answers`` parameter."""
+    return [1.0 for _ in completions]
+
+
 class UnloadableReward(PerSampleReward):
     """Pickles in the main process but refuses to load in a reward worker (like a notebook's ``__main__`` function)."""
 

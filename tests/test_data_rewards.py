@@ -6,6 +6,7 @@ import json
 import math
 import pickle
 import threading
+import warnings
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def test_datamodule_parquet_val_and_custom_keys(tmp_path, tok):
 
     rows = [{"question": f"{i}+1=", "solution": i + 1} for i in range(10)]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
-    val = write_jsonl(tmp_path / "val.jsonl", [{"question": "2+2="}])  # no answer column
+    val = write_jsonl(tmp_path / "val.jsonl", [{"question": "2+2=", "solution": 4}])
     dm = PromptDataModule(
         str(tmp_path / "d.parquet"),
         tokenizer=tok,
@@ -288,7 +289,7 @@ def test_datamodule_parquet_val_and_custom_keys(tmp_path, tok):
     items = [it for b in dm.train_dataloader() for it in b]
     assert {it["answer"] for it in items} == {str(i + 1) for i in range(10)}
     val_items = [it for b in dm.val_dataloader() for it in b]
-    assert val_items == [{"prompt_ids": tok("2+2=")["input_ids"], "prompt_text": "2+2=", "answer": None, "index": 0}]
+    assert val_items == [{"prompt_ids": tok("2+2=")["input_ids"], "prompt_text": "2+2=", "answer": "4", "index": 0}]
 
 
 def test_datamodule_directories(tmp_path, tok):
@@ -366,6 +367,32 @@ def test_missing_local_data_file_is_not_looked_up_on_the_hub(tmp_path, monkeypat
         RLModule(model_config={"model_type": "qwen3"}, tokenizer="~/tok")
 
 
+def test_a_name_neither_here_nor_on_the_hub_says_how_to_mark_a_local_path(tmp_path, monkeypatch):
+    """A relative name may be a Hub repository, so it goes to the Hub; when that fails and no such folder exists, the
+    error names the setting, the folder the local lookup started from and the ``./`` prefix. A folder that exists
+    but does not load keeps the loader's own error (control)."""
+    import transformers
+
+    from rlexact.trainer.policy import build_model
+
+    def hub(path, *args, **kwargs):
+        raise OSError(f"We couldn't connect to the Hub for {path}\nsecond line")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", hub)
+    monkeypatch.chdir(tmp_path)
+    local = f"is not a folder here \\(looked from {tmp_path}\\) and did not load as a Hub repository"
+    reason = r"\(We couldn't connect to the Hub for ckpt/Qwen3-1.7B\)\. .*start it with ./$"
+    with pytest.raises(FileNotFoundError, match=f"model_path 'ckpt/Qwen3-1.7B' {local} {reason}"):
+        build_model("ckpt/Qwen3-1.7B", None, None, 0)
+    with pytest.raises(FileNotFoundError, match=f"tokenizer 'ckpt/tok' {local}"):
+        load_tokenizer("ckpt/tok")
+    (tmp_path / "ckpt" / "Qwen3-1.7B").mkdir(parents=True)
+    with pytest.raises(OSError, match="second line") as info:
+        build_model("ckpt/Qwen3-1.7B", None, None, 0)
+    assert not isinstance(info.value, FileNotFoundError)
+
+
 def test_max_prompt_length_filters_or_raises(tmp_path, tok, caplog):
     path = tmp_path / "d.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "123456+654321=", "answer": "777777"}, {"prompt": "2+2="}]
@@ -413,6 +440,25 @@ def test_resumable_sampler():
     s = ResumableSampler(10, seed=1)
     s.resume(0, 4)
     assert list(s) == a[4:] and list(s) == a  # the resume applies to one iteration
+
+
+def test_a_missing_answer_column_is_named(tok):
+    """Rows without the answer column: a named ``answer_key`` raises with the columns; the default ``"answer"``
+    warns (a ground-truth reward would score 0) and gives None answers; ``answer_key=None`` says there are none, and
+    a present column gives its values (controls)."""
+    rows = [{"question": f"{i}+1=", "solution": str(i + 1)} for i in range(3)]
+    with pytest.raises(ValueError, match=r"answer_key 'gold' not in dataset .*columns: \['question', 'solution'\]"):
+        PromptDataModule(rows, tokenizer=tok, prompt_key="question", answer_key="gold").setup("fit")
+    dm = PromptDataModule(rows, tokenizer=tok, prompt_key="question")
+    with pytest.warns(UserWarning, match="answer_key 'answer' not in dataset .*scores 0: set answer_key to the column"):
+        dm.setup("fit")
+    assert [item["answer"] for item in dm.train_dataset] == [None] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for key, answers in ((None, [None] * 3), ("solution", ["1", "2", "3"])):
+            dm = PromptDataModule(rows, tokenizer=tok, prompt_key="question", answer_key=key)
+            dm.setup("fit")
+            assert [item["answer"] for item in dm.train_dataset] == answers
 
 
 def test_resumable_loader_state(tmp_path, tok):

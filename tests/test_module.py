@@ -552,11 +552,20 @@ def test_config_validation() -> None:
         RolloutConfig(generator={"bogus": 1})
     with pytest.raises(ValueError, match="betas"):
         OptimConfig(betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match=r"optim.betas must be two numbers in \[0, 1\), e.g. \[0.9, 0.95\]; got 0.9$"):
+        OptimConfig(betas=0.9)
+    assert OptimConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)
+    for ids, message in (([2.7], r"stop_token_ids\[0\] must be a non-negative integer token id, got 2.7"),
+                         ("<|im_end|>", "stop_token_ids is text, not token ids"),
+                         (3, r"must be a list of token ids, got 3; for one id write \[3\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            RolloutConfig(stop_token_ids=ids)
+    assert RolloutConfig(stop_token_ids=(torch.tensor(4), 5)).stop_token_ids == [4, 5]
     with pytest.raises(ValueError, match="unknown AlgorithmConfig keys"):
         make_module(algorithm={"clip_hgih": 0.3})
     with pytest.raises(FileNotFoundError, match="model_path '/no/such/ckpt' does not exist"):
         RLModule("/no/such/ckpt", reward=length_reward)
-    with pytest.raises(ValueError, match="exactly one of model_path, model, model_config"):
+    with pytest.raises(ValueError, match=r"exactly one of model_path, .*load_from_checkpoint\(path, model=model\)"):
         RLModule(tokenizer=TOK, reward=length_reward)
     with pytest.raises(ValueError, match="unknown reward"):
         make_module(reward="no-such-reward")

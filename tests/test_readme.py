@@ -76,7 +76,7 @@ def test_python_block_runs(index: int, workdir: Path, monkeypatch: pytest.Monkey
     for old, new in SUBSTITUTIONS.items():
         code = code.replace(old, new)
     monkeypatch.chdir(workdir)
-    namespace = {"__name__": "__readme__", "CKPT": checkpoint_path(), "PROMPTS": str(workdir / "prompts.jsonl")}
+    namespace = {"__name__": "__main__", "CKPT": checkpoint_path(), "PROMPTS": str(workdir / "prompts.jsonl")}
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)  # noqa: S102
 
 

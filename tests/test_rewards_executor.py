@@ -6,19 +6,34 @@ Worker pools are started once per test module (fixtures) because starting proces
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
-from _reward_helpers import DIE, HANG, RAISE, FailingReward, SleepyReward, UnloadableReward, count_reward
+from _reward_helpers import (
+    DIE,
+    HANG,
+    RAISE,
+    FailingReward,
+    SleepyReward,
+    UnloadableReward,
+    count_reward,
+    scalar_reward,
+    text_reward,
+    two_argument_reward,
+)
 from rlexact.rewards import (
     MathReward,
     RewardConfig,
     RewardError,
     RewardExecutor,
     RewardResult,
+    check_rewards,
     close_shared_executors,
     explosion_reason,
+    resolve_reward,
     shared_executor,
 )
 
@@ -177,6 +192,42 @@ def test_on_error_score_counts_instead():
     assert in_process.run(["p"] * 4, completions, [None] * 4) == result
 
 
+@pytest.mark.parametrize("workers", [1, 0])
+def test_a_wrong_return_value_stops_the_batch_whatever_on_error_says(workers: int):
+    """``on_error="score"`` covers rewards that raise on a sample; a reward that returns something other than one
+    number per sample is a bug in the reward, so the batch stops with an error that says what it returned, in a worker
+    and in the main process alike (whose batch value :func:`check_rewards` validates). Control: a reward that raises is
+    still scored ``error_value``."""
+    kind = {1: RewardError, 0: ValueError}[workers]
+    with RewardExecutor(scalar_reward, workers=workers, on_error="score") as ex:
+        if workers:
+            match = r"scalar_reward returned float 1\.0 for 1 sample, not a sequence on sample 0"
+            with pytest.raises(kind, match=match):
+                ex.run(["p"] * 3, ["a", "b", "c"], [None] * 3)
+        else:
+            with pytest.raises(kind, match="rewards must be a sequence of floats, got float"):
+                check_rewards(ex.run(["p"] * 3, ["a", "b", "c"], [None] * 3).rewards, 3)
+    with RewardExecutor(text_reward, workers=workers, on_error="score") as ex:
+        match = "returned the string '1', not a number on sample 0" if workers else "sample 0 is the string '1'"
+        with pytest.raises(kind, match=match):
+            check_rewards(ex.run(["p"] * 2, ["a", "b"], [None] * 2).rewards, 2)
+    with RewardExecutor(FailingReward(), workers=workers, on_error="score", error_value=-1.0) as ex:
+        assert ex.run(["p"] * 2, ["ok", RAISE], [None] * 2).rewards == [1.0, -1.0]
+
+
+def test_a_reward_without_the_three_arguments_is_refused_before_it_runs():
+    """A reward that cannot take ``(prompts, completions, answers)`` is refused when it is resolved or given to an
+    executor, instead of raising on every sample (which ``on_error="score"`` would count as errors)."""
+    match = r"two_argument_reward must take \(prompts, completions, answers\), three lists"
+    with pytest.raises(TypeError, match=match):
+        resolve_reward(two_argument_reward)
+    with pytest.raises(TypeError, match=match):
+        resolve_reward("_reward_helpers:two_argument_reward")
+    with pytest.raises(TypeError, match=match):
+        RewardExecutor(two_argument_reward, workers=1, on_error="score")
+    assert resolve_reward(count_reward) is count_reward  # control: three parameters
+
+
 def test_unpicklable_closure_warns_and_runs_in_process():
     calls = []
 
@@ -198,6 +249,42 @@ def test_reward_a_worker_cannot_load_falls_back_to_in_process():
             result = ex.submit(["p"] * 3, ["a", "bb", "ccc"], [None] * 3).result(timeout=60)
         assert result.rewards == [1.0, 2.0, 3.0] and ex.in_process
         assert ex.run(["p"], ["dddd"], [None]).rewards == [4.0]
+
+
+SCRIPT = """import warnings
+
+from rlexact.rewards import ArithmeticReward, RewardExecutor
+
+def main():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RewardExecutor(ArithmeticReward(), workers=1) as ex:
+            result = ex.run(["1+1="], ["2"], ["2"])
+            print("in_process", ex.in_process, result.rewards)
+    for w in caught:
+        print("warning:", w.message)
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_main_script_without_the_guard_is_named(tmp_path, guarded: bool):
+    """A worker first imports the main script: one that starts the executor outside ``if __name__ == "__main__":``
+    stops every worker (Python's bootstrapping error), and the fallback's warning names the script and the guard.
+    Control: the same script with the guard runs the reward in a worker, without a warning."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(call='if __name__ == "__main__":\n    main()' if guarded else "main()"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert f"in_process {not guarded} [1.0]" in lines
+    warned = [line for line in lines if line.startswith("warning:")]
+    if guarded:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and f"main script ({script})" in warned[0]
+        assert 'outside `if __name__ == "__main__":`' in warned[0] and "importable module" not in warned[0]
 
 
 def test_in_process_batch_error_names_the_sample():

@@ -8,7 +8,7 @@ import math
 import operator
 from typing import Any
 
-__all__ = ["as_index", "choice", "finite", "integer", "not_text", "positive_int"]
+__all__ = ["as_index", "choice", "finite", "integer", "not_text", "positive_int", "token_ids"]
 
 
 def _is_int(value: Any) -> bool:
@@ -58,3 +58,18 @@ def as_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def token_ids(name: str, value: Any) -> list[int]:
+    """``value`` as a list of non-negative integer token ids (integers of any type, :func:`as_index`); raises for text,
+    a single number, or an item that is not a non-negative integer."""
+    not_text(name, value)
+    if isinstance(value, (int, float)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}; for one id write [{value!r}]")
+    ids = []
+    for i, item in enumerate(value):
+        index = as_index(item)
+        if index is None or index < 0:
+            raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {item!r}")
+        ids.append(index)
+    return ids

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.checks import choice, finite, integer, positive_int
+from rlexact.checks import choice, finite, integer, positive_int, token_ids
 from rlexact.models.state import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
@@ -131,7 +131,7 @@ class RolloutConfig:
                 f"max_new_tokens={self.max_new_tokens}"
             )
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", [int(t) for t in self.stop_token_ids])
+            object.__setattr__(self, "stop_token_ids", token_ids("rollout.stop_token_ids", self.stop_token_ids))
         if not isinstance(self.generator, dict):
             raise ValueError(f"rollout.generator must be a dict of Generator keyword arguments, got {self.generator!r}")
         if "kernels" in self.generator:
@@ -273,9 +273,14 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         finite("optim.lr", self.lr, low=0.0, low_open=True)
-        betas = tuple(float(b) for b in self.betas)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        rule = f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {self.betas!r}"
+        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
+            raise ValueError(rule)
+        for i, b in enumerate(self.betas):
+            finite(f"optim.betas[{i}]", b, low=0.0)
+            if b >= 1.0:
+                raise ValueError(rule)
+        betas = (float(self.betas[0]), float(self.betas[1]))
         object.__setattr__(self, "betas", betas)
         finite("optim.eps", self.eps, low=0.0, low_open=True)
         finite("optim.weight_decay", self.weight_decay, low=0.0)

@@ -28,11 +28,11 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlexact.char_tokenizer import build_char_tokenizer
-from rlexact.resources import missing_local_path, resolve
+from rlexact.resources import missing_local_path, not_found_anywhere, resolve
 
 __all__ = [
     "DEMO_TOKENIZER",
@@ -52,6 +52,9 @@ __all__ = [
 DEMO_TOKENIZER = "demo-char"
 """Special tokenizer name: :func:`rlexact.char_tokenizer.build_char_tokenizer` (the demo's 50-token vocabulary)."""
 
+ANSWER_KEY = "answer"
+"""The default ``answer_key`` of :class:`PromptDataModule`."""
+
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -69,7 +72,13 @@ def load_tokenizer(tokenizer: Any) -> Any:
         from transformers import AutoTokenizer
 
         check_tokenizer_source(name)
-        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
+        path = os.path.expanduser(name)
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except OSError as e:
+            if os.path.exists(path):
+                raise
+            raise not_found_anywhere(name, "tokenizer", e) from None
     return tokenizer
 
 
@@ -439,8 +448,9 @@ class PromptDataModule(L.LightningDataModule):
             code). :class:`rlexact.RLModule` checks at setup that it
             agrees with its own tokenizer and that every prompt token id fits the model's vocabulary.
         prompt_key: column holding the prompt (a string, or a chat conversation: a list of role/content dicts).
-        answer_key: column holding the ground truth (values become ``str``); if the column is absent (or
-            ``answer_key`` is None) answers are None.
+        answer_key: column holding the ground truth (values become ``str``); None: the rows have none (answers are
+            None). A source without the column raises, except for the default ``"answer"``, which warns (rewards
+            that compare with a ground truth would score 0) and gives None answers.
         split: dataset split (for hub datasets and ``save_to_disk`` folders; a single file is one split).
         batch_size: prompts per rollout step (per data-parallel rank).
         use_chat_template: render each prompt with the tokenizer's chat template (a user turn plus the generation
@@ -465,7 +475,7 @@ class PromptDataModule(L.LightningDataModule):
         path: Any,
         tokenizer: Any,
         prompt_key: str = "prompt",
-        answer_key: str | None = "answer",
+        answer_key: str | None = ANSWER_KEY,
         split: str = "train",
         batch_size: int = 8,
         use_chat_template: bool = False,
@@ -571,6 +581,17 @@ class PromptDataModule(L.LightningDataModule):
                 raise ValueError(f"dataset {describe_source(path)} is empty (limit={limit})")
         return ds
 
+    def _missing_answers(self, path: Any, columns: list[str]) -> None:
+        """Raise for a named ``answer_key`` that ``path`` lacks; warn for the default one."""
+        where = f"{self.answer_key!r} not in dataset {describe_source(path)}; available columns: {columns}"
+        if self.answer_key != ANSWER_KEY:
+            raise ValueError(f"answer_key {where} (answer_key=None: the rows have no ground truth)")
+        rank_zero_warn(
+            f"answer_key {where}. Every answer is None, so a reward that compares with a ground truth (math, "
+            "exact_match, arithmetic) scores 0: set answer_key to the column that holds the answers, or "
+            "answer_key=None where the rows have none."
+        )
+
     def build_dataset(self, path: Any, split: str | None = None, limit: int | None = None) -> PromptDataset:
         """Load, check, tokenize and length-filter one source into a :class:`PromptDataset`."""
         ds = self._load_rows(path, split or self.split, limit)
@@ -589,6 +610,8 @@ class PromptDataModule(L.LightningDataModule):
         if self.answer_key is not None and self.answer_key in columns:
             answers = [None if a is None else str(a) for a in ds[self.answer_key]]
         else:
+            if self.answer_key is not None:
+                self._missing_answers(path, columns)
             answers = [None] * len(prompts)
         ids = encode_prompts(self.tokenizer, prompts, self.chat_template_enabled)
         if self.chat_template_enabled:

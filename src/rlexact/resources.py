@@ -16,7 +16,15 @@ from __future__ import annotations
 import importlib.resources
 import os
 
-__all__ = ["DEMO_MODEL", "SCHEME", "checkpoint_path", "config_path", "missing_local_path", "resolve"]
+__all__ = [
+    "DEMO_MODEL",
+    "SCHEME",
+    "checkpoint_path",
+    "config_path",
+    "missing_local_path",
+    "not_found_anywhere",
+    "resolve",
+]
 
 DEMO_MODEL = "demo"
 """Name of the packaged demo checkpoint."""
@@ -68,3 +76,14 @@ def missing_local_path(path: str | os.PathLike, suffixes: tuple[str, ...] = ()) 
     name = os.path.expanduser(resolve(path))
     local = name.startswith(("/", ".")) or os.path.isabs(name) or name.lower().endswith(suffixes)
     return name if local and not os.path.exists(name) else None
+
+
+def not_found_anywhere(name: str, setting: str, error: OSError) -> FileNotFoundError:
+    """The error for ``name`` (the value of ``setting``) that names no local folder and did not load as a Hub
+    repository either (``error``: the loader's): it says where the local lookup started and how to mark a local
+    path."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return FileNotFoundError(
+        f"{setting} {name!r} is not a folder here (looked from {os.getcwd()}) and did not load as a Hub repository "
+        f"({reason}). For a local checkpoint give its absolute path or start it with ./"
+    )

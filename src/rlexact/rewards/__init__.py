@@ -21,6 +21,7 @@ from rlexact.rewards.base import (
     PerSampleReward,
     RewardFn,
     check_batch_lengths,
+    check_reward_signature,
     check_rewards,
     truncate_at_stop,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "RewardFn",
     "RewardResult",
     "check_batch_lengths",
+    "check_reward_signature",
     "check_rewards",
     "close_shared_executors",
     "default_workers",
@@ -70,7 +72,8 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
 
 
 def resolve_reward(name_or_obj: str | RewardFn, **kwargs: Any) -> RewardFn:
-    """Turn a reward name, import path or callable into a reward function.
+    """Turn a reward name, import path or callable into a reward function that takes ``(prompts, completions,
+    answers)``.
 
     Args:
         name_or_obj: a built-in name (``"math"``, ``"exact_match"``, ``"arithmetic"``; ``-`` and ``_`` are
@@ -79,8 +82,15 @@ def resolve_reward(name_or_obj: str | RewardFn, **kwargs: Any) -> RewardFn:
         **kwargs: constructor arguments for a named reward (e.g. ``partial_credit=True``).
 
     Raises:
-        ValueError: unknown name. TypeError: not a string or callable, or kwargs given with a callable object.
+        ValueError: unknown name. TypeError: not a string or callable, kwargs given with a callable object, or a
+            callable that does not take the three arguments.
     """
+    reward = _resolved(name_or_obj, **kwargs)
+    check_reward_signature(reward)
+    return reward
+
+
+def _resolved(name_or_obj: str | RewardFn, **kwargs: Any) -> RewardFn:
     if isinstance(name_or_obj, str):
         key = name_or_obj.strip().lower().replace("-", "_")
         if key in REWARDS:

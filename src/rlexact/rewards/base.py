@@ -12,6 +12,7 @@ generated texts (they may or may not contain the eos text, e.g. ``"<|im_end|>"``
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -23,6 +24,7 @@ __all__ = [
     "PerSampleReward",
     "RewardFn",
     "check_batch_lengths",
+    "check_reward_signature",
     "check_rewards",
     "truncate_at_stop",
 ]
@@ -73,6 +75,23 @@ def truncate_at_stop(text: str, stop_texts: Sequence[str] = DEFAULT_STOP_TEXTS) 
     return text[:end]
 
 
+def check_reward_signature(reward: object) -> None:
+    """Raise ``TypeError`` where ``reward`` cannot be called as ``reward(prompts, completions, answers)`` (a callable
+    without a readable signature passes: its first call shows)."""
+    try:
+        signature = inspect.signature(reward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind([], [], [])
+    except TypeError as e:
+        name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
+        raise TypeError(
+            f"reward {name} must take (prompts, completions, answers), three lists; its signature {signature} does "
+            f"not ({e})"
+        ) from None
+
+
 def check_rewards(rewards: Sequence[float] | torch.Tensor, num_samples: int) -> torch.Tensor:
     """Validate a reward function's output and return it as a float32 CPU tensor ``[num_samples]``.
 
@@ -97,6 +116,8 @@ def check_rewards(rewards: Sequence[float] | torch.Tensor, num_samples: int) -> 
             if v.numel() != 1:
                 raise ValueError(f"reward for sample {i} is a tensor of shape {tuple(v.shape)}, expected a scalar")
             v = v.item()
+        if isinstance(v, (str, bytes)):
+            raise ValueError(f"reward for sample {i} is the string {v!r}, expected a number")
         try:
             f = float(v)
         except (TypeError, ValueError) as e:

@@ -43,6 +43,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -56,7 +57,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.rewards.base import RewardFn, check_batch_lengths
+from rlexact.rewards.base import RewardFn, check_batch_lengths, check_reward_signature
 
 __all__ = [
     "ON_ERROR",
@@ -73,6 +74,7 @@ __all__ = [
 OnError = Literal["raise", "score"]
 ON_ERROR: tuple[str, ...] = ("raise", "score")
 
+_VALUE_CHARS = 80  # a wrong return value is quoted up to this many characters
 _EXAMPLE_CHARS = 2000  # a logged example keeps the prompt head and the completion tail up to this many characters
 _POLL_S = 0.05  # the scheduler looks for newly submitted batches at least this often while workers are busy
 _START_TIMEOUT_S = 300.0  # a worker that has not loaded the reward by then counts as unable to load it
@@ -204,16 +206,40 @@ def _describe_sample(index: int, prompt: Any, completion: Any) -> str:
     return f"sample {index}: prompt {p!r}, completion {c!r}"
 
 
+def _bad_value_error(reward: Any, problem: str, index: int, prompt: Any, completion: Any) -> RewardError:
+    """The error for a reward whose value for sample ``index`` is not one number (``problem``): it stops the batch
+    whatever ``on_error`` says, which covers rewards that raise, not a reward that returns the wrong thing."""
+    return RewardError(
+        f"reward {_reward_name(reward)} {problem} on {_describe_sample(index, prompt, completion)}. A reward returns "
+        "a sequence of one number per sample, e.g. [1.0, 0.0]",
+        index,
+    )
+
+
+class _BadValue(ValueError):
+    """What a reward returned for one sample is not one number."""
+
+
 def _single_value(out: Any) -> float:
-    """The one value a reward returned for a one-sample batch, as a float (NaN/inf are left to check_rewards)."""
-    values = out.tolist() if hasattr(out, "tolist") else list(out)
+    """The one value a reward returned for a one-sample batch, as a float (NaN/inf are left to check_rewards);
+    :class:`_BadValue` says what else it returned."""
+    values = out.tolist() if hasattr(out, "tolist") else out
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise _BadValue(f"returned {type(out).__name__} {_short(out)} for 1 sample, not a sequence")
     if len(values) != 1:
-        raise ValueError(f"the reward returned {len(values)} values for 1 sample")
+        raise _BadValue(f"returned {len(values)} values for 1 sample")
     v = values[0]
+    if isinstance(v, (str, bytes)):
+        raise _BadValue(f"returned the string {_short(v)}, not a number")
     try:
         return float(v.item() if hasattr(v, "item") else v)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"the reward is not a number: {v!r}") from e
+        raise _BadValue(f"returned {type(v).__name__} {_short(v)}, not a number") from e
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _VALUE_CHARS else text[:_VALUE_CHARS] + "..."
 
 
 def _die_with_parent() -> None:
@@ -251,15 +277,34 @@ def _worker_main(conn: Connection, payload: bytes) -> None:
             return
         for key, prompt, completion, answer in chunk:
             try:
-                value = _single_value(reward([prompt], [completion], [answer]))
+                out = reward([prompt], [completion], [answer])
             except BaseException as e:  # anything a reward raises is the sample's error, reported with its traceback
                 conn.send(("err", key, f"{type(e).__name__}: {e}", traceback.format_exc()))
-            else:
-                conn.send(("ok", key, value))
+                continue
+            try:
+                conn.send(("ok", key, _single_value(out)))
+            except _BadValue as e:
+                conn.send(("bad", key, str(e)))
 
 
 def _reward_name(reward: Any) -> str:
     return getattr(reward, "__qualname__", None) or type(reward).__qualname__
+
+
+def _load_advice(reward: Any) -> str:
+    """What to change so that worker processes load ``reward``: the main script's guard where there is a main script
+    (a forkserver or spawn worker runs it first), an importable module for a reward defined in ``__main__``."""
+    advice = []
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script is not None:
+        advice.append(
+            f"Worker processes import the main script ({script}) before the reward, as Python's forkserver and spawn "
+            'start methods do: its code outside `if __name__ == "__main__":` (a Trainer.fit call, say) runs again '
+            "there and stops the worker. Put that code under the guard"
+        )
+    if "__main__" in (getattr(reward, "__module__", None), type(reward).__module__) or script is None:
+        advice.append("Define the reward at module level in an importable module to run it in worker processes")
+    return ". ".join(advice) + "."
 
 
 class _Job:
@@ -442,6 +487,8 @@ class _Pool:
             raise RuntimeError(f"worker answered for {msg[1]} while scoring {(job.seq, i)}")
         if kind == "ok":
             self.settle(job, i, msg[2])
+        elif kind == "bad":
+            self.fail(job, _bad_value_error(self.reward, msg[2], i, job.prompts[i], job.completions[i]))
         else:
             self.sample_failed(job, i, msg[2], msg[3])
 
@@ -526,8 +573,8 @@ class _Pool:
         if self.in_process:
             return
         rank_zero_warn(
-            f"reward {_reward_name(self.reward)} runs in the main process, without a time limit: {why}. Define it "
-            "at module level in an importable module to run it in worker processes."
+            f"reward {_reward_name(self.reward)} runs in the main process, without a time limit: {why}. "
+            f"{_load_advice(self.reward)}"
         )
         self.in_process = True
         for w in list(self.procs):
@@ -558,12 +605,17 @@ def _score_in_process(
             values: list[Any] = []
             for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
                 try:
-                    values.append(_single_value(reward([p], [c], [a])))
+                    out_i = reward([p], [c], [a])
                 except Exception as e:  # the sample's error: named or scored below
                     failures[i] = f"{_describe_sample(i, p, c)}: {type(e).__name__}: {e}"
                     values.append(cfg.error_value)
                     if cfg.on_error == "raise":
                         raise RewardError(f"reward {_reward_name(reward)} raised on {failures[i]}", i) from e
+                    continue
+                try:
+                    values.append(_single_value(out_i))
+                except _BadValue as e:
+                    raise _bad_value_error(reward, str(e), i, p, c) from None
             if not failures:
                 raise RewardError(
                     f"reward {_reward_name(reward)} raised on the batch of {len(prompts)} samples but on none of "
@@ -606,6 +658,7 @@ class RewardExecutor:
     ) -> None:
         if not callable(reward):
             raise TypeError(f"reward must be callable, got {type(reward).__name__}")
+        check_reward_signature(reward)
         self.config = _merged_config(config, overrides)
         if start_method is None:
             start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"

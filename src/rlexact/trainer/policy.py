@@ -19,7 +19,7 @@ from rlexact.config import DTYPES, FSDPConfig
 from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
 from rlexact.models.text import TEXT_OF_MULTIMODAL
-from rlexact.resources import missing_local_path, resolve
+from rlexact.resources import missing_local_path, not_found_anywhere, resolve
 
 __all__ = [
     "apply_data_parallel",
@@ -64,7 +64,12 @@ def check_model_source(
     if len(given) != 1:
         raise ValueError(
             f"RLModule needs exactly one of model_path, model, model_config; got {given or 'none'}"
-            + (" (set model.init_args.model_path in the config)" if not given else "")
+            + (
+                " (set model.init_args.model_path in the config; a checkpoint of a module built from a model object "
+                "loads with RLModule.load_from_checkpoint(path, model=model))"
+                if not given
+                else ""
+            )
         )
     if model_path is not None:
         model_path = os.fspath(model_path)
@@ -95,7 +100,13 @@ def build_model(
     if model_path is not None:
         path = os.path.expanduser(resolve(model_path))
         kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-        return _auto_class(AutoConfig.from_pretrained(path).model_type).from_pretrained(path, **kwargs)
+        try:
+            model_type = AutoConfig.from_pretrained(path).model_type
+        except OSError as e:
+            if os.path.exists(path):
+                raise
+            raise not_found_anywhere(model_path, "model_path", e) from None
+        return _auto_class(model_type).from_pretrained(path, **kwargs)
     if model_config is None:
         raise ValueError("build_model needs model_path or model_config")
     cfg = dict(model_config)
