@@ -270,6 +270,24 @@ def test_packaged_recipe_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert _packaged_configs(["--config=grpo_qwen3_1p7b.yaml"]) == ["--config=grpo_qwen3_1p7b.yaml"]
 
 
+def test_help_names_the_other_commands(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        entry(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    assert exc.value.code == 0 and "'rlexact demo [--help]'" in out and "'rlexact export CKPT DIR'" in out, out
+
+
+def test_a_missing_checkpoint_is_reported_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--ckpt_path`` to no file: the one-line error, before training (Lightning's own check raised from inside
+    ``fit``); ``last`` with nothing to resume still starts fresh (test_ckpt_path_last_resumes_the_newest_run)."""
+    missing = tmp_path / "missing.ckpt"
+    with pytest.raises(SystemExit) as exc:
+        entry(["fit", "--config", str(tiny_yaml(tmp_path)), "--ckpt_path", str(missing)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert f"rlexact: error: FileNotFoundError: ckpt_path '{missing}' does not exist" in err, err
+
+
 def test_validate_without_val_path_names_it(tmp_path: Path) -> None:
     cfg = yaml.safe_load(tiny_yaml(tmp_path).read_text())
     del cfg["data"]["init_args"]["val_path"]

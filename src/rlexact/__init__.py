@@ -8,21 +8,24 @@ Public surface (see the README and ``docs/design.md`` §5): :func:`exactify`, :f
 from rlexact import algorithms, callbacks, ops, rollout
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks import RLCallback
-from rlexact.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from rlexact.config import AlgorithmConfig, FSDPConfig, OptimConfig, RolloutConfig
 from rlexact.data import PromptDataModule
 from rlexact.logprobs import Packed, pack, packed_logprobs, sequence_logprobs
 from rlexact.models import SUPPORTED_MODEL_TYPES, exactify, is_exactified, use_kernels
 from rlexact.module import RLModule
+from rlexact.rewards import RewardConfig
 
 __version__ = "0.1.0"
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AlgorithmConfig",
+    "FSDPConfig",
     "OptimConfig",
     "Packed",
     "PromptDataModule",
     "RLCallback",
     "RLModule",
+    "RewardConfig",
     "RolloutBatch",
     "RolloutConfig",
     "algorithms",

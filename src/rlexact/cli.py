@@ -51,6 +51,16 @@ from rlexact.resources import config_path
 __all__ = ["ConfigError", "RLExactCLI", "entry", "main", "previous_last_checkpoint"]
 
 
+OTHER_COMMANDS = (
+    "other commands: 'rlexact demo [--help]' runs the embedded demo; 'rlexact export CKPT DIR' writes a checkpoint "
+    "as a transformers folder"
+)
+"""The top-level help's last line: the commands :func:`entry` runs before LightningCLI."""
+
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+"""``ckpt_path`` values that Lightning resolves itself (not files; also ``registry:...`` and URLs)."""
+
+
 class ConfigError(ValueError):
     """The configuration parsed, but instantiating its classes failed; the message is the first error raised (a
     class's own check, not the wrapper jsonargparse raises around it)."""
@@ -86,15 +96,24 @@ class RLExactCLI(LightningCLI):
 
     @override
     def before_fit(self) -> None:
-        self._resolve_last_checkpoint()
+        self._resolve_checkpoint()
 
     @override
     def before_validate(self) -> None:
-        self._resolve_last_checkpoint()
+        self._resolve_checkpoint()
 
-    def _resolve_last_checkpoint(self) -> None:
+    def _resolve_checkpoint(self) -> None:
+        """Refuse a ``ckpt_path`` file that is not there (one line, before training); resolve ``last`` to the newest
+        last checkpoint of the logger's earlier versions."""
         kwargs = self.config_init[self.subcommand]
-        if kwargs.get("ckpt_path") != "last":
+        ckpt = kwargs.get("ckpt_path")
+        named = ckpt in LIGHTNING_CKPT_NAMES or str(ckpt).startswith("registry:") or "://" in str(ckpt)
+        if ckpt is not None and not named and not os.path.exists(ckpt):
+            raise ConfigError(
+                f"FileNotFoundError: ckpt_path {os.fspath(ckpt)!r} does not exist (looked from {os.getcwd()}); "
+                "--ckpt_path last resumes from the newest last checkpoint of the logger's runs"
+            )
+        if ckpt != "last":
             return
         found = previous_last_checkpoint(self.trainer)
         if found is not None:
@@ -120,6 +139,7 @@ def main(args: Any = None, *, run: bool = True) -> RLExactCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"epilog": OTHER_COMMANDS},
         args=args,
         run=run,
     )

@@ -80,7 +80,11 @@ def check_supported(model: nn.Module) -> None:
     for r in ropes:
         rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
         if rope_type in ("dynamic", "longrope"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: its tables change with sequence length")
+            raise ValueError(
+                f"unsupported rope_type {rope_type!r}: its tables change with sequence length, so a token's rotation "
+                "would depend on how long its batch is. Train with a fixed rope: 'default', or 'linear' / 'yarn' / "
+                "'llama3' with the scaling the model was trained with"
+            )
         partial = float(r.get("partial_rotary_factor", 1.0) if isinstance(r, dict) else 1.0)
         partial = float(getattr(config, "partial_rotary_factor", partial) or partial)
         if partial != 1.0:

@@ -17,7 +17,9 @@ Contract:
 - **Errors.** A reward that raises on sample ``i`` (or a worker that dies while scoring it) stops the batch with a
   :class:`RewardError` that names the sample and carries the worker's traceback (``on_error="raise"``), or the sample
   scores ``error_value`` and is counted (``on_error="score"``). In the main process a batch call that raises is
-  repeated sample by sample to find (and name, or score) the samples that raise.
+  repeated sample by sample to find (and name, or score) the samples that raise. A worker's value that is not one
+  number (a bare float for the batch, a string) stops the batch with a :class:`RewardError` that says what it was,
+  whatever ``on_error`` says: it is a bug in the reward, not a sample it fails on.
 - **Order and determinism.** Results come back in sample order and do not depend on the number of workers, the
   chunking or the timing; only *whether* a sample reaches the limit depends on timing, so the limit should be far
   above the time of a normal sample. The values are returned as the reward produced them; validate them with
