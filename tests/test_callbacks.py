@@ -38,6 +38,7 @@ from rlexact.callbacks import (
     MismatchProbe,
     RejectionSampling,
     RLCallback,
+    SampleLogger,
     TruncatedIS,
     UpdateDirectionProbe,
     correction_callbacks,
@@ -442,6 +443,36 @@ def test_state_dict_round_trip():
         assert fresh.state_dict() == state and state, type(cb).__name__
     keys = [cb.state_key for cb in [TruncatedIS(), TruncatedIS(prefix="x"), RejectionSampling()]]
     assert len(set(keys)) == 3
+    partial = {k: v for k, v in TruncatedIS().state_dict().items() if k != "truncated_total"}
+    with pytest.raises(KeyError, match=r"TruncatedIS: the checkpoint's state for it lacks \['truncated_total'\]"):
+        TruncatedIS().load_state_dict(partial)
+
+
+def test_truncated_is_refuses_bypass_and_warns_in_exact_mode():
+    """TIS on top of a rollout-referenced ratio would correct twice (bypass: an error); in exact mode its weights
+    are 1 unless the rollout is perturbed (a warning); recompute, what it is for, says nothing (control)."""
+    from types import SimpleNamespace
+
+    def module(mode: str) -> SimpleNamespace:
+        return SimpleNamespace(algo=SimpleNamespace(old_logprob_mode=mode))
+
+    with pytest.raises(ValueError, match="TruncatedIS with old_logprob_mode='bypass'.*'recompute'"):
+        TruncatedIS().setup(None, module("bypass"), "fit")
+    with pytest.warns(UserWarning, match="TruncatedIS with old_logprob_mode='exact'.*exactly 1"):
+        TruncatedIS().setup(None, module("exact"), "fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TruncatedIS().setup(None, module("recompute"), "fit")
+
+
+def test_callback_arguments_of_the_wrong_type_are_named():
+    for make, message in ((lambda: UpdateDirectionProbe(every_n_steps=1.5), "every_n_steps must be a positive int"),
+                          (lambda: UpdateDirectionProbe(every_n_steps="2"), "every_n_steps must be a positive int"),
+                          (lambda: MismatchProbe(histogram_every_n_steps=2.5), "histogram_every_n_steps must be"),
+                          (lambda: SampleLogger(every_n_steps=0.5), "every_n_steps must be an int"),
+                          (lambda: RejectionSampling(threshold="0.1"), "threshold must be a finite")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            make()
 
 
 def test_lightning_resume_restores_callback_state(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -453,14 +454,28 @@ def test_bad_sampling_params_and_misc(qwen):
                           (dict(top_k=2.5), "top_k must be an int"), (dict(top_k=-1), "top_k must be >= 0"),
                           (dict(seed="abc"), "seed must be an int"), (dict(seed=1.5), "seed must be an int"),
                           (dict(n=2.0), "n must be a positive int"), (dict(ignore_eos=1), "ignore_eos must be a bool"),
-                          (dict(stop_token_ids=[3, 1.5]), r"stop_token_ids\[1\] must be an int"),
-                          (dict(stop_token_ids=[-2]), r"stop_token_ids\[0\] must be >= 0")):  # fmt: skip
+                          (dict(stop_token_ids=[3, 1.5]), r"stop_token_ids\[1\] must be a non-negative integer"),
+                          (dict(stop_token_ids=[-2]), r"stop_token_ids\[0\] must be a non-negative integer"),
+                          (dict(stop_token_ids=5), r"must be a list of token ids, got 5; for one write \[5\]"),
+                          (dict(stop_token_ids="ab"), "stop_token_ids is text, not token ids"),
+                          (dict(temperature=0.0, top_k=5, logprobs="sampled"), "greedy.*'sampled'"),
+                          (dict(temperature=0.0, top_p=0.9, logprobs="sampled"), "greedy.*'sampled'")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
     assert SamplingParams(stop_token_ids=[3, 5]).stop_token_ids == (3, 5)
+    assert SamplingParams(seed=np.int64(3)).seed == 3 and type(SamplingParams(seed=np.int64(3)).seed) is int
+    SamplingParams(temperature=0.0, top_k=5)  # greedy with full log-probs, and greedy "sampled" without truncation
+    SamplingParams(temperature=0.0, logprobs="sampled")
     gen = Generator(qwen)
     with pytest.raises(ValueError, match="request_ids has 1 entries"):
         gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), request_ids=[0])
+    for kwargs, match in ((dict(keys=[100.9]), r"keys\[0\] must be a non-negative integer key below 2\*\*63"),
+                          (dict(keys=["100"]), r"keys\[0\] must be"), (dict(keys=[None]), r"keys\[0\] must be"),
+                          (dict(request_ids=[0.5, 1.5]), r"request_ids\[0\] must be a non-negative integer request"),
+                          (dict(request_ids=[True, 2]), r"request_ids\[0\] must be"),
+                          (dict(request_ids=[0, 1 << 63]), r"request_ids\[1\] must be .* below 2\*\*63")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), **kwargs)
     with pytest.raises(ValueError, match="sequences is empty"):
         gen.score([])
     with pytest.raises(ValueError, match="outside the vocabulary"):

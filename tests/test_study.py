@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -559,3 +560,28 @@ def test_smoke_corrections_and_shadow(smoke):
         assert stats["none/cosine"] == 1.0 and stats["probes"] >= 1
         assert "tis-srs-k3-corr-ratio@0.01/cosine" in stats  # the threshold calibration knob
     assert shadow["shadow_inject"]["tis/cosine"] < 1.0
+
+
+def test_study_command_reports_bad_arguments_in_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """Usage errors (exit 2, one line, no traceback, nothing run): an unknown experiment, 'report' with names, a
+    missing config or result JSON, and a 0 that was dropped as if not given; a packaged config resolves by its name
+    from any directory (control: it reaches the step check)."""
+    from rlexact.study.__main__ import main
+    from rlexact.study.config import study_config_file
+
+    cases = {
+        ("nosuch",): "unknown experiment 'nosuch'",
+        ("report", "grpo"): "'report' stands alone",
+        ("grpo", "--config", str(tmp_path / "missing.yaml")): "study config .*missing.yaml' not found .*smoke.yaml",
+        ("report", "--json", str(tmp_path / "missing.json")): "no result JSON",
+        ("misalignment", "--config", "smoke.yaml", "--steps", "0"): r"scale.steps must be >= 1, got 0",
+        ("misalignment", "--workers", "0"): r"workers",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err, (argv, err)
+        assert re.search(message, err.splitlines()[-1]), (argv, err)
+    packaged = Path(study_config_file("study/smoke")).resolve()
+    assert packaged == Path(study_config_file("configs/study/smoke.yaml")).resolve() and packaged.is_file()

@@ -8,7 +8,7 @@ import math
 import operator
 from typing import Any
 
-__all__ = ["as_index", "choice", "finite", "integer", "not_text", "positive_int", "token_ids"]
+__all__ = ["as_index", "choice", "finite", "indices", "integer", "not_text", "positive_int", "token_ids"]
 
 
 def _is_int(value: Any) -> bool:
@@ -60,16 +60,27 @@ def as_index(value: Any) -> int | None:
         return None
 
 
-def token_ids(name: str, value: Any) -> list[int]:
-    """``value`` as a list of non-negative integer token ids (integers of any type, :func:`as_index`); raises for text,
-    a single number, or an item that is not a non-negative integer."""
-    not_text(name, value)
-    if isinstance(value, (int, float)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be a list of token ids, got {value!r}; for one id write [{value!r}]")
-    ids = []
+def indices(name: str, value: Any, *, what: str, below: int | None = None) -> list[int]:
+    """``value`` as a list of non-negative integers (of any type but bool, :func:`as_index`) below ``below`` where
+    given; raises for a string, a single number, or an item out of range (``what`` names the items)."""
+    if isinstance(value, (str, bytes, int, float)) or not hasattr(value, "__iter__"):
+        one = f"; for one write [{value!r}]" if isinstance(value, (int, float)) else ""
+        raise ValueError(f"{name} must be a list of {what}s, got {value!r}{one}")
+    limit = "" if below is None else f" below {_power_of_two(below)}"
+    out = []
     for i, item in enumerate(value):
-        index = as_index(item)
-        if index is None or index < 0:
-            raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {item!r}")
-        ids.append(index)
-    return ids
+        index = None if isinstance(item, bool) else as_index(item)
+        if index is None or index < 0 or (below is not None and index >= below):
+            raise ValueError(f"{name}[{i}] must be a non-negative integer {what}{limit}, got {item!r}")
+        out.append(index)
+    return out
+
+
+def token_ids(name: str, value: Any) -> list[int]:
+    """``value`` as a list of token ids (:func:`indices`); text gets its own message (tokenize it first)."""
+    not_text(name, value)
+    return indices(name, value, what="token id")
+
+
+def _power_of_two(n: int) -> str:
+    return f"2**{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)

@@ -41,6 +41,16 @@ if TYPE_CHECKING:
     from rlexact.batch import RolloutBatch
 
 
+def old_logprob_mode(pl_module: Any) -> str | None:
+    """The module's pi_old mode (``"exact"``, ``"recompute"``, ``"bypass"``) if it exposes one, else ``None``."""
+    owners = (getattr(pl_module, "algo", None), getattr(pl_module, "algorithm", None), pl_module)
+    for owner in owners:
+        mode = getattr(owner, "old_logprob_mode", None) if owner is not None else None
+        if isinstance(mode, str):
+            return mode
+    return None
+
+
 class RLCallback(Callback):
     """Base class of RL callbacks; every hook is a no-op by default."""
 
@@ -57,6 +67,12 @@ class RLCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = [name for name, _ in self.state_fields if name not in state_dict]
+        if missing:
+            raise KeyError(
+                f"{type(self).__name__}: the checkpoint's state for it lacks {missing} (it has {sorted(state_dict)}); "
+                "it was saved by another callback or another version of this one"
+            )
         for name, kind in self.state_fields:
             setattr(self, name, kind(state_dict[name]))
 

@@ -25,10 +25,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_scalars
-from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
+from rlexact.callbacks.base import RLCallback, old_logprob_mode, require_trainer_logprobs, seqs_with_tokens
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -79,6 +81,21 @@ class TruncatedIS(RLCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(level=self.spec.level, cap=self.spec.cap, prefix=self.prefix)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        mode = old_logprob_mode(pl_module)
+        if mode == "bypass":
+            raise ValueError(
+                "TruncatedIS with old_logprob_mode='bypass': the PPO ratio is already referenced to the rollout's "
+                "log-probs, and TIS would reweight by r_corr a second time. Use old_logprob_mode='recompute' with it"
+            )
+        if mode == "exact":
+            rank_zero_warn(
+                "TruncatedIS with old_logprob_mode='exact': unless the rollout log-probs are perturbed "
+                "(MismatchInjection) its weights are exactly 1, at the cost of a trainer forward per step. TIS "
+                "corrects a non-exact rollout: rollout.kernels='native' with old_logprob_mode='recompute'"
+            )
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         trainer_lp = require_trainer_logprobs(batch, type(self).__name__)

@@ -43,6 +43,7 @@ from rlexact.algorithms.aggregation import (
     segment_sum,
 )
 from rlexact.algorithms.losses import LOG_RATIO_CLAMP
+from rlexact.checks import finite
 
 __all__ = [
     "BIT_VIEWS",
@@ -130,8 +131,7 @@ def _check_rejection(granularity: str, estimator: str, threshold: float) -> None
     if granularity not in valid:
         raise ValueError(f"granularity must be one of {list(valid)}, got {granularity!r}")
     _check_estimator(estimator)
-    if not math.isfinite(threshold):
-        raise ValueError(f"threshold must be finite, got {threshold}")
+    finite("threshold", threshold)
     if estimator != "k1" and threshold < 0:
         raise ValueError(
             f"threshold {threshold} < 0 with non-negative estimator {estimator!r} would reject every token"

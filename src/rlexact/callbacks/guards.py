@@ -24,6 +24,7 @@ from rlexact.callbacks._extra import first_bitwise_mismatch
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
 from rlexact.callbacks.functional import BIT_VIEWS
+from rlexact.checks import positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -85,8 +86,7 @@ class ExactnessGuard(RLCallback):
     needs_trainer_logprobs = True
 
     def __init__(self, every_n_steps: int = 1) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        positive_int("every_n_steps", every_n_steps)
         self.every_n_steps = every_n_steps
         self.steps_seen = 0
         self.checks_passed = 0

@@ -39,7 +39,7 @@ import torch
 
 from rlexact.callbacks._extra import InjectionTarget, keyed_normal, perturb_logprobs
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
-from rlexact.callbacks.base import RLCallback, rl_callbacks
+from rlexact.callbacks.base import RLCallback, old_logprob_mode, rl_callbacks
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -49,16 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["MismatchInjection", "old_logprob_mode"]
 
 OldFollow = Literal["auto", "follow", "keep"]
-
-
-def old_logprob_mode(pl_module: Any) -> str | None:
-    """The module's pi_old mode (``"exact"``, ``"recompute"``, ``"bypass"``) if it exposes one, else ``None``."""
-    owners = (getattr(pl_module, "algo", None), getattr(pl_module, "algorithm", None), pl_module)
-    for owner in owners:
-        mode = getattr(owner, "old_logprob_mode", None) if owner is not None else None
-        if isinstance(mode, str):
-            return mode
-    return None
 
 
 class MismatchInjection(RLCallback):

@@ -23,6 +23,7 @@ from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
 from rlexact.callbacks.routing import RouterDisagreement, RouterRecorder, router_disagreement
+from rlexact.checks import positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -201,8 +202,8 @@ class MismatchProbe(RLCallback):
         prefix: str = "mismatch",
         router: bool = True,
     ) -> None:
-        if histogram_every_n_steps < 1 or argmax_chunk_tokens < 1:
-            raise ValueError("histogram_every_n_steps and argmax_chunk_tokens must be >= 1")
+        positive_int("histogram_every_n_steps", histogram_every_n_steps)
+        positive_int("argmax_chunk_tokens", argmax_chunk_tokens)
         self.argmax = argmax
         self.histograms = histograms
         self.histogram_every_n_steps = histogram_every_n_steps
@@ -453,8 +454,7 @@ class UpdateDirectionProbe(RLCallback):
     def __init__(self, before: str = "rollout", every_n_steps: int = 1) -> None:
         if before not in ("rollout", "rescore"):
             raise ValueError(f"before must be 'rollout' or 'rescore', got {before!r}")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        positive_int("every_n_steps", every_n_steps)
         self.before = before
         self.every_n_steps = every_n_steps
         self.steps_seen = 0

@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.aggregation import logging_step, tensorboard_experiments
 from rlexact.callbacks.base import RLCallback
+from rlexact.checks import integer, positive_int
 
 __all__ = ["SampleLogger"]
 
@@ -38,11 +39,9 @@ class SampleLogger(RLCallback):
     """It runs no forward: its hook does not make the module gather FSDP2-sharded parameters."""
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 4, max_chars: int = 500) -> None:
-        if every_n_steps < 0 or num_samples < 1 or max_chars < 1:
-            raise ValueError(
-                f"SampleLogger needs every_n_steps >= 0, num_samples >= 1 and max_chars >= 1, got {every_n_steps}, "
-                f"{num_samples}, {max_chars}"
-            )
+        integer("every_n_steps", every_n_steps, low=0)
+        positive_int("num_samples", num_samples)
+        positive_int("max_chars", max_chars)
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
         self.max_chars = max_chars

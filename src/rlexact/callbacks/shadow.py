@@ -57,6 +57,7 @@ from rlexact.callbacks._extra import InjectionTarget, keyed_normal, perturb_logp
 from rlexact.callbacks.aggregation import dist_ready, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
 from rlexact.callbacks.probes import logprob_truncation, policy_model, rollout_temperature
+from rlexact.checks import positive_int
 from rlexact.logprobs import Packed, packed_logprobs
 
 if TYPE_CHECKING:
@@ -262,8 +263,7 @@ class ShadowCorrection(RLCallback):
             raise ValueError(f"target must be 'logits' or 'logprobs', got {target!r}")
         if not (0.0 <= scale < float("inf")):
             raise ValueError(f"scale must be finite and >= 0, got {scale}")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        positive_int("every_n_steps", every_n_steps)
         self.mismatch = mismatch
         self.scale = float(scale)
         self.target = target

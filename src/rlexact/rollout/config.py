@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from rlexact.checks import choice, positive_int
+from rlexact.checks import choice, finite, indices, integer, positive_int
 from rlexact.models.state import KERNELS, Kernels
 
 
@@ -102,10 +102,12 @@ class GeneratorConfig:
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a bool, got {value!r}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+        finite("kv_cache_memory_fraction", self.kv_cache_memory_fraction, low=0.0, low_open=True)
+        if self.kv_cache_memory_fraction > 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        integer("block_seed", self.block_seed)
         if self.graph_batch_sizes is not None:
-            sizes = tuple(sorted({int(b) for b in self.graph_batch_sizes}))
+            sizes = tuple(sorted(set(indices("graph_batch_sizes", self.graph_batch_sizes, what="batch size"))))
             if not sizes or sizes[0] < 1:
                 raise ValueError(f"graph_batch_sizes must be positive ints, got {self.graph_batch_sizes!r}")
             self.graph_batch_sizes = sizes

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlexact.checks import as_index, not_text
+from rlexact.checks import as_index, indices, not_text
 from rlexact.distributed import gathered_params
 from rlexact.models import context_limit, exactify, is_exactified, lm_head_weight, uncompiled, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
@@ -259,22 +259,18 @@ class Generator:
         if keys is not None:
             if request_ids is not None:
                 raise ValueError("pass keys (one per prompt) or request_ids (one per sample), not both")
-            key_list = [int(k) for k in keys]
+            key_list = indices("keys", keys, what="key", below=1 << 63)
             if len(key_list) != len(prompts):
                 raise ValueError(f"keys has {len(key_list)} entries, expected one per prompt ({len(prompts)})")
-            if any(k < 0 or k >= 1 << 63 for k in key_list):
-                raise ValueError("keys must be in [0, 2**63)")
             rids = [request_key(k, j) for k in key_list for j in range(n)]
         elif request_ids is None:
             rids = list(range(total))
         else:
-            rids = [int(r) for r in request_ids]
+            rids = indices("request_ids", request_ids, what="request id", below=1 << 63)
             if len(rids) != total:
                 raise ValueError(
                     f"request_ids has {len(rids)} entries, expected len(prompts) * n = {len(prompts)} * {n} = {total}"
                 )
-            if any(r < 0 or r >= 1 << 63 for r in rids):
-                raise ValueError("request_ids must be in [0, 2**63)")
         seqs = [
             Sequence(i * n + j, p, rids[i * n + j], i, params.max_new_tokens)
             for i, p in enumerate(prompts)

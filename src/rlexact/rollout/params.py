@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlexact.checks import as_index, choice, finite, integer, positive_int
+from rlexact.checks import as_index, choice, finite, integer, positive_int, token_ids
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 FinishReason = Literal["stop", "length"]
@@ -22,8 +22,8 @@ class SamplingParams:
         temperature: softmax temperature (> 0); ``0`` means greedy (argmax, log-probs reported at temperature 1).
         top_p: nucleus mass in ``(0, 1]``; 1 disables it.
         top_k: keep the ``k`` most likely tokens; 0 disables it.
-        seed: base seed of the keyed sampler; the draw for a token depends only on
-            ``(seed, request id, absolute position)``.
+        seed: base seed of the keyed sampler (an integer of any type, taken modulo ``2**64``); the draw for a token
+            depends only on ``(seed, request id, absolute position)``.
         n: samples per prompt (a GRPO group); sample ``j`` of prompt ``i`` has request id ``i * n + j`` unless the
             caller passes per-prompt keys or explicit request ids (see :meth:`rlexact.rollout.Generator.generate`).
         stop_token_ids: generation ends (inclusive) at any of these tokens; ``None`` uses the model's EOS ids.
@@ -50,19 +50,22 @@ class SamplingParams:
         if self.top_p > 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         integer("top_k", self.top_k, low=0)
-        integer("seed", self.seed)
+        seed = None if isinstance(self.seed, bool) else as_index(self.seed)  # numpy / torch integers too
+        if seed is None:
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        object.__setattr__(self, "seed", seed)
         positive_int("n", self.n)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         choice("logprobs", self.logprobs, LOGPROB_MODES)
+        if self.greedy and self.logprobs == "sampled" and (self.top_k > 0 or self.top_p < 1.0):
+            raise ValueError(
+                f"temperature=0 (greedy) with top_k={self.top_k}, top_p={self.top_p} and logprobs='sampled': a greedy "
+                "draw comes from no truncated distribution, and its log-probs are the full softmax's at temperature "
+                "1. Use logprobs='full', or drop top_k/top_p (the argmax is the same token)"
+            )
         if self.stop_token_ids is not None:
-            stops = []
-            for i, t in enumerate(self.stop_token_ids):  # ints of any integer type (numpy, torch); floats refused
-                idx = None if isinstance(t, bool) else as_index(t)
-                t = t if idx is None else idx  # not an integer: integer() names it
-                integer(f"stop_token_ids[{i}]", t, low=0)
-                stops.append(t)
-            object.__setattr__(self, "stop_token_ids", tuple(stops))
+            object.__setattr__(self, "stop_token_ids", tuple(token_ids("stop_token_ids", self.stop_token_ids)))
 
     @property
     def greedy(self) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlexact.study.config import load_config
 from rlexact.study.experiments import EXPERIMENTS, experiment_arms, summarize
@@ -20,6 +20,8 @@ from rlexact.study.report import device_tag, entry_header, fill_page, write_json
 from rlexact.study.runner import FailedRuns, resolve_device, run_arms
 
 __all__ = ["main", "run_study"]
+
+T = TypeVar("T")
 
 
 def _say(msg: str) -> None:
@@ -78,6 +80,15 @@ def _report(doc: dict[str, Any], folder: str, page: str | None) -> None:
         _say(f"filled the tables of {', '.join(fill_page(doc, page)) or 'no experiment'} in {page}")
 
 
+def _checked(parser: argparse.ArgumentParser, check: Callable[[], T]) -> T:
+    """``check()``, its ``ValueError`` or ``FileNotFoundError`` (a bad config, experiment or setting) reported as a
+    usage error (exit status 2, one line)."""
+    try:
+        return check()
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(f"{type(e).__name__}: {e}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlexact.study", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -97,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--page", help="markdown page whose <!-- study:NAME --> ... <!-- /study:NAME --> blocks get the tables"
     )
     args = parser.parse_args(argv)
+    alone = sorted({"list", "report"} & set(args.experiments))
+    if alone and len(args.experiments) > 1:
+        parser.error(f"{alone[0]!r} stands alone: give it without experiment names")
     if args.experiments == ["list"]:
         for exp in EXPERIMENTS.values():
             _say(f"{exp.name:13s} {exp.title}")
@@ -104,17 +118,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.experiments == ["report"]:
         import json
 
-        cfg = load_config(args.config)
+        cfg = _checked(parser, lambda: load_config(args.config))
         path = args.json or cfg.json
         if path is None:
             parser.error("report needs --json PATH (or output.json in --config)")
+        if not Path(path).is_file():
+            parser.error(f"report: no result JSON {path!r}")
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         _report(doc, args.docs or cfg.docs, args.page)
         return 0
     given = (("steps", args.steps), ("workers", args.workers), ("device", args.device), ("checkpoint", args.checkpoint))
-    overrides = {k: v for k, v in given if v}
-    if args.seeds:
+    overrides = {k: v for k, v in given if v is not None}
+    if args.seeds is not None:
         overrides["seeds"] = tuple(args.seeds)
+    names = list(EXPERIMENTS) if args.experiments == ["all"] else args.experiments
+    cfg = _checked(parser, lambda: load_config(args.config, overrides))
+    _checked(parser, lambda: [experiment_arms(cfg, name) for name in names])
     run_study(
         args.experiments,
         args.config,

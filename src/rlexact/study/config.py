@@ -14,12 +14,15 @@ A YAML file has three sections (every key optional; the defaults are the CPU dem
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from rlexact.callbacks.functional import PRESETS
+from rlexact.resources import config_path
 from rlexact.study.engine import WEIGHT_PERTURBATIONS
 
 __all__ = ["Arm", "Scale", "StudyConfig", "load_config", "parse_engine", "parse_shadow_source"]
@@ -231,12 +234,27 @@ class StudyConfig:
         return {**defaults, **given}
 
 
+def study_config_file(path: str | Path) -> str:
+    """The file of a study config: ``path`` where it exists, else the packaged config of that name (``smoke.yaml``,
+    ``study/smoke``, ``configs/study/smoke.yaml``: ``rlexact/configs/study``), from any directory."""
+    name = os.fspath(path)
+    if os.path.exists(name):
+        return name
+    found = config_path(f"study/{os.path.basename(name)}")
+    if found is None:
+        packaged = sorted(f.name for f in importlib.resources.files("rlexact").joinpath("configs", "study").iterdir())
+        raise FileNotFoundError(f"study config {name!r} not found (looked from {os.getcwd()}); packaged: {packaged}")
+    return found
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> StudyConfig:
-    """Read a study YAML (None = the defaults) and apply ``overrides`` to its ``scale`` section."""
+    """Read a study YAML (None = the defaults; a packaged config by its name, :func:`study_config_file`) and apply
+    ``overrides`` to its ``scale`` section."""
     data: dict[str, Any] = {}
     if path is not None:
         import yaml
 
+        path = study_config_file(path)
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
