@@ -53,5 +53,5 @@ def test_bad_keys(gen) -> None:
         gen.generate(prompts, PARAMS, keys=[1])
     with pytest.raises(ValueError, match="not both"):
         gen.generate(prompts, PARAMS, request_ids=[0, 1, 2, 3], keys=[1, 2])
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*63\)"):
+    with pytest.raises(ValueError, match=r"keys\[1\] must be a non-negative integer key below 2\*\*63, got -1"):
         gen.generate(prompts, PARAMS, keys=[1, -1])

@@ -557,7 +557,7 @@ def test_config_validation() -> None:
     assert OptimConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)
     for ids, message in (([2.7], r"stop_token_ids\[0\] must be a non-negative integer token id, got 2.7"),
                          ("<|im_end|>", "stop_token_ids is text, not token ids"),
-                         (3, r"must be a list of token ids, got 3; for one id write \[3\]")):  # fmt: skip
+                         (3, r"must be a list of token ids, got 3; for one write \[3\]")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             RolloutConfig(stop_token_ids=ids)
     assert RolloutConfig(stop_token_ids=(torch.tensor(4), 5)).stop_token_ids == [4, 5]

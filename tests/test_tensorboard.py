@@ -121,5 +121,5 @@ def test_log_cadence_warning(tmp_path: Path) -> None:
 
 
 def test_sample_logger_validation() -> None:
-    with pytest.raises(ValueError, match="every_n_steps >= 0"):
+    with pytest.raises(ValueError, match="every_n_steps must be >= 0, got -1"):
         SampleLogger(every_n_steps=-1)
