@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
@@ -230,13 +230,14 @@ def decode_sweep(out: str, shape: str = "qwen3") -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--out", default=None, help="output JSON (default benchmarks/results/attention_[decode_]configs_h200.json)"
     )
     ap.add_argument("--decode", action="store_true", help="sweep the decode launch instead of the prefill launch")
     ap.add_argument("--shape", choices=list(HEADS), default="qwen3", help="heads of the decode sweep")
     args = ap.parse_args()
+    require_cuda("attention_configs.py")
     results = ROOT / "benchmarks" / "results"
     if args.shape != "qwen3" and not args.decode:
         ap.error("--shape applies to the decode sweep (--decode)")

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from attention_configs import DT, HKV, SHAPE, D, decode_case, run
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.ops import gluon_decode
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.triton_shared import COMPILE_OPTIONS
@@ -51,6 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_decode_scaling_h200.json"))
     args = ap.parse_args()
+    require_cuda("attention_decode_scaling.py")
     t0 = time.time()
     torch.manual_seed(0)
     library = ta._fwd_config(D, DT) | ta.DECODE_LAUNCH_16BIT

@@ -41,7 +41,7 @@ from attention_configs import (
     prefill_case,
     run,
 )
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.ops import triton_attention as ta
 
 KEY_TILES = (64, 128)
@@ -89,9 +89,10 @@ def time_launches(cases: dict, library: dict, launches: list[dict], label: str) 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_key_tile_h200.json"))
     args = ap.parse_args()
+    require_cuda("attention_key_tile.py")
     t0 = time.time()
     torch.manual_seed(0)
     prefill = {f"prefill_{b}x{s}": prefill_case(b, s) for b, s in PREFILL_SHAPES}

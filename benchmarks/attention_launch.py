@@ -166,7 +166,7 @@ def host_only() -> dict:
 
 
 def main() -> None:
-    launch_cli(__doc__.splitlines()[0], "attention_launch", gpu, host_only)
+    launch_cli(__doc__.split("\n\n")[0], "attention_launch", gpu, host_only)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,19 @@ sys.path.insert(0, str(ROOT / "src"))
 from rlexact.envinfo import result_header as header  # noqa: E402, F401 - re-exported: the result provenance block
 
 
+def require_cuda(script: str, cpu_mode: str | None = None) -> None:
+    """Return when torch sees a CUDA device; else exit (``SystemExit``: status 1, a one-line message on stderr, no
+    traceback) saying that ``script`` needs a CUDA GPU, and naming ``cpu_mode`` (the flags of the script's CPU mode)
+    where it has one. A GPU-only script calls it first in ``main``, after parsing its arguments (``--help`` works
+    anywhere) and before anything is computed or written, so a run without a GPU leaves every result file as it is."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    hint = f"; without one, run it with {cpu_mode}" if cpu_mode else ""
+    raise SystemExit(f"{script} needs a CUDA GPU (torch sees none){hint}")
+
+
 def bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``triton.testing.do_bench``: one eager call at a time, each after the L2 cache was
     overwritten (its inputs come from HBM), timed by events around that call alone."""
@@ -78,15 +91,17 @@ def host_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5,
 
 
 def launch_cli(description: str, stem: str, gpu: Callable[[], dict], host_only: Callable[[], dict]) -> None:
-    """The command line of a launch benchmark with a CPU mode: ``--host-only`` runs ``host_only`` and writes
-    ``benchmarks/results/<stem>_host_cpu.json``, else ``gpu`` writes ``<stem>_h200.json``; ``--out`` names another
-    path."""
+    """The command line of the launch benchmark ``<stem>.py``, which has a CPU mode: ``--host-only`` runs
+    ``host_only`` and writes ``benchmarks/results/<stem>_host_cpu.json``, else ``gpu`` writes ``<stem>_h200.json``
+    (without a CUDA device: :func:`require_cuda` exits, pointing at ``--host-only``); ``--out`` names another path."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--host-only", action="store_true", help="CPU: time the Python layers with the launch stubbed")
     ap.add_argument("--out", default=None, help=f"result JSON (default: benchmarks/results/{stem}_*.json)")
     args = ap.parse_args()
+    if not args.host_only:
+        require_cuda(f"{stem}.py", "--host-only")
     name = f"{stem}_host_cpu.json" if args.host_only else f"{stem}_h200.json"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
     res = host_only() if args.host_only else gpu()
@@ -212,16 +227,26 @@ def best_summary(entry: dict) -> str:
 
 def run_cases(result: dict, section: str, names: Iterable[str], measure: Callable[[str], object], out: str) -> int:
     """``result[section][name] = measure(name)`` for each name, a failing case's traceback going to
-    ``result["errors"][name]`` instead; ``out`` is rewritten after every case, so a crash keeps the cases before it.
-    Returns the exit code: 0 when no case failed."""
+    ``result["errors"][name]`` instead; once a case has succeeded, ``out`` is rewritten after every case, so a crash
+    keeps the cases before it. Returns the exit code: 0 when no case failed. When every case failed, ``out`` is never
+    written (a result of errors alone must not replace a measured one): raises ``RuntimeError`` with the first
+    failure's traceback instead."""
     result.setdefault(section, {})
     result.setdefault("errors", {})
+    measured = False
     for name in names:
         try:
             result[section][name] = measure(name)
+            measured = True
         except Exception:  # noqa: BLE001 - a failing case is recorded in the result, and fails the exit code
             result["errors"][name] = traceback.format_exc()
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        if measured:
+            Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    if result["errors"] and not measured:
+        first, tb = next(iter(result["errors"].items()))
+        raise RuntimeError(
+            f"every case failed ({', '.join(result['errors'])}); {out} not written. First failure, {first}:\n{tb}"
+        )
     return 0 if not result["errors"] else 1
 
 

@@ -24,7 +24,7 @@ os.environ["RLEXACT_MATMUL_CUBLAS"] = "0"  # before rlexact is imported: matmul 
 if "--single-tile" in sys.argv:  # before rlexact is imported: one static tile and one chain over all of K
     os.environ["RLEXACT_MATMUL_SINGLE_TILE"] = "1"
 
-from common import ROOT, graph_ms_over, header, weight_copies  # noqa: E402
+from common import ROOT, graph_ms_over, header, require_cuda, weight_copies  # noqa: E402
 
 SHAPES = {"qkv_fused": (4096, 2048), "o": (2048, 2048), "gate_up_fused": (12288, 2048), "down": (2048, 6144)}
 ROWS = (1, 16, 64, 128, 256, 512, 4096)
@@ -68,6 +68,7 @@ def main() -> None:
                     help="compare with the library's static tile (RLEXACT_MATMUL_SINGLE_TILE=1): no row-tile variants "
                          "and no fixed K splits, so the down projection's chain runs over all of K")  # fmt: skip
     args = ap.parse_args()
+    require_cuda("cublas_bitwise_probe.py")
     import torch
 
     result = header("cublas_bitwise_probe", "torch", "triton")

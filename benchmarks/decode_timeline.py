@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import rlexact
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout.runner import ModelRunner
 from rlexact.rollout.scheduler import Scheduler
@@ -246,6 +246,7 @@ def main() -> int:
     ap.add_argument("--trace", default=None, help="directory for gzipped Chrome traces")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_timeline_h200.json"))
     args = ap.parse_args()
+    require_cuda("decode_timeline.py")
     args.tiny = False
     from torch.profiler import ProfilerActivity, profile
 

@@ -46,7 +46,7 @@ def _options() -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fp_fusion_sm90.json"))
     ap.add_argument("--cases", nargs="+", default=None, help="kernel_resources case names (default: all)")
     args = ap.parse_args()

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from attention_configs import DT, HKV, HQ, PAGE, D, decode_case, run
-from common import ROOT, bench_graph, header, swapped, variant_ints
+from common import ROOT, bench_graph, header, require_cuda, swapped, variant_ints
 from rlexact.ops import gluon_decode
 from rlexact.ops.gluon_attention import gluon, rebind
 
@@ -160,6 +160,7 @@ def main() -> int:
     args = ap.parse_args()
     for spec in args.variants:
         parse_variant(spec)
+    require_cuda("gluon_decode_probe.py")
     t0 = time.time()
     result: dict = header("gluon_decode_probe", "triton") | {
         "heads": [HQ, HKV, D],

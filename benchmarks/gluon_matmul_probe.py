@@ -29,7 +29,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from common import ROOT, graph_ms_over, header, swapped, weight_copies
+from common import ROOT, graph_ms_over, header, require_cuda, swapped, weight_copies
 from rlexact.ops import gluon_matmul
 from rlexact.ops.gluon_attention import rebind
 from rlexact.ops.gluon_matmul import GluonMatmulConfig, forward
@@ -137,6 +137,7 @@ def main() -> int:
                          "std 1, products of std sqrt(K), where exp(-gate) overflows for a few percent of the gates "
                          "and a correctly rounded division takes its slow path")  # fmt: skip
     args = ap.parse_args()
+    require_cuda("gluon_matmul_probe.py")
     t0 = time.time()
     result: dict = header("gluon_matmul_probe", "triton") | {
         "dtype": "bfloat16",

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-from common import ROOT, bench_graph, header, packed_attention_inputs, sdpa_causal_us
+from common import ROOT, bench_graph, header, packed_attention_inputs, require_cuda, sdpa_causal_us
 from rlexact.ops import triton_attention as ta
 from rlexact.ops.gluon_attention import (
     cta_barrier,
@@ -311,6 +311,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gluon_persistent_probe_h200.json"))
     ap.add_argument("--shapes", nargs="+", default=["64x512", "8x4096", "1x8192", "128x256", "16x1024"])
     args = ap.parse_args()
+    require_cuda("gluon_persistent_probe.py")
     t0 = time.time()
     result: dict = header("gluon_persistent_probe", "triton") | {
         "heads": [HQ, HKV, D],

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.ops import triton_logprob as tlp
 
 H, V = 2048, 151936
@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--lite", action="store_true", help="the library's two configurations and their flattened twins")
     ap.add_argument("--store-z", action="store_true", help="time the generator's call, which stores the logits")
     args = ap.parse_args()
+    require_cuda("head_variants.py")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = (torch.randn(V, H, device=dev, generator=g) * 0.02).bfloat16()

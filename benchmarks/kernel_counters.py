@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 HIDDEN, VOCAB = 2048, 151936
@@ -311,6 +311,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args.child)
+    require_cuda("kernel_counters.py")
     ncu = _ncu()
     if ncu is None:
         print("kernel_counters: ncu (Nsight Compute) not found on PATH or under /opt/nvidia/nsight-compute")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, graph_ms_over, header, weight_copies
+from common import ROOT, graph_ms_over, header, require_cuda, weight_copies
 from rlexact.ops.triton_matmul import SPLIT_K_KEYS, MatmulConfig, config_for, matmul, matmul_with_config
 
 N, K = 2048, 6144
@@ -199,6 +199,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_splitk_h200.json"))
     ap.add_argument("--parts", nargs="+", default=["sweep", "large", "library"], help="parts to run (default: all)")
     args = ap.parse_args()
+    require_cuda("matmul_splitk.py")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(N, K, device=dev, generator=g).bfloat16()
@@ -219,6 +220,8 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             result["errors"][part] = traceback.format_exc()[-2000:]
             print(f"[matmul_splitk] {part} failed:\n{result['errors'][part]}", flush=True)
+    if result["errors"] and not any(part in result for part in args.parts):  # errors alone must not replace a result
+        raise RuntimeError(f"matmul_splitk: every part failed ({', '.join(result['errors'])}); {args.out} not written")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"[matmul_splitk] wrote {args.out}; errors: {list(result['errors'])}")

@@ -30,6 +30,7 @@ from common import (
     graph_ms_over,
     header,
     pick_best,
+    require_cuda,
     run_cases,
     try_candidate,
     weight_copies,
@@ -105,6 +106,7 @@ def main() -> int:
     ap.add_argument("--lite", action="store_true", help="fewer M > 64 candidates (one warp count, two depths)")
     ap.add_argument("--ws", action="store_true", help="also every TMA candidate with warp specialization")
     args = ap.parse_args()
+    require_cuda("matmul_variants.py")
     timing = "median of triton.testing.do_bench_cudagraph (GPU time, no host launch overhead)"
     if args.cold:
         timing += f"; per call over weight copies totalling >= {4 * L2_BYTES >> 20} MiB (weights read from HBM)"

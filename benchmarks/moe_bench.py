@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 import rlexact
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 from rlexact import ops
 from rlexact.rollout import Generator, SamplingParams
 
@@ -436,6 +436,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/moe_h200.json)")
     args = ap.parse_args()
+    if not args.small:
+        require_cuda("moe_bench.py", "--small")
     device = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
     shape = SMALL if args.small else A3B
     dtype = torch.bfloat16

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, bench_graph, bench_stream, header, host_profile, host_us, interleaved
+from common import ROOT, bench, bench_graph, bench_stream, header, host_profile, host_us, interleaved, require_cuda
 
 QWEN_SHAPES = {  # name: (N, K) of w [N, K]
     "qkv": (2048 + 2 * 1024, 2048),
@@ -667,8 +667,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
     ap.add_argument("--sections", default="matmul,invariance,attention,logprob,norm,rope,window")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("ops_bench.py needs a CUDA GPU")
+    require_cuda("ops_bench.py")
     torch.manual_seed(0)
     results: dict = header("ops_bench", "triton", "transformers")
     results["versions"]["cuda"] = torch.version.cuda

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header, swapped
+from common import ROOT, bench_graph, header, require_cuda, swapped
 from rlexact import ops
 from rlexact.ops import gluon_decode
 
@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overlap_probe_h200.json"))
     args = ap.parse_args()
+    require_cuda("overlap_probe.py")
     step = Step(args.batch, args.context)
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     whole = step.rows(slice(None))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, header, packed_attention_inputs, variant_ints
+from common import ROOT, bench, header, packed_attention_inputs, require_cuda, variant_ints
 from ops_bench import PREFILL_CASES
 from rlexact.ops import gluon_attention, gluon_attention_pair
 from rlexact.ops import triton_attention as ta
@@ -151,8 +151,7 @@ def main() -> int:
     args = ap.parse_args()
     for spec in args.variants:
         parse(spec)
-    if not torch.cuda.is_available():
-        raise SystemExit("pair_depth_probe: needs an sm_90 GPU and a Triton with Gluon (no CUDA device here)")
+    require_cuda("pair_depth_probe.py")
     q, k, v, cu = packed_attention_inputs([64], HQ, HKV, D)
     if not (gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) and gluon_attention_pair.takes(q)):
         raise SystemExit("pair_depth_probe: needs an sm_90 GPU and a Triton with Gluon")

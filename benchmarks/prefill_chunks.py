@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import rlexact
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 from rlexact.rollout import SamplingParams
 from rollout_throughput import build_model, make_generator, same_completions, sync, timed_generate
 
@@ -46,7 +46,7 @@ def profile_call(gen, prompts, params, device, top: int) -> list[dict]:  # noqa:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefill_chunks_h200.json"))
     args = ap.parse_args()
+    if not args.tiny:
+        require_cuda("prefill_chunks.py", "--tiny")
     device = torch.device("cpu" if args.tiny else "cuda")
     ns = argparse.Namespace(tiny=args.tiny, layers=None, no_graphs=False, batched_tokens=0)
     result: dict = header("prefill_chunks", "triton", "transformers") | {

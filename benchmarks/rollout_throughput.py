@@ -68,7 +68,7 @@ from unittest import mock
 import torch
 
 import rlexact
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 from rlexact.models.truncation import LOGPROB_MODES
 from rlexact.ops import kv_gather
 from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
@@ -565,6 +565,8 @@ def main() -> int:
         ap.error(f"--hf-calls must be at least 1, got {args.hf_calls}")
     if args.tiny and args.arch != "qwen3":
         ap.error("--tiny builds a tiny Qwen3; leave --arch at qwen3 with it")
+    if not args.tiny:
+        require_cuda("rollout_throughput.py", "--tiny")
     args.batches = args.batches or ([4, 16] if args.tiny else [64, 256])
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (16 if args.tiny else (512 if args.grpo else 128))

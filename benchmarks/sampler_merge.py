@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import triton
 
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.ops import triton_logprob as tlp
 from rlexact.ops.triton_sampler import gumbel_argmax_triton
 from rlexact.rollout import sampler as S
@@ -93,6 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampler_merge_h200.json"))
     args = ap.parse_args()
+    require_cuda("sampler_merge.py")
     t0 = time.time()
     result: dict = header("sampler_merge", "triton") | {
         "timing": "median of do_bench_cudagraph (GPU time), microseconds",

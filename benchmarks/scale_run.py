@@ -92,7 +92,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe",
@@ -602,6 +602,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main() -> None:
     argv = sys.argv[1:]
     args = parse_args(argv)
+    if args.accelerator in ("gpu", "cuda") and args.phase != "report":  # the report only reads the ranks' records
+        require_cuda("scale_run.py", "--accelerator cpu --tiny")
     if args.phase == "all":
         run_all(args, argv)
     elif args.phase == "report":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench, header
+from common import ROOT, bench, header, require_cuda
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
@@ -71,6 +71,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split_kv_sweep_h200.json"))
     args = ap.parse_args()
+    require_cuda("split_kv_sweep.py")
     scale = D**-0.5
     result: dict = header("split_kv_sweep", "triton") | {"library_split": ta.SPLIT_KEYS_16BIT, "rows": []}
     # exactness at each split: decode of the last position == training forward of a 2 * 8192 + 5 token sequence

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, header
+from common import ROOT, header, require_cuda
 from roofline import DecoderShape, device_peaks, update_flops
 
 QWEN3_1_7B = dict(
@@ -540,6 +540,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; writes /tmp/train_small.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not args.small:
+        require_cuda("train_step.py", "--small")
     default = Path("/tmp/train_small.json") if args.small else ROOT / "benchmarks" / "results" / "train_h200.json"
     out_path = Path(args.out) if args.out else default
     res = header("train_step", "triton", "transformers", "lightning")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header
+from common import ROOT, bench_graph, header, require_cuda
 from rlexact.models.truncation import kept_logsumexp, top_k_top_p_threshold
 from rlexact.ops import reference
 from rlexact.ops import triton_truncation as tt
@@ -102,6 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "truncation_h200.json"))
     args = ap.parse_args()
+    require_cuda("truncation_bench.py")
     t0 = time.time()
     cases: dict = {}
     for name, scale in SCALES.items():

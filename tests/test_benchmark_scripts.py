@@ -1,22 +1,163 @@
-"""The GPU benchmark scripts run end to end on their tiny CPU shapes and write the result keys the README cites."""
+"""The GPU benchmark scripts run end to end on their tiny CPU shapes and write the result keys the README cites;
+without a CUDA device, the GPU-only ones stop at once with a one-line message and leave the committed results alone."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+GPU_ONLY = (
+    "attention_configs", "attention_decode_scaling", "attention_key_tile", "cublas_bitwise_probe", "decode_timeline",
+    "gluon_decode_probe", "gluon_matmul_probe", "gluon_persistent_probe", "head_variants", "kernel_counters",
+    "matmul_gated", "matmul_splitk", "matmul_variants", "ops_bench", "overlap_probe", "pair_depth_probe",
+    "sampler_merge", "split_kv_sweep", "truncation_bench",
+)  # fmt: skip
+"""Benchmark scripts that measure on a CUDA GPU and have no CPU mode."""
+CPU_MODE = {
+    "attention_launch": "--host-only", "matmul_launch": "--host-only", "moe_bench": "--small",
+    "prefill_chunks": "--tiny", "rollout_throughput": "--tiny", "scale_run": "--accelerator cpu --tiny",
+    "train_step": "--small",
+}  # fmt: skip
+"""GPU benchmark scripts with a CPU mode: the flags that select it."""
+CPU_ONLY = ("fp_fusion_sm90", "kernel_resources", "pair_sass", "restamp_commit", "reward_throughput", "rollout_host",
+            "truncation_passes")  # fmt: skip
+"""Scripts that run on the host alone (compiling for sm_90 at most)."""
+MODULES = ("common", "roofline")
+"""Modules of ``benchmarks`` the scripts import, with no command line of their own."""
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+
+
+def _script(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script> *args`` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+    )  # fmt: skip
 
 
 def _run(script: str, *args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True, timeout=600
-    )
+    proc = _script(script, *args)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _results_snapshot() -> dict[str, str]:
+    """SHA-256 of every file under ``benchmarks/results``, by relative path (a new or removed file shows too)."""
+    return {
+        str(f.relative_to(RESULTS)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(RESULTS.rglob("*"))
+        if f.is_file()
+    }
+
+
+_STOP_DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+bench, scripts = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, bench)  # as `python benchmarks/<script>.py` puts the script's folder first
+report = {}
+for name in scripts:
+    sys.argv = [f"{bench}/{name}.py"]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as e:  # what the interpreter does with it: a string goes to stderr, status 1
+        status = e.code if isinstance(e.code, int) else 1
+        if e.code is not None and not isinstance(e.code, int):
+            err.write(f"{e.code}\\n")
+    except BaseException:
+        status = "raised"
+        err.write(traceback.format_exc())
+    report[name] = {"status": status, "stderr": err.getvalue()}
+print(json.dumps(report))
+"""
+"""Runs each named script of the folder ``argv[1]`` as ``__main__`` with no arguments, in one interpreter (torch and
+the library imported once, not once per script), and prints per script its exit status and stderr as JSON."""
+
+
+def test_benchmark_scripts_are_classified() -> None:
+    """Every script of ``benchmarks`` is GPU-only, has a CPU mode or runs on the host, so the check below that the GPU
+    ones stop without a GPU covers every one of them (a new script must be placed in one of the lists)."""
+    stems = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    listed = [*GPU_ONLY, *CPU_MODE, *CPU_ONLY, *MODULES]
+    assert len(listed) == len(set(listed))
+    assert stems == set(listed)
+
+
+@no_cuda
+def test_gpu_scripts_stop_without_cuda() -> None:
+    """Without a CUDA device, every GPU benchmark script run with its default arguments (none) exits with status 1 and
+    a one-line message naming it, that it needs a CUDA GPU and, for one with a CPU mode, that mode's flags; no
+    traceback, and no file under ``benchmarks/results`` written (they hold the GPU runs' numbers). The scripts run as
+    ``__main__`` in one interpreter, which costs one import of torch and the library instead of one per script;
+    :func:`test_gpu_script_stops_without_cuda` runs some of them as separate processes."""
+    before = _results_snapshot()
+    scripts = [*GPU_ONLY, *CPU_MODE]
+    proc = subprocess.run([sys.executable, "-c", _STOP_DRIVER, str(REPO / "benchmarks"), *scripts],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert _results_snapshot() == before
+    assert list(report) == scripts
+    for name, run in report.items():
+        err = run["stderr"]
+        assert run["status"] == 1 and "Traceback" not in err, f"{name}: {run}"
+        message = err.strip().splitlines()[-1]
+        assert message.startswith(f"{name}.py needs a CUDA GPU"), f"{name}: {err[-2000:]}"
+        assert message.endswith(f"run it with {CPU_MODE[name]}") if name in CPU_MODE else "run it" not in message
+
+
+@no_cuda
+@pytest.mark.parametrize("name", ["matmul_gated", "matmul_variants", "rollout_throughput"])
+def test_gpu_script_stops_without_cuda(name: str) -> None:
+    """``python benchmarks/<name>.py`` without a CUDA device: status 1, the one-line message on stderr (naming the
+    CPU mode's flag where there is one), no traceback, the results untouched. Two scripts that used to overwrite their
+    committed GPU result with an error, and one that used to run its GPU sizes on the CPU."""
+    before = _results_snapshot()
+    proc = _script(f"{name}.py", timeout=120)
+    assert _results_snapshot() == before
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (message,) = proc.stderr.strip().splitlines()
+    assert message.startswith(f"{name}.py needs a CUDA GPU")
+    assert ("--tiny" in message) == (name == "rollout_throughput")
+    assert "wrote" not in proc.stdout
+
+
+def test_run_cases_writes_nothing_when_every_case_fails(tmp_path: Path) -> None:
+    """``common.run_cases`` never writes a result whose every case failed: it raises and leaves ``out`` as it was. One
+    case that succeeds is written with the failures beside it, and fails the exit code; all succeeding gives 0."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from common import run_cases
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def measure(name: str) -> dict:
+        if name.startswith("bad"):
+            raise ValueError(f"no {name}")
+        return {"value": name}
+
+    out = tmp_path / "result.json"
+    out.write_text("committed\n")
+    with pytest.raises(RuntimeError, match=r"every case failed \(bad1, bad2\).*not written(.|\n)*ValueError: no bad1"):
+        run_cases({}, "cases", ["bad1", "bad2"], measure, str(out))
+    assert out.read_text() == "committed\n"
+    assert run_cases({}, "cases", ["bad1", "ok", "bad2"], measure, str(out)) == 1
+    res = json.loads(out.read_text())
+    assert res["cases"] == {"ok": {"value": "ok"}} and set(res["errors"]) == {"bad1", "bad2"}
+    assert run_cases({}, "cases", ["ok"], measure, str(out)) == 0
+    assert json.loads(out.read_text()) == {"cases": {"ok": {"value": "ok"}}, "errors": {}}
 
 
 def test_rollout_throughput_tiny(tmp_path: Path) -> None:
