@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -79,6 +80,38 @@ def test_sft_config_validation():
         sft.SFTConfig(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="label_smoothing"):
         sft.SFTConfig(label_smoothing=1.0)
+    for kwargs, message in ((dict(grad_clip=-1.0), "grad_clip must be > 0"),  # flipped the gradient's sign
+                            (dict(min_lr_ratio=-5.0), "min_lr_ratio must be >= 0"),
+                            (dict(warmup_steps=-3), "warmup_steps must be >= 0"),
+                            (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+                            (dict(intermediate_size=0), "intermediate_size must be a positive int"),
+                            (dict(lr=float("inf")), "lr must be a finite number")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            sft.SFTConfig(**kwargs)
+
+
+def test_demo_and_sft_commands_report_bad_flags_in_one_line(tmp_path, capsys):
+    """Bad values end the commands with argparse's one-line error (exit 2) naming the flag, before anything is
+    written or trained: an --out that is a file, a held-out evaluation larger than the checkpoint's held-out set
+    (it would evaluate on training prompts)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [(run.main, ["--seed", "-5"], "--seed: seed must be >= 0"),
+             (run.main, ["--clip", "0"], "--clip: clip must be > 0"),
+             (run.main, ["--eval-prompts", "501"], "--eval-prompts: eval_prompts must be at most 500"),
+             (run.main, ["--out", str(afile)], "is a file; give a folder"),
+             (sft.main, ["--out", str(afile)], "is a file; give a folder"),
+             (sft.main, ["--out", str(tmp_path / "x"), "--grad-clip", "-1"], "--grad-clip: grad_clip must be > 0")]
+    for main, argv, message in cases:  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err, (argv, err)
+    assert not (tmp_path / "x").exists() and afile.read_text() == ""
+    described = run.field_descriptions(run.DemoConfig)  # the --help texts
+    assert set(described) == {f.name for f in dataclasses.fields(run.DemoConfig)}
+    assert described["eval_prompts"] == "held-out prompts of the before/after evaluation."
+    assert described["threads"].endswith("slow the demo down many times over.")  # continuation lines joined
 
 
 # ------------------------------------------------------------------------------------------ shipped checkpoint/data
@@ -143,7 +176,7 @@ def test_demo_yaml_matches_the_demo_defaults(monkeypatch, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------- the demo
 def test_demo_config_validation():
-    with pytest.raises(ValueError, match="n >= 2"):
+    with pytest.raises(ValueError, match=r"n must be >= 2 \(a GRPO group\)"):
         run.DemoConfig(n=1)
     with pytest.raises(ValueError, match="unknown demo settings"):
         run.run_demo({"stepz": 3})

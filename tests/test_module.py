@@ -582,6 +582,20 @@ def test_unsupported_strategies_are_rejected() -> None:
     for strategy in (FSDPStrategy(), object.__new__(DeepSpeedStrategy)):
         with pytest.raises(ValueError, match=f"strategy={type(strategy).__name__}.*ModelParallelStrategy"):
             check_strategy(strategy)
+    # spawned workers hand back only the weights that exist before configure_model: the trained model was lost
+    for start, name in (("spawn", "ddp_spawn"), ("fork", "ddp_notebook"), ("forkserver", "ddp_forkserver")):
+        with pytest.raises(ValueError, match=f"strategy='{name}'.*would be lost; use strategy='ddp'"):
+            check_strategy(DDPStrategy(start_method=start))
+
+
+def test_fsdp_settings_without_model_parallel_strategy_are_refused() -> None:
+    """A non-default ``fsdp`` under a strategy that ignores it (a bf16 param_dtype would train in fp32) raises
+    in setup, before any step; the defaults pass (control)."""
+    module = make_module(fsdp={"param_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"RLModule\(fsdp=FSDPConfig\(param_dtype='bfloat16'.*ModelParallelStrategy"):
+        fit(module, 1)
+    assert module.rollout_step == 0
+    fit(make_module(fsdp={}), 1)
 
 
 def test_autocast_precision_is_rejected() -> None:

@@ -235,11 +235,13 @@ class RLModule(L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Check the Trainer's strategy (:func:`rlexact.trainer.policy.check_strategy`), install
+        """Check the Trainer's strategy and the FSDP settings' use (:func:`rlexact.trainer.policy.check_strategy`,
+        :func:`~rlexact.trainer.policy.check_fsdp_settings`), install
         :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
         check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
         hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
         policy.check_strategy(self.trainer.strategy)
+        policy.check_fsdp_settings(self.trainer.strategy, self.fsdp_cfg)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         data = self.trainer.datamodule

@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from rlexact.checks import choice, finite, integer, positive_int
 from rlexact.envinfo import library_versions
 from rlexact.resources import DEMO_MODEL, checkpoint_path, resolve
 
@@ -111,20 +113,17 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "eval_prompts", "eval_n"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(name, getattr(self, name))
         if self.n < 2:
-            raise ValueError(f"GRPO needs n >= 2 samples per prompt, got {self.n}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.kernels not in ("exact", "native"):
-            raise ValueError(f"kernels must be 'exact' or 'native', got {self.kernels!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not self.inject >= 0:
-            raise ValueError(f"inject must be >= 0, got {self.inject}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = torch's setting), got {self.threads}")
+            raise ValueError(f"n must be >= 2 (a GRPO group), got {self.n}")
+        finite("lr", self.lr, low=0.0, low_open=True)
+        integer("warmup_steps", self.warmup_steps, low=0)
+        finite("clip", self.clip, low=0.0, low_open=True)
+        integer("seed", self.seed, low=0)
+        choice("kernels", self.kernels, ("exact", "native"))
+        choice("dtype", self.dtype, ("float32", "bfloat16"))
+        finite("inject", self.inject, low=0.0)
+        integer("threads", self.threads, low=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -350,6 +349,25 @@ def _quiet() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def start_checkpoint(cfg: DemoConfig) -> str:
+    """The folder of ``cfg``'s start checkpoint, once ``cfg`` is checked against it and the file system: the
+    checkpoint exists, ``out`` is no file, and ``eval_prompts`` stays within the checkpoint's held-out problems."""
+    ckpt = resolve_model_path(cfg.checkpoint)
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(
+            f"checkpoint {ckpt!r} not found; build a start checkpoint with python -m rlexact.demo.sft --out DIR"
+        )
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise FileExistsError(f"out {cfg.out!r} is a file; give a folder (created if missing)")
+    held_out = int(_sft_report(ckpt).get("settings", {}).get("eval_size", EVAL_FILE_ROWS))
+    if cfg.eval_prompts > held_out:
+        raise ValueError(
+            f"eval_prompts must be at most {held_out}, the start checkpoint's held-out problems (more would "
+            f"evaluate on training prompts), got {cfg.eval_prompts}"
+        )
+    return ckpt
+
+
 def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict[str, Any]:
     """Run the demo (see the module docstring) and return the summary dict (also written to ``<out>/summary.json``).
 
@@ -358,11 +376,7 @@ def run_demo(args: argparse.Namespace | DemoConfig | dict | None = None) -> dict
             (the ``rlexact demo`` subcommand hook), or None for the defaults.
     """
     cfg = _as_config(args)
-    ckpt = resolve_model_path(cfg.checkpoint)
-    if not os.path.isdir(ckpt):
-        raise FileNotFoundError(
-            f"demo checkpoint {ckpt!r} not found; build it with python -m rlexact.demo.sft --out DIR"
-        )
+    ckpt = start_checkpoint(cfg)
     threads = torch.get_num_threads()
     try:
         if cfg.threads > 0:
@@ -391,7 +405,7 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
     eval_rows = demo_rows("eval", cfg.eval_prompts, ckpt)
     eval_seed = cfg.seed + 1_000_003  # the same held-out draws before and after training
 
-    _say(f"rlexact demo: GRPO with exact rollouts on {_describe_model(module.model)}, CPU")
+    _say(f"rlexact demo: GRPO with {cfg.kernels} rollouts on {_describe_model(module.model)}, CPU")
     _say(f"  start checkpoint: {ckpt}")
     _say(f"  reward: {_reward_name(cfg)}")
     t0 = time.perf_counter()
@@ -519,16 +533,34 @@ def _as_config(args: Any) -> DemoConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the demo's options (the :class:`DemoConfig` fields) to ``parser``."""
+    """Add the demo's options (the :class:`DemoConfig` fields, described by its docstring) to ``parser``."""
     defaults = DemoConfig()
+    described = field_descriptions(DemoConfig)
     for f in fields(DemoConfig):
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
+        text = f"{described.get(f.name, '')} (default {value!r})".lstrip()
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default {value}")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, type=type(value), default=None, help=f"default {value!r}")
+            parser.add_argument(flag, type=type(value), default=None, help=text)
     return parser
+
+
+def field_descriptions(cls: type) -> dict[str, str]:
+    """``name -> description`` of the ``Attributes:`` section of ``cls``'s docstring (continuation lines joined)."""
+    described: dict[str, str] = {}
+    name = None
+    for line in (cls.__doc__ or "").partition("Attributes:")[2].splitlines():
+        head = re.match(r"^ {8}(\w+): (.*)$", line)
+        if head:
+            name = head.group(1)
+            described[name] = head.group(2)
+        elif name is not None and line.startswith(" " * 12):
+            described[name] += " " + line.strip()
+        elif line.strip():
+            name = None
+    return described
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -553,7 +585,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for path in write_data(args.write_data):
             _say(f"wrote {path}")
         return {}
-    summary = run_demo(args)
+    try:
+        cfg = _as_config(args)
+        start_checkpoint(cfg)
+    except (ValueError, OSError) as e:  # the message starts with the setting it names
+        parser.error(f"--{str(e).split(' ', 1)[0].replace('_', '-')}: {e}")
+    summary = run_demo(cfg)
     if args.record:
         _say(f"recorded {write_record(summary, args.record)}")
     return summary

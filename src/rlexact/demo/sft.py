@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from rlexact.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
+from rlexact.checks import finite, integer, positive_int
 from rlexact.demo.task import ArithmeticTask
 from rlexact.envinfo import library_versions
 
@@ -124,17 +125,25 @@ class SFTConfig:
         self.ops = tuple(self.ops)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        for name in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        sizes = ("steps", "batch_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "threads")  # fmt: skip
+        for name in sizes:
+            positive_int(name, getattr(self, name))
+        integer("max_position_embeddings", self.max_position_embeddings, low=2)
+        integer("warmup_steps", self.warmup_steps, low=0)
+        integer("eval_size", self.eval_size, low=0)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if not 0.0 <= self.label_smoothing < 1.0:
+        finite("label_smoothing", self.label_smoothing, low=0.0)
+        if self.label_smoothing >= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.eval_size < 0 or self.threads < 1:
-            raise ValueError("eval_size must be >= 0 and threads >= 1")
+        finite("lr", self.lr, low=0.0, low_open=True)
+        finite("grad_clip", self.grad_clip, low=0.0, low_open=True)
+        finite("weight_decay", self.weight_decay, low=0.0)
+        finite("eval_temperature", self.eval_temperature, low=0.0, low_open=True)
+        finite("min_lr_ratio", self.min_lr_ratio, low=0.0)
+        if self.min_lr_ratio > 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         ArithmeticTask(max_operand=self.max_operand, ops=self.ops)  # validates the task settings
 
 
@@ -403,8 +412,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    args = _parser().parse_args(argv)
-    cfg = SFTConfig(**{f.name: getattr(args, f.name) for f in fields(SFTConfig)})
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is a file; give a folder (created if missing)")
+    try:
+        cfg = SFTConfig(**{f.name: getattr(args, f.name) for f in fields(SFTConfig)})
+    except ValueError as e:  # the message starts with the field it names, where it names one
+        field = str(e).split(" ", 1)[0]
+        parser.error(f"--{field.replace('_', '-')}: {e}" if hasattr(SFTConfig, field) else str(e))
     model, tokenizer, report = train_sft(cfg, verbose=not args.quiet)
     out = save_checkpoint(model, tokenizer, report, args.out)
     ev = report["eval"]

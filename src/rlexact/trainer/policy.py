@@ -207,6 +207,26 @@ def check_strategy(strategy: Any) -> None:
             "the module's own parameters; use ModelParallelStrategy(data_parallel_size=<devices>, "
             "tensor_parallel_size=1) (FSDP2) or strategy='ddp' (a model that fits on each device)"
         )
+    start = getattr(strategy, "_start_method", "popen")  # DDPStrategy keeps its start method only privately
+    if isinstance(strategy, DDPStrategy) and start != "popen":
+        raise ValueError(
+            f"Trainer(strategy='ddp_{'notebook' if start == 'fork' else start}') trains in processes it starts and "
+            "hands back only the weights that exist before RLModule builds its model, so the trained model would be "
+            "lost; use strategy='ddp' (run the script with one process per device) or ModelParallelStrategy"
+        )
+
+
+def check_fsdp_settings(strategy: Any, config: FSDPConfig) -> None:
+    """Refuse FSDP settings other than the defaults under a strategy that does not apply them (anything but
+    ``ModelParallelStrategy``): they would be ignored, e.g. a bf16 ``param_dtype`` training in fp32."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if config != FSDPConfig() and not isinstance(strategy, ModelParallelStrategy):
+        raise ValueError(
+            f"RLModule(fsdp={config}) applies under ModelParallelStrategy only, and the Trainer's strategy is "
+            f"{type(strategy).__name__}: use Trainer(strategy=ModelParallelStrategy(data_parallel_size=<devices>, "
+            "tensor_parallel_size=1)), or drop fsdp (RLModule(dtype='bfloat16') computes in bf16 without it)"
+        )
 
 
 def check_trainer_options(trainer: Any) -> None:
