@@ -4,6 +4,7 @@ advantage; no 'validation_step but no val_dataloader' warning and no hparams cla
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -79,6 +80,29 @@ def test_scalars_every_rollout_step(events) -> None:
         assert 0.0 <= e.value <= 1.0
     for e_step, e_update in zip(acc.Scalars("timing/step_s"), acc.Scalars("timing/update_s")):
         assert 0.0 < e_update.value <= e_step.value
+
+
+def documented_names() -> set[str]:
+    """Every backticked metric name of the README and docs/metrics.md, ``a/{b,c}`` expanded to ``a/b`` and ``a/c``."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text() + (root / "docs" / "metrics.md").read_text()
+    names = set()
+    for quoted in re.findall(r"`([^`\s]+)`", text):
+        braces = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", quoted)
+        parts = braces.group(2).split(",") if braces else [""]
+        names |= {f"{braces.group(1)}{part}{braces.group(3)}" if braces else quoted for part in parts}
+    return names
+
+
+def test_every_logged_scalar_is_documented(events) -> None:
+    """No undocumented metric: each scalar tag of the run (the module's and MismatchProbe's) is named in the README's
+    "Logging and TensorBoard" list or in docs/metrics.md (negative control: a made-up tag is not)."""
+    acc, _, _ = events
+    documented = documented_names()
+    lightning_own = {"hp_metric"}  # TensorBoardLogger's placeholder for hyperparameter search
+    missing = sorted(t for t in acc.Tags()["scalars"] if t not in documented | lightning_own)
+    assert not missing, missing
+    assert "reward/made_up" not in documented and "reward/mean" in documented
 
 
 def test_histograms_and_sample_text(events) -> None:
