@@ -52,9 +52,11 @@ __all__ = [
     "checkpoint_path",
     "demo_rows",
     "evaluate",
+    "field_descriptions",
     "main",
     "quiet_library_logs",
     "run_demo",
+    "start_checkpoint",
     "write_record",
 ]
 

@@ -25,7 +25,7 @@ from rlexact.callbacks.functional import PRESETS
 from rlexact.resources import config_path
 from rlexact.study.engine import WEIGHT_PERTURBATIONS
 
-__all__ = ["Arm", "Scale", "StudyConfig", "load_config", "parse_engine", "parse_shadow_source"]
+__all__ = ["Arm", "Scale", "StudyConfig", "load_config", "parse_engine", "parse_shadow_source", "study_config_file"]
 
 CORRECTIONS: tuple[str, ...] = ("tis", *PRESETS)
 """Corrections an arm may train with: token TIS (``tau = 2``) or a paper preset."""

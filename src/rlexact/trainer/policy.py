@@ -25,6 +25,7 @@ __all__ = [
     "apply_data_parallel",
     "as_config",
     "build_model",
+    "check_fsdp_settings",
     "check_model_source",
     "check_precision",
     "check_strategy",
