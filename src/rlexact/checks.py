@@ -6,9 +6,22 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["as_index", "choice", "finite", "indices", "integer", "not_text", "positive_int", "token_ids"]
+__all__ = [
+    "as_index",
+    "choice",
+    "finite",
+    "flag_message",
+    "indices",
+    "integer",
+    "not_a_file",
+    "not_text",
+    "positive_int",
+    "token_ids",
+]
 
 
 def _is_int(value: Any) -> bool:
@@ -84,3 +97,16 @@ def token_ids(name: str, value: Any) -> list[int]:
 
 def _power_of_two(n: int) -> str:
     return f"2**{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
+def not_a_file(name: str, path: str) -> None:
+    """``path`` (an output folder, created if missing) is not an existing file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{name} {path!r} is a file; give a folder (created if missing)")
+
+
+def flag_message(error: Exception, names: Iterable[str]) -> str:
+    """A command-line error's text for ``error`` from one of these checks: ``--<field>: <message>`` where the message
+    starts with one of the field ``names`` (as every check's message does), else the message."""
+    field = str(error).split(" ", 1)[0]
+    return f"--{field.replace('_', '-')}: {error}" if field in set(names) else str(error)

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlexact.char_tokenizer import build_char_tokenizer
-from rlexact.resources import missing_local_path, not_found_anywhere, resolve
+from rlexact.resources import load_named, missing_local_path, resolve
 
 __all__ = [
     "DEMO_TOKENIZER",
@@ -72,13 +72,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
         from transformers import AutoTokenizer
 
         check_tokenizer_source(name)
-        path = os.path.expanduser(name)
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except OSError as e:
-            if os.path.exists(path):
-                raise
-            raise not_found_anywhere(name, "tokenizer", e) from None
+        return load_named(AutoTokenizer.from_pretrained, os.path.expanduser(name), name, "tokenizer")
     return tokenizer
 
 

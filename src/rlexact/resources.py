@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = [
     "DEMO_MODEL",
@@ -22,9 +24,11 @@ __all__ = [
     "checkpoint_path",
     "config_path",
     "missing_local_path",
-    "not_found_anywhere",
+    "load_named",
     "resolve",
 ]
+
+T = TypeVar("T")
 
 DEMO_MODEL = "demo"
 """Name of the packaged demo checkpoint."""
@@ -78,12 +82,17 @@ def missing_local_path(path: str | os.PathLike, suffixes: tuple[str, ...] = ()) 
     return name if local and not os.path.exists(name) else None
 
 
-def not_found_anywhere(name: str, setting: str, error: OSError) -> FileNotFoundError:
-    """The error for ``name`` (the value of ``setting``) that names no local folder and did not load as a Hub
-    repository either (``error``: the loader's): it says where the local lookup started and how to mark a local
-    path."""
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return FileNotFoundError(
-        f"{setting} {name!r} is not a folder here (looked from {os.getcwd()}) and did not load as a Hub repository "
-        f"({reason}). For a local checkpoint give its absolute path or start it with ./"
-    )
+def load_named(load: Callable[[str], T], path: str, name: str, setting: str) -> T:
+    """``load(path)`` (a transformers ``from_pretrained``); where it raises ``OSError`` and nothing is at ``path``,
+    ``FileNotFoundError`` instead: ``name`` (the value of ``setting``) names no local folder and did not load as a
+    Hub repository either. The error says where the local lookup started and how to mark a local path."""
+    try:
+        return load(path)
+    except OSError as e:
+        if os.path.exists(path):
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"{setting} {name!r} is not a folder here (looked from {os.getcwd()}) and did not load as a Hub "
+            f"repository ({reason}). For a local checkpoint give its absolute path or start it with ./"
+        ) from None

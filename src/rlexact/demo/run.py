@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from rlexact.checks import choice, finite, integer, positive_int
+from rlexact.checks import choice, finite, flag_message, integer, not_a_file, positive_int
 from rlexact.envinfo import library_versions
 from rlexact.resources import DEMO_MODEL, checkpoint_path, resolve
 
@@ -359,8 +359,7 @@ def start_checkpoint(cfg: DemoConfig) -> str:
         raise FileNotFoundError(
             f"checkpoint {ckpt!r} not found; build a start checkpoint with python -m rlexact.demo.sft --out DIR"
         )
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise FileExistsError(f"out {cfg.out!r} is a file; give a folder (created if missing)")
+    not_a_file("out", cfg.out)
     held_out = int(_sft_report(ckpt).get("settings", {}).get("eval_size", EVAL_FILE_ROWS))
     if cfg.eval_prompts > held_out:
         raise ValueError(
@@ -590,8 +589,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         cfg = _as_config(args)
         start_checkpoint(cfg)
-    except (ValueError, OSError) as e:  # the message starts with the setting it names
-        parser.error(f"--{str(e).split(' ', 1)[0].replace('_', '-')}: {e}")
+    except (ValueError, OSError) as e:
+        parser.error(flag_message(e, (f.name for f in fields(DemoConfig))))
     summary = run_demo(cfg)
     if args.record:
         _say(f"recorded {write_record(summary, args.record)}")

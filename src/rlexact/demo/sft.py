@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from rlexact.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
-from rlexact.checks import finite, integer, positive_int
+from rlexact.checks import finite, flag_message, integer, not_a_file, positive_int
 from rlexact.demo.task import ArithmeticTask
 from rlexact.envinfo import library_versions
 
@@ -414,13 +414,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out {args.out!r} is a file; give a folder (created if missing)")
     try:
+        not_a_file("out", args.out)
         cfg = SFTConfig(**{f.name: getattr(args, f.name) for f in fields(SFTConfig)})
-    except ValueError as e:  # the message starts with the field it names, where it names one
-        field = str(e).split(" ", 1)[0]
-        parser.error(f"--{field.replace('_', '-')}: {e}" if hasattr(SFTConfig, field) else str(e))
+    except (ValueError, OSError) as e:
+        parser.error(flag_message(e, ("out", *(f.name for f in fields(SFTConfig)))))
     model, tokenizer, report = train_sft(cfg, verbose=not args.quiet)
     out = save_checkpoint(model, tokenizer, report, args.out)
     ev = report["eval"]

@@ -19,7 +19,7 @@ from rlexact.config import DTYPES, FSDPConfig
 from rlexact.distributed import apply_fsdp, is_fsdp
 from rlexact.models import exactify, get_state
 from rlexact.models.text import TEXT_OF_MULTIMODAL
-from rlexact.resources import missing_local_path, not_found_anywhere, resolve
+from rlexact.resources import load_named, missing_local_path, resolve
 
 __all__ = [
     "apply_data_parallel",
@@ -101,12 +101,7 @@ def build_model(
     if model_path is not None:
         path = os.path.expanduser(resolve(model_path))
         kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-        try:
-            model_type = AutoConfig.from_pretrained(path).model_type
-        except OSError as e:
-            if os.path.exists(path):
-                raise
-            raise not_found_anywhere(model_path, "model_path", e) from None
+        model_type = load_named(AutoConfig.from_pretrained, path, model_path, "model_path").model_type
         return _auto_class(model_type).from_pretrained(path, **kwargs)
     if model_config is None:
         raise ValueError("build_model needs model_path or model_config")
