@@ -511,13 +511,24 @@ SPOT_CHECK_TOKENS = 65536
 
 
 def spot_check(model, outs, args, k: int = 4) -> dict:
-    """Up to ``k`` completions' log-probs against the trainer's (under truncation with ``--logprobs sampled``)."""
+    """Up to ``k`` completions' log-probs against the trainer's (under truncation with ``--logprobs sampled``); each
+    unequal completion is listed with its first mismatched positions, tokens and both log-probs."""
     sub = outs[: max(1, min(k, SPOT_CHECK_TOKENS // len(outs[0].sequence)))]
     trunc = dict(top_k=args.top_k, top_p=args.top_p) if args.logprobs == "sampled" else {}
     ref = rlexact.sequence_logprobs(model, [o.sequence for o in sub], **trunc)
-    diffs = [(o.logprobs - r[-len(o.token_ids) :].cpu()).abs().max().item() for o, r in zip(sub, ref)]
-    equal = [torch.equal(o.logprobs, r[-len(o.token_ids) :].cpu()) for o, r in zip(sub, ref)]
-    return {"completions": len(sub), "all_bitwise_equal": all(equal), "max_abs_diff": max(diffs)}
+    mismatches, diffs = [], []
+    for i, (o, r) in enumerate(zip(sub, ref)):
+        trainer = r[-len(o.token_ids) :].cpu()
+        diffs.append((o.logprobs - trainer).abs().max().item())
+        if not torch.equal(o.logprobs, trainer):
+            pos = (o.logprobs != trainer).nonzero().flatten().tolist()[:16]
+            mismatches.append({
+                "completion": i, "positions": pos, "mismatched": int((o.logprobs != trainer).sum()),
+                "tokens": [o.token_ids[p] for p in pos], "rollout": o.logprobs[pos].tolist(),
+                "trainer": trainer[pos].tolist(),
+            })  # fmt: skip
+    return {"completions": len(sub), "all_bitwise_equal": not mismatches, "max_abs_diff": max(diffs),
+            "mismatches": mismatches}  # fmt: skip
 
 
 def main() -> int:
