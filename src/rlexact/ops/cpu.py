@@ -6,6 +6,13 @@ from the SIMD one. Every op here therefore runs on **fixed-shape row blocks**: t
 multiple of :data:`ROW_BLOCK` and each block goes through the same torch calls with the same shape, so the result
 for a row depends only on that row (and the weights), never on how many rows came with it or where it sits.
 
+A fixed shape is not enough for a block's matrix product: MKL's AVX2 sgemm, with two or more threads, computes the
+last rows of each thread's share of M with other instructions than the rest, so a row's bits depended on its place
+in the block (on CPUs without AVX-512, or under ``MKL_ENABLE_INSTRUCTIONS=AVX2``). :func:`block_linear` therefore
+puts the block's rows on the product's N axis, ``(w @ x.T).T``: there a row is a vector lane (or a column of a
+narrower tail kernel) through the same chain of multiply-adds over K wherever it sits
+(``tests/test_cpu_row_invariance.py`` checks each instruction set and thread count the host's MKL offers).
+
 Attention mirrors the split-KV contract of :mod:`rlexact.ops.triton_attention`: the keys of a query are cut into
 splits of :data:`ATTN_SPLIT` keys anchored at absolute position 0; within a split, key tiles of :data:`ATTN_BLOCK_N`
 keys are visited in ascending order with one online-softmax update from an empty state, on fixed-shape
@@ -50,13 +57,20 @@ def padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor
     return x, m
 
 
+def block_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` of one fixed-shape row block, fp32 ``x [ROW_BLOCK, K]`` and ``w [N, K]`` -> fp32 ``[ROW_BLOCK,
+    N]`` (a transposed view), computed as ``(w @ x.T).T`` so that a row's result does not depend on its place in the
+    block (module docstring)."""
+    return F.linear(w, x).T
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with fp32 accumulation. ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``."""
     xp, m = padded_blocks(x)
     wf = w.float()
     out = torch.empty((xp.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
     for s in range(0, xp.shape[0], ROW_BLOCK):
-        out[s : s + ROW_BLOCK] = F.linear(xp[s : s + ROW_BLOCK].float(), wf)
+        out[s : s + ROW_BLOCK] = block_linear(xp[s : s + ROW_BLOCK].float(), wf)
     return out[:m].to(x.dtype)
 
 
@@ -170,7 +184,7 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, act: Callable[[torch.Tensor
 
 def _head_block(h: torch.Tensor, wf: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled logits ``[ROW_BLOCK, V]`` fp32 and their logsumexp ``[ROW_BLOCK]`` for one fixed-shape row block."""
-    scaled = F.linear(h.float(), wf) / temperature
+    scaled = block_linear(h.float(), wf) / temperature
     mx = scaled.amax(-1, keepdim=True)
     lse = (mx + torch.log(torch.exp(scaled - mx).sum(-1, keepdim=True))).squeeze(-1)
     return scaled, lse

@@ -14,9 +14,8 @@ only on that row (and the weights).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .cpu import ROW_BLOCK, padded_blocks
+from .cpu import ROW_BLOCK, block_linear, padded_blocks
 
 
 def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +62,7 @@ def grouped_matmul(
         we = w[e].float()
         res = torch.empty((rp.shape[0], n), dtype=torch.float32, device=a.device)
         for s in range(0, rp.shape[0], ROW_BLOCK):
-            res[s : s + ROW_BLOCK] = F.linear(rp[s : s + ROW_BLOCK].float(), we)
+            res[s : s + ROW_BLOCK] = block_linear(rp[s : s + ROW_BLOCK].float(), we)
         if scatter is not None:
             out[scatter[start : start + c]] = res[:c]
         else:
