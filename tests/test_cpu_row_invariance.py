@@ -1,11 +1,12 @@
 """The CPU twins stay row-invariant whatever instruction set MKL dispatches and however many threads it runs.
 
-MKL picks its sgemm kernels from the host CPU (``MKL_ENABLE_INSTRUCTIONS`` caps the choice), so a run on this host
-can stand in for hosts without AVX-512: the invariance tests of the CPU ops (``tests/test_ops_cpu.py``, with their
-negative controls) and of the MoE grouped product run again in fresh processes under AVX2 with two and three threads,
-and a rollout's log-probs are compared with the trainer's there. The negative control shows the failure these runs
-guard against: under AVX2 with two threads, plain ``x @ w.T`` on a fixed 64-row block gives a row other bits at some
-places in the block (where MKL dispatches its Intel AVX2 kernels).
+MKL picks its sgemm kernels from the host CPU (``MKL_ENABLE_INSTRUCTIONS`` caps the choice) and ATen its vectorized
+loops (``ATEN_CPU_CAPABILITY``), so a run on this host can stand in for hosts without AVX-512: the invariance tests
+of the CPU ops (``tests/test_ops_cpu.py``, with their negative controls) and of the MoE grouped product run again in
+fresh processes under AVX2 with two and three threads, and a rollout's log-probs are compared with the trainer's
+there. The negative control shows the failure these runs guard against: under AVX2 with two threads, plain
+``x @ w.T`` on a fixed 64-row block gives a row other bits at some places in the block (where MKL dispatches its
+Intel AVX2 kernels).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ print(moved)
 
 
 def _run(code_or_args: list[str], isa: str, threads: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": isa, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    """``python *code_or_args`` in a fresh process whose MKL and ATen kernels are capped at ``isa`` (an AVX2-only
+    host's dispatch, as far as this host can stand in for one), with ``threads`` threads."""
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": isa, "ATEN_CPU_CAPABILITY": isa.lower(),
+           "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}  # fmt: skip
     return subprocess.run(
         [sys.executable, *code_or_args], capture_output=True, text=True, timeout=600, cwd=REPO, env=env
     )
