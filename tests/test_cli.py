@@ -304,3 +304,25 @@ def test_export_errors(tmp_path: Path) -> None:
         entry(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
     with pytest.raises(ValueError, match="is a folder .*export needs a full checkpoint file"):
         entry(["export", str(tmp_path), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--trainer.strategy", "ddp_spawn"], "Trainer(strategy='ddp_spawn') trains in processes it starts"),
+        (["--trainer.gradient_clip_val", "0.5"], "Trainer(gradient_clip_val=0.5) is not applied by RLModule"),
+    ],
+)
+def test_a_refused_trainer_is_reported_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    """RLModule.check_trainer runs before Lightning starts: one line, status 2, and no config.yaml (Lightning's
+    SaveConfigCallback writes it, and the logger's version folder, before the module's own setup check raised)."""
+    config = tiny_yaml(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exc:
+        entry(["fit", "--config", str(config), *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert f"rlexact: error: ValueError: {message}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -25,9 +25,10 @@ callbacks write under the logger's versioned folder (no ``dirpath`` of their own
 only in the new run's version folder, which is empty, and would start afresh. Without any earlier checkpoint the run
 starts afresh, as Lightning's own ``"last"`` does.
 
-A configuration the classes reject (a missing ``model_path``, a bad setting) raises :class:`ConfigError` from
-:func:`main`, chained to the class's own error; the ``rlexact`` command prints that error in one line and exits with
-status 2 (the status of jsonargparse's parse errors). Errors once the subcommand runs keep their tracebacks.
+A configuration the classes reject (a missing ``model_path``, a bad setting) or a Trainer that
+:meth:`rlexact.RLModule.check_trainer` refuses (checked before the run writes anything) raises :class:`ConfigError`
+from :func:`main`, chained to the class's own error; the ``rlexact`` command prints that error in one line and exits
+with status 2 (the status of jsonargparse's parse errors). Errors once the subcommand runs keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -96,11 +97,21 @@ class RLExactCLI(LightningCLI):
 
     @override
     def before_fit(self) -> None:
+        self._check_trainer(fitting=True)
         self._resolve_checkpoint()
 
     @override
     def before_validate(self) -> None:
+        self._check_trainer(fitting=False)
         self._resolve_checkpoint()
+
+    def _check_trainer(self, fitting: bool) -> None:
+        """:meth:`RLModule.check_trainer` before Lightning starts (which writes the run's config and log folder), its
+        refusal as a :class:`ConfigError`."""
+        try:
+            self.model.check_trainer(self.trainer, fitting)
+        except ValueError as e:
+            raise ConfigError.of(e) from e
 
     def _resolve_checkpoint(self) -> None:
         """Refuse a ``ckpt_path`` file that is not there (one line, before training); resolve ``last`` to the newest

@@ -240,8 +240,7 @@ class RLModule(L.LightningModule):
         :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
         check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
         hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
-        policy.check_strategy(self.trainer.strategy)
-        policy.check_fsdp_settings(self.trainer.strategy, self.fsdp_cfg)
+        self.check_trainer(self.trainer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         data = self.trainer.datamodule
@@ -251,6 +250,17 @@ class RLModule(L.LightningModule):
         data_checks.same_tokenizer(self._tokenizer_arg, self.tokenizer, source, data.tokenizer)
         if isinstance(source, (str, os.PathLike)) and isinstance(self.hparams.get("tokenizer"), str):
             self._record_hparams(tokenizer=os.fspath(source))
+
+    def check_trainer(self, trainer: L.Trainer, fitting: bool = False) -> None:
+        """Raise ``ValueError`` for a Trainer this module cannot run under: its strategy and the FSDP settings' use
+        (:func:`rlexact.trainer.policy.check_strategy`, :func:`~rlexact.trainer.policy.check_fsdp_settings`) and,
+        with ``fitting``, the Trainer options that RLModule replaces
+        (:func:`~rlexact.trainer.policy.check_trainer_options`). Lightning's hooks run these checks; the ``rlexact``
+        command runs them before the run starts, so a refused run leaves no log folder behind."""
+        policy.check_strategy(trainer.strategy)
+        policy.check_fsdp_settings(trainer.strategy, self.fsdp_cfg)
+        if fitting:
+            policy.check_trainer_options(trainer)
 
     def _record_hparams(self, **values: Any) -> None:
         """Replace recorded hyperparameters in ``hparams`` and in Lightning's initial copy (which the loggers and the
