@@ -97,3 +97,45 @@ def test_negative_control_plain_block_product_moves_rows_under_avx2() -> None:
     proc = _run(["-c", POSITION_PROBE], "AVX2", 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert int(proc.stdout.split()[-1]) > 0, "plain F.linear blocks were row-invariant: the runs above prove nothing"
+
+
+PLAIN_LAYOUT_GUARD = """
+import torch
+import torch.nn.functional as F
+from rlexact.ops import cpu
+
+cpu._block_product = lambda x, w: F.linear(x, w)  # the layout the CPU twins used before block_linear
+try:
+    cpu.matmul(torch.randn(5, 64), torch.randn(64, 64))  # N <= 64: MKL splits the block's rows over threads
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_guard_refuses_a_position_dependent_block_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_block_product stops the CPU twins with an error that names the cause and the fix when the block product
+    moves a row's bits (here a product that adds one ulp at one place of the block)."""
+    from rlexact.ops import cpu
+
+    plain = cpu._block_product
+
+    def one_place_off(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = plain(x, w).clone()
+        out[62] = torch.nextafter(out[62], torch.full_like(out[62], float("inf")))
+        return out
+
+    monkeypatch.setattr(cpu, "_block_product", one_place_off)
+    cpu.check_block_product.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"not row-invariant on this host.*place 62.*torch.set_num_threads\(1\)"):
+            cpu.matmul(torch.randn(3, 40), torch.randn(24, 40))
+    finally:
+        cpu.check_block_product.cache_clear()
+
+
+def test_guard_catches_the_plain_layout_under_avx2() -> None:
+    if not _intel_avx2_mkl():
+        pytest.skip("needs MKL's Intel AVX2 kernels (an Intel x86 CPU with AVX2 and a torch built with MKL)")
+    proc = _run(["-c", PLAIN_LAYOUT_GUARD], "AVX2", 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "refused: rlexact's CPU kernels are not row-invariant on this host" in proc.stdout, proc.stdout

@@ -57,11 +57,46 @@ def padded_blocks(x: torch.Tensor, block: int = ROW_BLOCK) -> tuple[torch.Tensor
     return x, m
 
 
+PROBE_ROWS = (1, 2, 3, 5, 7, 8, 15, 16, 29, 30, 31, 32, 33, 47, 48, 59, 60, 61, 62, 63)
+"""Places in a row block that :func:`check_block_product` moves a row to: the edges of every split of the block into
+two, three, four or eight thread shares and the tails of 4-, 6-, 8- and 16-row kernels."""
+PROBE_ELEMENTS = 1 << 24
+"""The largest ``N * K`` weight :func:`check_block_product` probes at full size; a larger one is probed on its first
+``PROBE_ELEMENTS // K`` rows."""
+
+
+def _block_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(w, x).T
+
+
+@functools.cache
+def check_block_product(n: int, k: int, threads: int) -> None:
+    """Raise ``RuntimeError`` if this host's BLAS gives a row of a ``[ROW_BLOCK, k] x [k, n]`` block product other
+    bits at another place in the block (:data:`PROBE_ROWS`) with ``threads`` torch threads, which would make
+    rollout log-probs differ from the trainer's. Memoized: each shape and thread count is probed once per process."""
+    n_probe = max(1, min(n, PROBE_ELEMENTS // max(k, 1)))
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    w = torch.randn(n_probe, k, generator=g)
+    x = torch.randn(ROW_BLOCK, k, generator=g)
+    ref = _block_product(x, w)[0]
+    for place in PROBE_ROWS:
+        moved = _block_product(torch.roll(x, place, 0), w)[place]
+        if not torch.equal(moved, ref):
+            raise RuntimeError(
+                f"rlexact's CPU kernels are not row-invariant on this host: its BLAS gives a row of a "
+                f"[{ROW_BLOCK}, {k}] x [{k}, {n_probe}] block product other bits at place {place} of the block than at "
+                f"place 0 with {threads} torch threads, so rollout log-probs would differ from the trainer's. Run "
+                "with torch.set_num_threads(1), or use a CUDA device; please report the CPU model and "
+                "torch.__config__.show() to rlexact"
+            )
+
+
 def block_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` of one fixed-shape row block, fp32 ``x [ROW_BLOCK, K]`` and ``w [N, K]`` -> fp32 ``[ROW_BLOCK,
     N]`` (a transposed view), computed as ``(w @ x.T).T`` so that a row's result does not depend on its place in the
-    block (module docstring)."""
-    return F.linear(w, x).T
+    block (module docstring); :func:`check_block_product` first, for each shape and thread count."""
+    check_block_product(w.shape[0], w.shape[1], torch.get_num_threads())
+    return _block_product(x, w)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
