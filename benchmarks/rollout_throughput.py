@@ -521,9 +521,10 @@ def spot_check(model, outs, args, k: int = 4) -> dict:
         trainer = r[-len(o.token_ids) :].cpu()
         diffs.append((o.logprobs - trainer).abs().max().item())
         if not torch.equal(o.logprobs, trainer):
-            pos = (o.logprobs != trainer).nonzero().flatten().tolist()[:16]
+            unequal = o.logprobs != trainer
+            pos = unequal.nonzero().flatten().tolist()[:16]
             mismatches.append({
-                "completion": i, "positions": pos, "mismatched": int((o.logprobs != trainer).sum()),
+                "completion": i, "positions": pos, "mismatched": int(unequal.sum()),
                 "tokens": [o.token_ids[p] for p in pos], "rollout": o.logprobs[pos].tolist(),
                 "trainer": trainer[pos].tolist(),
             })  # fmt: skip

@@ -91,9 +91,14 @@ def _intel_avx2_mkl() -> bool:
     return "GenuineIntel" in cpuinfo and " avx2" in cpuinfo
 
 
+needs_intel_avx2 = pytest.mark.skipif(
+    not _intel_avx2_mkl(),
+    reason="needs MKL's Intel AVX2 kernels (an Intel x86 CPU with AVX2 and a torch built with MKL)",
+)
+
+
+@needs_intel_avx2
 def test_negative_control_plain_block_product_moves_rows_under_avx2() -> None:
-    if not _intel_avx2_mkl():
-        pytest.skip("needs MKL's Intel AVX2 kernels (an Intel x86 CPU with AVX2 and a torch built with MKL)")
     proc = _run(["-c", POSITION_PROBE], "AVX2", 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert int(proc.stdout.split()[-1]) > 0, "plain F.linear blocks were row-invariant: the runs above prove nothing"
@@ -133,9 +138,8 @@ def test_guard_refuses_a_position_dependent_block_product(monkeypatch: pytest.Mo
         cpu.check_block_product.cache_clear()
 
 
+@needs_intel_avx2
 def test_guard_catches_the_plain_layout_under_avx2() -> None:
-    if not _intel_avx2_mkl():
-        pytest.skip("needs MKL's Intel AVX2 kernels (an Intel x86 CPU with AVX2 and a torch built with MKL)")
     proc = _run(["-c", PLAIN_LAYOUT_GUARD], "AVX2", 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "refused: rlexact's CPU kernels are not row-invariant on this host" in proc.stdout, proc.stdout

@@ -99,14 +99,20 @@ def block_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _block_product(x, w)
 
 
+def linear_blocks(xp: torch.Tensor, wf: torch.Tensor) -> torch.Tensor:
+    """:func:`block_linear` of every row block of ``xp [M, K]`` (``M`` a multiple of :data:`ROW_BLOCK`, any dtype,
+    taken to fp32 block by block) with fp32 ``wf [N, K]`` -> fp32 ``[M, N]``; the BLAS check once for the call."""
+    check_block_product(wf.shape[0], wf.shape[1], torch.get_num_threads())
+    out = torch.empty((xp.shape[0], wf.shape[0]), dtype=torch.float32, device=xp.device)
+    for s in range(0, xp.shape[0], ROW_BLOCK):
+        out[s : s + ROW_BLOCK] = _block_product(xp[s : s + ROW_BLOCK].float(), wf)
+    return out
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with fp32 accumulation. ``x [M, K]``, ``w [N, K]`` -> ``[M, N]`` in ``x.dtype``."""
     xp, m = padded_blocks(x)
-    wf = w.float()
-    out = torch.empty((xp.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
-    for s in range(0, xp.shape[0], ROW_BLOCK):
-        out[s : s + ROW_BLOCK] = block_linear(xp[s : s + ROW_BLOCK].float(), wf)
-    return out[:m].to(x.dtype)
+    return linear_blocks(xp, w.float())[:m].to(x.dtype)
 
 
 def offset_scale(w: torch.Tensor, offset: bool) -> torch.Tensor:

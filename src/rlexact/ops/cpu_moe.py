@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu import ROW_BLOCK, block_linear, padded_blocks
+from .cpu import ROW_BLOCK, linear_blocks, padded_blocks
 
 
 def moe_router(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,10 +59,7 @@ def grouped_matmul(
             continue
         rows = a[gather[start : start + c]] if gather is not None else a[start : start + c]
         rp, _ = padded_blocks(rows)
-        we = w[e].float()
-        res = torch.empty((rp.shape[0], n), dtype=torch.float32, device=a.device)
-        for s in range(0, rp.shape[0], ROW_BLOCK):
-            res[s : s + ROW_BLOCK] = block_linear(rp[s : s + ROW_BLOCK].float(), we)
+        res = linear_blocks(rp, w[e].float())
         if scatter is not None:
             out[scatter[start : start + c]] = res[:c]
         else:
