@@ -3,7 +3,7 @@
 #
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests          # every test marked gpu, one log
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests "0 2"    # only these of the four test groups (below)
-#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | sweeps | all (default all)
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | decode | sweeps | all (default all)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
 #
 # <sha>: the commit as the local checkout names it, written out literally; a copied tree may carry a stale .git (the
@@ -41,12 +41,13 @@ gpu_test_files() {
   grep -l -E "pytest\.mark\.gpu|mark\.gpu" tests/test_*.py | sort
 }
 
+case $(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1) in
+  *H200*) card=h200 ;;
+  *H100*) card=h100 ;;
+  *) card=gpu ;;
+esac
+
 if [[ $what == tests || $what == all ]]; then
-  case $(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1) in
-    *H200*) card=h200 ;;
-    *H100*) card=h100 ;;
-    *) card=gpu ;;
-  esac
   log=$OUT/gpu_tests_$card.log
   cmd="python3 -m pytest -m gpu -p no:cacheprovider --timeout=900 -q -rfE --durations=5"
   # four groups (the longest measured files apart): the kernel tests, the attention tests, the rollout/module tests,
@@ -98,6 +99,13 @@ if [[ $what == bench || $what == all ]]; then
     "benchmarks/rollout_throughput.py --grpo --out $R/rollout_grpo_h200.json"
     "benchmarks/moe_bench.py --out $R/moe_h200.json"
   )
+  # issue 10's decode and prefill files, named after the card that ran them
+  decode=(
+    "benchmarks/rollout_throughput.py --profile 32 --out $R/rollout_$card.json"
+    "benchmarks/rollout_throughput.py --prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native --out $R/rollout_long_$card.json"
+    "benchmarks/ops_bench.py --sections attention --out $R/ops_attention_$card.json"
+    "benchmarks/rollout_throughput.py --grpo --out $R/rollout_grpo_$card.json"
+  )
   sweeps=(
     "benchmarks/attention_configs.py --out $R/attention_configs_h200.json"
     "benchmarks/matmul_variants.py --out $R/matmul_variants_h200.json"
@@ -107,8 +115,9 @@ if [[ $what == bench || $what == all ]]; then
     train) cmds=("${train[@]}") ;;
     rollout) cmds=("${rollout[@]}") ;;
     sweeps) cmds=("${sweeps[@]}") ;;
+    decode) cmds=("${decode[@]}") ;;
     all) cmds=("${train[@]}" "${rollout[@]}" "${sweeps[@]}") ;;
-    *) echo "gpu_suite.sh: unknown benchmark set '$set_name' (train | rollout | sweeps | all)" >&2; exit 2 ;;
+    *) echo "gpu_suite.sh: unknown benchmark set '$set_name' (train | rollout | decode | sweeps | all)" >&2; exit 2 ;;
   esac
   for c in "${cmds[@]}"; do
     name=$(basename "${c##*--out }" .json)
