@@ -439,6 +439,20 @@ def test_bad_inputs_raise_value_error(qwen, prompts, kwargs, gen_kwargs, match):
         gen.generate(prompts, SamplingParams(**kwargs))
 
 
+def test_prompt_ids_of_any_integer_type_generate_alike(qwen):
+    """Python ints, numpy integers and an int64 tensor are the same prompt (the all-``int`` fast path and the checked
+    conversion agree); a float among numpy integers is still refused."""
+    gen = Generator(qwen)
+    params = SamplingParams(max_new_tokens=4, seed=5)
+    ids = [5, 17, 3, 42]
+    ref = gen.generate([ids], params)[0]
+    for prompt in (np.array(ids), [np.int32(t) for t in ids], torch.tensor(ids)):
+        out = gen.generate([prompt], params)[0]
+        assert out.token_ids == ref.token_ids and torch.equal(out.logprobs, ref.logprobs)
+    with pytest.raises(ValueError, match=r"must contain integer token ids, got 2.5 \(float\)"):
+        gen.generate([[np.int64(1), 2.5]], params)
+
+
 def test_bad_sampling_params_and_misc(qwen):
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)

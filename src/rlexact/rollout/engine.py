@@ -132,11 +132,12 @@ class Generator:
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
-            ids = [as_index(t) for t in toks]  # ints of any integer type; floats are refused
-            if None in ids:
-                t = toks[ids.index(None)]
-                raise ValueError(f"{what}[{i}] must contain integer token ids, got {t!r} ({type(t).__name__})")
-            toks = ids
+            if not set(map(type, toks)) <= {int}:  # ints of any integer type; floats are refused
+                ids = [as_index(t) for t in toks]
+                if None in ids:
+                    t = toks[ids.index(None)]
+                    raise ValueError(f"{what}[{i}] must contain integer token ids, got {t!r} ({type(t).__name__})")
+                toks = ids
             lo, hi = min(toks), max(toks)
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
