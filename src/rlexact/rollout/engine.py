@@ -132,7 +132,7 @@ class Generator:
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
-            if not set(map(type, toks)) <= {int}:  # ints of any integer type; floats are refused
+            if not set(map(type, toks)) <= {int}:  # other integer types are converted, floats refused
                 ids = [as_index(t) for t in toks]
                 if None in ids:
                     t = toks[ids.index(None)]
