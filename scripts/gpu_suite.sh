@@ -93,18 +93,20 @@ if [[ $what == bench || $what == all ]]; then
     "benchmarks/ops_bench.py --out $R/ops_h200.json"
     "benchmarks/matmul_launch.py --out $R/matmul_launch_h200.json"
   )
+  rt=benchmarks/rollout_throughput.py
+  long="--prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native"  # issue 10's long-context case
   rollout=(
-    "benchmarks/rollout_throughput.py --profile 32 --out $R/rollout_h200.json"
-    "benchmarks/rollout_throughput.py --prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native --out $R/rollout_long_h200.json"
-    "benchmarks/rollout_throughput.py --grpo --out $R/rollout_grpo_h200.json"
+    "$rt --profile 32 --out $R/rollout_h200.json"
+    "$rt $long --out $R/rollout_long_h200.json"
+    "$rt --grpo --out $R/rollout_grpo_h200.json"
     "benchmarks/moe_bench.py --out $R/moe_h200.json"
   )
   # issue 10's decode and prefill files, named after the card that ran them
   decode=(
-    "benchmarks/rollout_throughput.py --profile 32 --out $R/rollout_$card.json"
-    "benchmarks/rollout_throughput.py --prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native --out $R/rollout_long_$card.json"
+    "$rt --profile 32 --out $R/rollout_$card.json"
+    "$rt $long --out $R/rollout_long_$card.json"
     "benchmarks/ops_bench.py --sections attention --out $R/ops_attention_$card.json"
-    "benchmarks/rollout_throughput.py --grpo --out $R/rollout_grpo_$card.json"
+    "$rt --grpo --out $R/rollout_grpo_$card.json"
   )
   sweeps=(
     "benchmarks/attention_configs.py --out $R/attention_configs_h200.json"
