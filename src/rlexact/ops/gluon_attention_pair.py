@@ -143,9 +143,6 @@ if ga.gluon is not None:
     PAIR_ZERO_START = gl.constexpr(False)
     """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
     ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
-    PAIR_CROSS_SPLIT = gl.constexpr(False)
-    """Whether a bound specialization runs a query tile's key tiles in one loop across its KV splits, each split's
-    first scores issued with the last P @ V before it (:func:`kernel`; with ``PAIR_SUM_WITH_PV``)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -244,74 +241,38 @@ if ga.gluon is not None:
         return gl.fma(l_c, gl.convert_layout(alpha, row_r)[:, None], rsum)
 
     @gluon.jit
-    def _first_scores(q_smem, k_smem, k_ready, k_empty, s_zero, r, j, n_full, pos, offs_n, nk):
-        """Key tile ``j``'s masked scores (in ring slot ``r % SLOTS``), waited for; its K slot released."""
-        mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(r % SLOTS).permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
-        return mask_scores(s, j, n_full, pos, offs_n, nk, TILE_N, PAIR_ONE_BOUND)
-
-    @gluon.jit
-    def _last_tile(p_op, acc_s, l_s, l_c, alpha_sum, ones_smem, v_smem, v_ready, v_empty, tail_bars, r, j, tail,
-                   zero_here, tail_phase, nk):  # fmt: skip
-        """A KV split's last key tile ``j`` (ring slot ``r % SLOTS``): its P @ V (with ``sum_with_pv`` its row sum
-        too), waited for, its V slot released: the split's ``(acc_s, l_s)``. Key tile ``tail`` runs past the sequence:
-        its V rows there are zeroed first (:func:`_rows`)."""
-        r_layout: gl.constexpr = wgmma_layout(W, ROW_SUM_N)
-        row_s: gl.constexpr = gl.SliceLayout(1, wgmma_layout(W, TILE_N))
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-        rl = r % SLOTS
-        mbarrier.wait(v_ready.index(rl), (r // SLOTS) & 1)
-        if j == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
-            if CONSUMERS == 1:
-                zero_tail_rows(v_smem.index(rl), j * TILE_N, nk, TILE_N, blk)
-            elif zero_here:
-                zero_tail_rows(v_smem.index(rl), j * TILE_N, nk, TILE_N, blk)
-                mbarrier.arrive(tail_bars.index(rl), count=1)
-            else:
-                mbarrier.wait(tail_bars.index(rl), tail_phase)
-        if PAIR_SUM_WITH_PV:
-            acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
-            r_zero = gl.zeros([16 * W, ROW_SUM_N], gl.float32, layout=r_layout)
-            r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-            acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
-            if PAIR_COLUMN_SUMS:  # each column holds the row's sum: their maximum is that sum
-                l_c = _add_column_sums(l_c, alpha_sum, rsum, gl.SliceLayout(1, r_layout))
-                l_s = gl.convert_layout(gl.max(l_c, 1), row_s)
-            else:
-                l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
-        else:
-            acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
-        mbarrier.arrive(v_empty.index(rl), count=1)
-        return acc_s, l_s
-
-    @gluon.jit
-    def _folded(m_i, l_i, acc, m_s, l_s, acc_s, first, o_layout: gl.constexpr):
-        """A finished KV split folded into the splits before it (``first``: there are none)."""
-        if PAIR_FIRST_FOLD and first:  # the fold into the empty state: +0 plus each term, bit for bit
-            m_i, l_i, acc = m_s, l_s + 0.0, acc_s + 0.0
-        else:
-            m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
-        return m_i, l_i, acc
-
-    @gluon.jit
-    def _by_split(q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, nk, n_full, pos,
-                  offs_n, n_mine, x0, tail, zero_here, tail_phase, qk_scale, SPLIT: gl.constexpr,
-                  dt: gl.constexpr):  # fmt: skip
-        """:func:`_rows`' key tiles one KV split at a time, each split's pipeline drained before its fold and the
-        next split's first scores: the folded ``(m, l, acc)``."""
-        TPS: gl.constexpr = SPLIT // TILE_N
-        r_op: gl.constexpr = gl.DotOperandLayout(0, wgmma_layout(W, ROW_SUM_N), 2)
+    def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
+              v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
+              by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
+              BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
+        """Query tile ``tile`` (its Q in ``q_tile``, ``[positions, heads, head dim]``; query ``i`` at position
+        ``q_start + i`` of ``nk`` keys) over key tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot
+        ``(x0 + j) % SLOTS``: the library's pipelined loop, each K slot released once its scores are done and each V
+        slot once its P @ V is. Key tile ``tail`` runs past the sequence: its V rows there are zeroed here
+        (``zero_here``, then the slot's tail barrier is signalled) or by the other consumer (the barrier's phase
+        ``tail_phase`` is waited for). With ``by_tma`` (the tile's rows all lie in the sequence) the output leaves
+        through ``q_tile`` (its query no longer read) and one TMA store, which may still be reading ``q_tile`` when
+        this returns; otherwise, and for the backward's preprocessing, it is stored from registers
+        (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
         D: gl.constexpr = HEAD_D
         BLOCK_M: gl.constexpr = 16 * W
         BLOCK_N: gl.constexpr = TILE_N
+        P: gl.constexpr = BLOCK_M // HP
+        TPS: gl.constexpr = SPLIT // BLOCK_N
         s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
         o_layout: gl.constexpr = wgmma_layout(W, D)
         r_layout: gl.constexpr = wgmma_layout(W, ROW_SUM_N)
+        r_op: gl.constexpr = gl.DotOperandLayout(0, r_layout, 2)
         pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
+        q_smem = q_tile.reshape([BLOCK_M, D])
+
+        n_full = (q_start + tile * P + 1) // BLOCK_N
+        pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
@@ -323,13 +284,17 @@ if ga.gluon is not None:
             l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             l_c = r_zero  # the split's sum per row-sum column (PAIR_COLUMN_SUMS)
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-            s = _first_scores(q_smem, k_smem, k_ready, k_empty, s_zero, x0 + t0, t0, n_full, pos, offs_n, nk)
+            r0 = x0 + t0
+            mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
+            s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
             m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
-            alpha_sum = alpha
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
                 if not PAIR_ZERO_START:
                     acc_s = rescaled(acc_s, alpha, row_o)
                 p_op = gl.convert_layout(p, pv_op)
+                alpha_sum = alpha
             else:
                 p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
                 acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s,
@@ -364,115 +329,33 @@ if ga.gluon is not None:
                     acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
                     acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
-            acc_s, l_s = _last_tile(p_op, acc_s, l_s, l_c, alpha_sum, ones_smem, v_smem, v_ready, v_empty, tail_bars,
-                                    x0 + t1 - 1, t1 - 1, tail, zero_here, tail_phase, nk)  # fmt: skip
-            m_i, l_i, acc = _folded(m_i, l_i, acc, m_s, l_s, acc_s, t0 == 0, o_layout)
-        return m_i, l_i, acc
-
-    @gluon.jit
-    def _across_splits(q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars, nk, n_full,
-                       pos, offs_n, n_mine, x0, tail, zero_here, tail_phase, qk_scale, SPLIT: gl.constexpr,
-                       dt: gl.constexpr):  # fmt: skip
-        """:func:`_by_split`'s folded ``(m, l, acc)``, from the same operations per row in one loop over the key
-        tiles (``sum_with_pv`` only): the first scores of a KV split are issued with the previous split's last P @ V
-        and its softmax runs while that P @ V does, as within a split; once the P @ V is done the finished split is
-        folded and the next one starts from the empty state (``m = -inf``, zero sums)."""
-        TPS: gl.constexpr = SPLIT // TILE_N
-        D: gl.constexpr = HEAD_D
-        BLOCK_M: gl.constexpr = 16 * W
-        BLOCK_N: gl.constexpr = TILE_N
-        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
-        o_layout: gl.constexpr = wgmma_layout(W, D)
-        r_layout: gl.constexpr = wgmma_layout(W, ROW_SUM_N)
-        pv_op: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        r_zero = gl.zeros([BLOCK_M, ROW_SUM_N], gl.float32, layout=r_layout)
-        m_s = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-        l_c = r_zero
-        acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-        s = _first_scores(q_smem, k_smem, k_ready, k_empty, s_zero, x0, 0, n_full, pos, offs_n, nk)
-        m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
-        if not PAIR_ZERO_START:
-            acc_s = rescaled(acc_s, alpha, row_o)
-        p_op = gl.convert_layout(p, pv_op)
-        alpha_sum = alpha
-        for j in range(0, n_mine - 1):  # tile j's P @ V, tile j + 1's scores and softmax
-            r = x0 + j
-            nxt = (r + 1) % SLOTS
-            mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-            acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
-            r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-            s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
-            mbarrier.arrive(k_empty.index(nxt), count=1)
-            s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
-            opens = (j + 1) % TPS == 0  # tile j + 1 opens a split, from the empty state
-            m_n, alpha, p = tile_softmax(s, gl.where(opens, float("-inf"), m_s), qk_scale, dt, PAIR_TREE_MAX)
-            acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
-            mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-            if PAIR_COLUMN_SUMS:
-                l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
-            else:
-                l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
-            if opens:  # tile j closed its split
-                if PAIR_COLUMN_SUMS:
+            jl = t1 - 1  # the split's last tile: its P @ V, then the fold
+            rl = (x0 + jl) % SLOTS
+            mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
+            if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
+                if CONSUMERS == 1:
+                    zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)
+                elif zero_here:
+                    zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)
+                    mbarrier.arrive(tail_bars.index(rl), count=1)
+                else:
+                    mbarrier.wait(tail_bars.index(rl), tail_phase)
+            if PAIR_SUM_WITH_PV:
+                acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
+                r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
+                acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
+                if PAIR_COLUMN_SUMS:  # each column holds the row's sum: their maximum is that sum
+                    l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
                     l_s = gl.convert_layout(gl.max(l_c, 1), row_s)
-                m_i, l_i, acc = _folded(m_i, l_i, acc, m_s, l_s, acc_s, j + 1 == TPS, o_layout)
-                l_s = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-                l_c = r_zero
-                acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-                if not PAIR_ZERO_START:
-                    acc_s = rescaled(acc_s, alpha, row_o)
+                else:
+                    l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
             else:
-                acc_s = rescaled(acc_s, alpha, row_o)
-            m_s = m_n
-            alpha_sum = alpha
-            p_op = gl.convert_layout(p, pv_op)
-        acc_s, l_s = _last_tile(p_op, acc_s, l_s, l_c, alpha_sum, ones_smem, v_smem, v_ready, v_empty, tail_bars,
-                                x0 + n_mine - 1, n_mine - 1, tail, zero_here, tail_phase, nk)  # fmt: skip
-        return _folded(m_i, l_i, acc, m_s, l_s, acc_s, n_mine <= TPS, o_layout)
-
-    @gluon.jit
-    def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-              v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
-              by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
-              BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
-        """Query tile ``tile`` (its Q in ``q_tile``, ``[positions, heads, head dim]``; query ``i`` at position
-        ``q_start + i`` of ``nk`` keys) over key tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot
-        ``(x0 + j) % SLOTS``: the library's pipelined loop, each K slot released once its scores are done and each V
-        slot once its P @ V is. Key tile ``tail`` runs past the sequence: its V rows there are zeroed here
-        (``zero_here``, then the slot's tail barrier is signalled) or by the other consumer (the barrier's phase
-        ``tail_phase`` is waited for). With ``by_tma`` (the tile's rows all lie in the sequence) the output leaves
-        through ``q_tile`` (its query no longer read) and one TMA store, which may still be reading ``q_tile`` when
-        this returns; otherwise, and for the backward's preprocessing, it is stored from registers
-        (:func:`~rlexact.ops.gluon_attention.store_rows`)."""
-        D: gl.constexpr = HEAD_D
-        BLOCK_M: gl.constexpr = 16 * W
-        BLOCK_N: gl.constexpr = TILE_N
-        P: gl.constexpr = BLOCK_M // HP
-        s_layout: gl.constexpr = wgmma_layout(W, BLOCK_N)
-        o_layout: gl.constexpr = wgmma_layout(W, D)
-        q_smem = q_tile.reshape([BLOCK_M, D])
-
-        n_full = (q_start + tile * P + 1) // BLOCK_N
-        pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // HP
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if PAIR_CROSS_SPLIT:
-            m_i, l_i, acc = _across_splits(q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                                           tail_bars, nk, n_full, pos, offs_n, n_mine, x0, tail, zero_here, tail_phase,
-                                           qk_scale, SPLIT, dt)  # fmt: skip
-        else:
-            m_i, l_i, acc = _by_split(q_smem, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, tail_bars,
-                                      nk, n_full, pos, offs_n, n_mine, x0, tail, zero_here, tail_phase, qk_scale,
-                                      SPLIT, dt)  # fmt: skip
+                acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
+            mbarrier.arrive(v_empty.index(rl), count=1)
+            if PAIR_FIRST_FOLD and t0 == 0:  # the fold into the empty state: +0 plus each term, bit for bit
+                m_i, l_i, acc = m_s, l_s + 0.0, acc_s + 0.0
+            else:
+                m_i, l_i, acc = fold(m_i, l_i, acc, m_s, l_s, acc_s, o_layout)
         if BWD_PREP or not by_tma:
             store_rows(o_ptr, lse_ptr, delta_ptr, acc, m_i, l_i, q_begin, nq, tile, hgroup, stride_ot, stride_oh,
                           stride_lt, stride_lh, HP, P, D, BLOCK_M, BWD_PREP, o_layout)  # fmt: skip
@@ -613,9 +496,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``cross_split`` (with ``sum_with_pv``) runs a query tile's key tiles in one loop across its
-    KV splits, a split's first scores issued with the previous split's last P @ V, where the pipeline otherwise drains
-    at each split's end (``PAIR_CROSS_SPLIT``)."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -628,7 +509,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    cross_split: bool = False
 
     @property
     def warps(self) -> int:
@@ -651,9 +531,6 @@ class Build:
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
-        if self.cross_split and not self.sum_with_pv:
-            raise ValueError("gluon_attention_pair.Build: cross_split needs sum_with_pv (its loop issues each row "
-                             "sum with its P @ V)")
 
 
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
@@ -676,13 +553,11 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(build.row_sum_n), PAIR_CROSS_SPLIT=gl.constexpr(build.cross_split),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    tiles = {f.fn.__name__: ga.rebind(f, **consts) for f in (_first_scores, _last_tile, _folded)}
-    loops = {f.fn.__name__: ga.rebind(f, **tiles, **consts) for f in (_by_split, _across_splits)}
-    rows = ga.rebind(_rows, **loops, **consts)
+    rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
