@@ -82,8 +82,7 @@ def test_gluon_attention_kernels_compile_for_sm90() -> None:
     probes = (gp.Build(), gp.Build(sum_with_pv=True), gp.Build(first_fold=True), gp.Build(zero_start=True),
               gp.Build(one_bound=True), gp.Build(wide=True), gp.Build(**SCHEDULES), gp.Build(**SCHEDULES, wide=True),
               gp.Build(**SCHEDULES, column_sums=True), gp.Build(**SCHEDULES, column_sums=True, row_sum_n=8),
-              gp.Build(ring_depth=4, item_depth=2),
-              gp.Build(**SCHEDULES, column_sums=True, row_sum_n=8, pingpong=True))  # fmt: skip
+              gp.Build(ring_depth=4, item_depth=2))  # fmt: skip
     for build in probes:
         k = compile_gluon_for_hopper(gp.kernel(2, 1024, False, 2, False, build),
                                      packed_attention_types(ga.BLOCK_N, 16 * build.warps // 2), {},
@@ -122,9 +121,5 @@ def test_pair_build_refuses_what_cannot_run() -> None:
         gp.Build(tile_n=96)
     with pytest.raises(ValueError, match="column_sums needs sum_with_pv"):
         gp.Build(column_sums=True)  # without it the row sum is folded in before the next tile's is issued
-    with pytest.raises(ValueError, match="pingpong needs two consumer partitions"):
-        gp.Build(sum_with_pv=True, wide=True, pingpong=True)  # one partition has no one to take turns with
-    with pytest.raises(ValueError, match="pingpong needs two consumer partitions"):
-        gp.Build(pingpong=True)
     with pytest.raises(ValueError, match="row_sum_n must be 8 or 16"):
         gp.Build(row_sum_n=4)

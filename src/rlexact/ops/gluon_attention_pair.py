@@ -143,9 +143,6 @@ if ga.gluon is not None:
     PAIR_ZERO_START = gl.constexpr(False)
     """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
     ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
-    PAIR_PINGPONG = gl.constexpr(False)
-    """Whether a bound specialization's two consumers take turns issuing their wgmmas through two named barriers
-    (:func:`kernel`; :func:`_await_turn`)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -244,41 +241,10 @@ if ga.gluon is not None:
         return gl.fma(l_c, gl.convert_layout(alpha, row_r)[:, None], rsum)
 
     @gluon.jit
-    def _await_turn(C: gl.constexpr):
-        """With ``PAIR_PINGPONG``: consumer ``C`` waits for its turn to issue its next round of wgmmas (hardware named
-        barrier ``14 + C``, of 16, above those Triton's partitions take, over both consumers' 256 threads, completed
-        by the other consumer's :func:`_pass_turn`), so the two consumers' rounds alternate and one's products run
-        under the other's softmax (FlashAttention-3's ping-pong)."""
-        if PAIR_PINGPONG:
-            if C == 0:
-                gl.inline_asm_elementwise("bar.sync 14, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)  # fmt: skip
-            else:
-                gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _pass_turn(C: gl.constexpr):
-        """With ``PAIR_PINGPONG``: consumer ``C`` has issued a round; the other consumer's turn."""
-        if PAIR_PINGPONG:
-            if C == 0:
-                gl.inline_asm_elementwise("bar.arrive 15, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)  # fmt: skip
-            else:
-                gl.inline_asm_elementwise("bar.arrive 14, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _rounds(n_tiles, SPLIT: gl.constexpr):
-        """Rounds of wgmma issues of a query tile over ``n_tiles`` key tiles (:func:`_rows`): each split's first
-        scores, one per further key tile, and its last P @ V."""
-        return n_tiles + (n_tiles + SPLIT // TILE_N - 1) // (SPLIT // TILE_N)
-
-    @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
               v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
               by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
-              BWD_PREP: gl.constexpr, dt: gl.constexpr, C: gl.constexpr):  # fmt: skip
+              BWD_PREP: gl.constexpr, dt: gl.constexpr):  # fmt: skip
         """Query tile ``tile`` (its Q in ``q_tile``, ``[positions, heads, head dim]``; query ``i`` at position
         ``q_start + i`` of ``nk`` keys) over key tiles ``0 .. n_mine - 1``, key tile ``j`` in ring slot
         ``(x0 + j) % SLOTS``: the library's pipelined loop, each K slot released once its scores are done and each V
@@ -320,14 +286,7 @@ if ga.gluon is not None:
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
             r0 = x0 + t0
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
-            if PAIR_PINGPONG:
-                _await_turn(C)
-                s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)  # fmt: skip
-                _pass_turn(C)
-                s = warpgroup_mma_wait(0, deps=(s,))
-            else:
-                s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
+            s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
             m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
@@ -344,15 +303,11 @@ if ga.gluon is not None:
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-                if PAIR_PINGPONG:  # both tiles here before the turn is taken
-                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    _await_turn(C)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
                 if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
                     r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-                    _pass_turn(C)
                     s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
                 else:  # the scores; P @ V may run
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
@@ -386,10 +341,8 @@ if ga.gluon is not None:
                 else:
                     mbarrier.wait(tail_bars.index(rl), tail_phase)
             if PAIR_SUM_WITH_PV:
-                _await_turn(C)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(rl), acc_s, is_async=True)
                 r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-                _pass_turn(C)
                 acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_tok, r_tok, p_op))
                 if PAIR_COLUMN_SUMS:  # each column holds the row's sum: their maximum is that sum
                     l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
@@ -429,8 +382,6 @@ if ga.gluon is not None:
         x0 = gl.program_id(0) * 0
         tail_parity = x0
         n = x0
-        if C == 1:  # consumer 0 takes the first turn
-            _pass_turn(C)
         mbarrier.wait(item_ready.index(0), 0)
         rec = info_smem.index(0).load(rec_lay)
         while _field(rec, 7, rec_lay) != 0:
@@ -453,25 +404,13 @@ if ga.gluon is not None:
                 _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_smem.index(CONSUMERS * s + C), ones_smem, k_smem, v_smem,
                       k_ready, k_empty, v_ready, v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine,
                       x0, tail, zeroer == C, (tail_parity >> tail_slot) & 1, by_tma, qk_scale, stride_ot, stride_oh,
-                      stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt, C)  # fmt: skip
-            other = CONSUMERS * pair + 1 - C
-            n_other = gl.where(other * P < nq, (q_start + gl.minimum(other * P + P, nq) - 1) // TILE_N + 1, 0)
-            turns = _rounds(n_other, PAIR_SPLIT) - _rounds(n_mine, PAIR_SPLIT)  # PAIR_PINGPONG: the other's rounds
+                      stride_lt, stride_lh, HP, PAIR_SPLIT, PAIR_BWD_PREP, dt)  # fmt: skip
             if CONSUMERS == 2:  # one consumer reads every tile
                 for r in range(x0 + n_mine, x0 + n_tiles):
                     mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
                     mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
                     mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                    if PAIR_PINGPONG:  # a turn per tile released, never before the tiles the other's round reads
-                        if turns > 0:
-                            _await_turn(C)
-                            _pass_turn(C)
-                            turns -= 1
-            if PAIR_PINGPONG:
-                for _ in range(0, turns):
-                    _await_turn(C)
-                    _pass_turn(C)
             if n > 0:  # the previous item's output has left its query tile (this item's may still be leaving)
                 if (n_mine > 0) & by_tma:
                     tma.store_wait(1)
@@ -486,8 +425,6 @@ if ga.gluon is not None:
             mbarrier.wait(item_ready.index(n % ITEM_SLOTS), (n // ITEM_SLOTS) & 1)
             rec = info_smem.index(n % ITEM_SLOTS).load(rec_lay)
         tma.store_wait(0)  # shared memory outlives the last output's store
-        if C == 0:  # the turn consumer 1 passed after its last round
-            _await_turn(C)
 
     @gluon.jit
     def _worker_consumer(o_ptr, lse_ptr, delta_ptr, q_desc, k_desc, v_desc, q_smem, ones_smem, k_smem, v_smem,
@@ -559,8 +496,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``pingpong`` (two consumers, with ``sum_with_pv``) makes the consumers take turns issuing
-    their wgmma rounds through two named barriers, so one's products run under the other's softmax."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -573,7 +509,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    pingpong: bool = False
 
     @property
     def warps(self) -> int:
@@ -591,9 +526,6 @@ class Build:
                              f"released an item late), got {self.ring_depth} and {self.item_depth}")  # fmt: skip
         if self.tile_n not in (64, 128):
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
-        if self.pingpong and (self.wide or not self.sum_with_pv):
-            raise ValueError("gluon_attention_pair.Build: pingpong needs two consumer partitions (not wide) and "
-                             "sum_with_pv")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
         if self.column_sums and not self.sum_with_pv:
@@ -621,13 +553,12 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(build.row_sum_n), PAIR_PINGPONG=gl.constexpr(build.pingpong),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    turns = {f.fn.__name__: ga.rebind(f, **consts) for f in (_await_turn, _pass_turn, _rounds)}
-    rows = ga.rebind(_rows, **turns, **consts)
-    consume = ga.rebind(_consume, _rows=rows, **turns, **consts)
+    rows = ga.rebind(_rows, **consts)
+    consume = ga.rebind(_consume, _rows=rows, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
     producer = ga.rebind(_worker_producer, _produce=produce)
