@@ -4,6 +4,7 @@
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests          # every test marked gpu, one log
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh tests "0 2"    # only these of the four test groups (below)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench [SET]    # SET: train | rollout | decode | sweeps | all (default all)
+#   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh bench decode "0 1"   # only these of the set's commands (0-based, in order)
 #   RLEXACT_COMMIT=<sha> scripts/gpu_suite.sh all
 #
 # <sha>: the commit as the local checkout names it, written out literally; a copied tree may carry a stale .git (the
@@ -21,7 +22,8 @@
 #   four groups can exceed one device call (600 s): run them as two calls, e.g. "0 1" and then "2 3".
 # bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
 #   $RESULTS (default /tmp/rlexact_results), packed into $OUT/bench_<SET>.tgz at the end (the device returns at most
-#   eight files). Unpack into benchmarks/results/ to commit them.
+#   eight files). Unpack into benchmarks/results/ to commit them. A set longer than one device call (decode: about
+#   eleven minutes) runs as two calls with command indices, e.g. "0 1" and then "2 3".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlexact_gpu}
@@ -30,6 +32,7 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 what=${1:-all}
 set_name=${2:-all}
+picks=${3:-}
 groups="0 1 2 3"
 [[ $what == tests ]] && groups=${2:-0 1 2 3}
 # $RLEXACT_COMMIT, else HEAD with "+dirty" when tracked files differ from it (a copied tree may carry a stale .git)
@@ -121,7 +124,9 @@ if [[ $what == bench || $what == all ]]; then
     all) cmds=("${train[@]}" "${rollout[@]}" "${sweeps[@]}") ;;
     *) echo "gpu_suite.sh: unknown benchmark set '$set_name' (train | rollout | decode | sweeps | all)" >&2; exit 2 ;;
   esac
-  for c in "${cmds[@]}"; do
+  for i in "${!cmds[@]}"; do
+    c=${cmds[$i]}
+    if [[ -n $picks && " $picks " != *" $i "* ]]; then continue; fi
     name=$(basename "${c##*--out }" .json)
     t0=$(date +%s)
     # shellcheck disable=SC2086
