@@ -27,6 +27,7 @@ stay fp32 (log-probs, logits, lse, entropy).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -277,10 +278,37 @@ def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
+def _packed_rows(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of sequences of ``lens`` rows packed in order: each row's sequence and position in it."""
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device),
+                                  torch.tensor(lens, dtype=torch.long, device=device))  # fmt: skip
+    starts = torch.tensor([0, *itertools.accumulate(lens)][:-1], dtype=torch.long, device=device)
+    return seq, torch.arange(seq.shape[0], device=device) - starts[seq]
+
+
+def _key_tiles(x: torch.Tensor, lens: list[int], hq: int) -> tuple[torch.Tensor, list[int]]:
+    """Per-sequence keys (or values) packed in ``x [sum(lens), Hkv, D]`` as fp32 key tiles with the heads expanded to
+    ``hq``: ``(tiles [n + 1, Hq, ATTN_BLOCK_N, D], first)``, sequence ``s``'s tile ``j`` at ``first[s] + j`` (its rows
+    past the sequence zero) and an all-zero tile last."""
+    bn = ATTN_BLOCK_N
+    _, hkv, d = x.shape
+    padded = [-(-n // bn) * bn for n in lens]
+    first = [0] * len(lens)
+    for s in range(1, len(lens)):
+        first[s] = first[s - 1] + padded[s - 1] // bn
+    total = sum(padded) + bn
+    seq, pos = _packed_rows(lens, x.device)
+    xp = x.new_zeros((total, hkv, d))
+    xp[torch.tensor(first, dtype=torch.long, device=x.device)[seq] * bn + pos] = x
+    xf = xp.float().permute(1, 0, 2).repeat_interleave(hq // hkv, dim=0)  # [Hq, total, D]
+    return xf.reshape(hq, total // bn, bn, d).permute(1, 0, 2, 3), first
+
+
 def _attend(
     q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: list[int],
     tiles: list[_QueryTile],
     scale: float,
     window: int | None = None,
@@ -288,62 +316,51 @@ def _attend(
     """Causal attention for query tiles over per-sequence keys (with a sliding ``window``: a query at position ``p``
     sees keys ``p - window + 1 .. p``).
 
-    ``q [Tq, Hq, D]``; ``keys[s], values[s] [Lk_s, Hkv, D]`` hold sequence ``s``'s keys at positions ``0..Lk_s-1``.
-    Tiles are processed ``ATTN_GROUP`` at a time on fixed-shape ``[G, Hq, BM, D] x [G, Hq, D, BN]`` products; idle
-    slots and tiles past a query's position are fully masked and leave its online-softmax state bit-identical.
+    ``q [Tq, Hq, D]``; ``k, v [sum(lens), Hkv, D]`` hold each sequence's keys packed, sequence ``s``'s ``lens[s]``
+    keys at positions ``0..lens[s]-1``. Tiles are processed ``ATTN_GROUP`` at a time on fixed-shape
+    ``[G, Hq, BM, D] x [G, Hq, D, BN]`` products; idle slots and tiles past a query's position are fully masked and
+    leave its online-softmax state bit-identical.
     """
     _, hq, d = q.shape
-    hkv = keys[0].shape[1] if keys else hq
-    group = hq // hkv
     bm, bn, gsz, split = ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_GROUP, ATTN_SPLIT
     if split % bn:
         raise ValueError(f"attention: ATTN_SPLIT {split} is not a multiple of ATTN_BLOCK_N {bn}")
     dev = q.device
     f32 = torch.float32  # explicit: never the (possibly bf16) default dtype
-    # fp32 keys/values per sequence, padded to whole tiles, heads expanded: [Hq, L_pad, D]
-    kf, vf = [], []
-    for k, v in zip(keys, values):
-        lp = -(-k.shape[0] // bn) * bn
-        kp = k.new_zeros((lp, hkv, d))
-        vp = v.new_zeros((lp, hkv, d))
-        kp[: k.shape[0]], vp[: v.shape[0]] = k, v
-        kf.append(kp.float().permute(1, 0, 2).repeat_interleave(group, dim=0))
-        vf.append(vp.float().permute(1, 0, 2).repeat_interleave(group, dim=0))
-    lens = [k.shape[0] for k in keys]
+    kf, first = _key_tiles(k, lens, hq)
+    vf, _ = _key_tiles(v, lens, hq)
+    zero = kf.shape[0] - 1
     out = torch.empty_like(q)
-    rows = torch.arange(bm, device=dev)
     offs = torch.arange(bn, device=dev)
-    zero_tile = torch.zeros((hq, bn, d), dtype=f32, device=dev)
+    # every tile's query rows (the zero row appended to q past a tile's rows), positions and key count, in slots of
+    # whole groups (idle slots: zero rows at position -1, every key masked)
+    slots = -(-len(tiles) // gsz) * gsz
+    qz = torch.cat([q.float(), q.new_zeros((1, hq, d), dtype=f32)])
+    rows = torch.arange(bm, device=dev)
+    lo = torch.tensor([t.q_lo for t in tiles] + [0] * (slots - len(tiles)), dtype=torch.long, device=dev)
+    nrows = torch.tensor([t.q_hi - t.q_lo for t in tiles] + [0] * (slots - len(tiles)), device=dev)
+    q_rows = torch.where(rows < nrows[:, None], lo[:, None] + rows, q.shape[0])  # [slots, BM]
+    pos_all = torch.tensor([t.pos0 for t in tiles] + [-1] * (slots - len(tiles)), device=dev)[:, None] + rows
+    pos_all[len(tiles) :] = -1
+    klen_all = torch.tensor([lens[t.seq] for t in tiles] + [0] * (slots - len(tiles)), dtype=torch.long, device=dev)
     for g0 in range(0, len(tiles), gsz):
         grp = tiles[g0 : g0 + gsz]
-        qb = torch.zeros((gsz, bm, hq, d), dtype=f32, device=dev)
-        pos = torch.zeros((gsz, bm), dtype=torch.long, device=dev)
-        klen = torch.zeros((gsz,), dtype=torch.long, device=dev)
-        n_tiles = []
-        for i, t in enumerate(grp):
-            qb[i, : t.q_hi - t.q_lo] = q[t.q_lo : t.q_hi].float()
-            pos[i] = t.pos0 + rows
-            klen[i] = lens[t.seq]
-            n_tiles.append(min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1))
-        pos[len(grp) :] = -1  # idle slots: every key masked
+        qb = qz[q_rows[g0 : g0 + gsz]]  # [G, BM, Hq, D]
+        pos, klen = pos_all[g0 : g0 + gsz], klen_all[g0 : g0 + gsz]
+        n_tiles = [min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1) for t in grp]
         qf = qb.permute(0, 2, 1, 3)  # [G, Hq, BM, D]
         m_i = torch.full((gsz, hq, bm), float("-inf"), dtype=f32, device=dev)
         l_i = torch.zeros((gsz, hq, bm), dtype=f32, device=dev)
         acc = torch.zeros((gsz, hq, bm, d), dtype=f32, device=dev)
         tiles_per_split = split // bn
-        live = list(enumerate(grp))
         for s0 in range(0, max(n_tiles), tiles_per_split):
             m_s = torch.full_like(m_i, float("-inf"))
             l_s = torch.zeros_like(l_i)
             acc_s = torch.zeros_like(acc)
             for j in range(s0, min(s0 + tiles_per_split, max(n_tiles))):
-                kt, vt = (
-                    torch.stack(
-                        [src[t.seq][:, j * bn : (j + 1) * bn] if j < n_tiles[i] else zero_tile for i, t in live]
-                        + [zero_tile] * (gsz - len(grp))
-                    )
-                    for src in (kf, vf)
-                )
+                idx = [first[t.seq] + j if j < n_tiles[i] else zero for i, t in enumerate(grp)]
+                idx = torch.tensor(idx + [zero] * (gsz - len(grp)), device=dev)
+                kt, vt = kf.index_select(0, idx).contiguous(), vf.index_select(0, idx).contiguous()
                 kpos = j * bn + offs
                 scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
                 # idle slots (position -1) stay fully masked
@@ -363,8 +380,9 @@ def _attend(
             acc = acc * a[..., None] + acc_s * b[..., None]
             m_i = m_new
         o = (acc / l_i[..., None]).permute(0, 2, 1, 3)  # [G, BM, Hq, D]
-        for i, t in enumerate(grp):
-            out[t.q_lo : t.q_hi] = o[i, : t.q_hi - t.q_lo].to(q.dtype)
+        dest = q_rows[g0 : g0 + gsz]
+        real = dest < q.shape[0]
+        out[dest[real]] = o[real].to(q.dtype)
     return out
 
 
@@ -388,16 +406,17 @@ def attention_varlen(
     """Causal attention over packed sequences. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, ``cu_seqlens [B+1]``;
     ``window``: the sliding window (None: every earlier key)."""
     cu = cu_seqlens.tolist()
-    keys = [k[s:e] for s, e in zip(cu[:-1], cu[1:])]
-    values = [v[s:e] for s, e in zip(cu[:-1], cu[1:])]
-    return _attend(q, keys, values, _query_tiles(cu, [0] * (len(cu) - 1)), scale, window)
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    keys, values = k[cu[0] : cu[-1]], v[cu[0] : cu[-1]]
+    return _attend(q, keys, values, lens, _query_tiles(cu, [0] * (len(cu) - 1)), scale, window)
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys (or values) ``[length, Hkv, D]`` of one sequence from a paged cache ``[num_blocks, block_size, Hkv, D]``."""
+def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Keys (or values) ``[sum(lens), Hkv, D]`` of the sequences whose block tables are the rows of ``block_tables``,
+    packed (sequence ``b``'s ``lens[b]`` keys in order), from a paged cache ``[num_blocks, block_size, Hkv, D]``."""
     bs = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_table[pos // bs].long() * bs + pos % bs
+    seq, pos = _packed_rows(lens, cache.device)
+    slots = block_tables[seq, pos // bs].long() * bs + pos % bs
     return cache.reshape(-1, *cache.shape[2:])[slots]
 
 
@@ -431,7 +450,6 @@ def attention_paged(
             "maximum (or None)"
         )
     lens = seqlens_k.tolist()
-    keys = [gather_paged(k_cache, block_tables[b], lens[b]) for b in range(len(lens))]
-    values = [gather_paged(v_cache, block_tables[b], lens[b]) for b in range(len(lens))]
+    keys, values = gather_paged(k_cache, block_tables, lens), gather_paged(v_cache, block_tables, lens)
     starts = [lens[b] - (cu[b + 1] - cu[b]) for b in range(len(lens))]
-    return _attend(q, keys, values, _query_tiles(cu, starts), scale, window)
+    return _attend(q, keys, values, lens, _query_tiles(cu, starts), scale, window)
