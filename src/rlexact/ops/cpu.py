@@ -286,10 +286,10 @@ def _packed_rows(lens: list[int], device: torch.device) -> tuple[torch.Tensor, t
     return seq, torch.arange(seq.shape[0], device=device) - starts[seq]
 
 
-def _key_tiles(x: torch.Tensor, lens: list[int], hq: int) -> tuple[torch.Tensor, list[int]]:
-    """Per-sequence keys (or values) packed in ``x [sum(lens), Hkv, D]`` as fp32 key tiles with the heads expanded to
-    ``hq``: ``(tiles [n + 1, Hq, ATTN_BLOCK_N, D], first)``, sequence ``s``'s tile ``j`` at ``first[s] + j`` (its rows
-    past the sequence zero) and an all-zero tile last."""
+def _key_tiles(x: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Per-sequence keys (or values) packed in ``x [sum(lens), Hkv, D]`` as key tiles: ``(tiles [n + 1,
+    ATTN_BLOCK_N, Hkv, D], first)``, sequence ``s``'s tile ``j`` at ``first[s] + j`` (its rows past the sequence
+    zero) and an all-zero tile last."""
     bn = ATTN_BLOCK_N
     _, hkv, d = x.shape
     padded = [-(-n // bn) * bn for n in lens]
@@ -300,8 +300,14 @@ def _key_tiles(x: torch.Tensor, lens: list[int], hq: int) -> tuple[torch.Tensor,
     seq, pos = _packed_rows(lens, x.device)
     xp = x.new_zeros((total, hkv, d))
     xp[torch.tensor(first, dtype=torch.long, device=x.device)[seq] * bn + pos] = x
-    xf = xp.float().permute(1, 0, 2).repeat_interleave(hq // hkv, dim=0)  # [Hq, total, D]
-    return xf.reshape(hq, total // bn, bn, d).permute(1, 0, 2, 3), first
+    return xp.reshape(total // bn, bn, hkv, d), first
+
+
+def _expanded(tiles: torch.Tensor, hq: int) -> torch.Tensor:
+    """Key tiles ``[n, ATTN_BLOCK_N, Hkv, D]`` as contiguous fp32 ``[n, Hq, ATTN_BLOCK_N, D]``, query head ``h``
+    reading KV head ``h // (hq / Hkv)``."""
+    n, bn, hkv, d = tiles.shape
+    return tiles.float().permute(0, 2, 1, 3)[:, :, None].expand(n, hkv, hq // hkv, bn, d).reshape(n, hq, bn, d)
 
 
 def _attend(
@@ -327,9 +333,14 @@ def _attend(
         raise ValueError(f"attention: ATTN_SPLIT {split} is not a multiple of ATTN_BLOCK_N {bn}")
     dev = q.device
     f32 = torch.float32  # explicit: never the (possibly bf16) default dtype
-    kf, first = _key_tiles(k, lens, hq)
-    vf, _ = _key_tiles(v, lens, hq)
+    kf, first = _key_tiles(k, lens)
+    vf, _ = _key_tiles(v, lens)
     zero = kf.shape[0] - 1
+    # where a sequence's key tiles serve several query tiles, expand them once; else as each group takes them (the
+    # same operands either way)
+    once = len(tiles) > len(lens)
+    if once:
+        kf, vf = _expanded(kf, hq), _expanded(vf, hq)
     out = torch.empty_like(q)
     offs = torch.arange(bn, device=dev)
     # every tile's query rows (the zero row appended to q past a tile's rows), positions and key count, in slots of
@@ -360,7 +371,9 @@ def _attend(
             for j in range(s0, min(s0 + tiles_per_split, max(n_tiles))):
                 idx = [first[t.seq] + j if j < n_tiles[i] else zero for i, t in enumerate(grp)]
                 idx = torch.tensor(idx + [zero] * (gsz - len(grp)), device=dev)
-                kt, vt = kf.index_select(0, idx).contiguous(), vf.index_select(0, idx).contiguous()
+                kt, vt = kf.index_select(0, idx), vf.index_select(0, idx)
+                if not once:
+                    kt, vt = _expanded(kt, hq), _expanded(vt, hq)
                 kpos = j * bn + offs
                 scores = torch.matmul(qf, kt.transpose(-1, -2)) * scale  # [G, Hq, BM, BN]
                 # idle slots (position -1) stay fully masked
