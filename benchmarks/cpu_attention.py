@@ -8,7 +8,7 @@ checkout's; both modules run the same calls on the same inputs, one torch thread
 each with and without a sliding window, at the demo model's heads (4 query / 2 KV heads, head dim 32) and at
 Qwen3-1.7B's (16 / 8, 128). Every output must equal the other revision's bitwise (``torch.equal``): the file's
 arithmetic is its bit contract, so a faster layout that changed a bit would change every CPU rollout. Per case the
-median wall time per call over ``--reps`` calls, after one warm-up call, each revision timed in turn.
+median wall time per call over ``--reps`` rounds that alternate the two revisions, after a warm-up call of each.
 """
 
 from __future__ import annotations
@@ -89,14 +89,17 @@ def cases() -> dict[str, Callable[[ModuleType], object]]:
     return out
 
 
-def median_ms(call: Callable[[], object], reps: int) -> float:
-    call()
-    walls = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def alternating_ms(calls: tuple[Callable[[], object], ...], reps: int) -> list[float]:
+    """Median wall ms per call of each of ``calls``, timed in ``reps`` rounds that call each once in turn."""
+    for call in calls:
         call()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) * 1e3
+    walls: list[list[float]] = [[] for _ in calls]
+    for _ in range(reps):
+        for call, w in zip(calls, walls):
+            t0 = time.perf_counter()
+            call()
+            w.append(time.perf_counter() - t0)
+    return [statistics.median(w) * 1e3 for w in walls]
 
 
 def main() -> int:
@@ -115,11 +118,9 @@ def main() -> int:
     result = header("cpu_attention", "torch") | {"against": against, "threads": 1, "reps": args.reps, "cases": {}}
     try:
         for name, case in cases().items():
-            here, there = case(cpu), case(other)
-            row = {"bitwise_equal": bool(torch.equal(here, there)),
-                   "ms": median_ms(lambda case=case: case(cpu), args.reps),
-                   "ms_against": median_ms(lambda case=case: case(other), args.reps)}  # fmt: skip
-            row["speedup"] = row["ms_against"] / row["ms"]
+            ms, ms_against = alternating_ms((lambda case=case: case(cpu), lambda case=case: case(other)), args.reps)
+            row = {"bitwise_equal": bool(torch.equal(case(cpu), case(other))), "ms": ms, "ms_against": ms_against,
+                   "speedup": ms_against / ms}  # fmt: skip
             result["cases"][name] = row
             print(f"[cpu_attention] {name:28s} {row['ms']:9.2f} ms vs {row['ms_against']:9.2f} ms "
                   f"({row['speedup']:.2f}x) bitwise {row['bitwise_equal']}", flush=True)  # fmt: skip
