@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 
 from common import ROOT, header
+from rlexact.envinfo import commit_sources
 from rlexact.ops import cpu
 
 CPU_FILE = "src/rlexact/ops/cpu.py"
@@ -37,10 +38,8 @@ HEADS = {"demo": (4, 2, 32), "qwen3": (16, 8, 128)}
 
 def load_revision(rev: str) -> ModuleType:
     """``rlexact.ops.cpu`` as it was at git revision ``rev``, loaded as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:{CPU_FILE}"], cwd=ROOT, capture_output=True, text=True,
-                            check=True, timeout=60).stdout  # fmt: skip
     path = Path(tempfile.mkdtemp()) / "cpu_at_revision.py"
-    path.write_text(source)
+    path.write_bytes(commit_sources(rev, ROOT)[CPU_FILE])
     spec = importlib.util.spec_from_file_location("cpu_at_revision", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module by name
@@ -59,15 +58,9 @@ def varlen_case(lens: list[int], heads: tuple[int, int, int], window: int | None
 def paged_case(lens_k: list[int], new: list[int], heads: tuple[int, int, int], window: int | None,
                block: int = 16) -> Callable[[ModuleType], object]:  # fmt: skip
     hq, hkv, d = heads
-    widths = [-(-n // block) for n in lens_k]
-    blocks = sum(widths) + 1
-    kc, vc = torch.randn(blocks, block, hkv, d), torch.randn(blocks, block, hkv, d)
-    order = torch.randperm(blocks).tolist()
-    table = torch.zeros(len(lens_k), max(widths), dtype=torch.int32)
-    taken = iter(order)
-    for b, w in enumerate(widths):
-        for j in range(w):
-            table[b, j] = next(taken)
+    width = -(-max(lens_k) // block)
+    kc, vc = (torch.randn(len(lens_k) * width, block, hkv, d) for _ in range(2))
+    table = torch.randperm(len(lens_k) * width).to(torch.int32).view(len(lens_k), width)  # shuffled pages
     cu = torch.tensor([0, *itertools.accumulate(new)])
     q = torch.randn(int(cu[-1]), hq, d)
     seqlens = torch.tensor(lens_k, dtype=torch.int32)

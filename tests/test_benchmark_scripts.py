@@ -29,8 +29,7 @@ CPU_MODE = {
 }  # fmt: skip
 """GPU benchmark scripts with a CPU mode: the flags that select it."""
 CPU_ONLY = ("cpu_attention", "fp_fusion_sm90", "kernel_resources", "pair_sass", "restamp_commit", "reward_throughput",
-            "rollout_host",
-            "truncation_passes")  # fmt: skip
+            "rollout_host", "truncation_passes")  # fmt: skip
 """Scripts that run on the host alone (compiling for sm_90 at most)."""
 MODULES = ("common", "roofline")
 """Modules of ``benchmarks`` the scripts import, with no command line of their own."""

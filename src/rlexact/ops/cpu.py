@@ -292,15 +292,11 @@ def _key_tiles(x: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, list[int
     zero) and an all-zero tile last."""
     bn = ATTN_BLOCK_N
     _, hkv, d = x.shape
-    padded = [-(-n // bn) * bn for n in lens]
-    first = [0] * len(lens)
-    for s in range(1, len(lens)):
-        first[s] = first[s - 1] + padded[s - 1] // bn
-    total = sum(padded) + bn
+    first = [0, *itertools.accumulate(-(-n // bn) for n in lens)]  # the last entry: the zero tile
     seq, pos = _packed_rows(lens, x.device)
-    xp = x.new_zeros((total, hkv, d))
-    xp[torch.tensor(first, dtype=torch.long, device=x.device)[seq] * bn + pos] = x
-    return xp.reshape(total // bn, bn, hkv, d), first
+    xp = x.new_zeros((first[-1] + 1, bn, hkv, d))
+    xp.view(-1, hkv, d)[torch.tensor(first[:-1], dtype=torch.long, device=x.device)[seq] * bn + pos] = x
+    return xp, first[:-1]
 
 
 def _expanded(tiles: torch.Tensor, hq: int) -> torch.Tensor:
@@ -345,20 +341,22 @@ def _attend(
     offs = torch.arange(bn, device=dev)
     # every tile's query rows (the zero row appended to q past a tile's rows), positions and key count, in slots of
     # whole groups (idle slots: zero rows at position -1, every key masked)
-    slots = -(-len(tiles) // gsz) * gsz
+    idle = [0] * (-len(tiles) % gsz)
     qz = torch.cat([q.float(), q.new_zeros((1, hq, d), dtype=f32)])
     rows = torch.arange(bm, device=dev)
-    lo = torch.tensor([t.q_lo for t in tiles] + [0] * (slots - len(tiles)), dtype=torch.long, device=dev)
-    nrows = torch.tensor([t.q_hi - t.q_lo for t in tiles] + [0] * (slots - len(tiles)), device=dev)
+    lo = torch.tensor([t.q_lo for t in tiles] + idle, dtype=torch.long, device=dev)
+    nrows = torch.tensor([t.q_hi - t.q_lo for t in tiles] + idle, device=dev)
     q_rows = torch.where(rows < nrows[:, None], lo[:, None] + rows, q.shape[0])  # [slots, BM]
-    pos_all = torch.tensor([t.pos0 for t in tiles] + [-1] * (slots - len(tiles)), device=dev)[:, None] + rows
+    pos_all = torch.tensor([t.pos0 for t in tiles] + idle, dtype=torch.long, device=dev)[:, None] + rows
     pos_all[len(tiles) :] = -1
-    klen_all = torch.tensor([lens[t.seq] for t in tiles] + [0] * (slots - len(tiles)), dtype=torch.long, device=dev)
+    klen_all = torch.tensor([lens[t.seq] for t in tiles] + idle, dtype=torch.long, device=dev)
+    # key tiles each query tile reads: up to its last row's position, within its sequence
+    reads = [min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1) for t in tiles]
     for g0 in range(0, len(tiles), gsz):
         grp = tiles[g0 : g0 + gsz]
         qb = qz[q_rows[g0 : g0 + gsz]]  # [G, BM, Hq, D]
         pos, klen = pos_all[g0 : g0 + gsz], klen_all[g0 : g0 + gsz]
-        n_tiles = [min(-(-lens[t.seq] // bn), (t.pos0 + t.q_hi - t.q_lo - 1) // bn + 1) for t in grp]
+        n_tiles = reads[g0 : g0 + gsz]
         qf = qb.permute(0, 2, 1, 3)  # [G, Hq, BM, D]
         m_i = torch.full((gsz, hq, bm), float("-inf"), dtype=f32, device=dev)
         l_i = torch.zeros((gsz, hq, bm), dtype=f32, device=dev)
