@@ -110,8 +110,9 @@ from ``benchmarks/split_kv_sweep.py`` at head_dim 128 (16 query / 8 KV heads): a
 1,024 and 2,048 keys tied on the summed long-context decode time; 1,024 is faster for the few-sequence long tail
 (batch 1-4 at 8k keys), 2,048 for batch 32 at 8k and batch 4 at 32k keys. A later run with one-warp decode programs
 (``benchmarks/results/split_kv_sweep_h200.json``) has 512 and 1,024 tied on the sum, 512 ahead at batch 1-4 x 8k
-and behind at batch 32 x 8k and 4 x 32k. Short contexts (one split) and the prefill/training forward do not depend
-on it measurably."""
+and behind at batch 32 x 8k and 4 x 32k. Short contexts (one split) do not depend on it; the packed prefill/training
+forward at long sequences gains a little from larger splits and trails SDPA's default kernel at every size, no split
+included (``benchmarks/results/split_kv_sweep_h100.json``), so its speed does not decide ``SPLIT``."""
 SPLIT_KEYS_FP32 = 2048
 """Keys per KV split (``SPLIT``) for fp32 at every head_dim (a multiple of every fp32 ``BLOCK_N``; not swept)."""
 
