@@ -141,6 +141,11 @@ programs); single-split decode launches keep :data:`DECODE_LAUNCH_16BIT` (``benc
 at 0089106 ran them with five stages, and batch 64 got slower)."""
 DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
 """Largest number of split-parallel decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
+DECODE_ONE_HEAD_PROGRAMS_PER_SM = 2
+"""A split-parallel decode launch whose grid, with a GQA group's query heads packed into each program's tile, would
+have fewer programs than this many per SM runs one query head per program instead (``HP = 1``): twice the programs
+or more for the same key tiles, each K/V tile read by every head of its group. A row's operations do not depend on
+the other rows of its tile (:func:`_forward`), so the bits are the same; a few long sequences occupy more SMs."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
@@ -894,8 +899,6 @@ def _forward(
                 _PLANS.clear()
             _PLANS[plan_key] = launched
         return
-    hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
-    pos_per_tile = cfg["BLOCK_M"] // hp
     if paged:
         page_size = k.shape[1]
         stride_kt, stride_kh = k.stride(1), k.stride(2)
@@ -927,6 +930,8 @@ def _forward(
         gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, QUERY_ROWS), prefix)
         return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
+    hp = _heads_per_program(hq, hkv, cfg, override, par and decode, num_seqs * n_split, q.device)
+    pos_per_tile = cfg["BLOCK_M"] // hp
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     slots = num_seqs if direct else gluon_attention.tile_slots(tq, num_seqs, pos_per_tile)
     grid = (slots, hq // hp, n_split if par else 1)
@@ -991,6 +996,25 @@ def _forward(
         **pdl,
         **COMPILE_OPTIONS,
     )
+
+
+def _heads_per_program(hq: int, hkv: int, cfg: Mapping[str, int], override: Mapping[str, int], split_decode: bool,
+                       items: int, device: torch.device) -> int:  # fmt: skip
+    """Query heads in each program's tile: ``override["HP"]`` where given (a divisor of the GQA group that fits
+    ``BLOCK_M`` rows), else one for a split-parallel decode launch of ``items`` (sequence, split) pairs whose packed
+    grid would leave fewer than :data:`DECODE_ONE_HEAD_PROGRAMS_PER_SM` programs per SM, else as many of the group as
+    fit (:func:`rlexact.ops.shared_prefix.heads_per_tile`)."""
+    group = hq // hkv
+    if "HP" in override:
+        hp = override["HP"]
+        if not isinstance(hp, int) or hp < 1 or group % hp or hp > cfg["BLOCK_M"]:
+            raise ValueError(f"attention: HP {hp!r} must be a positive divisor of the GQA group {group} that fits "
+                             f"BLOCK_M {cfg['BLOCK_M']}")  # fmt: skip
+        return hp
+    hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
+    if split_decode and items * (hq // hp) < DECODE_ONE_HEAD_PROGRAMS_PER_SM * num_sms(device):
+        return 1
+    return hp
 
 
 def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, seqlens_k: torch.Tensor,
