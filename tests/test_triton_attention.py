@@ -49,6 +49,22 @@ class _LaunchRecorder:
     def __getitem__(self, grid: tuple):
         return lambda *args, **meta: self.calls.append((grid, meta))
 
+    def paged(self, hq: int, hkv: int, num_seqs: int, keys: int, queries: int = 1,
+              cfg: dict | None = None) -> tuple[tuple, dict]:  # fmt: skip
+        """``(grid, meta)`` of a bf16 paged launch (head_dim 128, 16-token pages) of ``num_seqs`` sequences of
+        ``keys`` keys and ``queries`` new queries each, with this recorder as the forward kernel."""
+        from rlexact.ops import triton_attention as ta
+
+        d, page = 128, 16
+        blocks = keys // page
+        kc = torch.zeros(num_seqs * blocks, page, hkv, d, dtype=torch.bfloat16)
+        tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
+        q = torch.zeros(num_seqs * queries, hq, d, dtype=torch.bfloat16)
+        cu = torch.arange(0, num_seqs * queries + 1, queries, dtype=torch.int32)
+        lens = torch.full((num_seqs,), keys, dtype=torch.int32)
+        ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), cfg=cfg, max_seqlen_q=queries)
+        return self.calls[-1]
+
 
 @pytest.mark.skipif(triton_missing, reason="needs triton")
 def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,19 +75,12 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fwd = _LaunchRecorder()
     monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
-    hq, hkv, d, page = 2, 1, 128, 16
-    split = ta._fwd_config(d, torch.bfloat16)["SPLIT"]
+    split = ta._fwd_config(128, torch.bfloat16)["SPLIT"]
 
     def stages(num_seqs: int, keys: int, queries: int = 1, cfg: dict | None = None) -> int:
-        blocks = keys // page
-        kc = torch.zeros(num_seqs * blocks, page, hkv, d, dtype=torch.bfloat16)
-        tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
-        q = torch.zeros(num_seqs * queries, hq, d, dtype=torch.bfloat16)
-        cu = torch.arange(0, num_seqs * queries + 1, queries, dtype=torch.int32)
-        lens = torch.full((num_seqs,), keys, dtype=torch.int32)
-        ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), cfg=cfg, max_seqlen_q=queries)
-        assert fwd.calls[-1][1]["enable_fp_fusion"] is True  # triton_shared.COMPILE_OPTIONS reaches the launch
-        return fwd.calls[-1][1]["num_stages"]
+        meta = fwd.paged(2, 1, num_seqs, keys, queries, cfg)[1]
+        assert meta["enable_fp_fusion"] is True  # triton_shared.COMPILE_OPTIONS reaches the launch
+        return meta["num_stages"]
 
     swept = ta.DECODE_LAUNCH_16BIT["num_stages"]
     assert ta.DECODE_DEEP_STAGES != swept, "the rule must change something for the checks below to mean anything"
@@ -93,19 +102,12 @@ def test_decode_one_head_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fwd = _LaunchRecorder()
     monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
-    hq, hkv, d, page = 4, 2, 128, 16
-    split = ta._fwd_config(d, torch.bfloat16)["SPLIT"]
+    hq, hkv = 4, 2
+    split = ta._fwd_config(128, torch.bfloat16)["SPLIT"]
     assert ta.DECODE_ONE_HEAD_PROGRAMS_PER_SM == 2, "the counts below assume two programs per SM"
 
     def launch(num_seqs: int, keys: int, queries: int = 1, cfg: dict | None = None) -> tuple[tuple, int]:
-        blocks = keys // page
-        kc = torch.zeros(num_seqs * blocks, page, hkv, d, dtype=torch.bfloat16)
-        tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
-        q = torch.zeros(num_seqs * queries, hq, d, dtype=torch.bfloat16)
-        cu = torch.arange(0, num_seqs * queries + 1, queries, dtype=torch.int32)
-        lens = torch.full((num_seqs,), keys, dtype=torch.int32)
-        ta._forward(q, kc, kc, cu, lens, tables, 1.0, torch.empty_like(q), cfg=cfg, max_seqlen_q=queries)
-        grid, meta = fwd.calls[-1]
+        grid, meta = fwd.paged(hq, hkv, num_seqs, keys, queries, cfg)
         return grid, meta["HP"]
 
     assert launch(1, 2 * split) == ((1, hq, 2), 1)  # 2 packed programs < 8: one head each
