@@ -3,9 +3,9 @@ query head per program (``HP = 1``), Qwen3-1.7B heads (16 query / 8 KV, head_dim
 
 For each batch and context: both launches timed as CUDA-graph replays in alternation (``common.interleaved``; the
 K/V caches exceed the L2 cache at every long shape, so the keys come from HBM), their outputs compared bitwise, and
-the ``HP`` the library picks (:data:`rlexact.ops.triton_attention.DECODE_ONE_HEAD_PROGRAMS_PER_SM`). Then, at one
-query head per program, decode of a sequence's last position against the training forward of the whole sequence
-(``torch.equal``), with a perturbed key as the negative control.
+the ``HP`` the library's launch takes (``library_hp``). Then, at one query head per program, decode of a sequence's
+last position against the training forward of the whole sequence (``torch.equal``), with a perturbed key as the
+negative control.
 
     python benchmarks/decode_heads.py [--out benchmarks/results/decode_heads_h200.json]
 """
@@ -100,11 +100,7 @@ def main() -> int:
     args = ap.parse_args()
     require_cuda("decode_heads.py")
     scale = D**-0.5
-    result: dict = header("decode_heads", "triton") | {
-        "one_head_programs_per_sm": ta.DECODE_ONE_HEAD_PROGRAMS_PER_SM,
-        "exactness": exactness(scale),
-        "cases": {},
-    }
+    result: dict = header("decode_heads", "triton") | {"exactness": exactness(scale), "cases": {}}
     print("[decode_heads]", json.dumps(result["exactness"]), flush=True)
     for b, ctx in CASES:
         row = timed_case(b, ctx, scale)

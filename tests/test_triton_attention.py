@@ -93,30 +93,25 @@ def test_decode_pipeline_stages_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(triton_missing, reason="needs triton")
-def test_decode_one_head_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A split-parallel decode launch whose packed grid would leave fewer than ``DECODE_ONE_HEAD_PROGRAMS_PER_SM``
-    programs per SM (the interpreter counts four SMs) runs one query head per program (``HP = 1``, a grid axis of every
-    query head); more sequences, one split and prefill chunks keep the GQA group packed; ``{"HP": n}`` overrides it, and
-    an ``HP`` that does not divide the group is refused."""
+def test_decode_heads_per_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch packs as many of a GQA group's query heads into a tile as fit (a grid axis of ``hq / group``
+    head groups), split-parallel decode of one sequence included; ``{"HP": n}`` overrides it, and an ``HP`` that does
+    not divide the group is refused."""
     from rlexact.ops import triton_attention as ta
 
     fwd = _LaunchRecorder()
     monkeypatch.setattr(ta, "_attn_fwd_kernel", fwd)
     hq, hkv = 4, 2
     split = ta._fwd_config(128, torch.bfloat16)["SPLIT"]
-    assert ta.DECODE_ONE_HEAD_PROGRAMS_PER_SM == 2, "the counts below assume two programs per SM"
 
     def launch(num_seqs: int, keys: int, queries: int = 1, cfg: dict | None = None) -> tuple[tuple, int]:
         grid, meta = fwd.paged(hq, hkv, num_seqs, keys, queries, cfg)
         return grid, meta["HP"]
 
-    assert launch(1, 2 * split) == ((1, hq, 2), 1)  # 2 packed programs < 8: one head each
-    assert launch(1, 3 * split) == ((1, hq, 3), 1)  # 6 packed programs
-    assert launch(2, 2 * split) == ((2, hq // 2, 2), 2)  # 8 packed programs: two per SM already
-    assert launch(1, split) == ((1, hq // 2, 1), 2)  # one split: no split-parallel pass
+    assert launch(1, 2 * split) == ((1, hq // 2, 2), 2)
+    assert launch(1, split) == ((1, hq // 2, 1), 2)
     assert launch(1, 2 * split, queries=8)[1] == 2  # a prefill chunk
-    assert launch(1, 2 * split, cfg={"HP": 2}) == ((1, hq // 2, 2), 2)
-    assert launch(4, 2 * split, cfg={"HP": 1}) == ((4, hq, 2), 1)
+    assert launch(1, 2 * split, cfg={"HP": 1}) == ((1, hq, 2), 1)
     with pytest.raises(ValueError, match="HP 3 must be a positive divisor of the GQA group 2"):
         launch(1, 2 * split, cfg={"HP": 3})
 

@@ -141,11 +141,6 @@ programs); single-split decode launches keep :data:`DECODE_LAUNCH_16BIT` (``benc
 at 0089106 ran them with five stages, and batch 64 got slower)."""
 DECODE_DEEP_MAX_PROGRAMS_PER_SM = 4
 """Largest number of split-parallel decode programs per SM (grid size / SMs) that gets :data:`DECODE_DEEP_STAGES`."""
-DECODE_ONE_HEAD_PROGRAMS_PER_SM = 2
-"""A split-parallel decode launch whose grid, with a GQA group's query heads packed into each program's tile, would
-have fewer programs than this many per SM runs one query head per program instead (``HP = 1``): twice the programs
-or more for the same key tiles, each K/V tile read by every head of its group. A row's operations do not depend on
-the other rows of its tile (:func:`_forward`), so the bits are the same; a few long sequences occupy more SMs."""
 PREFILL_LAUNCH_HEAD_DIMS = (128,)
 """Padded head dims (``_block_d``) at which :data:`PREFILL_LAUNCH_16BIT` and :data:`DECODE_LAUNCH_16BIT` apply: the
 ones the sweeps checked bitwise on the GPU. Other head dims run every launch with :func:`_fwd_config`'s query-side
@@ -864,7 +859,8 @@ def _forward(
     :mod:`rlexact.ops.gluon_decode` (a decode step within one KV split) would take it; ``{"PAIR": bool}`` picks the
     packed Gluon kernel, which :func:`rlexact.ops.gluon_attention_pair.chosen` picks otherwise (a gathered launch: the
     pair); ``{"PROGRAMS": n}`` caps the pair's programs (:func:`rlexact.ops.gluon_attention_pair.forward`);
-    ``{"GATHER": bool}`` decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise).
+    ``{"HP": n}`` sets the ``tl`` kernel's query heads per program (:func:`_heads_per_program`); ``{"GATHER": bool}``
+    decides what :func:`rlexact.ops.kv_gather.chosen` decides otherwise).
     ``max_seqlen_q``: an upper bound of every sequence's query count; when it fits one query tile, grid axis 0 has one
     program per sequence (``DIRECT``). A bound of 1 with as many queries as sequences means one query each, so ``cu_q``
     is ``arange`` and the kernel does not read it (``ONE_Q``). ``counters``: int32 zeros for the split-parallel tickets
@@ -930,7 +926,7 @@ def _forward(
         gluon_decode.forward(q, k, v, block_tables, seqlens_k, scale, out, heads_per_tile(hq, hkv, QUERY_ROWS), prefix)
         return
     par = paged and lse is None and n_split > 1 and tq * n_split * hq * (block_d + 2) * 4 <= _SPLIT_PAR_BYTES
-    hp = _heads_per_program(hq, hkv, cfg, override, par and decode, num_seqs * n_split, q.device)
+    hp = _heads_per_program(hq, hkv, cfg, override)
     pos_per_tile = cfg["BLOCK_M"] // hp
     direct = max_seqlen_q is not None and max_seqlen_q <= pos_per_tile
     slots = num_seqs if direct else gluon_attention.tile_slots(tq, num_seqs, pos_per_tile)
@@ -998,22 +994,19 @@ def _forward(
     )
 
 
-def _heads_per_program(hq: int, hkv: int, cfg: Mapping[str, int], override: Mapping[str, int], split_decode: bool,
-                       items: int, device: torch.device) -> int:  # fmt: skip
-    """Query heads in each program's tile: ``override["HP"]`` where given (a divisor of the GQA group that fits
-    ``BLOCK_M`` rows), else one for a split-parallel decode launch of ``items`` (sequence, split) pairs whose packed
-    grid would leave fewer than :data:`DECODE_ONE_HEAD_PROGRAMS_PER_SM` programs per SM, else as many of the group as
-    fit (:func:`rlexact.ops.shared_prefix.heads_per_tile`)."""
+def _heads_per_program(hq: int, hkv: int, cfg: Mapping[str, int], override: Mapping[str, int]) -> int:
+    """Query heads in each program's tile: as many of the GQA group as fit ``BLOCK_M`` rows
+    (:func:`rlexact.ops.shared_prefix.heads_per_tile`), or ``override["HP"]`` (a divisor of the group that fits; a
+    row's operations do not depend on its tile's other rows, so any such ``HP`` gives the same bits). One head per
+    program doubles a few long sequences' decode programs but reads each K/V tile once per head, and was slower
+    (``benchmarks/results/decode_heads_h100.json``)."""
     group = hq // hkv
-    if "HP" in override:
-        hp = override["HP"]
-        if not isinstance(hp, int) or hp < 1 or group % hp or hp > cfg["BLOCK_M"]:
-            raise ValueError(f"attention: HP {hp!r} must be a positive divisor of the GQA group {group} that fits "
-                             f"BLOCK_M {cfg['BLOCK_M']}")  # fmt: skip
-        return hp
-    hp = heads_per_tile(hq, hkv, cfg["BLOCK_M"])
-    if split_decode and items * (hq // hp) < DECODE_ONE_HEAD_PROGRAMS_PER_SM * num_sms(device):
-        return 1
+    if "HP" not in override:
+        return heads_per_tile(hq, hkv, cfg["BLOCK_M"])
+    hp = override["HP"]
+    if not isinstance(hp, int) or hp < 1 or group % hp or hp > cfg["BLOCK_M"]:
+        raise ValueError(f"attention: HP {hp!r} must be a positive divisor of the GQA group {group} that fits "
+                         f"BLOCK_M {cfg['BLOCK_M']}")  # fmt: skip
     return hp
 
 
