@@ -685,6 +685,42 @@ def test_gpu_gathered_paged_equals_tl(heads, gl_cfg, monkeypatch: pytest.MonkeyP
     assert torch.equal(out[others], ref[others])
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [QWEN3, (16, 4, 128)], ids=str)
+def test_gpu_heads_per_program_keep_bits(heads) -> None:
+    """The ``tl`` kernel's rows do not depend on how many of a GQA group's query heads share a program (``{"HP": n}``,
+    every divisor of the group): split-parallel decode over up to three KV splits and a paged prefill chunk, pages
+    shuffled, NaN past every sequence. Negative control: a perturbed key changes its sequence's rows."""
+    from rlexact.ops import triton_attention as ta
+
+    hq, hkv, d = heads
+    group, split = hq // hkv, ta.split_keys(d, torch.bfloat16)
+    lens = [1, 65, split + 1, 2 * split + 37, 3 * split]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kc, vc, tables = nan_paged_caches(lens, hkv, d, 16, g)
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    for queries in (1, 7):  # decode, then the last seven positions of each sequence as one chunk
+        nq = [min(queries, n) for n in lens]
+        q = torch.randn(sum(nq), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        cu = torch.tensor([0, *torch.tensor(nq).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+
+        def run(hp: int, k: torch.Tensor = kc, q=q, cu=cu, queries=queries) -> torch.Tensor:  # noqa: ANN001
+            out = torch.empty_like(q)
+            ta._forward(q, k, vc, cu, seqlens, tables, d**-0.5, out, cfg={"GLUON": False, "HP": hp},
+                        max_seqlen_q=queries)  # fmt: skip
+            return out
+
+        ref = run(group)
+        assert torch.isfinite(ref).all()
+        for hp in (n for n in range(1, group) if group % n == 0):
+            assert torch.equal(run(hp), ref), (queries, hp)
+        k2 = kc.clone()
+        k2[int(tables[3, 0]), 0] += 1.0  # sequence 3's first key
+        rows = slice(int(cu[3]), int(cu[4]))
+        assert not torch.equal(run(1, k=k2)[rows], ref[rows])
+
+
 def nan_paged_caches(
     lens: list[int], hkv: int, d: int, page: int, g: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
