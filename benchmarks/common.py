@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import traceback
@@ -159,6 +160,21 @@ def packed_attention_inputs(lens: list[int], hq: int, hkv: int, d: int) -> tuple
     qkv = torch.randn(sum(lens), hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     return qkv[:, :hq].contiguous(), qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], cu
+
+
+def paged_decode_inputs(b: int, ctx: int, hq: int, hkv: int, d: int, page: int = 16) -> tuple:
+    """``(q [b, hq, d], k_cache, v_cache [blocks, page, hkv, d], block tables [b, blocks], cu_q, seqlens_k)``: one
+    decode query per sequence over ``ctx`` keys each, seeded bf16 CUDA tensors, pages shuffled across sequences."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(b * 7 + ctx)
+    nblk = math.ceil(ctx / page)
+    kc, vc = (torch.randn(b * nblk, page, hkv, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    tables = torch.randperm(b * nblk, device="cuda", generator=g).to(torch.int32).view(b, nblk)
+    q = torch.randn(b, hq, d, device="cuda", generator=g).bfloat16()
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    return q, kc, vc, tables, cu, lens
 
 
 def sdpa_causal_us(q, k, v, b: int, s_len: int, scale: float) -> float:  # noqa: ANN001 - torch.Tensors

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, bench_graph, header, interleaved, require_cuda, swapped
+from common import ROOT, bench_graph, header, interleaved, paged_decode_inputs, require_cuda, swapped
 from rlexact.ops import triton_attention as ta
-from split_kv_sweep import HKV, HQ, D, decode_case
 
+HQ, HKV, D = 16, 8, 128
 CASES = ((1, 8192), (2, 8192), (4, 8192), (8, 8192), (16, 8192), (1, 32768), (4, 32768))
 
 
@@ -34,7 +34,7 @@ def paged_step(hp: int | None, qd, kc, vc, tables, cu, lens, scale: float):  # n
 
 
 def timed_case(b: int, ctx: int, scale: float) -> dict:
-    qd, kc, vc, tables, cu, lens = decode_case(b, ctx)
+    qd, kc, vc, tables, cu, lens = paged_decode_inputs(b, ctx, HQ, HKV, D)
     group = HQ // HKV
     packed = paged_step(group, qd, kc, vc, tables, cu, lens, scale)
     one = paged_step(1, qd, kc, vc, tables, cu, lens, scale)

@@ -13,31 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import ROOT, bench, bench_graph, header, interleaved, require_cuda
+from common import ROOT, bench, bench_graph, header, interleaved, paged_decode_inputs, require_cuda
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
 SPLITS = (512, 1024, 2048, 4096, 8192, 1 << 20)
 DECODE = ((1, 8192), (4, 8192), (32, 8192), (4, 32768), (256, 512), (64, 2048))
 PREFILL = ((64, 512), (8, 4096), (1, 8192), (4, 2048))
-
-
-def decode_case(b: int, ctx: int, page: int = 16):
-    g = torch.Generator(device="cuda").manual_seed(b * 7 + ctx)
-    nblk = math.ceil(ctx / page)
-    kc, vc = (torch.randn(b * nblk, page, HKV, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    tables = torch.randperm(b * nblk, device="cuda", generator=g).to(torch.int32).view(b, nblk)
-    q = torch.randn(b, HQ, D, device="cuda", generator=g).bfloat16()
-    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32)
-    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
-    return q, kc, vc, tables, cu, lens
 
 
 def graph_us(fn, reps: int = 200) -> float:
@@ -126,7 +114,7 @@ def main() -> int:
         row["equals_library_split"] = bool(torch.equal(full, full_library))
         print(f"[split_kv_sweep] split {split} exact {row['decode_equals_training']}", flush=True)
         for b, ctx in DECODE:
-            args_ = decode_case(b, ctx)
+            args_ = paged_decode_inputs(b, ctx, HQ, HKV, D)
             qd, kcd, vcd, tbl, cud, lens = args_
 
             def step(qd=qd, kcd=kcd, vcd=vcd, tbl=tbl, cud=cud, lens=lens):

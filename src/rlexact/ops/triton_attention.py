@@ -1000,10 +1000,9 @@ def _heads_per_program(hq: int, hkv: int, cfg: Mapping[str, int], override: Mapp
     row's operations do not depend on its tile's other rows, so any such ``HP`` gives the same bits). One head per
     program doubles a few long sequences' decode programs but reads each K/V tile once per head, and was slower
     (``benchmarks/results/decode_heads_h100.json``)."""
-    group = hq // hkv
     if "HP" not in override:
         return heads_per_tile(hq, hkv, cfg["BLOCK_M"])
-    hp = override["HP"]
+    hp, group = override["HP"], hq // hkv
     if not isinstance(hp, int) or hp < 1 or group % hp or hp > cfg["BLOCK_M"]:
         raise ValueError(f"attention: HP {hp!r} must be a positive divisor of the GQA group {group} that fits "
                          f"BLOCK_M {cfg['BLOCK_M']}")  # fmt: skip
