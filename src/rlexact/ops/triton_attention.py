@@ -998,8 +998,8 @@ def _heads_per_program(hq: int, hkv: int, cfg: Mapping[str, int], override: Mapp
     """Query heads in each program's tile: as many of the GQA group as fit ``BLOCK_M`` rows
     (:func:`rlexact.ops.shared_prefix.heads_per_tile`), or ``override["HP"]`` (a divisor of the group that fits; a
     row's operations do not depend on its tile's other rows, so any such ``HP`` gives the same bits). One head per
-    program doubles a few long sequences' decode programs but reads each K/V tile once per head, and was slower
-    (``benchmarks/results/decode_heads_h100.json``)."""
+    program doubles a few long sequences' decode programs but reads each K/V tile once per head, and was never
+    faster (``benchmarks/results/decode_heads_h100.json``)."""
     if "HP" not in override:
         return heads_per_tile(hq, hkv, cfg["BLOCK_M"])
     hp, group = override["HP"], hq // hkv
