@@ -42,15 +42,13 @@ HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
 LIBRARY = gluon_attention_pair.LIBRARY_BUILD
-FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16), L in this order (R >= 2, I >= 2, N 64 or 128)"
-LAZY_MAX = 8.0
-"""The lazy-maximum margin of an ``L`` variant (log2 units)."""
+FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16) in this order (R >= 2, I >= 2, N 64 or 128)"
 
 
 @functools.cache
 def parse(spec: str) -> gluon_attention_pair.Build:
     """``RxI[xN][S][F][T][Z][M][W][C[16]]`` -> the build; exits on a malformed spec."""
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?(L?)", spec)
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?", spec)
     if m is None:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
     minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
@@ -59,16 +57,9 @@ def parse(spec: str) -> gluon_attention_pair.Build:
         return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
                                           m[4] == "T", m[5] == "Z",
                                           m[6] == "M", m[7] == "W", m[8] == "C",
-                                          8 if m[8] == "C" and m[9] is None else 16,
-                                          LAZY_MAX if m[10] == "L" else 0.0)  # fmt: skip
+                                          8 if m[8] == "C" and m[9] is None else 16)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
-
-
-def same_bits(spec: str) -> bool:
-    """Whether ``spec`` keeps the library's bit contract (its key tile and its running maximum)."""
-    build = parse(spec)
-    return build.tile_n == gluon_attention.BLOCK_N and build.lazy_max == LIBRARY.lazy_max
 
 
 def name(build: gluon_attention_pair.Build) -> str:
@@ -78,8 +69,6 @@ def name(build: gluon_attention_pair.Build) -> str:
     flags = "".join(c for c, o in zip("SFTZMWC", on) if o)
     if build.column_sums and build.row_sum_n == 16:
         flags += "16"
-    if build.lazy_max > 0.0:
-        flags += "L"
     return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 
@@ -126,7 +115,7 @@ def check(specs: list[str], save: Callable[[dict], None]) -> dict:
                  "library_max_abs_err_vs_fp32": lib_err}  # fmt: skip
     for spec in specs:
         out = forward(q, k, v, cu, spec)[keep]
-        if same_bits(spec):
+        if parse(spec).tile_n == gluon_attention.BLOCK_N:
             row[f"{spec}_bitwise_equal_library"] = bool(torch.equal(out, lib[keep]))
         else:
             err = (out.float() - exact).abs().max().item()
@@ -144,7 +133,7 @@ def measure(b: int, s: int, specs: list[str]) -> dict:
     ta._forward(q, k, v, cu, None, None, D**-0.5, lib, cfg=PAIR)
     row: dict = {}
     for spec in specs:
-        if same_bits(spec):
+        if parse(spec).tile_n == gluon_attention.BLOCK_N:
             row[f"{spec}_bitwise_equal_library"] = bool(torch.equal(forward(q, k, v, cu, spec), lib))
         row[f"{spec}_ms"] = bench(lambda spec=spec: forward(q, k, v, cu, spec))
     return row

@@ -180,20 +180,16 @@ if gluon is not None:
         return gl.maximum(a, b)
 
     @gluon.jit
-    def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr, TREE: gl.constexpr = False, LAZY: gl.constexpr = 0.0):
+    def tile_softmax(s, m_s, qk_scale, dt: gl.constexpr, TREE: gl.constexpr = False):
         """One key tile's step of the running softmax (the ``tl`` kernel's operations): ``(m_new, alpha, p)`` with
         ``p = exp2(fma(s, scale, -m))`` in ``dt`` and ``alpha`` the rescale of the state so far. With ``TREE`` each
         row's maximum is taken as a tree of three halvings before the reduction instead of one chain (the maximum of
-        the same values, so the same bits). With ``LAZY`` > 0 a row keeps its running maximum until the tile's exceeds
-        it by more than ``LAZY`` (log2 units), so ``alpha`` is exactly 1 and ``p`` at most ``2 ** LAZY`` in between
-        (other bits than the ``tl`` kernel's)."""
+        the same values, so the same bits)."""
         if TREE:
             row_max = gl.convert_layout(gl.max(halve_max(halve_max(halve_max(s))), 1), m_s.type.layout)
         else:
             row_max = gl.max(s, 1)
         m_new = gl.maximum(m_s, row_max * qk_scale)
-        if LAZY > 0.0:
-            m_new = gl.where(m_new > m_s + LAZY, m_new, m_s)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         return m_new, gl.exp2(m_s - m_use), gl.exp2(gl.fma(s, qk_scale, -m_use[:, None])).to(dt)
 

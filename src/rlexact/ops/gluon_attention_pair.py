@@ -143,9 +143,6 @@ if ga.gluon is not None:
     PAIR_ZERO_START = gl.constexpr(False)
     """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
     ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
-    PAIR_LAZY = gl.constexpr(0.0)
-    """A bound specialization's lazy-maximum margin (:func:`kernel`; :func:`~rlexact.ops.gluon_attention.tile_softmax`'s
-    ``LAZY``); above zero, a key tile's rescale of the split's sum is skipped where every row's ``alpha`` is 1."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -292,7 +289,7 @@ if ga.gluon is not None:
             s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
-            m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX, PAIR_LAZY)
+            m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
                 if not PAIR_ZERO_START:
                     acc_s = rescaled(acc_s, alpha, row_o)
@@ -316,7 +313,7 @@ if ga.gluon is not None:
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
                 mbarrier.arrive(k_empty.index(nxt), count=1)
                 s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
-                m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX, PAIR_LAZY)
+                m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
@@ -325,11 +322,7 @@ if ga.gluon is not None:
                     else:
                         l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
                     alpha_sum = alpha
-                    if PAIR_LAZY > 0.0:  # rows with alpha 1 keep their bits unscaled
-                        if gl.max(gl.where(alpha != 1.0, 1, 0), 0) != 0:
-                            acc_s = rescaled(acc_s, alpha, row_o)
-                    else:
-                        acc_s = rescaled(acc_s, alpha, row_o)
+                    acc_s = rescaled(acc_s, alpha, row_o)
                     p_op = gl.convert_layout(p, pv_op)
                 else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
                     p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
@@ -516,7 +509,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    lazy_max: float = 0.0
 
     @property
     def warps(self) -> int:
@@ -561,7 +553,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(build.row_sum_n), PAIR_LAZY=gl.constexpr(build.lazy_max),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
