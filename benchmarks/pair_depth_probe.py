@@ -48,7 +48,7 @@ FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16) in this order (R 
 @functools.cache
 def parse(spec: str) -> gluon_attention_pair.Build:
     """``RxI[xN][S][F][T][Z][M][W][C[16]]`` -> the build; exits on a malformed spec."""
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?(R?)", spec)
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?", spec)
     if m is None:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
     minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
@@ -57,7 +57,7 @@ def parse(spec: str) -> gluon_attention_pair.Build:
         return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
                                           m[4] == "T", m[5] == "Z",
                                           m[6] == "M", m[7] == "W", m[8] == "C",
-                                          8 if m[8] == "C" and m[9] is None else 16, m[10] == "R")  # fmt: skip
+                                          8 if m[8] == "C" and m[9] is None else 16)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
 
@@ -69,8 +69,6 @@ def name(build: gluon_attention_pair.Build) -> str:
     flags = "".join(c for c, o in zip("SFTZMWC", on) if o)
     if build.column_sums and build.row_sum_n == 16:
         flags += "16"
-    if build.q_regs:
-        flags += "R"
     return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 

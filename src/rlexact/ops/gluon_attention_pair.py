@@ -143,9 +143,6 @@ if ga.gluon is not None:
     PAIR_ZERO_START = gl.constexpr(False)
     """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
     ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
-    PAIR_Q_REGS = gl.constexpr(False)
-    """Whether a bound specialization holds each query tile in registers as the score wgmmas' A operand instead of
-    reading it from shared memory at every key tile (:func:`kernel`)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -272,10 +269,6 @@ if ga.gluon is not None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
         q_smem = q_tile.reshape([BLOCK_M, D])
-        if PAIR_Q_REGS:
-            q_a = q_smem.load(gl.DotOperandLayout(0, s_layout, 2))
-        else:
-            q_a = q_smem
 
         n_full = (q_start + tile * P + 1) // BLOCK_N
         pos = q_start + tile * P + gl.arange(0, BLOCK_M, layout=row_s) // HP
@@ -293,7 +286,7 @@ if ga.gluon is not None:
             acc_s = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
             r0 = x0 + t0
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
-            s = warpgroup_mma(q_a, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
+            s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
             m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
@@ -310,15 +303,12 @@ if ga.gluon is not None:
                 r = x0 + j
                 nxt = (r + 1) % SLOTS
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-                s_tok = warpgroup_mma(q_a, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
                 if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
                     r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-                    if PAIR_Q_REGS:  # the query registers stay read by the next score wgmma
-                        s, acc_s, r_tok, p_op, q_a = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op, q_a))
-                    else:
-                        s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
+                    s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
                 else:  # the scores; P @ V may run
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
                 mbarrier.arrive(k_empty.index(nxt), count=1)
@@ -519,7 +509,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    q_regs: bool = False
 
     @property
     def warps(self) -> int:
@@ -564,7 +553,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(build.row_sum_n), PAIR_Q_REGS=gl.constexpr(build.q_regs),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
