@@ -149,8 +149,11 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=variants)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pair_depth_probe_h200.json"))
     args = ap.parse_args()
-    for spec in args.variants:
-        parse(spec)
+    builds = [name(parse(spec)) for spec in args.variants]
+    repeated = sorted({b for b in builds if builds.count(b) > 1})
+    if repeated:  # results are keyed by spec: a build given twice would overwrite its own row
+        raise SystemExit(f"pair_depth_probe: {', '.join(repeated)} given more than once in --variants; give each "
+                         "build once (run the script again to repeat a measurement)")  # fmt: skip
     require_cuda("pair_depth_probe.py")
     q, k, v, cu = packed_attention_inputs([64], HQ, HKV, D)
     if not (gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) and gluon_attention_pair.takes(q)):

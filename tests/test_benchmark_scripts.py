@@ -134,6 +134,19 @@ def test_gpu_script_stops_without_cuda(name: str) -> None:
     assert "wrote" not in proc.stdout
 
 
+def test_pair_depth_probe_refuses_a_build_given_twice() -> None:
+    """Two specs of one build (the key tile written out or left to the default) would share a result row, so the
+    probe refuses them before it looks for a GPU, naming the build; distinct builds pass that check (and, here, stop
+    at the CUDA check instead)."""
+    proc = _script("pair_depth_probe.py", "--variants", "3x3SFTZMC", "3x3x64SFTZMC", timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "3x3x64SFTZMC given more than once" in proc.stderr
+    if not torch.cuda.is_available():
+        distinct = _script("pair_depth_probe.py", "--variants", "3x3SFTZMC", "3x3S", timeout=120)
+        assert distinct.returncode == 1
+        assert "needs a CUDA GPU" in distinct.stderr and "more than once" not in distinct.stderr
+
+
 def test_run_cases_writes_nothing_when_every_case_fails(tmp_path: Path) -> None:
     """``common.run_cases`` never writes a result whose every case failed: it raises and leaves ``out`` as it was. One
     case that succeeds is written with the failures beside it, and fails the exit code; all succeeding gives 0."""
