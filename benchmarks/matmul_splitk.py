@@ -20,7 +20,12 @@ Qwen3-1.7B ``down`` projection (N = 2,048, K = 6,144; the only K-heavy shape of 
 * ``unsplit`` (not in the default parts): for M from 1 to 256, tiles of one chain over all of K (``KS = 0``), each
   checked bitwise against the same rows inside a 4,096-row call of the unsplit large-M tile and timed with the weights
   from HBM, next to the library and ``torch.mm`` (and whether each gives the unsplit chain's bits): the sweep behind
-  the library's decode tiles for K-heavy shapes without splits (``triton_matmul.split_keys``).
+  the library's decode tiles for K-heavy shapes without splits (``triton_matmul.split_keys``);
+* ``bytes`` (not in the default parts): at M = 1, 4, 16, 64, shapes of the down projection's weight size whose K
+  chains are 1 to 6 times shorter (N x K = 2,048 x 6,144 ... 12,288 x 1,024), each through the tile the library
+  configures for it (its own kernel, not cuBLAS) and ``torch.mm``, with the weights from HBM, beside a plain read of
+  the same weights (``w.sum(dtype=float32)``): whether a decode-sized product's time follows its chain length or its
+  bytes.
 
 The ``sweep``, ``large`` and ``library`` parts predate that rule: they ran while the down projection split K on the
 H200 (``matmul_splitk_h200.json``); ``library`` compares whatever the library runs now.
@@ -194,6 +199,28 @@ def unsplit_small(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Ten
     return rows
 
 
+BYTES_SHAPES = ((2048, 6144), (4096, 3072), (8192, 1536), (12288, 1024))
+"""``(N, K)`` of one weight size (the down projection's), the K chain 1 to 6 times shorter."""
+
+
+def equal_bytes(w: torch.Tensor, wcopies: list[torch.Tensor], x_all: torch.Tensor) -> list[dict]:
+    rows = []
+    for n, k in BYTES_SHAPES:
+        ws = [c.view(n, k) for c in wcopies]  # the same storage: every shape reads the same bytes from HBM
+        read_us = timed(lambda w: w.sum(dtype=torch.float32), ws)
+        for m in (1, 4, 16, 64):
+            x = x_all.view(-1)[: m * k].view(m, k).contiguous()
+            cfg = config_for(m, n, k, torch.bfloat16, w.device)
+            row = {"N": n, "K": k, "M": m, "chain_k16_steps": k // 16, "config": repr(cfg), "read_us": read_us,
+                   "library_kernel_us": timed(lambda w, x=x, c=cfg: matmul_with_config(x, w, c), ws),
+                   "torch_mm_us": timed(lambda w, x=x: torch.mm(x, w.T), ws)}  # fmt: skip
+            row["weight_tb_per_s"] = n * k * 2 / row["library_kernel_us"] / 1e6
+            print(f"[matmul_splitk] bytes N={n} K={k} M={m}: library kernel {row['library_kernel_us']:.1f} us, "
+                  f"torch.mm {row['torch_mm_us']:.1f}, read {read_us:.1f} ({cfg})", flush=True)  # fmt: skip
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_splitk_h200.json"))
@@ -212,7 +239,13 @@ def main() -> int:
         "that together exceed four times L2, so the weights come from HBM",
         "errors": {},
     }
-    for part, fn in (("sweep", sweep), ("large", large), ("library", library), ("unsplit", unsplit_small)):
+    for part, fn in (
+        ("sweep", sweep),
+        ("large", large),
+        ("library", library),
+        ("unsplit", unsplit_small),
+        ("bytes", equal_bytes),
+    ):
         if part not in args.parts:
             continue
         try:
