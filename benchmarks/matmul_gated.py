@@ -7,10 +7,12 @@ Shape: the Qwen3-1.7B gated MLP (intermediate 6,144, hidden 2,048, bf16). For ea
 (1) checked bitwise against ``silu_mul(matmul(x, w_gate), matmul(x, w_up))`` (the trainer's ops; a candidate that
 changes any bit is marked ``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay over weight
 copies that together exceed the L2 cache (the weights come from HBM, as in a decode step). Next to it, in the same
-run: the unfused path (one matmul on the concatenated weights, then ``silu_mul``) and torch (``torch.mm`` and
+run: the library's own gated path (``gate_up_silu``, the Gluon kernel where it runs), the unfused path (one matmul on
+the concatenated weights, then ``silu_mul``; that matmul and ``torch.mm`` also alone) and torch (``torch.mm`` and
 ``F.silu(g) * u``). TMA candidates run the gate and up tiles as two dots or, ``joint``, as one ``[2, BN, BK]``
 block and one dot of twice the width. The JSON records every candidate, the fastest bitwise-equal one per M, and
-the library's choice.
+the library's choice. ``--current-only`` times the library's choice alone beside the other paths (the unfused path's
+``matmul`` runs ``torch.mm`` where cuBLAS was verified to give its bits, at most ``CUBLAS_MAX_M`` rows).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def candidates(m: int) -> list[MatmulConfig]:
     return out
 
 
-def sweep(ms: list[int]) -> list[dict]:
+def sweep(ms: list[int], current_only: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     dt = torch.bfloat16
     w = (torch.randn(2 * INTER, HIDDEN, device=dev) * HIDDEN**-0.5).to(dt)
@@ -77,10 +79,13 @@ def sweep(ms: list[int]) -> list[dict]:
             "M": m,
             "unfused_graph_ms": t_unfused,
             "torch_graph_ms": t_torch,
+            "library_graph_ms": graph_ms_over(lambda w, x=x: ops.gate_up_silu(x, w), ws),
+            "fused_matmul_graph_ms": graph_ms_over(lambda w, x=x: ops.matmul(x, w), ws),
+            "torch_mm_graph_ms": graph_ms_over(lambda w, x=x: torch.mm(x, w.T), ws),
             "current": repr(current),
             "candidates": [],
         }
-        for cfg in candidates(m) + [current]:
+        for cfg in ([] if current_only else candidates(m)) + [current]:
             c = try_candidate(cfg, lambda w, x=x, cfg=cfg: matmul_with_config(x, w, cfg, gated=True), ref, ws)
             if "graph_ms" in c:
                 c["speedup_vs_unfused"] = t_unfused / c["graph_ms"]
@@ -88,7 +93,11 @@ def sweep(ms: list[int]) -> list[dict]:
             entry["candidates"].append(c)
         pick_best(entry)
         entry["library_gated_bitwise"] = bool(torch.equal(ops.gate_up_silu(x, w), ref))
-        line = f"unfused {t_unfused * 1e3:.1f} us, torch {t_torch * 1e3:.1f} us, {best_summary(entry)}"
+        line = (
+            f"library {entry['library_graph_ms'] * 1e3:.1f} us, unfused {t_unfused * 1e3:.1f} us (its matmul "
+            f"{entry['fused_matmul_graph_ms'] * 1e3:.1f}, torch.mm {entry['torch_mm_graph_ms'] * 1e3:.1f}), torch "
+            f"{t_torch * 1e3:.1f} us, {best_summary(entry)}"
+        )
         print(f"[matmul_gated] M={m}: {line}", flush=True)
         rows.append(entry)
     return rows
@@ -98,6 +107,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "matmul_gated_h200.json"))
     ap.add_argument("--ms", type=int, nargs="+", default=MS, help="row counts M to sweep")
+    ap.add_argument(
+        "--current-only",
+        action="store_true",
+        help="time only the library's configuration beside the unfused and torch paths (no sweep)",
+    )
     args = ap.parse_args()
     require_cuda("matmul_gated.py")
     timing = (
@@ -110,7 +124,7 @@ def main() -> int:
         "rows": [],
         "errors": {},
     }
-    result["rows"] = sweep(args.ms)  # the only case: a failure raises, leaving --out as it was
+    result["rows"] = sweep(args.ms, args.current_only)  # the only case: a failure raises, leaving --out as it was
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
