@@ -7,12 +7,13 @@ Shape: the Qwen3-1.7B gated MLP (intermediate 6,144, hidden 2,048, bf16). For ea
 (1) checked bitwise against ``silu_mul(matmul(x, w_gate), matmul(x, w_up))`` (the trainer's ops; a candidate that
 changes any bit is marked ``bitwise: false`` and may not be used) and (2) timed as a CUDA-graph replay over weight
 copies that together exceed the L2 cache (the weights come from HBM, as in a decode step). Next to it, in the same
-run: the library's own gated path (``gate_up_silu``, the Gluon kernel where it runs), the unfused path (one matmul on
-the concatenated weights, then ``silu_mul``; that matmul and ``torch.mm`` also alone) and torch (``torch.mm`` and
-``F.silu(g) * u``). TMA candidates run the gate and up tiles as two dots or, ``joint``, as one ``[2, BN, BK]``
-block and one dot of twice the width. The JSON records every candidate, the fastest bitwise-equal one per M, and
-the library's choice. ``--current-only`` times the library's choice alone beside the other paths (the unfused path's
-``matmul`` runs ``torch.mm`` where cuBLAS was verified to give its bits, at most ``CUBLAS_MAX_M`` rows).
+run: the library's own gated path (``gate_up_silu``) and its one-launch kernel alone (Gluon where it runs), the
+unfused path (one matmul on the concatenated weights, then ``silu_mul``; that matmul and ``torch.mm`` also alone)
+and torch (``torch.mm`` and ``F.silu(g) * u``). TMA candidates run the gate and up tiles as two dots or, ``joint``,
+as one ``[2, BN, BK]`` block and one dot of twice the width. The JSON records every candidate, the fastest
+bitwise-equal one per M, and the library's choice. ``--current-only`` times the library's choice alone beside the
+other paths (the unfused path's ``matmul`` runs ``torch.mm`` where cuBLAS was verified to give its bits, at most
+``CUBLAS_MAX_M`` rows).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from common import (
     weight_copies,
 )
 from rlexact import ops
-from rlexact.ops.triton_matmul import MatmulConfig, gated_config_for, matmul_with_config
+from rlexact.ops import gluon_matmul
+from rlexact.ops.triton_matmul import MatmulConfig, gated_config_for, gluon_gated_config, matmul_with_config
 
 MS = [1, 16, 64, 128, 256, 2048, 8192]
 INTER, HIDDEN = 6144, 2048
@@ -62,6 +64,18 @@ def candidates(m: int) -> list[MatmulConfig]:
     return out
 
 
+def fused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The one-launch gated kernel ``gated_matmul`` runs at ``x``'s row count outside ``GATED_CUBLAS_ROWS``: the Gluon
+    kernel where ``gluon_gated_config`` names one, else the ``tl`` tiles of ``gated_config_for``."""
+    m = x.shape[0]
+    cfg = gluon_gated_config(m, INTER, HIDDEN, x.dtype, x.device)
+    if cfg is None:
+        return matmul_with_config(x, w, gated_config_for(m, INTER, HIDDEN, x.dtype, x.device), gated=True)
+    out = torch.empty(m, INTER, dtype=x.dtype, device=x.device)
+    gluon_matmul.forward(x, w, out, cfg, gated=True)
+    return out
+
+
 def sweep(ms: list[int], current_only: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -80,6 +94,7 @@ def sweep(ms: list[int], current_only: bool = False) -> list[dict]:
             "unfused_graph_ms": t_unfused,
             "torch_graph_ms": t_torch,
             "library_graph_ms": graph_ms_over(lambda w, x=x: ops.gate_up_silu(x, w), ws),
+            "fused_graph_ms": graph_ms_over(lambda w, x=x: fused(x, w), ws),
             "fused_matmul_graph_ms": graph_ms_over(lambda w, x=x: ops.matmul(x, w), ws),
             "torch_mm_graph_ms": graph_ms_over(lambda w, x=x: torch.mm(x, w.T), ws),
             "current": repr(current),
@@ -94,7 +109,8 @@ def sweep(ms: list[int], current_only: bool = False) -> list[dict]:
         pick_best(entry)
         entry["library_gated_bitwise"] = bool(torch.equal(ops.gate_up_silu(x, w), ref))
         line = (
-            f"library {entry['library_graph_ms'] * 1e3:.1f} us, unfused {t_unfused * 1e3:.1f} us (its matmul "
+            f"library {entry['library_graph_ms'] * 1e3:.1f} us (fused kernel {entry['fused_graph_ms'] * 1e3:.1f}), "
+            f"unfused {t_unfused * 1e3:.1f} us (its matmul "
             f"{entry['fused_matmul_graph_ms'] * 1e3:.1f}, torch.mm {entry['torch_mm_graph_ms'] * 1e3:.1f}), torch "
             f"{t_torch * 1e3:.1f} us, {best_summary(entry)}"
         )

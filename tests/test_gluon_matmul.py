@@ -102,6 +102,7 @@ def test_gpu_gated_matmul_dispatches_gluon(monkeypatch: pytest.MonkeyPatch) -> N
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     calls: list = []
     real = gluon_matmul.forward
+    monkeypatch.setattr(tmm, "GATED_CUBLAS_ROWS", (1, 0))  # the fused kernels at every M
     monkeypatch.setattr(gluon_matmul, "forward", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     for m in (1, 64, 65, 128, 200, 256, 2048):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -117,7 +118,7 @@ def test_gpu_gated_matmul_dispatches_gluon(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_gluon_gated_matmul_misaligned_rows() -> None:
+def test_gpu_gluon_gated_matmul_misaligned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows that start off a 16-byte boundary (a contiguous view into a larger buffer) go through the Gluon kernel
     like aligned ones: the same bits as their aligned copy (a TMA descriptor cannot start there, so it copies)."""
     from rlexact.ops import gluon_matmul
@@ -128,6 +129,7 @@ def test_gpu_gluon_gated_matmul_misaligned_rows() -> None:
     w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
     if not gluon_matmul.supported(w.device):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setattr(tmm, "GATED_CUBLAS_ROWS", (1, 0))  # the fused kernels at every M
     buf = torch.randn(m * k + 1, device="cuda", generator=g).to(torch.bfloat16)
     x = buf[1:].view(m, k)
     assert x.data_ptr() % 16 and tmm.gluon_gated_config(m, n, k, x.dtype, x.device) is not None

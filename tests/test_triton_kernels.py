@@ -220,6 +220,48 @@ def test_gpu_gated_matmul_equals_products_and_gate(nk: tuple[int, int], gate: st
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["silu_mul", "gelu_tanh_mul"])
+def test_gpu_gated_matmul_cublas_route(monkeypatch: pytest.MonkeyPatch, gate: str) -> None:
+    """At the row counts of ``GATED_CUBLAS_ROWS`` ``gated_matmul`` runs ``torch.mm`` over the ``2N`` weight rows and
+    the gate's kernel where cuBLAS was verified for that product, with the fused kernel's bits (the Qwen3-1.7B MLP);
+    where the check fails (here forced) it runs the fused kernel. Negative control: the same route with the K chain
+    reversed changes bits."""
+    from rlexact.ops import cublas_verify, triton_norm
+
+    tm = _tm()
+    n, k = 6144, 2048
+    gelu = gate == "gelu_tanh_mul"
+    first, last = tm.GATED_CUBLAS_ROWS
+    if first > last:
+        pytest.skip("the cuBLAS route is off (GATED_CUBLAS_ROWS is empty)")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = (torch.randn(2 * n, k, device=_dev(), generator=g) * k**-0.5).bfloat16()
+    routed: list = []
+    real = tm._gated_through_cublas
+    monkeypatch.setattr(tm, "_gated_through_cublas", lambda *a: routed.append(r := real(*a)) or r)
+    for m in sorted({first, (first + last) // 2, last}):
+        x = torch.randn(m, k, device=_dev(), generator=g).bfloat16()
+        out = tm.gated_matmul(x, w, gelu=gelu)
+        assert routed and routed.pop() is not None, f"M={m}: cuBLAS was not verified for [{m}, {k}] @ [{2 * n}, {k}].T"
+        with monkeypatch.context() as mp:
+            mp.setattr(tm, "GATED_CUBLAS_ROWS", (1, 0))
+            fused = tm.gated_matmul(x, w, gelu=gelu)
+        assert torch.equal(out, fused), f"M={m}: the cuBLAS route changed bits"
+        gate_op = getattr(triton_norm, gate)
+        reversed_k = torch.mm(x.flip(1), w.flip(1).t())
+        assert not torch.equal(out, gate_op(*reversed_k.split(n, dim=1))), "negative control: reversed K chain"
+    monkeypatch.setattr(cublas_verify, "same_bits", lambda *a, **kw: False)
+    m = last - 1
+    x = torch.randn(m, k, device=_dev(), generator=g).bfloat16()
+    out = tm.gated_matmul(x, w, gelu=gelu)
+    assert routed.pop() is None, "the route ran although the check failed"
+    with monkeypatch.context() as mp:
+        mp.setattr(tm, "GATED_CUBLAS_ROWS", (1, 0))
+        assert torch.equal(out, tm.gated_matmul(x, w, gelu=gelu))
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_matmul_negative_control() -> None:
     """cuBLAS bf16 (torch.mm) is not batch-invariant: some row differs between M=1 and a larger M."""
     g = torch.Generator(device="cuda").manual_seed(4)

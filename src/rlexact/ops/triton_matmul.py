@@ -111,6 +111,7 @@ import triton.language as tl
 
 from . import cublas_verify, gluon_matmul
 from .backend import interpreter_enabled
+from .triton_norm import gelu_tanh_mul, silu_mul
 from .triton_pdl import pdl_entry, pdl_options
 from .triton_shared import (
     COMPILE_OPTIONS,
@@ -887,12 +888,42 @@ def gated_matmul(x: torch.Tensor, w: torch.Tensor, gelu: bool = False) -> torch.
             _LAUNCHES.clear()
         gluon_cfg = gluon_gated_config(M, N, K, x.dtype, x.device)
         plan = _LAUNCHES[key] = gluon_cfg or _plan(M, N, K, x.dtype, x.device, cfg, gated=True, gelu=gelu)
+    if GATED_CUBLAS_ROWS[0] <= M <= GATED_CUBLAS_ROWS[1]:
+        y = _gated_through_cublas(x.view(M, K), w, gelu)
+        if y is not None:
+            return y.view(*shape[:-1], N)
     out = torch.empty((*shape[:-1], N), dtype=x.dtype, device=x.device)
     if isinstance(plan, gluon_matmul.GluonMatmulConfig):
         gluon_matmul.forward(x.view(M, K), w, out.view(M, N), plan, gated=True, gelu=gelu)
     else:
         _launch(plan, x, w, out)
     return out
+
+
+GATED_CUBLAS_ROWS: tuple[int, int] = (257, 512)
+"""``(first, last)`` row counts at which :func:`gated_matmul` runs ``torch.mm`` over all ``2N`` weight rows and then
+the gate's kernel on the two halves, where cuBLAS was verified to give the exact bits of that product (the fused
+kernel elsewhere, and where it is not verified), with the same bits. Up to 256 rows the one launch is as fast or
+faster; above, cuBLAS's product plus the gate's pass is faster (``benchmarks/results/matmul_gated_current_h100.json``,
+the Qwen3-1.7B MLP)."""
+
+
+def _gated_through_cublas(x: torch.Tensor, w: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+    """``silu_mul`` (``gelu``: ``gelu_tanh_mul``) of the two halves of ``torch.mm(x, w.T)`` for ``x [M, K]``,
+    ``w [2N, K]``, where cuBLAS was verified to give :func:`matmul`'s bits for that product; ``None`` elsewhere (not
+    eligible, not verified, or operands aligned unlike the probes). The bits are :func:`gated_matmul`'s: its callers
+    ensure one chain over all of K for ``N`` columns, the verified product has one for ``2N`` (:func:`cublas_eligible`),
+    and a column's chain does not depend on its neighbours."""
+    (M, K), N2 = x.shape, w.shape[0]
+    plan = _matmul_plan(M, N2, K, x)
+    if plan.cublas is None or not _cublas_verified(plan, w):
+        return None
+    y = torch.empty(M, N2, dtype=x.dtype, device=x.device)
+    if not cublas_verify.aligned_like_probe(x, w, y):
+        return None
+    torch.mm(x, w.t(), out=y)
+    gate, up = y.split(N2 // 2, dim=1)
+    return gelu_tanh_mul(gate, up) if gelu else silu_mul(gate, up)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -926,22 +957,32 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     else:
         M = math.prod(shape[:-1])
         out_shape = (*shape[:-1], N)
-    key = (M, N, K, dtype, dev)
-    plan = _LAUNCHES.get(key)
+    plan = _LAUNCHES.get((M, N, K, dtype, dev))
     if plan is None:
         if not (M and N and K):
             return torch.zeros(out_shape, dtype=dtype, device=x.device)
-        if len(_LAUNCHES) >= MAX_LAUNCHES:
-            _LAUNCHES.clear()
-        plan = _LAUNCHES[key] = _plan(M, N, K, dtype, x.device, config_for(M, N, K, dtype, x.device))
-        if cublas_eligible(M, dtype, x.device, plan.cfg):
-            plan.cublas = {}
+        plan = _matmul_plan(M, N, K, x)
     out = torch.empty(out_shape, dtype=dtype, device=x.device)
     if plan.cublas is not None and _cublas_verified(plan, w) and cublas_verify.aligned_like_probe(x, w, out):
         torch.mm(x.view(M, K), w.t(), out=out.view(M, N))
     else:
         _launch(plan, x, w, out)
     return out
+
+
+def _matmul_plan(M: int, N: int, K: int, x: torch.Tensor) -> _Launch:
+    """The cached plan of :func:`matmul` for a non-empty ``[M, K] @ [N, K].T`` product of ``x``'s dtype on its device
+    (made on first use)."""
+    dtype, device = x.dtype, x.device
+    key = (M, N, K, dtype, x.get_device())
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        if len(_LAUNCHES) >= MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        plan = _LAUNCHES[key] = _plan(M, N, K, dtype, device, config_for(M, N, K, dtype, device))
+        if cublas_eligible(M, dtype, device, plan.cfg):
+            plan.cublas = {}
+    return plan
 
 
 USE_CUBLAS = os.environ.get("RLEXACT_MATMUL_CUBLAS", "1") != "0"
