@@ -904,8 +904,8 @@ GATED_CUBLAS_ROWS: tuple[int, int] = (257, 512)
 """``(first, last)`` row counts at which :func:`gated_matmul` runs ``torch.mm`` over all ``2N`` weight rows and then
 the gate's kernel on the two halves, where cuBLAS was verified to give the exact bits of that product (the fused
 kernel elsewhere, and where it is not verified), with the same bits. Up to 256 rows the one launch is as fast or
-faster; above, cuBLAS's product plus the gate's pass is faster (``benchmarks/results/matmul_gated_current_h100.json``,
-the Qwen3-1.7B MLP)."""
+faster; above, cuBLAS's product plus the gate's pass is faster (the Qwen3-1.7B MLP on an H100:
+``benchmarks/results/matmul_gated_current_h100.json``, ``benchmarks/results/matmul_gated_route_h100.json``)."""
 
 
 def _gated_through_cublas(x: torch.Tensor, w: torch.Tensor, gelu: bool) -> torch.Tensor | None:
