@@ -103,8 +103,9 @@ def matmul_k_splits(n: int, k: int, dtype: torch.dtype, device: torch.device) ->
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``silu_mul(linear(x, w[:N]), linear(x, w[N:]))`` for ``w [2N, K]`` (gate rows, then up rows), bitwise, any
     leading shape. Without autograd, on GPUs where :func:`rlexact.ops.triton_matmul.gated_supported` holds, one
-    launch computes both products and the gate (no ``[..., 2N]`` intermediate); elsewhere it runs the two products
-    and :func:`silu_mul`."""
+    launch computes both products and the gate (no ``[..., 2N]`` intermediate; at the row counts of
+    :data:`rlexact.ops.triton_matmul.GATED_CUBLAS_ROWS` cuBLAS's verified product and the gate's kernel); elsewhere
+    it runs the two products and :func:`silu_mul`."""
     return _gate_up(x, w, "silu_mul", backend)
 
 
