@@ -70,7 +70,7 @@ import torch
 import rlexact
 from common import ROOT, header, require_cuda
 from rlexact.models.truncation import LOGPROB_MODES
-from rlexact.ops import kv_gather
+from rlexact.ops import kv_gather, triton_matmul
 from rlexact.rollout import Generator, GeneratorConfig, SamplingParams
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
@@ -566,6 +566,11 @@ def main() -> int:
     ap.add_argument(
         "--shared-prefix", type=int, default=0, help="GRPO load: the first N prompt tokens are the same in every prompt"
     )
+    ap.add_argument(
+        "--gated-cublas-rows", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+        help="row counts at which gated_matmul takes its cuBLAS route (default: the library's GATED_CUBLAS_ROWS; "
+        "1 0: never), for a side-by-side of the route",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/rollout_h200.json)")
     ap.add_argument("--name", default=None, help="output benchmarks/results/NAME.json (when --out is not given)")
     args = ap.parse_args()
@@ -585,6 +590,8 @@ def main() -> int:
     default = "rollout_tiny" if args.tiny else ("rollout_grpo_h200" if args.grpo else "rollout_h200")
     out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{args.name or default}.json"
 
+    if args.gated_cublas_rows is not None:
+        triton_matmul.GATED_CUBLAS_ROWS = tuple(args.gated_cublas_rows)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     result: dict = header("rollout_throughput", "triton", "transformers") | {
@@ -602,6 +609,7 @@ def main() -> int:
             "profile_new_tokens": args.profile,
             "profile_start": args.profile_start,
             "compare_gather": args.compare_gather,
+            "gated_cublas_rows": list(triton_matmul.GATED_CUBLAS_ROWS),
         },
         "results": {},
         "errors": {},
