@@ -580,6 +580,8 @@ def main() -> int:
         ap.error(f"--profile-start must be at least 1, got {args.profile_start}")
     if args.hf_calls < 1:
         ap.error(f"--hf-calls must be at least 1, got {args.hf_calls}")
+    if args.gated_cublas_rows is not None and min(args.gated_cublas_rows) < 0:
+        ap.error(f"--gated-cublas-rows takes row counts >= 0 (1 0 for never), got {args.gated_cublas_rows}")
     if args.tiny and args.arch != "qwen3":
         ap.error("--tiny builds a tiny Qwen3; leave --arch at qwen3 with it")
     if not args.tiny:

@@ -176,11 +176,12 @@ def test_run_cases_writes_nothing_when_every_case_fails(tmp_path: Path) -> None:
 def test_rollout_throughput_tiny(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
     _run("rollout_throughput.py", "--tiny", "--engines", "exact", "native", "hf_generate", "--batches", "4",
-         "--profile", "2", "--top-k", "20", "--top-p", "0.9", "--logprobs", "sampled", "--hf-calls", "3", "--out",
-         str(out))  # fmt: skip
+         "--profile", "2", "--top-k", "20", "--top-p", "0.9", "--logprobs", "sampled", "--hf-calls", "3",
+         "--gated-cublas-rows", "1", "0", "--out", str(out))  # fmt: skip
     res = json.loads(out.read_text())
     assert res["errors"] == {}
     assert "logprobs sampled" in res["setup"]["sampling"]
+    assert res["setup"]["gated_cublas_rows"] == [1, 0]
     row = res["results"]["4"]
     exact = row["exact"]
     assert exact["tokens"] == 4 * res["setup"]["new_tokens"]
