@@ -916,8 +916,8 @@ def _gated_through_cublas(x: torch.Tensor, w: torch.Tensor, gelu: bool) -> torch
     ensure one chain over all of K for ``N`` columns, the verified product has one for ``2N`` (:func:`cublas_eligible`),
     and a column's chain does not depend on its neighbours."""
     (M, K), N2 = x.shape, w.shape[0]
-    y = torch.empty(M, N2, dtype=x.dtype, device=x.device)
-    if not _mm_where_verified(_matmul_plan(M, N2, K, x), x, w, y):
+    y = _mm_where_verified(_matmul_plan(M, N2, K, x), x, w)
+    if y is None:
         return None
     gate, up = y.split(N2 // 2, dim=1)
     return gelu_tanh_mul(gate, up) if gelu else silu_mul(gate, up)
@@ -960,18 +960,26 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch.zeros(out_shape, dtype=dtype, device=x.device)
         plan = _matmul_plan(M, N, K, x)
     out = torch.empty(out_shape, dtype=dtype, device=x.device)
-    if not _mm_where_verified(plan, x, w, out):
+    if _mm_where_verified(plan, x, w, out) is None:
         _launch(plan, x, w, out)
     return out
 
 
-def _mm_where_verified(plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-    """``torch.mm`` of contiguous ``x [..., K]`` and ``w [N, K]`` into ``out [..., N]`` where cuBLAS was verified to
-    give ``plan``'s bits and the operands are aligned like the probes; ``False`` (nothing run) elsewhere."""
-    if plan.cublas is None or not _cublas_verified(plan, w) or not cublas_verify.aligned_like_probe(x, w, out):
-        return False
-    torch.mm(x.view(-1, w.shape[1]), w.t(), out=out.view(-1, w.shape[0]))
-    return True
+def _mm_where_verified(
+    plan: _Launch, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``torch.mm`` of contiguous ``x [..., K]`` and ``w [N, K]`` into ``out [..., N]`` (None: a new ``[M, N]``, made
+    only once cuBLAS is known to run) where cuBLAS was verified to give ``plan``'s bits and the operands are aligned
+    like the probes, returning ``out``; ``None`` (nothing run) elsewhere."""
+    if plan.cublas is None or not _cublas_verified(plan, w):
+        return None
+    N, K = w.shape
+    if out is None:
+        out = torch.empty(x.numel() // K, N, dtype=x.dtype, device=x.device)
+    if not cublas_verify.aligned_like_probe(x, w, out):
+        return None
+    torch.mm(x.view(-1, K), w.t(), out=out.view(-1, N))
+    return out
 
 
 def _matmul_plan(M: int, N: int, K: int, x: torch.Tensor) -> _Launch:
