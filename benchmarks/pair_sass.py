@@ -3,13 +3,15 @@
     python benchmarks/pair_sass.py [--variants 3x3 3x3S 3x3M 3x3W ...] [--out ...]
 
 Each variant is a :class:`rlexact.ops.gluon_attention_pair.Build` in ``pair_depth_probe.py``'s notation
-(``RxI[xN][S][F][T][Z][M][W][C[16]]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
+(``RxI[xN][S][F][T][Z][M][W][C[16]][G]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
 query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
 ``ptxas`` for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared
 memory, the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
 P @ V's wgmmas): its instructions and most frequent opcodes, the conditional block it skips for a key tile every row
-sees in full (the masking of a diagonal or tail tile), hence the instructions of an unmasked key tile, and its
-``WARPGROUP.DEPBAR`` levels (the products left in flight at each wait). Counts are static: each instruction once per
+sees in full (the masking of a diagonal or tail tile), hence the instructions of an unmasked key tile, its
+``WARPGROUP.DEPBAR`` levels (the products left in flight at each wait), and whether its wait for every product
+(``DEPBAR.LE 0x0``) comes after the softmax's exponentials (``MUFU.EX2``), that is whether the previous tile's P @ V
+runs under the softmax or before it. Counts are static: each instruction once per
 copy of the code. The GPU's timings of the same builds are ``pair_depth_probe.py``'s. Output:
 ``benchmarks/results/pair_sass_sm90.json``.
 """
@@ -34,7 +36,7 @@ from rlexact.ops import gluon_attention as ga  # noqa: E402
 from rlexact.ops import gluon_attention_pair as gp  # noqa: E402
 
 DEFAULT = ["3x3", "3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "3x3SC", "3x3SFTZMC",
-           "3x3SFTZMC16"]
+           "3x3SFTZMC16", "3x3SFTZMCG"]
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 """One instruction of ``cuobjdump -sass``: address, predicate, opcode, operands."""
 
@@ -70,6 +72,14 @@ def masked_block(code: list[tuple[str, str, int | None]], first: int, last: int)
     return max(skips, default=0)
 
 
+def wait_after_exponentials(body: list[tuple[str, str, int | None]]) -> bool | None:
+    """Whether the loop's wait for every product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) follows its last
+    exponential (``MUFU.EX2``); ``None`` for a loop with no such wait."""
+    drains = [i for i, (op, o, _) in enumerate(body) if op == "WARPGROUP.DEPBAR.LE" and o.strip().endswith("0x0")]
+    exps = [i for i, (op, _, _) in enumerate(body) if op == "MUFU.EX2"]
+    return drains[0] > exps[-1] if drains and exps else None
+
+
 def measure(spec: str) -> dict:
     build = parse(spec)
     hp, split = geometry(torch.bfloat16)
@@ -88,6 +98,7 @@ def measure(spec: str) -> dict:
             "masked_block": skipped,
             "unmasked_tile_instructions": len(body) - skipped,
             "depbar_levels": [re.search(r"0x[0-9a-f]+", o)[0] for op, o, _ in body if op == "WARPGROUP.DEPBAR.LE"],
+            "drain_after_exponentials": wait_after_exponentials(body),
             "top_opcodes": dict(ops.most_common(14)),
         })  # fmt: skip
     return {

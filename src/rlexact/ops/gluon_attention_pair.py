@@ -10,9 +10,12 @@ its TMA store and the next item, whose Q and first keys are already in shared me
 consumers are done with it (a consumer whose rows need fewer tiles releases the rest unread). Each consumer runs the
 library kernel's pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row operations and fold
 order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed
-only. The V tile that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer
-0 when it needs that tile), which then signals the other through the ring slot's tail barrier; both consumers count the
-tails per slot, so each waits for the right phase however far the other has run ahead.
+only. In the library's build, which waits for a tile's row sum together with its P @ V, ``ptxas`` schedules that wait
+before the next tile's softmax, so the softmax follows the P @ V instead of running under it
+(``benchmarks/results/pair_sass_sm90.json``); :class:`Build`'s ``v_gate`` keeps it under. The V tile that runs past a
+sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when it needs that tile), which
+then signals the other through the ring slot's tail barrier; both consumers count the tails per slot, so each waits for
+the right phase however far the other has run ahead.
 
 Query rows past a sequence's end arrive with the tile (the next sequence's rows, or TMA's zero fill); rows are
 independent in every operation and those are never stored.
@@ -134,6 +137,10 @@ if ga.gluon is not None:
     the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
     ROW_SUM_N = gl.constexpr(16)
     """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
+    PAIR_V_GATE = gl.constexpr(False)
+    """Whether a bound specialization waits for the next key tile's V between a tile's softmax and the wait for the
+    previous tile's P @ V and row sum (:func:`kernel`; with ``PAIR_SUM_WITH_PV``): the mbarrier wait ends a basic block,
+    above which ``ptxas`` does not schedule the wgmma wait, so the softmax runs under the products in flight."""
     PAIR_TREE_MAX = gl.constexpr(False)
     """Whether a bound specialization takes each row's maximum as a tree (:func:`kernel`;
     :func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
@@ -315,6 +322,8 @@ if ga.gluon is not None:
                 s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
                 m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
+                    if PAIR_V_GATE:  # tile j + 1's V, which its P @ V needs next
+                        mbarrier.wait(v_ready.index((r + 1) % SLOTS), ((r + 1) // SLOTS) & 1)
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
                     if PAIR_COLUMN_SUMS:
@@ -485,7 +494,7 @@ if ga.gluon is not None:
 class Build:
     """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any depths
     give the same bits; at least two item slots, since a slot is released an item late), key tiles of ``tile_n`` keys
-    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and seven schedules that keep the bits
+    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and eight schedules that keep the bits
     (off by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @
     V, both waited for after the next tile's softmax; ``first_fold`` takes a query tile's first KV split as its state by
     adding ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a
@@ -496,7 +505,10 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum)."""
+    column is the row sum). ``v_gate`` (with ``sum_with_pv``) waits for the next key tile's V between a tile's softmax
+    and the wait for the products in flight (``PAIR_V_GATE``): without that branch ``ptxas`` schedules the wgmma wait
+    before the softmax, which then runs after the previous tile's P @ V instead of under it
+    (``benchmarks/pair_sass.py``)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -509,6 +521,7 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
+    v_gate: bool = False
 
     @property
     def warps(self) -> int:
@@ -528,6 +541,9 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
+        if self.v_gate and not self.sum_with_pv:
+            raise ValueError("gluon_attention_pair.Build: v_gate needs sum_with_pv (the wait it gates is that of the "
+                             "row sum issued with P @ V)")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -535,9 +551,9 @@ class Build:
 
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
                       column_sums=True, row_sum_n=8)
-"""The library's build: every schedule that keeps the bits and runs one instruction stream per consumer, with column
+"""The library's build: the schedules that keep the bits and run one instruction stream per consumer, with column
 sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the 16-column product
-measured slower)."""
+measured slower; ``v_gate`` has not been timed on a GPU)."""
 
 
 @functools.cache
@@ -552,7 +568,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   TILE_N=gl.constexpr(build.tile_n), PAIR_SUM_WITH_PV=gl.constexpr(build.sum_with_pv),
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
-                  PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
+                  PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums), PAIR_V_GATE=gl.constexpr(build.v_gate),
                   ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
