@@ -312,7 +312,8 @@ if ga.gluon is not None:
                 nxt = (r + 1) % SLOTS
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                if not PAIR_V_GATE or j == t0:  # past the split's first tile the gate below waited for this V
+                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
                 if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
                     r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
@@ -341,7 +342,8 @@ if ga.gluon is not None:
                     acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
-            mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
+            if not PAIR_V_GATE or jl == t0:  # a split of more tiles: the loop's gate waited for this V
+                mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
                 if CONSUMERS == 1:
                     zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)

@@ -971,12 +971,12 @@ def _mm_where_verified(
     """``torch.mm`` of contiguous ``x [..., K]`` and ``w [N, K]`` into ``out [..., N]`` (None: a new ``[M, N]``, made
     only once cuBLAS is known to run) where cuBLAS was verified to give ``plan``'s bits and the operands are aligned
     like the probes, returning ``out``; ``None`` (nothing run) elsewhere."""
-    if plan.cublas is None or not _cublas_verified(plan, w):
+    if plan.cublas is None or not _cublas_verified(plan, w) or not cublas_verify.aligned_like_probe(x, w):
         return None
     N, K = w.shape
     if out is None:
         out = torch.empty(x.numel() // K, N, dtype=x.dtype, device=x.device)
-    if not cublas_verify.aligned_like_probe(x, w, out):
+    if not cublas_verify.aligned_like_probe(out):
         return None
     torch.mm(x.view(-1, K), w.t(), out=out.view(-1, N))
     return out
