@@ -97,7 +97,7 @@ if [[ $what == bench || $what == all ]]; then
     "benchmarks/matmul_launch.py --out $R/matmul_launch_h200.json"
   )
   rt=benchmarks/rollout_throughput.py
-  long="--prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native"  # issue 10's long-context case
+  long="--prompt-len 8192 --new-tokens 128 --batches 4 32 --engines exact native --profile 32"  # issue 10's long-context case, with its kernels per decode step
   rollout=(
     "$rt --profile 32 --out $R/rollout_h200.json"
     "$rt $long --out $R/rollout_long_h200.json"
