@@ -138,7 +138,7 @@ def test_pair_build_refuses_what_cannot_run() -> None:
     ga = _gluon()
     from rlexact.ops import gluon_attention_pair as gp
 
-    assert gp.Build(**SCHEDULES, column_sums=True, row_sum_n=8, v_gate=True) == gp.LIBRARY_BUILD
+    assert gp.Build(**SCHEDULES, column_sums=True, row_sum_n=8) == gp.LIBRARY_BUILD
     assert gp.LIBRARY_BUILD.tile_n == ga.BLOCK_N
     assert (gp.LIBRARY_BUILD.warps, gp.LIBRARY_BUILD.consumers) == (gp.WARPS, 2)
     assert (gp.Build(wide=True).warps, gp.Build(wide=True).consumers) == (2 * gp.WARPS, 1)  # the same rows per item

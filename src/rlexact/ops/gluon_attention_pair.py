@@ -10,12 +10,12 @@ its TMA store and the next item, whose Q and first keys are already in shared me
 consumers are done with it (a consumer whose rows need fewer tiles releases the rest unread). Each consumer runs the
 library kernel's pipelined loop over its own key tiles, with the same key tiles, KV splits, per-row operations and fold
 order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed
-only. A consumer waits for a tile's row sum together with its P @ V after the next tile's softmax, which thus runs
-under them; without a branch between the two (:class:`Build`'s ``v_gate``, on in the library's build: a wait for the
-next V tile) ``ptxas`` schedules that wait before the softmax (``benchmarks/results/pair_sass_sm90.json``). The V tile
-that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when it needs
-that tile), which then signals the other through the ring slot's tail barrier; both consumers count the tails per slot,
-so each waits for the right phase however far the other has run ahead.
+only. In the library's build, which waits for a tile's row sum together with its P @ V, ``ptxas`` schedules that wait
+before the next tile's softmax, so the softmax follows the P @ V instead of running under it
+(``benchmarks/results/pair_sass_sm90.json``); :class:`Build`'s ``v_gate`` keeps it under. The V tile that runs past a
+sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when it needs that tile), which
+then signals the other through the ring slot's tail barrier; both consumers count the tails per slot, so each waits for
+the right phase however far the other has run ahead.
 
 Query rows past a sequence's end arrive with the tile (the next sequence's rows, or TMA's zero fill); rows are
 independent in every operation and those are never stored.
@@ -554,10 +554,10 @@ class Build:
 
 
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
-                      column_sums=True, row_sum_n=8, v_gate=True)
+                      column_sums=True, row_sum_n=8)
 """The library's build: the schedules that keep the bits and run one instruction stream per consumer, with column
-sums over an 8-column row-sum product and the V gate (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the
-16-column product measured slower)."""
+sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the 16-column product
+measured slower; ``v_gate`` has not been timed on a GPU)."""
 
 
 @functools.cache
