@@ -556,8 +556,8 @@ class Build:
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
                       column_sums=True, row_sum_n=8)
 """The library's build: the schedules that keep the bits and run one instruction stream per consumer, with column
-sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the 16-column product
-measured slower; ``v_gate`` has not been timed on a GPU)."""
+sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide``, the 16-column product
+and ``v_gate`` measured slower)."""
 
 
 @functools.cache
