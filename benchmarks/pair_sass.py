@@ -3,7 +3,7 @@
     python benchmarks/pair_sass.py [--variants 3x3 3x3S 3x3M 3x3W ...] [--out ...]
 
 Each variant is a :class:`rlexact.ops.gluon_attention_pair.Build` in ``pair_depth_probe.py``'s notation
-(``RxI[xN][S][F][T][Z][M][W][C[16]][G]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
+(``RxI[xN][S][F][T][Z][M][W][C[16]]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
 query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
 ``ptxas`` for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared
 memory, the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
@@ -36,7 +36,7 @@ from rlexact.ops import gluon_attention as ga  # noqa: E402
 from rlexact.ops import gluon_attention_pair as gp  # noqa: E402
 
 DEFAULT = ["3x3", "3x3S", "3x3F", "3x3T", "3x3Z", "3x3M", "3x3W", "3x3SFTZM", "3x3SFTZMW", "3x3SC", "3x3SFTZMC",
-           "3x3SFTZMC16", "3x3SFTZMCG"]
+           "3x3SFTZMC16"]
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 """One instruction of ``cuobjdump -sass``: address, predicate, opcode, operands."""
 

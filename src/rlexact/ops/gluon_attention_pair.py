@@ -12,10 +12,10 @@ library kernel's pipelined loop over its own key tiles, with the same key tiles,
 order, so its rows are the library's bits (docs/design.md §2.4): the dispatch between the two kernels changes the speed
 only. In the library's build, which waits for a tile's row sum together with its P @ V, ``ptxas`` schedules that wait
 before the next tile's softmax, so the softmax follows the P @ V instead of running under it
-(``benchmarks/results/pair_sass_sm90.json``); :class:`Build`'s ``v_gate`` keeps it under. The V tile that runs past a
-sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when it needs that tile), which
-then signals the other through the ring slot's tail barrier; both consumers count the tails per slot, so each waits for
-the right phase however far the other has run ahead.
+(``benchmarks/results/pair_sass_sm90.json``); a build that kept it under ran slower (docs/design.md §2.4). The V tile
+that runs past a sequence is zeroed past it by the consumer that reads it last in tile order (consumer 0 when it needs
+that tile), which then signals the other through the ring slot's tail barrier; both consumers count the tails per
+slot, so each waits for the right phase however far the other has run ahead.
 
 Query rows past a sequence's end arrive with the tile (the next sequence's rows, or TMA's zero fill); rows are
 independent in every operation and those are never stored.
@@ -129,8 +129,7 @@ if ga.gluon is not None:
     so it adds ``+0`` to each of the split's values."""
     PAIR_SUM_WITH_PV = gl.constexpr(False)
     """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
-    the next tile's softmax (:func:`kernel`; in the source: ``ptxas`` schedules that wait before the softmax unless
-    ``PAIR_V_GATE``)."""
+    the next tile's softmax (:func:`kernel`; in the source: ``ptxas`` schedules that wait before the softmax)."""
     PAIR_COLUMN_SUMS = gl.constexpr(False)
     """Whether a bound specialization keeps a KV split's running sum per column of the row-sum wgmma's product, in
     its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
@@ -138,10 +137,6 @@ if ga.gluon is not None:
     the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
     ROW_SUM_N = gl.constexpr(16)
     """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
-    PAIR_V_GATE = gl.constexpr(False)
-    """Whether a bound specialization waits for the next key tile's V between a tile's softmax and the wait for the
-    previous tile's P @ V and row sum (:func:`kernel`; with ``PAIR_SUM_WITH_PV``): the mbarrier wait ends a basic block,
-    above which ``ptxas`` does not schedule the wgmma wait, so the softmax runs under the products in flight."""
     PAIR_TREE_MAX = gl.constexpr(False)
     """Whether a bound specialization takes each row's maximum as a tree (:func:`kernel`;
     :func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``)."""
@@ -312,8 +307,7 @@ if ga.gluon is not None:
                 nxt = (r + 1) % SLOTS
                 mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
                 s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if not PAIR_V_GATE or j == t0:  # past the split's first tile the gate below waited for this V
-                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
                 if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
                     r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
@@ -324,8 +318,6 @@ if ga.gluon is not None:
                 s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
                 m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
-                    if PAIR_V_GATE:  # tile j + 1's V, which its P @ V needs next
-                        mbarrier.wait(v_ready.index((r + 1) % SLOTS), ((r + 1) // SLOTS) & 1)
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
                     mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
                     if PAIR_COLUMN_SUMS:
@@ -342,8 +334,7 @@ if ga.gluon is not None:
                     acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
-            if not PAIR_V_GATE or jl == t0:  # a split of more tiles: the loop's gate waited for this V
-                mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
+            mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
                 if CONSUMERS == 1:
                     zero_tail_rows(v_smem.index(rl), jl * BLOCK_N, nk, BLOCK_N, blk)
@@ -497,10 +488,10 @@ if ga.gluon is not None:
 class Build:
     """How :func:`kernel` builds the pair: K/V rings of ``ring_depth`` tiles and ``item_depth`` item slots (any depths
     give the same bits; at least two item slots, since a slot is released an item late), key tiles of ``tile_n`` keys
-    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and eight schedules that keep the bits
+    (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and seven schedules that keep the bits
     (off by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @
     V, both waited for after the next tile's softmax in the kernel's source (``ptxas`` moves that wait above the
-    softmax unless ``v_gate``); ``first_fold`` takes a query tile's first KV split as its state by
+    softmax); ``first_fold`` takes a query tile's first KV split as its state by
     adding ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a
     tree (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled
     at its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
@@ -509,10 +500,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``v_gate`` (with ``sum_with_pv``) waits for the next key tile's V between a tile's softmax
-    and the wait for the products in flight (``PAIR_V_GATE``): without that branch ``ptxas`` schedules the wgmma wait
-    before the softmax, which then runs after the previous tile's P @ V instead of under it
-    (``benchmarks/pair_sass.py``)."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -525,7 +513,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    v_gate: bool = False
 
     @property
     def warps(self) -> int:
@@ -545,9 +532,6 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
-        if self.v_gate and not self.sum_with_pv:
-            raise ValueError("gluon_attention_pair.Build: v_gate needs sum_with_pv (the wait it gates is that of the "
-                             "row sum issued with P @ V)")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -556,8 +540,8 @@ class Build:
 LIBRARY_BUILD = Build(sum_with_pv=True, first_fold=True, tree_max=True, zero_start=True, one_bound=True,
                       column_sums=True, row_sum_n=8)
 """The library's build: the schedules that keep the bits and run one instruction stream per consumer, with column
-sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide``, the 16-column product
-and ``v_gate`` measured slower)."""
+sums over an 8-column row-sum product (chosen by ``benchmarks/pair_depth_probe.py``; ``wide`` and the 16-column product
+measured slower)."""
 
 
 @functools.cache
@@ -572,7 +556,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   TILE_N=gl.constexpr(build.tile_n), PAIR_SUM_WITH_PV=gl.constexpr(build.sum_with_pv),
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
-                  PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums), PAIR_V_GATE=gl.constexpr(build.v_gate),
+                  PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
                   ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
