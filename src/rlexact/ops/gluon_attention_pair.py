@@ -129,7 +129,7 @@ if ga.gluon is not None:
     so it adds ``+0`` to each of the split's values."""
     PAIR_SUM_WITH_PV = gl.constexpr(False)
     """Whether a bound specialization issues each key tile's row-sum wgmma with its P @ V and waits for both after
-    the next tile's softmax (:func:`kernel`; in the source: ``ptxas`` schedules that wait before the softmax)."""
+    the next tile's softmax in the source (:func:`kernel`; ``ptxas`` schedules that wait before the softmax)."""
     PAIR_COLUMN_SUMS = gl.constexpr(False)
     """Whether a bound specialization keeps a KV split's running sum per column of the row-sum wgmma's product, in
     its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
@@ -491,8 +491,8 @@ class Build:
     (the library's bits only at :data:`rlexact.ops.gluon_attention.BLOCK_N`), and seven schedules that keep the bits
     (off by default, so a probe turns each on alone): ``sum_with_pv`` issues each key tile's row-sum wgmma with its P @
     V, both waited for after the next tile's softmax in the kernel's source (``ptxas`` moves that wait above the
-    softmax); ``first_fold`` takes a query tile's first KV split as its state by
-    adding ``+0``, which is what folding it into the empty state computes; ``tree_max`` takes each row's maximum as a
+    softmax); ``first_fold`` takes a query tile's first KV split as its state by adding ``+0``, which is what folding
+    it into the empty state computes; ``tree_max`` takes each row's maximum as a
     tree (:func:`~rlexact.ops.gluon_attention.tile_softmax`'s ``TREE``); ``zero_start`` leaves a KV split's sum unscaled
     at its first key tile, where the scaling multiplies ``+0`` by ``+0``; ``one_bound`` masks each score with one
     comparison (:func:`~rlexact.ops.gluon_attention.mask_scores`'s ``ONE_BOUND``). ``wide`` runs one consumer partition
