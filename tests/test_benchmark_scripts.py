@@ -3,7 +3,9 @@ without a CUDA device, the GPU-only ones stop at once with a one-line message an
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
 import json
 import subprocess
 import sys
@@ -338,9 +340,6 @@ def _unresolved_rlexact_names(source: str) -> list[str]:
     """``module.attr`` references of ``source`` into ``rlexact`` modules (``from rlexact... import m [as a]``,
     ``import rlexact...``) whose attribute the module does not have, and ``from rlexact.x import name`` of names that
     do not exist; as ``"line: module.attr"``."""
-    import ast
-    import importlib
-
     tree = ast.parse(source)
     aliases: dict[str, str] = {}
     missing = []
@@ -378,6 +377,31 @@ def test_benchmarks_reference_existing_library_names() -> None:
     assert bad == {}
     stale = "from rlexact.ops import triton_matmul as tmm\ntmm.ensure_allocator()\ntmm._ensure_allocator()\n"
     assert _unresolved_rlexact_names(stale) == ["3: rlexact.ops.triton_matmul._ensure_allocator"]
+
+
+def _library_kernel_names() -> set[str]:
+    """Names of the ``@triton.jit`` / ``@gluon.jit`` functions of the library that are launched (named ``*kernel*``)."""
+    names = set()
+    for path in (REPO / "src" / "rlexact").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and "kernel" in node.name:
+                decorators = (ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list)
+                if any(d.endswith("jit") for d in decorators):
+                    names.add(node.name)
+    return names
+
+
+def test_every_library_kernel_has_a_profile_category(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout_throughput.py --profile`` attributes every kernel the library launches to a named category, so none
+    of the library's time is reported as ``"other"`` (the Gluon prefill kernels once were). Negative control: a
+    name no category claims is ``"other"``."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    rt = importlib.import_module("rollout_throughput")
+    names = _library_kernel_names()
+    assert {"_pair_kernel", "_fwd_kernel", "_mm_ptr_kernel", "_attn_decode_kernel"} <= names
+    assert {n: rt.kernel_category(n) for n in names if rt.kernel_category(n) == "other"} == {}
+    assert rt.kernel_category("_pair_kernel") == rt.kernel_category("_fwd_kernel") == "attention"
+    assert rt.kernel_category("void at::native::vectorized_gather_kernel<16, long>") == "other"
 
 
 def test_restamp_commit_names_the_commit_whose_code_ran(tmp_path: Path) -> None:
