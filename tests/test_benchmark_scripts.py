@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from source_scan import jitted
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -380,15 +382,9 @@ def test_benchmarks_reference_existing_library_names() -> None:
 
 
 def _library_kernel_names() -> set[str]:
-    """Names of the ``@triton.jit`` / ``@gluon.jit`` functions of the library that are launched (named ``*kernel*``)."""
-    names = set()
-    for path in (REPO / "src" / "rlexact").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and "kernel" in node.name:
-                decorators = (ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list)
-                if any(d.endswith("jit") for d in decorators):
-                    names.add(node.name)
-    return names
+    """Names of the ``jit`` functions of the library that are launched (named ``*kernel*``)."""
+    sources = (REPO / "src" / "rlexact").rglob("*.py")
+    return {name for path in sources for name in jitted(ast.parse(path.read_text())) if "kernel" in name}
 
 
 def test_every_library_kernel_has_a_profile_category(monkeypatch: pytest.MonkeyPatch) -> None:

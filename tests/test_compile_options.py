@@ -7,20 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from source_scan import jitted
+
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = (ROOT / "src" / "rlexact", ROOT / "benchmarks")
-
-
-def _jitted(tree: ast.Module) -> set[str]:
-    """Names of the functions a module decorates with a ``jit`` (``@triton.jit``, ``@gluon.jit``)."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef):
-            for dec in node.decorator_list:
-                target = dec.func if isinstance(dec, ast.Call) else dec
-                if ast.unparse(target).split(".")[-1] == "jit":
-                    names.add(node.name)
-    return names
 
 
 def _launches_without_options(source: str) -> tuple[int, list[int]]:
@@ -28,12 +18,12 @@ def _launches_without_options(source: str) -> tuple[int, list[int]]:
     names a ``jit`` function of the module or ends in ``kernel`` (``_rms_norm_kernel[grid](...)``,
     ``plan.kernel[plan.grid](...)``)."""
     tree = ast.parse(source)
-    jitted = _jitted(tree)
+    jitted_names = jitted(tree)
     count, bare = 0, []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
             name = ast.unparse(node.func.value)
-            if not (name.endswith("kernel") or name in jitted):
+            if not (name.endswith("kernel") or name in jitted_names):
                 continue
             count += 1
             spread = {ast.unparse(k.value) for k in node.keywords if k.arg is None}
