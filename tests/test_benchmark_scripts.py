@@ -23,7 +23,7 @@ GPU_ONLY = (
     "attention_configs", "attention_decode_scaling", "attention_key_tile", "cublas_bitwise_probe", "decode_heads",
     "decode_timeline", "gluon_decode_probe", "gluon_matmul_probe", "gluon_persistent_probe", "head_variants",
     "kernel_counters", "matmul_gated", "matmul_splitk", "matmul_variants", "ops_bench", "overlap_probe",
-    "pair_depth_probe", "sampler_merge", "split_kv_sweep", "truncation_bench",
+    "pair_depth_probe", "prefill_call_probe", "sampler_merge", "split_kv_sweep", "truncation_bench",
 )  # fmt: skip
 """Benchmark scripts that measure on a CUDA GPU and have no CPU mode."""
 CPU_MODE = {
