@@ -12,7 +12,9 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
 * ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096, 1 x 8,192,
   16 x 1,024 and 4 x 2,048 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's
   default choice and each of its flash / cuDNN / memory-efficient backends forced, and on sm_90 the forward through
-  each Gluon kernel (single and paired query tiles); the generator's prefill steps from position 0
+  each Gluon kernel (single and paired query tiles; ``gluon_kernels``, timed once each before the alternating
+  rounds, so their times are not to be compared with the exact call's: ``prefill_call_probe.py`` times both in
+  the same rounds); the generator's prefill steps from position 0
   (:data:`FRESH_PREFILL_CASES`), paged against packed; prefill chunks after cached keys (:data:`PAGED_CHUNK_CASES`),
   the ``tl`` paged launch against the gathered packed Gluon launches; :func:`rlexact.ops.attention_paged` decode
   (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
