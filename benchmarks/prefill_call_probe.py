@@ -14,7 +14,7 @@ Eager (``common.bench``: ``do_bench``, the L2 overwritten before each call) and 
 (``common.bench_graph``); per arm the median over rounds, and per round each exact arm's time over ``library``'s.
 The three exact arms must give the same bits.
 
-    python benchmarks/prefill_call_probe.py [--rounds 7] [--out benchmarks/results/prefill_call_probe_h100.json]
+    python benchmarks/prefill_call_probe.py [--rounds 8] [--out benchmarks/results/prefill_call_probe_h100.json]
 """
 
 from __future__ import annotations
