@@ -129,23 +129,32 @@ def host_profile(call: Callable[[], object], calls: int = 300, top: int = 12) ->
     ]  # fmt: skip
 
 
+def rotated(arms: dict[str, Callable[[], object]], timer: Callable[[Callable[[], object]], float],
+            rounds: int) -> dict[str, list[float]]:  # fmt: skip
+    """Each call of ``arms`` (name -> fn) timed once per round by ``timer``; round ``r`` starts at arm
+    ``r % len(arms)`` and goes on in order, so every arm runs at every place of a round equally often over
+    ``len(arms)`` rounds. Returns each arm's series, in rounds."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(arms)
+    series: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            series[name].append(timer(arms[name]))
+    return series
+
+
 def interleaved(a: tuple[str, Callable[[], object]], b: tuple[str, Callable[[], object]],
                 timer: Callable[[Callable[[], object]], float], rounds: int = 5) -> dict[str, object]:  # fmt: skip
     """The calls of ``a = (name, fn)`` and ``b`` timed in alternation by ``timer``, ``rounds`` times each (``b`` first
-    in odd rounds, so neither always runs second): both series (``<name>_ms``), and the median, least and greatest of
-    the per-round ratios of ``b``'s time to ``a``'s. Clocks and other GPU work drift over a run; a ratio taken within
-    one round sees both calls under the same conditions, and the ratios' spread is the timer's resolution for them."""
-    if rounds < 1:
-        raise ValueError(f"interleaved: rounds must be >= 1, got {rounds}")
+    in odd rounds, so neither always runs second: :func:`rotated` over the two): both series (``<name>_ms``), and the
+    median, least and greatest of the per-round ratios of ``b``'s time to ``a``'s. Clocks and other GPU work drift
+    over a run; a ratio taken within one round sees both calls under the same conditions, and the ratios' spread is
+    the timer's resolution for them."""
     (a_name, a_fn), (b_name, b_fn) = a, b
-    a_ms, b_ms = [], []
-    for r in range(rounds):
-        if r % 2:
-            b_ms.append(timer(b_fn))
-            a_ms.append(timer(a_fn))
-        else:
-            a_ms.append(timer(a_fn))
-            b_ms.append(timer(b_fn))
+    series = rotated({a_name: a_fn, b_name: b_fn}, timer, rounds)
+    a_ms, b_ms = series[a_name], series[b_name]
     ratios = [y / x for x, y in zip(a_ms, b_ms)]
     return {"rounds": rounds, f"{a_name}_ms": a_ms, f"{b_name}_ms": b_ms, "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios)}  # fmt: skip

@@ -2,8 +2,8 @@
 
 ``ops_bench.py`` times the library's call (``ops.attention_varlen``: output allocation, launch plan) in alternation
 with SDPA, and the Gluon kernels alone (``gluon_kernels``: a preallocated output, the launch configuration
-overridden) before those rounds. This script times four arms in the same rounds, each round in another order (a
-rotation), so that a difference between the library's call and its kernel is measured under the same clocks:
+overridden) before those rounds. This script times four arms in the same rounds, each round in another order
+(``common.rotated``), so that a difference between the library's call and its kernel is measured under the same clocks:
 
 - ``library``: ``triton_attention.attention_varlen`` (allocates the output, launches through its kept plan);
 - ``preallocated``: ``triton_attention._forward`` into a preallocated output with the library's configuration;
@@ -28,24 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import ROOT, bench, bench_graph, header, require_cuda
+from common import ROOT, bench, bench_graph, header, require_cuda, rotated
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
 SHAPES = ((8, 4096), (1, 8192), (64, 512))
-
-
-def rotated(arms: dict[str, Callable[[], object]], timer: Callable[[Callable[[], object]], float],
-            rounds: int) -> dict[str, list[float]]:  # fmt: skip
-    """Each arm timed once per round by ``timer``; round ``r`` starts at arm ``r % len(arms)`` and goes on in order,
-    so every arm runs at every place of a round equally often over ``len(arms)`` rounds."""
-    names = list(arms)
-    series: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            series[name].append(timer(arms[name]))
-    return series
 
 
 def case(b: int, s: int, rounds: int) -> dict:
@@ -62,7 +49,7 @@ def case(b: int, s: int, rounds: int) -> dict:
         "pair_override": lambda: ta._forward(q, k, v, cu, None, None, scale, out_pair, cfg={"PAIR": True}),
         "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale),
     }
-    lib = ta.attention_varlen(q, k, v, cu, scale)
+    lib = arms["library"]()
     arms["preallocated"]()
     arms["pair_override"]()
     row: dict = {"batch": b, "seqlen": s, "rounds": rounds,
