@@ -146,17 +146,20 @@ def rotated(arms: dict[str, Callable[[], object]], timer: Callable[[Callable[[],
 
 
 def interleaved(a: tuple[str, Callable[[], object]], b: tuple[str, Callable[[], object]],
-                timer: Callable[[Callable[[], object]], float], rounds: int = 5) -> dict[str, object]:  # fmt: skip
-    """The calls of ``a = (name, fn)`` and ``b`` timed in alternation by ``timer``, ``rounds`` times each (``b`` first
-    in odd rounds, so neither always runs second: :func:`rotated` over the two): both series (``<name>_ms``), and the
-    median, least and greatest of the per-round ratios of ``b``'s time to ``a``'s. Clocks and other GPU work drift
-    over a run; a ratio taken within one round sees both calls under the same conditions, and the ratios' spread is
-    the timer's resolution for them."""
+                timer: Callable[[Callable[[], object]], float], rounds: int = 5,
+                others: dict[str, Callable[[], object]] | None = None) -> dict[str, object]:  # fmt: skip
+    """The calls of ``a = (name, fn)``, ``b`` and any ``others`` (name -> fn) timed in rotated rounds by ``timer``
+    (:func:`rotated`: with ``a`` and ``b`` alone, ``b`` first in odd rounds, so neither always runs second),
+    ``rounds`` times each: every series (``<name>_ms``), and the median, least and greatest of the per-round ratios of
+    ``b``'s time to ``a``'s. Clocks and other GPU work drift over a run; a ratio taken within one round sees both calls
+    under the same conditions, and the ratios' spread is the timer's resolution for them."""
     (a_name, a_fn), (b_name, b_fn) = a, b
-    series = rotated({a_name: a_fn, b_name: b_fn}, timer, rounds)
-    a_ms, b_ms = series[a_name], series[b_name]
-    ratios = [y / x for x, y in zip(a_ms, b_ms)]
-    return {"rounds": rounds, f"{a_name}_ms": a_ms, f"{b_name}_ms": b_ms, "ratio_median": statistics.median(ratios),
+    arms = {a_name: a_fn, b_name: b_fn, **(others or {})}
+    if len(arms) != 2 + len(others or {}):
+        raise ValueError(f"arm names must differ, got {a_name!r}, {b_name!r} and {sorted(others or {})}")
+    series = rotated(arms, timer, rounds)
+    ratios = [y / x for x, y in zip(series[a_name], series[b_name])]
+    return {"rounds": rounds, **{f"{n}_ms": t for n, t in series.items()}, "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios)}  # fmt: skip
 
 

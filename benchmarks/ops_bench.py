@@ -12,20 +12,19 @@ Sections (each one is independent: a failure is recorded in the JSON and the run
 * ``attention``: :func:`rlexact.ops.attention_varlen` (:data:`PREFILL_CASES`: 64 x 512, 8 x 4,096, 1 x 8,192,
   16 x 1,024 and 4 x 2,048 tokens, 16 q / 8 kv heads, head_dim 128) vs SDPA causal on the padded batch, SDPA's
   default choice and each of its flash / cuDNN / memory-efficient backends forced, and on sm_90 the forward through
-  each Gluon kernel (single and paired query tiles; ``gluon_kernels``, timed once each before the alternating
-  rounds, so their times are not to be compared with the exact call's: ``prefill_call_probe.py`` times both in
-  the same rounds); the generator's prefill steps from position 0
+  each Gluon kernel (single and paired query tiles; ``gluon_kernels``, into preallocated outputs, timed in the
+  same rounds as the exact call and SDPA); the generator's prefill steps from position 0
   (:data:`FRESH_PREFILL_CASES`), paged against packed; prefill chunks after cached keys (:data:`PAGED_CHUNK_CASES`),
   the ``tl`` paged launch against the gathered packed Gluon launches; :func:`rlexact.ops.attention_paged` decode
   (:data:`DECODE_CASES`: short contexts at batch 64 / 256, 8k-token contexts at batch 4 / 32) vs SDPA decode on
   contiguous caches, with and without the ``max_seqlen_q = 1`` bound the generator passes; each prefill case also
   as CUDA-graph replays (``exact_graph_ms``, ``sdpa_graph_ms``, ``graph_ratio``: GPU time alone, which the short
-  cases' eager calls hide behind the host's launch cost), both ways with the exact call and SDPA's timed in
-  alternation (``interleaved``: the series, whose medians are those times, and the per-round ratios' median and range,
-  the timer's resolution for the pair); and the launch of the packed forward at the GRPO update's micro-batch shape
-  (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl`` kernel side by side: GPU time (graph replays),
-  eager back-to-back time (``common.bench_stream``: the host's launch cost shows once it exceeds the kernel's) and
-  host time per call.
+  cases' eager calls hide behind the host's launch cost), both ways with the exact call, SDPA's and the Gluon kernels
+  timed in rotated rounds (``interleaved``: the series, whose medians are those times, and the per-round ratios' median
+  and range of SDPA's time to the exact call's, the timer's resolution for the pair); and the launch of the packed
+  forward at the GRPO update's micro-batch shape (:data:`LAUNCH_CASE`), the sm_90 Gluon kernel against the ``tl``
+  kernel side by side: GPU time (graph replays), eager back-to-back time (``common.bench_stream``: the host's launch
+  cost shows once it exceeds the kernel's) and host time per call.
 * ``window``: sliding-window attention (:data:`WINDOW_PREFILL_CASES`, :data:`WINDOW_DECODE_CASES`), which runs the
   ``tl`` kernels (no Gluon path takes a window): the windowed exact call against the unwindowed exact call at the same
   shape, and against SDPA given only the work the window leaves (prefill: a boolean window mask, SDPA's choice of
@@ -130,10 +129,10 @@ SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> dict:
     """Exact packed prefill of ``b`` sequences of ``s`` tokens vs SDPA (its default choice, then each backend of
-    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): the exact call and SDPA's
-    default timed in alternation, eager and as CUDA-graph replays (``common.interleaved``; each time recorded is the
-    median of its series), and each call's host microseconds (an eager call whose host time exceeds its graph time is
-    bound by its launch)."""
+    :data:`SDPA_BACKENDS` forced; a backend that refuses the inputs is recorded as such): the exact call, SDPA's
+    default and on sm_90 each Gluon kernel timed in rotated rounds, eager and as CUDA-graph replays
+    (``common.interleaved``; each time recorded is the median of its series), and each call's host microseconds (an
+    eager call whose host time exceeds its graph time is bound by its launch)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -156,8 +155,9 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
 
     flop = 4.0 * b * hq * d * s * s / 2  # causal
     kernels = _gluon_kernels(q, k, v, cu, scale) if gluon_attention.supported(q, k, v, gluon_attention.BLOCK_N) else {}
-    rounds = {"eager": interleaved(("exact", exact), ("sdpa", sdpa), bench),
-              "graph": interleaved(("exact", exact), ("sdpa", sdpa), bench_graph)}  # fmt: skip
+    arms = {name: call for name, (call, _) in kernels.items()}
+    rounds = {"eager": interleaved(("exact", exact), ("sdpa", sdpa), bench, others=arms),
+              "graph": interleaved(("exact", exact), ("sdpa", sdpa), bench_graph, others=arms)}  # fmt: skip
     t_exact, t_sdpa = (statistics.median(rounds["eager"][f"{n}_ms"]) for n in ("exact", "sdpa"))
     g_exact, g_sdpa = (statistics.median(rounds["graph"][f"{n}_ms"]) for n in ("exact", "sdpa"))
     h_exact, h_sdpa = host_us(exact), host_us(sdpa)
@@ -184,33 +184,41 @@ def _prefill_case(b: int, s: int, hq: int, hkv: int, d: int, scale: float) -> di
         "exact_host_us": h_exact,
         "sdpa_host_us": h_sdpa,
         "interleaved": rounds,
-        "gluon_kernels": kernels,
+        "gluon_kernels": _gluon_summary(kernels, rounds, q.shape[0], cu.shape[0] - 1) if kernels else {},
         "sdpa_backends": backends,
         "sdpa_default_closest_backend": min(timed, key=lambda n: abs(timed[n] - t_sdpa)) if timed else None,
     }
 
 
-def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> dict:
+def _gluon_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                   scale: float) -> dict[str, tuple[Callable[[], None], torch.Tensor]]:  # fmt: skip
     """The packed forward through each sm_90 Gluon kernel (``ta._forward``'s ``PAIR`` override; the pair persistent,
-    as by default, and with a program per item), eager (``*_ms``) and as CUDA-graph replays (``*_graph_ms``: the
-    kernel's GPU time without the host's launch cost), which the launch's default picked, and whether each pair launch
-    gives the single kernel's bits."""
-    from rlexact.ops import gluon_attention_pair
+    as by default, and with a program per item), each as ``name -> (call, its preallocated output)``."""
     from rlexact.ops import triton_attention as ta
 
-    res: dict[str, object] = {}
-    outs = []
     per_item = {"PAIR": True, "PROGRAMS": 1 << 30}
-    variants = (("single", {"PAIR": False}), ("pair", {"PAIR": True}), ("pair_per_item", per_item))
-    for name, cfg in variants:
+    kernels = {}
+    for name, cfg in (("single", {"PAIR": False}), ("pair", {"PAIR": True}), ("pair_per_item", per_item)):
         out = torch.empty_like(q)
-        call = lambda out=out, cfg=cfg: ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg)  # noqa: E731
-        res[f"{name}_ms"] = bench(call)
-        res[f"{name}_graph_ms"] = bench_graph(call)
-        outs.append(out)
-    res["pair_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[1]))
-    res["pair_per_item_bitwise_equal_single"] = bool(torch.equal(outs[0], outs[2]))
-    res["default"] = "pair" if gluon_attention_pair.chosen(q.shape[0], cu.shape[0] - 1) else "single"
+        kernels[name] = (lambda out=out, cfg=cfg: ta._forward(q, k, v, cu, None, None, scale, out, cfg=cfg), out)
+    return kernels
+
+
+def _gluon_summary(kernels: dict[str, tuple[Callable[[], None], torch.Tensor]], rounds: dict, tokens: int,
+                   seqs: int) -> dict:  # fmt: skip
+    """Each Gluon kernel's median time over the rounds it ran in beside the exact call and SDPA, eager (``*_ms``) and
+    as CUDA-graph replays (``*_graph_ms``: the kernel's GPU time without the host's launch cost), which the launch's
+    default picks, and whether each pair launch gives the single kernel's bits (its outputs as the rounds left them)."""
+    from rlexact.ops import gluon_attention_pair
+
+    res: dict[str, object] = {}
+    for name in kernels:
+        res[f"{name}_ms"] = statistics.median(rounds["eager"][f"{name}_ms"])
+        res[f"{name}_graph_ms"] = statistics.median(rounds["graph"][f"{name}_ms"])
+    single = kernels["single"][1]
+    res["pair_bitwise_equal_single"] = bool(torch.equal(single, kernels["pair"][1]))
+    res["pair_per_item_bitwise_equal_single"] = bool(torch.equal(single, kernels["pair_per_item"][1]))
+    res["default"] = "pair" if gluon_attention_pair.chosen(tokens, seqs) else "single"
     return res
 
 

@@ -7,6 +7,7 @@ import ast
 import hashlib
 import importlib
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -468,3 +469,10 @@ def test_interleaved_alternates_and_reports_the_ratio_spread() -> None:
     assert res["ratio_median"] == (ratios[1] + ratios[2]) / 2 and res["rounds"] == 4
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         interleaved(("x", lambda: "a"), ("y", lambda: "b"), timer, rounds=0)
+    order.clear()
+    res = interleaved(("x", lambda: "a"), ("y", lambda: "b"), timer, rounds=3, others={"z": lambda: "c"})
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert set(res) == {"rounds", "x_ms", "y_ms", "z_ms", "ratio_median", "ratio_min", "ratio_max"}
+    assert res["ratio_median"] == statistics.median(y / x for x, y in zip(res["x_ms"], res["y_ms"]))
+    with pytest.raises(ValueError, match="arm names must differ"):
+        interleaved(("x", lambda: "a"), ("y", lambda: "b"), timer, others={"x": lambda: "c"})
