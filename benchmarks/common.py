@@ -5,6 +5,7 @@ Importing this module puts ``<repo>/src`` first on ``sys.path``, so the scripts 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -143,6 +144,20 @@ def rotated(arms: dict[str, Callable[[], object]], timer: Callable[[Callable[[],
             name = names[(r + i) % len(names)]
             series[name].append(timer(arms[name]))
     return series
+
+
+def rounds_args(doc: str, script: str, rounds: int, arms: int, result: str) -> argparse.Namespace:
+    """The command line of a GPU probe timed in :func:`rotated` rounds: ``--rounds`` (default ``rounds``; a multiple
+    of ``arms`` rotates fully) and ``--out`` (default ``benchmarks/results/<result>``); then :func:`require_cuda`.
+    ``--rounds`` below one exits with a message naming ``script``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"rounds per table (a multiple of {arms} rotates fully)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / result))
+    args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"{script}: --rounds must be >= 1, got {args.rounds}")
+    require_cuda(script)
+    return args
 
 
 def interleaved(a: tuple[str, Callable[[], object]], b: tuple[str, Callable[[], object]],

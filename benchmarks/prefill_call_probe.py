@@ -19,7 +19,6 @@ The three exact arms must give the same bits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import ROOT, bench, bench_graph, header, require_cuda, rotated
+from common import bench, bench_graph, header, rotated, rounds_args
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
@@ -68,13 +67,7 @@ def case(b: int, s: int, rounds: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8, help="rounds per shape and timer (a multiple of 4 rotates fully)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefill_call_probe_h100.json"))
-    args = ap.parse_args()
-    if args.rounds < 1:
-        raise SystemExit(f"prefill_call_probe.py: --rounds must be >= 1, got {args.rounds}")
-    require_cuda("prefill_call_probe.py")
+    args = rounds_args(__doc__, "prefill_call_probe.py", 8, 4, "prefill_call_probe_h100.json")
     result: dict = header("prefill_call_probe", "triton") | {"rows": []}
     for b, s in SHAPES:
         row = case(b, s, args.rounds)

@@ -22,9 +22,9 @@ RESULTS = REPO / "benchmarks" / "results"
 
 GPU_ONLY = (
     "attention_configs", "attention_decode_scaling", "attention_key_tile", "cublas_bitwise_probe", "decode_heads",
-    "decode_timeline", "gluon_decode_probe", "gluon_matmul_probe", "gluon_persistent_probe", "head_variants",
-    "kernel_counters", "matmul_gated", "matmul_splitk", "matmul_variants", "ops_bench", "overlap_probe",
-    "pair_depth_probe", "prefill_call_probe", "sampler_merge", "split_kv_sweep", "truncation_bench",
+    "decode_timeline", "gluon_decode_probe", "gluon_matmul_probe", "gluon_persistent_probe", "hbm_read_probe",
+    "head_variants", "kernel_counters", "matmul_gated", "matmul_splitk", "matmul_variants", "ops_bench",
+    "overlap_probe", "pair_depth_probe", "prefill_call_probe", "sampler_merge", "split_kv_sweep", "truncation_bench",
 )  # fmt: skip
 """Benchmark scripts that measure on a CUDA GPU and have no CPU mode."""
 CPU_MODE = {
