@@ -1,9 +1,10 @@
 """The packed prefill attention as the library calls it against its kernel launched alone, and SDPA, in rotated rounds.
 
-``ops_bench.py`` times the library's call (``ops.attention_varlen``: output allocation, launch plan) in alternation
-with SDPA, and the Gluon kernels alone (``gluon_kernels``: a preallocated output, the launch configuration
-overridden) before those rounds. This script times four arms in the same rounds, each round in another order
-(``common.rotated``), so that a difference between the library's call and its kernel is measured under the same clocks:
+``ops_bench.py`` once timed the Gluon kernels alone (``gluon_kernels``: a preallocated output, the launch
+configuration overridden) before its rounds of the library's call (``ops.attention_varlen``: output allocation, launch
+plan) against SDPA, and their times were lower; it times them inside those rounds since. This script times four arms
+in the same rounds, each round in another order (``common.rotated``), so that a difference between the library's call
+and its kernel is measured under the same clocks:
 
 - ``library``: ``triton_attention.attention_varlen`` (allocates the output, launches through its kept plan);
 - ``preallocated``: ``triton_attention._forward`` into a preallocated output with the library's configuration;
