@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from common import bench_graph, graph_ms_over, header, paged_decode_inputs, rotated, rounds_args, weight_copies
+from rlexact.ops.triton_shared import COMPILE_OPTIONS
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
 SHAPE = DecoderShape(hidden=2048, intermediate=6144, layers=28, q_heads=16, kv_heads=8, head_dim=128, vocab=151936)
@@ -66,7 +67,7 @@ def reader(x: torch.Tensor, block: int, warps: int, per_sm: int) -> tuple:
     flat = x.view(-1)
 
     def call() -> None:
-        _read_sum[(programs,)](flat, partials, flat.numel(), BLOCK=block, num_warps=warps)
+        _read_sum[(programs,)](flat, partials, flat.numel(), BLOCK=block, num_warps=warps, **COMPILE_OPTIONS)
 
     return call, partials
 
