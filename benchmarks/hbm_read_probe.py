@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ def _read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
-def reader(x: torch.Tensor, block: int, warps: int, per_sm: int) -> tuple:
+def reader(x: torch.Tensor, block: int, warps: int, per_sm: int) -> tuple[Callable[[], None], torch.Tensor]:
     """``(call, partials)``: a launch of :func:`_read_sum` over ``x`` and the buffer it stores into."""
     programs = per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count
     partials = torch.empty(programs, device=x.device, dtype=torch.float32)
@@ -73,6 +74,7 @@ def reader(x: torch.Tensor, block: int, warps: int, per_sm: int) -> tuple:
 
 
 def medians(series: dict[str, list[float]]) -> dict[str, float]:
+    """Each arm's median time over its rounds."""
     return {n: statistics.median(ts) for n, ts in series.items()}
 
 
