@@ -146,6 +146,11 @@ def rotated(arms: dict[str, Callable[[], object]], timer: Callable[[Callable[[],
     return series
 
 
+def medians(series: dict[str, list[float]]) -> dict[str, float]:
+    """Each arm's median time over its rounds (a :func:`rotated` result)."""
+    return {n: statistics.median(ts) for n, ts in series.items()}
+
+
 def rounds_args(doc: str, script: str, rounds: int, arms: int, result: str) -> argparse.Namespace:
     """The command line of a GPU probe timed in :func:`rotated` rounds: ``--rounds`` (default ``rounds``; a multiple
     of ``arms`` rotates fully) and ``--out`` (default ``benchmarks/results/<result>``); then :func:`require_cuda`.
@@ -168,10 +173,10 @@ def interleaved(a: tuple[str, Callable[[], object]], b: tuple[str, Callable[[], 
     ``rounds`` times each: every series (``<name>_ms``), and the median, least and greatest of the per-round ratios of
     ``b``'s time to ``a``'s. Clocks and other GPU work drift over a run; a ratio taken within one round sees both calls
     under the same conditions, and the ratios' spread is the timer's resolution for them."""
-    (a_name, a_fn), (b_name, b_fn) = a, b
-    arms = {a_name: a_fn, b_name: b_fn, **(others or {})}
-    if len(arms) != 2 + len(others or {}):
-        raise ValueError(f"arm names must differ, got {a_name!r}, {b_name!r} and {sorted(others or {})}")
+    (a_name, a_fn), (b_name, b_fn), others = a, b, others or {}
+    arms = {a_name: a_fn, b_name: b_fn, **others}
+    if len(arms) != 2 + len(others):
+        raise ValueError(f"arm names must differ, got {a_name!r}, {b_name!r} and {sorted(others)}")
     series = rotated(arms, timer, rounds)
     ratios = [y / x for x, y in zip(series[a_name], series[b_name])]
     return {"rounds": rounds, **{f"{n}_ms": t for n, t in series.items()}, "ratio_median": statistics.median(ratios),

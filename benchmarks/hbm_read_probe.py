@@ -10,9 +10,10 @@ measures what a plain streaming read reaches on the card, and the library's two 
 - ``copy``: ``Tensor.copy_`` of the same buffer (bytes read plus bytes written).
 - ``attention``: :func:`rlexact.ops.attention_paged` decode, one query per sequence at batch 32 over 8,192 keys in
   scattered 16-token pages (``ops_bench.py``'s ``decode_b32_ctx8192``).
-- ``matmul_m32``: :func:`rlexact.ops.matmul` of 32 rows against each Qwen3-1.7B projection and ``torch.mm`` on the
-  same operands, over weight copies that together exceed the L2 (the weights come from HBM, as in a decode step),
-  and the read kernel over the same copies (the read rate a tensor of that size allows).
+- ``matmul_m32``: :func:`rlexact.ops.matmul` of 32 rows against each Qwen3-1.7B projection
+  (``ops_bench.QWEN_SHAPES``) and ``torch.mm`` on the same operands, over weight copies that together exceed the L2
+  (the weights come from HBM, as in a decode step), and the read kernel over the same copies (the read rate a tensor
+  of that size allows).
 
 Everything is timed as CUDA-graph replays (``common.bench_graph``), the arms of each table in rotated rounds
 (``common.rotated``), each time the median over its rounds. ``step`` sums one layer's attention and matmul times
@@ -25,7 +26,6 @@ bandwidth and at the measured read rate.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,19 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from common import bench_graph, graph_ms_over, header, paged_decode_inputs, rotated, rounds_args, weight_copies
+from common import bench_graph, graph_ms_over, header, medians, paged_decode_inputs, rotated, rounds_args, weight_copies
+from ops_bench import QWEN_SHAPES
 from rlexact.ops.triton_shared import COMPILE_OPTIONS
 from roofline import DecoderShape, decode_step_bound, device_peaks
 
 SHAPE = DecoderShape(hidden=2048, intermediate=6144, layers=28, q_heads=16, kv_heads=8, head_dim=128, vocab=151936)
 """Qwen3-1.7B, as ``rollout_throughput.py`` builds it."""
 BATCH, CONTEXT, ROWS = 32, 8192, 32
-PROJECTIONS = {  # name: (N, K) of w [N, K], the fused projections the decoder layer runs
-    "qkv": ((SHAPE.q_heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim, SHAPE.hidden),
-    "o": (SHAPE.hidden, SHAPE.q_heads * SHAPE.head_dim),
-    "gate_up": (2 * SHAPE.intermediate, SHAPE.hidden),
-    "down": (SHAPE.hidden, SHAPE.intermediate),
-}
 READ_CONFIGS = [(block, warps, per_sm) for block in (2048, 4096, 8192) for warps in (4, 8) for per_sm in (1, 2, 4, 8)]
 """``(BLOCK, num_warps, programs per SM)`` of the read kernel's sweep."""
 
@@ -71,11 +66,6 @@ def reader(x: torch.Tensor, block: int, warps: int, per_sm: int) -> tuple[Callab
         _read_sum[(programs,)](flat, partials, flat.numel(), BLOCK=block, num_warps=warps, **COMPILE_OPTIONS)
 
     return call, partials
-
-
-def medians(series: dict[str, list[float]]) -> dict[str, float]:
-    """Each arm's median time over its rounds."""
-    return {n: statistics.median(ts) for n, ts in series.items()}
 
 
 def big_streams(rounds: int) -> dict:
@@ -123,12 +113,12 @@ def weight_streams(rounds: int, read_cfg: dict) -> dict:
     """Per projection: the library's product of ``ROWS`` rows, ``torch.mm`` and the read kernel over cold weights."""
     from rlexact import ops
 
+    cfg = (read_cfg["block"], read_cfg["num_warps"], read_cfg["programs_per_sm"])
     res = {}
-    for name, (n, k) in PROJECTIONS.items():
+    for name, (n, k) in QWEN_SHAPES.items():
         w = torch.randn(n, k, device="cuda").bfloat16()
         ws = weight_copies(w)
         x = torch.randn(ROWS, k, device="cuda").bfloat16()
-        cfg = (read_cfg["block"], read_cfg["num_warps"], read_cfg["programs_per_sm"])
         readers = {id(copy): reader(copy, *cfg)[0] for copy in ws}
         arms = {
             "library": lambda x=x, ws=ws: graph_ms_over(lambda wc, x=x: ops.matmul(x, wc), ws),
@@ -157,10 +147,10 @@ def main() -> int:
     result["matmul_m32"] = weights
     for name, row in weights.items():
         print(f"[hbm_read_probe] {name} {row['N']}x{row['K']}: { {a: round(g) for a, g in row['gbps'].items()} } GB/s")
-    layer = {a: big["ms"]["attention"] + sum(r["ms"][a] for r in weights.values()) for a in ("library", "read")}
-    step: dict = {"layers": SHAPE.layers, "attention_ms": SHAPE.layers * big["ms"]["attention"],
-                  "matmuls_ms": SHAPE.layers * sum(r["ms"]["library"] for r in weights.values()),
-                  "layers_ms": SHAPE.layers * layer["library"]}  # fmt: skip
+    attention_ms = SHAPE.layers * big["ms"]["attention"]
+    matmuls_ms = SHAPE.layers * sum(r["ms"]["library"] for r in weights.values())
+    step: dict = {"layers": SHAPE.layers, "attention_ms": attention_ms, "matmuls_ms": matmuls_ms,
+                  "layers_ms": attention_ms + matmuls_ms}  # fmt: skip
     if peaks is not None:
         read_rate = big["bytes"] / big["ms"]["read"] * 1e3
         measured = {**peaks, "hbm_bytes_per_s": read_rate, "source": "this probe's fastest read"}

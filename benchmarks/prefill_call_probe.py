@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import bench, bench_graph, header, rotated, rounds_args
+from common import bench, bench_graph, header, medians, rotated, rounds_args
 from rlexact.ops import triton_attention as ta
 
 HQ, HKV, D = 16, 8, 128
@@ -60,7 +60,7 @@ def case(b: int, s: int, rounds: int) -> dict:
         per_round = {n: [t / base for t, base in zip(series[n], series["library"])] for n in series if n != "library"}
         row[mode] = {
             "ms": series,
-            "median_ms": {n: statistics.median(ts) for n, ts in series.items()},
+            "median_ms": medians(series),
             "over_library_median": {n: statistics.median(r) for n, r in per_round.items()},
             "over_library_range": {n: [min(r), max(r)] for n, r in per_round.items()},
         }
