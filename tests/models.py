@@ -3,6 +3,7 @@ one-line tensor constructors of the hand-computed tests."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import torch
@@ -44,6 +45,10 @@ from transformers import (
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
+
+CACHE_ARG: str = "cache" if "cache" in inspect.signature(Qwen3ForCausalLM.forward).parameters else "past_key_values"
+"""The keyword of a transformers model's KV cache and the output field holding it: ``cache`` since transformers 5.24,
+``past_key_values`` before (the library reads either)."""
 
 MOE_VOCAB = 97
 TINY_VISION: dict = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

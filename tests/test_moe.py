@@ -35,6 +35,7 @@ from models import addition_items, prompts_for, tiny_moe, tiny_moe_rl_config
 from ranks import ranks_report, run_ranks
 from rlexact import ops
 from rlexact.callbacks.base import RLCallback
+from rlexact.models.moe import ROUTER_OUTPUTS, check_moe, router_output, router_outputs
 from rlexact.ops.moe import moe_plan
 from rlexact.rollout import Generator, SamplingParams
 
@@ -135,13 +136,13 @@ def test_rollout_equals_trainer_renormalizing_routers_bf16(arch: str, weights_dt
     router = layer.mlp.gate if arch == "mixtral" else layer.block_sparse_moe.router
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.no_grad():
-        logits, weights, ids = router(x)
+        logits, weights, ids = (router_output(router, router(x), k) for k in ROUTER_OUTPUTS)
         with rlexact.use_kernels(model, "native"):
-            stock = router(x)
-    assert logits.dtype == torch.bfloat16 and weights.dtype == stock[1].dtype == weights_dtype
-    assert torch.equal(ids, stock[2])
+            stock = dict(zip(router_outputs(type(router)), router(x)))
+    assert logits.dtype == torch.bfloat16 and weights.dtype == stock["weights"].dtype == weights_dtype
+    assert torch.equal(ids, stock["ids"]) and logits.shape == stock["logits"].shape == (5, 8)
     tol = 1e-6 if weights_dtype == torch.float32 else 8e-3  # one bf16 rounding of weights below 1
-    torch.testing.assert_close(weights, stock[1], atol=tol, rtol=tol)
+    torch.testing.assert_close(weights, stock["weights"], atol=tol, rtol=tol)
     torch.testing.assert_close(weights.float().sum(-1), torch.ones(5), atol=tol, rtol=0)
     prompts, params = prompts_for(7, VOCAB, lo=2, hi=20, seed=7), SamplingParams(max_new_tokens=5, seed=8)
     assert_exact(model, Generator(model, max_num_batched_tokens=16, block_size=4).generate(prompts, params))
@@ -379,6 +380,69 @@ def test_unrecognized_sparse_blocks_are_errors() -> None:
         if hasattr(m, "jitter_noise"):
             m.jitter_noise = 0.0
     assert rlexact.is_exactified(rlexact.exactify(model))
+
+
+class _IdsFirst(torch.nn.Module):
+    """Mixin over a stock ``*TopKRouter`` class (``_stock``): its outputs in Granite-MoE's order before
+    transformers 5.21."""
+
+    _stock: type
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = dict(zip(router_outputs(self._stock), self._stock.forward(self, hidden_states)))
+        top_k_index, top_k_weights, router_logits = out["ids"], out["weights"], out["logits"]
+        return top_k_index, top_k_weights, router_logits
+
+
+class _LogitsFirst(_IdsFirst):
+    """The same outputs in the order of every router since transformers 5.21."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        top_k_index, top_k_weights, router_logits = super().forward(hidden_states)
+        return router_logits, top_k_weights, top_k_index
+
+
+class _Unnamed(_IdsFirst):
+    """Outputs whose names do not say which is which (negative control)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b, c = super().forward(hidden_states)
+        return a, b, c
+
+
+@pytest.mark.parametrize(("mixin", "order"), [(_IdsFirst, ("ids", "weights", "logits")),
+                                              (_LogitsFirst, ("logits", "weights", "ids"))])  # fmt: skip
+def test_exact_router_returns_in_the_stock_classs_order(mixin: type, order: tuple[str, ...]) -> None:
+    """Granite-MoE's router returned ``(ids, weights, logits)`` before transformers 5.21 and ``(logits, weights,
+    ids)`` since, and the stock block unpacks its own version's order: the exact router returns its outputs in the
+    order of the stock class's return statement (:func:`router_outputs`), the ids equal to the stock router's.
+    Negative control: a return whose names do not say which output is which is refused before anything is
+    patched."""
+    model = tiny_moe("granitemoe", experts=8, top_k=2, hidden=64, seed=4)
+    router = model.model.layers[0].block_sparse_moe.router
+    stock = type(router)
+    router.__class__ = type(stock.__name__, (mixin, stock), {"_stock": stock})
+    assert router_outputs(type(router)) == order
+    rlexact.exactify(model)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = router(x)
+        with rlexact.use_kernels(model, "native"):
+            want = router(x)
+    assert [t.shape for t in out] == [t.shape for t in want]
+    assert [t.dtype for t in out] == [t.dtype for t in want]
+    ids = router_output(router, out, "ids")
+    assert ids.dtype == torch.int64 and ids.shape == (5, 2) and torch.equal(ids, router_output(router, want, "ids"))
+    assert router_output(router, out, "logits").shape == (5, 8)
+
+    bad = tiny_moe("granitemoe", experts=8, top_k=2, hidden=64, seed=4)
+    router = bad.model.layers[0].block_sparse_moe.router
+    router.__class__ = type(stock.__name__, (_Unnamed, stock), {"_stock": stock})
+    with pytest.raises(ValueError, match=r"returns \(a, b, c\).*not supported"):
+        check_moe(bad)
+    with pytest.raises(ValueError, match="not supported"):
+        rlexact.exactify(bad)
+    assert not rlexact.is_exactified(bad)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

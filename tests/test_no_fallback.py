@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rlexact
-from models import tiny_model
+from models import CACHE_ARG, tiny_model
 
 VOCAB = 97
 
@@ -93,7 +93,7 @@ def test_cached_attention_with_grad_is_an_error() -> None:
     model = rlexact.exactify(tiny_model("qwen3"))
     out = model(torch.randint(0, VOCAB, (1, 5)), use_cache=True)
     with pytest.raises(RuntimeError, match="inference-only"):
-        model(torch.randint(0, VOCAB, (1, 1)), cache=out.cache, use_cache=True)
+        model(torch.randint(0, VOCAB, (1, 1)), **{CACHE_ARG: getattr(out, CACHE_ARG)}, use_cache=True)
 
 
 def test_phi3_settings_the_kernels_do_not_implement_are_errors() -> None:

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.cache_utils import DynamicCache
 
 import rlexact
+from models import CACHE_ARG
 from rlexact.config import RolloutConfig
 from rlexact.models.context import sliding_window
 from rlexact.rollout import Generator, SamplingParams
@@ -130,10 +131,10 @@ def test_generate_past_the_window(dtype: torch.dtype) -> None:
         equal, total = _decode_vs_full(model, "cpu")
     assert equal == total == 30
     assert made and max(layer.cumulative_length - layer.keys.shape[-2] for layer in made) > 0, "nothing dropped"
-    equal, total = _decode_vs_full(model, "cpu", cache=DynamicCache())
+    equal, total = _decode_vs_full(model, "cpu", **{CACHE_ARG: DynamicCache()})
     assert equal == total == 30
     with rlexact.use_kernels(model, "native"):
-        equal, total = _decode_vs_full(model, "cpu", cache=DynamicCache())
+        equal, total = _decode_vs_full(model, "cpu", **{CACHE_ARG: DynamicCache()})
     assert equal < total
 
 

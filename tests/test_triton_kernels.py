@@ -348,7 +348,8 @@ def test_gated_matmul_epilogues_compute_the_gate_kernels_operations() -> None:
         const = dict(BLOCK=1024, O_DTYPE=tl.bfloat16, RNE_O=False, GELU=gelu, PDL=False)
         sep = compile_for_hopper(triton_norm._gated_mul_kernel, args, const, num_warps=4)
         want = per_gate[gelu] = _float_ops_per_element(sep.asm["ptx"])
-        assert want["div.full.f32"] == 1 and want["fma.rn.f32"] == (1 if gelu else 0), want
+        # the GELU gate contracts into FMAs (how many depends on Triton's LLVM), the SiLU gate into none
+        assert want["div.full.f32"] == 1 and (want["fma.rn.f32"] > 0) == gelu, want
         ptr = dict(x_ptr=p, w_ptr=p, o_ptr=p, M=i, N=i, K=i, stride_xm=i, stride_wn=i, stride_om=i)
         const = dict(BM=16, BN=32, BK=64, GROUP_M=8, UPCAST=False, IEEE=False, RNE_FIX=False, PDL=False, GATED=True,
                      GELU=gelu)  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlexact.models.moe import router_modules
+from rlexact.models.moe import router_modules, router_output
 
 __all__ = ["RouterDisagreement", "RouterRecorder", "router_disagreement"]
 
@@ -141,11 +141,11 @@ class RouterRecorder:
                 raise RuntimeError(
                     "RouterRecorder: a router ran without a selection; call select(rows) before each forward"
                 )
-            ids = output[-1] if isinstance(output, tuple) else None
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            ids = router_output(module, output, "ids") if isinstance(output, tuple) and len(output) == 3 else None
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
                 raise RuntimeError(
                     f"RouterRecorder: router {self.labels[index]} returned {type(output).__name__}; expected "
-                    "(logits, weights, ids [T, k]) as transformers' TopKRouter returns"
+                    "the logits, weights and integer ids [T, k] that transformers' TopKRouter returns"
                 )
             self._pending.discard(index)
             self._parts[index].append(ids[self._rows.to(ids.device)].detach())

@@ -1,6 +1,6 @@
 """Exact forwards for the Mixture-of-Experts modules of transformers' Qwen3-MoE, Qwen2-MoE, Mixtral and Granite-MoE.
 
-Written against transformers 5.x (checked with 5.24 and 5.25), where a sparse block holds a router (``*TopKRouter``:
+Written against transformers 5.x (checked from 5.17 on), where a sparse block holds a router (``*TopKRouter``:
 ``weight [E, H]``, ``top_k``, and ``norm_topk_prob`` or the fixed renormalization of Mixtral and Granite-MoE) and
 fused experts (``*Experts``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, dispatched by
 ``config._experts_implementation``).
@@ -10,7 +10,9 @@ its two calls change:
 
 * router: logits through the exact matmul (:func:`rlexact.ops.matmul`, in the hidden dtype as transformers does),
   then :func:`rlexact.ops.moe_router` (fp32 softmax, top-k with ties to the lowest expert index, ``norm_topk_prob``);
-  returns ``(logits, weights, ids)`` like the stock router, so transformers' ``router_logits`` recording still works.
+  returns the logits, weights and ids in the order the stock router's class returns them (:func:`router_outputs`;
+  Granite-MoE's router returned ``(ids, weights, logits)`` before transformers 5.21), so the stock block's unpacking
+  and transformers' ``router_logits`` recording keep working.
   The weights are in the logits' dtype (Qwen, Granite-MoE) or fp32 (Mixtral), as the stock router returns them;
 * experts: :func:`rlexact.ops.moe_experts` (batch-invariant grouped GEMM, fp32 top-k combine in top-k order);
 * Qwen2-MoE block: the shared expert and its gate run through the patched MLP / linear; the mix
@@ -24,6 +26,10 @@ Mixtral's router jitter.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -88,8 +94,48 @@ def _check_experts_layout(m: nn.Module) -> None:
         raise ValueError(f"{type(m).__name__}: unsupported hidden_act {act!r}; the expert kernel implements silu")
 
 
+ROUTER_OUTPUTS: tuple[str, ...] = ("logits", "weights", "ids")
+"""What a router returns, by name: the ``[T, E]`` logits, the ``[T, k]`` top-k weights and the ``[T, k]`` expert ids."""
+
+
+def _output_kind(name: str) -> str | None:
+    if "ind" in name:
+        return "ids"
+    if "logit" in name:
+        return "logits"
+    return "weights" if "weight" in name or "score" in name else None
+
+
+@functools.cache
+def router_outputs(router_class: type) -> tuple[str, ...]:
+    """The names of :data:`ROUTER_OUTPUTS` in the order ``router_class.forward`` returns them, read from the variable
+    names of its one ``return`` statement (``router_logits``, ``*_weights`` / ``*_scores``, ``*_index`` /
+    ``*_indices``). Raises ``ValueError`` naming the class where that statement is not such a tuple."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(router_class.forward)))
+    except (OSError, TypeError, SyntaxError) as err:
+        raise ValueError(f"{router_class.__name__}: rlexact cannot read its forward's source ({err})") from err
+    returns = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return)]
+    elts = returns[0].elts if len(returns) == 1 and isinstance(returns[0], ast.Tuple) else []
+    kinds = tuple(_output_kind(e.id) if isinstance(e, ast.Name) else None for e in elts)
+    if sorted(k or "" for k in kinds) != sorted(ROUTER_OUTPUTS):
+        got = ast.unparse(returns[0]) if len(returns) == 1 and returns[0] is not None else f"{len(returns)} returns"
+        raise ValueError(
+            f"{router_class.__name__}.forward returns {got}: rlexact's exact router needs one return of the logits, "
+            "the top-k weights and the expert ids (transformers 5.17 to 5.25 name them router_logits, *_weights or "
+            "*_scores, *_index or *_indices); this transformers version is not supported"
+        )
+    return kinds
+
+
+def router_output(router: nn.Module, output: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
+    """The output ``name`` (one of :data:`ROUTER_OUTPUTS`) of a call of ``router``, stock or exact."""
+    return output[router_outputs(type(router)).index(name)]
+
+
 def _router_forward(m: nn.Module) -> Callable:
     fp32 = RENORMALIZING_ROUTERS.get(type(m).__name__)  # None: the router reads norm_topk_prob (at every call)
+    order = router_outputs(type(m))
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, m.weight.shape[1])
@@ -97,7 +143,8 @@ def _router_forward(m: nn.Module) -> Callable:
         renormalize = fp32 is not None or bool(m.norm_topk_prob)
         # the softmax is fp32 either way: only the weights' dtype differs
         weights, ids = ops.moe_router(logits.float() if fp32 else logits, int(m.top_k), renormalize)
-        return logits, weights, ids
+        named = {"logits": logits, "weights": weights, "ids": ids}
+        return tuple(named[k] for k in order)
 
     return forward
 
@@ -113,7 +160,8 @@ def _shared_expert_block_forward(m: nn.Module) -> Callable:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         shared = m.shared_expert(x)
-        _, weights, ids = m.gate(x)
+        routing = m.gate(x)
+        ids, weights = router_output(m.gate, routing, "ids"), router_output(m.gate, routing, "weights")
         routed = m.experts(x, ids, weights)
         return ops.sigmoid_gate(routed, shared, m.shared_expert_gate(x)).reshape(hidden_states.shape)
 
@@ -140,15 +188,19 @@ def is_moe(model: nn.Module) -> bool:
 
 def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of every MoE router of ``model`` in module order (empty for a dense model). Each
-    returns ``(logits, weights, ids)`` in both kernel modes; ``ids [T, k]`` are the selected experts."""
+    returns the logits, weights and ids in its class's order (:func:`router_output`) in both kernel modes; the ids
+    ``[T, k]`` are the selected experts."""
     return [(name, m) for name, m in model.named_modules() if _is_router(m)]
 
 
 def check_moe(model: nn.Module) -> None:
-    """Raise ``ValueError`` when a MoE module of ``model`` is one the exact forwards do not implement: an experts
-    layout other than the fused one, a sparse block whose router and experts are not recognized, or router jitter."""
+    """Raise ``ValueError`` when a MoE module of ``model`` is one the exact forwards do not implement: a router whose
+    outputs :func:`router_outputs` cannot name, an experts layout other than the fused one, a sparse block whose
+    router and experts are not recognized, or router jitter."""
     for m in model.modules():
-        if _is_experts(m):
+        if _is_router(m):
+            router_outputs(type(m))
+        elif _is_experts(m):
             _check_experts_layout(m)
         elif type(m).__name__.endswith("SparseMoeBlock"):
             _check_sparse_block(m)
@@ -160,7 +212,7 @@ def _check_sparse_block(m: nn.Module) -> None:
         raise ValueError(
             f"{type(m).__name__}: rlexact's exact MoE forward needs transformers 5.x's router (*TopKRouter) and fused "
             f"experts (*Experts with gate_up_proj / down_proj); got gate {type(gate).__name__} and experts "
-            f"{type(experts).__name__}. Upgrade transformers (pip install 'transformers>=5')."
+            f"{type(experts).__name__}. Upgrade transformers (pip install 'transformers>=5.17')."
         )
     jitter = float(getattr(m, "jitter_noise", 0.0) or 0.0)
     if jitter > 0:
