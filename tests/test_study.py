@@ -449,11 +449,11 @@ def test_smoke_result_file_and_report(smoke):
 
     page = tmp / "page.md"
     page.write_text(
-        "intro\n<!-- study:grpo -->\nold\n<!-- /study:grpo -->\n<!-- study:nope -->\nkeep\n<!-- /study:nope -->\n"
+        "intro\n<!-- study:grpo -->\nSTALE-TABLE\n<!-- /study:grpo -->\n<!-- study:nope -->\nkeep\n<!-- /study:nope -->\n"
     )
     assert fill_page(doc, page) == ["grpo"]
     text = page.read_text()
-    assert "old" not in text and "| arm | reward_first5 |" in text and "keep" in text and text.startswith("intro\n")
+    assert "STALE-TABLE" not in text and "| arm | reward_first5 |" in text and "keep" in text and text.startswith("intro\n")
     tables = (tmp / "report" / "tables.md").read_text()
     assert "### corrections" in tables and "Shadow source `shadow_inject`" in tables
     try:
