@@ -17,6 +17,7 @@ Usage: python tests/_update_worker.py RANK OUT_DIR (MASTER_ADDR / MASTER_PORT se
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -89,58 +90,66 @@ def update_grads(model: torch.nn.Module, batch: Any, micro: int | None) -> tuple
     return host.opt.grads, update.stats.finish(None)
 
 
+def run(rank: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    base = tiny_model("qwen3", vocab=97)
+    batch = make_batch(seed=5 + rank, num_seqs=5 + rank)  # different data and sizes per rank
+    # old log-probs away from the current ones: ratios differ from 1 and some tokens clip
+    batch.old_logprobs = torch.where(batch.response_mask, batch.rollout_logprobs * 0.3, 0.0)
+    mesh = init_device_mesh("cpu", (2,))
+
+    local = exactify(copy.deepcopy(base)).train()
+    local_grads, _ = update_grads(local, batch, None)
+    lp, _ = batch_logprobs(local, batch, 1.0, with_entropy=False)
+    tok, _ = policy_loss(AlgorithmConfig(), batch, lp.detach())
+    local_pg = float(alg.aggregate_loss(tok, batch.loss_mask, batch.cu_seqlens, "token-mean"))
+
+    sharded = apply_fsdp(exactify(copy.deepcopy(base)).train(), mesh)
+    whole, _ = update_grads(sharded, batch, None)
+    calls: list[bool] = []
+    inner = sharded.set_requires_gradient_sync
+    sharded.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), inner(flag, **kw))[1]
+    micro, metrics = update_grads(sharded, batch, 2)
+
+    ckpt = exactify(copy.deepcopy(base)).train()
+    enable_activation_checkpointing(ckpt)
+    ckpt = apply_fsdp(ckpt, mesh)
+    with torch.no_grad():
+        lp_plain = fsdp_call(sharded, lambda: batch_logprobs(sharded, batch, 1.0, with_entropy=True))
+        lp_ckpt = fsdp_call(ckpt, lambda: batch_logprobs(ckpt, batch, 1.0, with_entropy=True))
+    attn_calls = SimpleNamespace(n=0)
+    ckpt.model.layers[0].self_attn.register_forward_hook(lambda *a: setattr(attn_calls, "n", attn_calls.n + 1))
+    micro_ckpt, _ = update_grads(ckpt, batch, 2)
+
+    rewards = torch.tensor([[0.0, 1.0, 0.5], [2.0, 2.0, -1.0, 0.25]][rank], dtype=torch.float64)
+    adv = alg.reinforce_advantages(rewards, eps=0.0, all_reduce=all_reduce)
+    torch.save(
+        {
+            "grads": {"whole": whole, "micro": micro, "micro_ckpt": micro_ckpt},
+            "local": local_grads,
+            "sync_calls": calls,
+            "lp_equal": all(torch.equal(a, b) for a, b in zip(lp_plain, lp_ckpt)),
+            "recomputed": attn_calls.n / 3,  # 3 micro-batches of at most 2 sequences on each rank
+            "metrics": metrics,
+            "local_pg": local_pg,
+            "local_tokens": int(batch.loss_mask.sum()),
+            "adv": adv,
+        },
+        f"{out}/rank{rank}.pt",
+    )
+
+
 def main(rank: int, out: str) -> None:
+    """:func:`run` inside the process group. Its frame is gone and reference cycles are collected before the group is
+    destroyed, so no FSDP2 state holding gloo work outlives it: gloo work freed during interpreter finalization
+    aborts the process ("terminate called without an active exception")."""
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        torch.manual_seed(0)
-        base = tiny_model("qwen3", vocab=97)
-        batch = make_batch(seed=5 + rank, num_seqs=5 + rank)  # different data and sizes per rank
-        # old log-probs away from the current ones: ratios differ from 1 and some tokens clip
-        batch.old_logprobs = torch.where(batch.response_mask, batch.rollout_logprobs * 0.3, 0.0)
-        mesh = init_device_mesh("cpu", (2,))
-
-        local = exactify(copy.deepcopy(base)).train()
-        local_grads, _ = update_grads(local, batch, None)
-        lp, _ = batch_logprobs(local, batch, 1.0, with_entropy=False)
-        tok, _ = policy_loss(AlgorithmConfig(), batch, lp.detach())
-        local_pg = float(alg.aggregate_loss(tok, batch.loss_mask, batch.cu_seqlens, "token-mean"))
-
-        sharded = apply_fsdp(exactify(copy.deepcopy(base)).train(), mesh)
-        whole, _ = update_grads(sharded, batch, None)
-        calls: list[bool] = []
-        inner = sharded.set_requires_gradient_sync
-        sharded.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), inner(flag, **kw))[1]
-        micro, metrics = update_grads(sharded, batch, 2)
-
-        ckpt = exactify(copy.deepcopy(base)).train()
-        enable_activation_checkpointing(ckpt)
-        ckpt = apply_fsdp(ckpt, mesh)
-        with torch.no_grad():
-            lp_plain = fsdp_call(sharded, lambda: batch_logprobs(sharded, batch, 1.0, with_entropy=True))
-            lp_ckpt = fsdp_call(ckpt, lambda: batch_logprobs(ckpt, batch, 1.0, with_entropy=True))
-        attn_calls = SimpleNamespace(n=0)
-        ckpt.model.layers[0].self_attn.register_forward_hook(lambda *a: setattr(attn_calls, "n", attn_calls.n + 1))
-        micro_ckpt, _ = update_grads(ckpt, batch, 2)
-
-        rewards = torch.tensor([[0.0, 1.0, 0.5], [2.0, 2.0, -1.0, 0.25]][rank], dtype=torch.float64)
-        adv = alg.reinforce_advantages(rewards, eps=0.0, all_reduce=all_reduce)
-        torch.save(
-            {
-                "grads": {"whole": whole, "micro": micro, "micro_ckpt": micro_ckpt},
-                "local": local_grads,
-                "sync_calls": calls,
-                "lp_equal": all(torch.equal(a, b) for a, b in zip(lp_plain, lp_ckpt)),
-                "recomputed": attn_calls.n / 3,  # 3 micro-batches of at most 2 sequences on each rank
-                "metrics": metrics,
-                "local_pg": local_pg,
-                "local_tokens": int(batch.loss_mask.sum()),
-                "adv": adv,
-            },
-            f"{out}/rank{rank}.pt",
-        )
+        run(rank, out)
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
