@@ -448,12 +448,13 @@ def test_smoke_result_file_and_report(smoke):
     from rlexact.study.report import fill_page
 
     page = tmp / "page.md"
+    stale = "STALE-TABLE"  # matches nothing the report writes (the command line holds the interpreter's path)
     page.write_text(
-        "intro\n<!-- study:grpo -->\nSTALE-TABLE\n<!-- /study:grpo -->\n<!-- study:nope -->\nkeep\n<!-- /study:nope -->\n"
+        f"intro\n<!-- study:grpo -->\n{stale}\n<!-- /study:grpo -->\n<!-- study:nope -->\nkeep\n<!-- /study:nope -->\n"
     )
     assert fill_page(doc, page) == ["grpo"]
     text = page.read_text()
-    assert "STALE-TABLE" not in text and "| arm | reward_first5 |" in text and "keep" in text and text.startswith("intro\n")
+    assert stale not in text and "| arm | reward_first5 |" in text and "keep" in text and text.startswith("intro\n")
     tables = (tmp / "report" / "tables.md").read_text()
     assert "### corrections" in tables and "Shadow source `shadow_inject`" in tables
     try:
