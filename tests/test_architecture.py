@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "checks": 0,
     "envinfo": 0,
     "reduction": 0,
+    "requirements": 0,
     "resources": 0,
     "rewards": 0,
     # 1: the exact model

@@ -5,6 +5,7 @@ Public surface (see the README and ``docs/design.md`` §5): :func:`exactify`, :f
 :class:`PromptDataModule`, :mod:`rlexact.callbacks` and the pure :mod:`rlexact.algorithms`.
 """
 
+from rlexact import requirements  # noqa: I001 - first: it checks the library versions before the others import them
 from rlexact import algorithms, callbacks, ops, rollout
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks import RLCallback
@@ -35,6 +36,7 @@ __all__ = [
     "ops",
     "pack",
     "packed_logprobs",
+    "requirements",
     "rollout",
     "sequence_logprobs",
     "use_kernels",
