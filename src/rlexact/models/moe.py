@@ -135,7 +135,7 @@ def router_output(router: nn.Module, output: tuple[torch.Tensor, ...], name: str
 
 def _router_forward(m: nn.Module) -> Callable:
     fp32 = RENORMALIZING_ROUTERS.get(type(m).__name__)  # None: the router reads norm_topk_prob (at every call)
-    order = router_outputs(type(m))
+    picks = tuple(ROUTER_OUTPUTS.index(k) for k in router_outputs(type(m)))  # stock position -> ROUTER_OUTPUTS index
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, m.weight.shape[1])
@@ -143,8 +143,8 @@ def _router_forward(m: nn.Module) -> Callable:
         renormalize = fp32 is not None or bool(m.norm_topk_prob)
         # the softmax is fp32 either way: only the weights' dtype differs
         weights, ids = ops.moe_router(logits.float() if fp32 else logits, int(m.top_k), renormalize)
-        named = {"logits": logits, "weights": weights, "ids": ids}
-        return tuple(named[k] for k in order)
+        out = (logits, weights, ids)
+        return tuple(out[i] for i in picks)
 
     return forward
 
@@ -157,12 +157,14 @@ def _experts_forward(m: nn.Module) -> Callable:
 
 
 def _shared_expert_block_forward(m: nn.Module) -> Callable:
+    order = router_outputs(type(m.gate))
+    ids_at, weights_at = order.index("ids"), order.index("weights")
+
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         shared = m.shared_expert(x)
         routing = m.gate(x)
-        ids, weights = router_output(m.gate, routing, "ids"), router_output(m.gate, routing, "weights")
-        routed = m.experts(x, ids, weights)
+        routed = m.experts(x, routing[ids_at], routing[weights_at])
         return ops.sigmoid_gate(routed, shared, m.shared_expert_gate(x)).reshape(hidden_states.shape)
 
     return forward
