@@ -36,7 +36,8 @@ picks=${3:-}
 groups="0 1 2 3"
 [[ $what == tests ]] && groups=${2:-0 1 2 3}
 # $RLEXACT_COMMIT, else HEAD with "+dirty" when tracked files differ from it (a copied tree may carry a stale .git)
-commit=$(python3 -c 'from rlexact.envinfo import git_commit; print(git_commit("."))')
+# (a malformed $RLEXACT_COMMIT stops the run here, before any device time is spent)
+commit=$(python3 -c 'from rlexact.envinfo import git_commit; print(git_commit("."))') || exit 2
 export RLEXACT_COMMIT=$commit
 rc=0
 

@@ -53,14 +53,16 @@ SUMMARY=$OUT/study_gpu_summary.txt
 TGZ=$OUT/study_h200_runs.tgz
 WORK=$(mktemp -d /tmp/study_gpu.XXXXXX)
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-RLEXACT_COMMIT=${RLEXACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [[ -z ${RLEXACT_COMMIT:-} ]]; then RLEXACT_COMMIT=$(git rev-parse HEAD 2> /dev/null) || RLEXACT_COMMIT=""; fi
 export RLEXACT_COMMIT
+# a malformed $RLEXACT_COMMIT stops the study here, not when its report is written at the end
+$PYTHON -c 'from rlexact.envinfo import named_commit; named_commit()' || exit 2
 : > "$LOG"
 say() { echo "[study_gpu $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 t_start=$(date +%s)
 elapsed() { echo $(($(date +%s) - t_start)); }
 
-say "commit $RLEXACT_COMMIT; config $STUDY_CONFIG; OUT $OUT"
+say "commit ${RLEXACT_COMMIT:-unknown}; config $STUDY_CONFIG; OUT $OUT"
 if command -v nvidia-smi > /dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$LOG"
   nvidia-smi dmon -s u -d 5 > "$WORK/gpu_utilization.txt" 2>&1 &

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -74,3 +75,41 @@ def test_a_named_commit_whose_code_is_not_the_trees_is_marked(monkeypatch: pytes
     for named, expected in ((first, first + "+mismatch"), (head, head), (unknown, unknown)):
         monkeypatch.setenv("RLEXACT_COMMIT", named)
         assert git_commit() == expected
+
+
+MALFORMED_COMMITS = ["FULL", "f8feddc\nf8feddc", "test-commit", "abc12", "F8FEDDC", "f" * 41, " " + "f" * 40]
+
+
+@pytest.mark.parametrize("value", MALFORMED_COMMITS)
+def test_a_malformed_named_commit_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """A ``$RLEXACT_COMMIT`` that is no commit id (a placeholder left in a command, a command substitution that printed
+    twice) stops the run when its result header is built, naming the variable and the fix."""
+    monkeypatch.setenv("RLEXACT_COMMIT", value)
+    with pytest.raises(ValueError, match=r"RLEXACT_COMMIT=.* is not a commit id: set it to the hexadecimal sha"):
+        git_commit()
+    with pytest.raises(ValueError, match="RLEXACT_COMMIT="):
+        result_header("probe")
+
+
+@pytest.mark.parametrize("value", ["0123abc", "f" * 40])
+def test_a_well_formed_named_commit_is_recorded(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """The negative control of the test above: commit ids of 7 and 40 characters, unknown to this checkout, are
+    recorded as given; an empty variable reads the checkout's own commit."""
+    monkeypatch.setenv("RLEXACT_COMMIT", value)
+    assert git_commit() == value and result_header("probe")["commit"] == value
+    monkeypatch.setenv("RLEXACT_COMMIT", "")
+    assert git_commit() == git_commit(Path(__file__).resolve().parent)
+
+
+@pytest.mark.parametrize("script", [["scripts/gpu_suite.sh", "bench", "decode", "0"], ["scripts/study_gpu.sh"]])
+def test_the_gpu_scripts_stop_on_a_malformed_named_commit(tmp_path: Path, script: list[str]) -> None:
+    """The device scripts check ``$RLEXACT_COMMIT`` before they run anything, so a mistyped command costs no device
+    time and leaves no result behind."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RLEXACT_COMMIT": "FULL", "OUT": str(tmp_path / "out"), "RESULTS": str(tmp_path / "results"),
+           "STUDY_RUNS": str(tmp_path / "runs"), "STUDY_JSON": str(tmp_path / "study.json"),
+           "STUDY_DOCS": str(tmp_path / "docs"), "SFT_OUT": str(tmp_path / "ckpt")}  # fmt: skip
+    proc = subprocess.run(["bash", *script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "RLEXACT_COMMIT='FULL' is not a commit id" in proc.stderr
+    assert not list((tmp_path / "results").glob("*.json")) and not (tmp_path / "study.json").exists()

@@ -531,7 +531,7 @@ def test_study_gpu_script_runs_the_chain_on_cpu(tmp_path):
         "SFT_DEVICE": "cpu",
         "SFT_ARGS": "--steps 2 --batch-size 4 --hidden-size 32 --num-layers 1 --num-heads 2 --num-kv-heads 1 "
         "--head-dim 16 --intermediate-size 48 --eval-size 4",
-        "RLEXACT_COMMIT": "test-commit",
+        "RLEXACT_COMMIT": "0123abc",
     }
     proc = subprocess.run(["bash", "scripts/study_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     out = tmp_path / "out"
@@ -543,7 +543,7 @@ def test_study_gpu_script_runs_the_chain_on_cpu(tmp_path):
         "study_h200_runs.tgz",
     ]
     doc = json.loads((out / "study_h200.json").read_text())
-    assert doc["commit"] == "test-commit" and doc["experiments"]["shadow"]["complete"]
+    assert doc["commit"] == "0123abc" and doc["experiments"]["shadow"]["complete"]
     assert "shadow: complete" in (out / "study_gpu_summary.txt").read_text()
     with tarfile.open(out / "study_h200_runs.tgz") as tar:
         names = tar.getnames()

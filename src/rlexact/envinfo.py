@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -31,13 +32,32 @@ def library_versions(*modules: str) -> dict[str, str]:
     return out
 
 
+def named_commit() -> str | None:
+    """``$RLEXACT_COMMIT``, or ``None`` when it is unset or empty.
+
+    Raises ``ValueError`` naming the variable when it is set to anything but a commit id (7 to 40 lowercase
+    hexadecimal characters), so a mistyped command fails before it runs rather than recording a result under a name
+    no citation can check."""
+    named = os.environ.get(COMMIT_ENV, "")
+    if not named:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{7,40}", named):
+        raise ValueError(
+            f"{COMMIT_ENV}={named!r} is not a commit id: set it to the hexadecimal sha (7 to 40 characters; the "
+            f"full 40 where the tree's .git may be stale) of the commit whose sources this tree holds, e.g. what "
+            f"`git rev-parse HEAD` prints on the checkout the tree was copied from, or unset it to read this tree's "
+            f"own .git"
+        )
+    return named
+
+
 def git_commit(path: str | Path | None = None, tree_digest: str | None = None) -> str:
-    """``$RLEXACT_COMMIT`` when set (a copied working tree may carry a stale ``.git``), with ``+mismatch`` when this
+    """:func:`named_commit` when set (a copied working tree may carry a stale ``.git``), with ``+mismatch`` when this
     checkout knows that commit and its sources are not the ones here (:func:`names_other_code`, given the tree's
     ``tree_digest`` where the caller has it); else the ``HEAD`` commit of the repository holding ``path`` (default:
     this package), with ``+dirty`` when tracked files differ from it; else ``"unknown"``."""
-    if os.environ.get(COMMIT_ENV):
-        named = os.environ[COMMIT_ENV]
+    named = named_commit()
+    if named is not None:
         return named + ("+mismatch" if names_other_code(named, tree_digest) else "")
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
