@@ -23,7 +23,7 @@
 # bench: each benchmark writes its own JSON (with its own header: commit, command, GPU, versions, date) and log into
 #   $RESULTS (default /tmp/rlexact_results), packed into $OUT/bench_<SET>.tgz at the end (the device returns at most
 #   eight files). Unpack into benchmarks/results/ to commit them. A set longer than one device call (decode: about
-#   eleven minutes) runs as two calls with command indices, e.g. "0 1" and then "2 3".
+#   eleven minutes, on cold Triton caches more) runs as two calls with command indices, e.g. "0 1 4" and then "3 2".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlexact_gpu}
@@ -105,12 +105,14 @@ if [[ $what == bench || $what == all ]]; then
     "$rt --grpo --out $R/rollout_grpo_h200.json"
     "benchmarks/moe_bench.py --out $R/moe_h200.json"
   )
-  # issue 10's decode and prefill files, named after the card that ran them
+  # issue 10's decode and prefill files, named after the card that ran them, and the card's measured read rate that
+  # their rooflines are judged against
   decode=(
     "$rt --profile 32 --out $R/rollout_$card.json"
     "$rt $long --out $R/rollout_long_$card.json"
     "benchmarks/ops_bench.py --sections attention --out $R/ops_attention_$card.json"
     "$rt --grpo --out $R/rollout_grpo_$card.json"
+    "benchmarks/hbm_read_probe.py --out $R/hbm_read_probe_$card.json"
   )
   sweeps=(
     "benchmarks/attention_configs.py --out $R/attention_configs_h200.json"
