@@ -113,3 +113,24 @@ def test_the_gpu_scripts_stop_on_a_malformed_named_commit(tmp_path: Path, script
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "RLEXACT_COMMIT='FULL' is not a commit id" in proc.stderr
     assert not list((tmp_path / "results").glob("*.json")) and not (tmp_path / "study.json").exists()
+
+
+def test_the_demo_and_the_study_refuse_a_malformed_named_commit_before_running(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m rlexact.demo --record`` and ``python -m rlexact.study`` write ``$RLEXACT_COMMIT`` into their result
+    headers after the run: a malformed one is a usage error before anything runs, and no file is written."""
+    from rlexact.demo.run import main as demo_main
+    from rlexact.study.__main__ import main as study_main
+
+    monkeypatch.setenv("RLEXACT_COMMIT", "FULL")
+    runs = [
+        (demo_main, ["--record", str(tmp_path / "record.json")]),
+        (study_main, ["shadow", "--json", str(tmp_path / "s.json"), "--out", str(tmp_path / "runs"), "--no-report"]),
+    ]
+    for main, argv in runs:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        assert "RLEXACT_COMMIT='FULL' is not a commit id" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

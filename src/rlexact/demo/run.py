@@ -42,7 +42,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from rlexact.checks import choice, finite, flag_message, integer, not_a_file, positive_int
-from rlexact.envinfo import library_versions
+from rlexact.envinfo import library_versions, named_commit
 from rlexact.resources import DEMO_MODEL, checkpoint_path, resolve
 
 __all__ = [
@@ -589,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         cfg = _as_config(args)
         start_checkpoint(cfg)
+        if args.record:
+            named_commit()  # the record's header names it: a malformed one fails now, not after the run
     except (ValueError, OSError) as e:
         parser.error(flag_message(e, (f.name for f in fields(DemoConfig))))
     summary = run_demo(cfg)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlexact.envinfo import named_commit
 from rlexact.study.config import load_config
 from rlexact.study.experiments import EXPERIMENTS, experiment_arms, summarize
 from rlexact.study.report import device_tag, entry_header, fill_page, write_json, write_plots, write_tables
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(EXPERIMENTS) if args.experiments == ["all"] else args.experiments
     cfg = _checked(parser, lambda: load_config(args.config, overrides))
     _checked(parser, lambda: [experiment_arms(cfg, name) for name in names])
+    _checked(parser, named_commit)  # the result JSON's header names it: a malformed one fails now, not after the runs
     run_study(
         args.experiments,
         args.config,
