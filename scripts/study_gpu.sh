@@ -53,8 +53,7 @@ SUMMARY=$OUT/study_gpu_summary.txt
 TGZ=$OUT/study_h200_runs.tgz
 WORK=$(mktemp -d /tmp/study_gpu.XXXXXX)
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-if [[ -z ${RLEXACT_COMMIT:-} ]]; then RLEXACT_COMMIT=$(git rev-parse HEAD 2> /dev/null) || RLEXACT_COMMIT=""; fi
-export RLEXACT_COMMIT
+export RLEXACT_COMMIT=${RLEXACT_COMMIT:-$(git rev-parse HEAD 2> /dev/null)}  # empty without git: "unknown" below
 # a malformed $RLEXACT_COMMIT stops the study here, not when its report is written at the end
 $PYTHON -c 'from rlexact.envinfo import named_commit; named_commit()' || exit 2
 : > "$LOG"
