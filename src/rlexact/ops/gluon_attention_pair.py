@@ -146,8 +146,6 @@ if ga.gluon is not None:
     PAIR_ZERO_START = gl.constexpr(False)
     """Whether a bound specialization leaves a KV split's sum at its first key tile unscaled (:func:`kernel`): it is
     ``+0`` there and the tile's ``alpha`` is ``exp2(-inf) = +0``, so the product is ``+0`` too."""
-    STAGGER_NS = gl.constexpr(0)
-    """Nanoseconds consumer 1 of a bound specialization sleeps before its first item (:func:`kernel`; 0: none)."""
     ITEM_SLOTS = gl.constexpr(ITEM_DEPTH)
     """Item records (and their query tiles) a bound specialization's producer may publish ahead (:func:`kernel`)."""
     INFO = gl.constexpr(8)
@@ -387,11 +385,6 @@ if ga.gluon is not None:
         x0 = gl.program_id(0) * 0
         tail_parity = x0
         n = x0
-        if (C == 1) & (STAGGER_NS > 0):  # start behind consumer 0, so the two softmaxes need not coincide
-            lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-            gl.inline_asm_elementwise("nanosleep.u32 $1;\nmov.u32 $0, $1;", "=r,r",
-                                      [gl.full([32 * W], STAGGER_NS, gl.int32, layout=lay)], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
         mbarrier.wait(item_ready.index(0), 0)
         rec = info_smem.index(0).load(rec_lay)
         while _field(rec, 7, rec_lay) != 0:
@@ -507,8 +500,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``stagger_ns`` puts consumer 1 to sleep for about that many nanoseconds before its first
-    item (``nanosleep``), so that the consumers, which read the same key tiles, start out of step."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -521,7 +513,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    stagger_ns: int = 0
 
     @property
     def warps(self) -> int:
@@ -541,8 +532,6 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
-        if not 0 <= self.stagger_ns < 1_000_000:
-            raise ValueError(f"gluon_attention_pair.Build: stagger_ns must be in [0, 1e6), got {self.stagger_ns}")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -568,7 +557,7 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_FIRST_FOLD=gl.constexpr(build.first_fold), PAIR_TREE_MAX=gl.constexpr(build.tree_max),
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
-                  ROW_SUM_N=gl.constexpr(build.row_sum_n), STAGGER_NS=gl.constexpr(build.stagger_ns),
+                  ROW_SUM_N=gl.constexpr(build.row_sum_n),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
