@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from rlexact.envinfo import SOURCE_DIRS, commit_sources, digest_files, is_commit, is_source, source_digest
+from rlexact.envinfo import COMMIT_ID, SOURCE_DIRS, commit_sources, digest_files, is_commit, is_source, source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ("README.md", "docs/benchmarks.md")
 
-_GROUP = re.compile(r"((?:`[^`]+`[^`(]*?)+)\(([0-9a-f]{7,40})(?:\)|;[^)]*\))")
+_GROUP = re.compile(rf"((?:`[^`]+`[^`(]*?)+)\(({COMMIT_ID})(?:\)|;[^)]*\))")
 """Backticked names, then the commit they share in parentheses (optionally followed by a note after ``;``)."""
 _NAME = re.compile(r"`([^`\s]+\.(?:json|log))`")
-_LOG_COMMIT = re.compile(r"at commit ([0-9a-f]{7,40})(?![+0-9a-f])")
+_LOG_COMMIT = re.compile(rf"at commit ({COMMIT_ID})(?![+0-9a-f])")
 
 
 def _expand(name: str) -> list[str]:

@@ -32,6 +32,10 @@ def library_versions(*modules: str) -> dict[str, str]:
     return out
 
 
+COMMIT_ID = r"[0-9a-f]{7,40}"
+"""A commit id as results record it: 7 to 40 lowercase hexadecimal characters (a regular expression)."""
+
+
 def named_commit() -> str | None:
     """``$RLEXACT_COMMIT``, or ``None`` when it is unset or empty.
 
@@ -41,7 +45,7 @@ def named_commit() -> str | None:
     named = os.environ.get(COMMIT_ENV, "")
     if not named:
         return None
-    if not re.fullmatch(r"[0-9a-f]{7,40}", named):
+    if not re.fullmatch(COMMIT_ID, named):
         raise ValueError(
             f"{COMMIT_ENV}={named!r} is not a commit id: set it to the hexadecimal sha (7 to 40 characters; the "
             f"full 40 where the tree's .git may be stale) of the commit whose sources this tree holds, e.g. what "
