@@ -3,17 +3,17 @@
     python benchmarks/pair_sass.py [--variants 3x3 3x3S 3x3M 3x3W ...] [--out ...]
 
 Each variant is a :class:`rlexact.ops.gluon_attention_pair.Build` in ``pair_depth_probe.py``'s notation
-(``RxI[xN][S][F][T][Z][M][W][C[16]]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
-query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
+(``RxI[xN][S][F][T][Z][M][W][C[16]][V][P]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16
+(two query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
 ``ptxas`` for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared
 memory, the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
 P @ V's wgmmas): its instructions and most frequent opcodes, the conditional block it skips for a key tile every row
 sees in full (the masking of a diagonal or tail tile), hence the instructions of an unmasked key tile, its
 ``WARPGROUP.DEPBAR`` levels (the products left in flight at each wait), and whether its wait for every product
 (``DEPBAR.LE 0x0``) comes after the softmax's exponentials (``MUFU.EX2``), that is whether the previous tile's P @ V
-runs under the softmax or before it. Counts are static: each instruction once per
-copy of the code. The GPU's timings of the same builds are ``pair_depth_probe.py``'s. Output:
-``benchmarks/results/pair_sass_sm90.json``.
+runs under the softmax or before it, with the exponentials between each such wait and the wait before it. Counts are
+static: each instruction once per copy of the code. The GPU's timings of the same builds are ``pair_depth_probe.py``'s.
+Output: ``benchmarks/results/pair_sass_sm90.json``.
 """
 
 from __future__ import annotations
@@ -80,6 +80,20 @@ def wait_after_exponentials(body: list[tuple[str, str, int | None]]) -> bool | N
     return drains[0] > exps[-1] if drains and exps else None
 
 
+def exponentials_before_drains(body: list[tuple[str, str, int | None]]) -> list[int]:
+    """For each wait for every product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) in ``body``, the exponentials
+    (``MUFU.EX2``) since the wait before it: how much of a key tile's softmax runs while its products are in flight."""
+    counts, n = [], 0
+    for op, operands, _ in body:
+        if op == "MUFU.EX2":
+            n += 1
+        elif op == "WARPGROUP.DEPBAR.LE":
+            if operands.strip().endswith("0x0"):
+                counts.append(n)
+            n = 0
+    return counts
+
+
 def measure(spec: str) -> dict:
     build = parse(spec)
     hp, split = geometry(torch.bfloat16)
@@ -99,6 +113,7 @@ def measure(spec: str) -> dict:
             "unmasked_tile_instructions": len(body) - skipped,
             "depbar_levels": [re.search(r"0x[0-9a-f]+", o)[0] for op, o, _ in body if op == "WARPGROUP.DEPBAR.LE"],
             "drain_after_exponentials": wait_after_exponentials(body),
+            "exponentials_before_each_drain": exponentials_before_drains(body),
             "top_opcodes": dict(ops.most_common(14)),
         })  # fmt: skip
     return {
