@@ -3,8 +3,8 @@
     python benchmarks/pair_sass.py [--variants 3x3 3x3S 3x3M 3x3W ...] [--out ...]
 
 Each variant is a :class:`rlexact.ops.gluon_attention_pair.Build` in ``pair_depth_probe.py``'s notation
-(``RxI[xN][S][F][T][Z][M][W][C[16]][V][P]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16
-(two query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
+(``RxI[xN][S][F][T][Z][M][W][C[16]]``), compiled as the library launches the pair for Qwen3-1.7B's heads in bf16 (two
+query heads per tile, the library's KV split, packed keys, no backward preprocessing), by Triton's compiler and
 ``ptxas`` for sm_90. From the cubin (``cuobjdump``, bundled with Triton): registers per thread, stack (spills), shared
 memory, the kernel's SASS instructions, and for each consumer its key-tile loop (the innermost loop with the scores' and
 P @ V's wgmmas): its instructions and most frequent opcodes, the conditional block it skips for a key tile every row

@@ -135,13 +135,6 @@ if ga.gluon is not None:
     its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
     (:func:`kernel`; with ``PAIR_SUM_WITH_PV``). Every column of P against the ones tile is
     the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
-    PAIR_LATE_V = gl.constexpr(False)
-    """Whether a bound specialization releases a key tile's V slot with the next tile's K slot, after the next tile's
-    scores, instead of right after the wait for its P @ V (:func:`kernel`; with ``PAIR_SUM_WITH_PV``)."""
-    PAIR_TWO_P = gl.constexpr(False)
-    """Whether a bound specialization runs the pipelined loop two key tiles per iteration, the P @ V operands of the
-    two in different registers, each converted before the wait for the other's P @ V (:func:`kernel`; with
-    ``PAIR_SUM_WITH_PV`` and ``PAIR_COLUMN_SUMS``)."""
     ROW_SUM_N = gl.constexpr(16)
     """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
     PAIR_TREE_MAX = gl.constexpr(False)
@@ -251,30 +244,6 @@ if ga.gluon is not None:
         return gl.fma(l_c, gl.convert_layout(alpha, row_r)[:, None], rsum)
 
     @gluon.jit
-    def _pv_step(j, x0, p_op, acc_s, l_c, m_s, alpha_sum, q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty,
-                 v_ready, v_empty, s_zero, r_zero, n_full, pos, offs_n, nk, qk_scale, BLOCK_N: gl.constexpr,
-                 dt: gl.constexpr, pv_op: gl.constexpr, row_o: gl.constexpr, row_r: gl.constexpr):  # fmt: skip
-        """One iteration of :func:`_rows`'s pipelined loop with column sums (``PAIR_TWO_P``): key tile ``j``'s P @ V
-        and row sum under tile ``j + 1``'s scores and softmax, whose P operand is converted before the wait for tile
-        ``j``'s: ``(tile j + 1's P operand, acc_s, l_c, m_s, tile j + 1's alpha)``."""
-        r = x0 + j
-        nxt = (r + 1) % SLOTS
-        mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
-        r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-        s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
-        mbarrier.arrive(k_empty.index(nxt), count=1)
-        s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
-        m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
-        p_next = gl.convert_layout(p, pv_op)
-        acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
-        mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-        l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
-        return p_next, rescaled(acc_s, alpha, row_o), l_c, m_s, alpha
-
-    @gluon.jit
     def _rows(o_ptr, lse_ptr, delta_ptr, o_desc, q_tile, ones_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
               v_empty, tail_bars, q_begin, nq, nk, q_start, tile, hgroup, n_mine, x0, tail, zero_here, tail_phase,
               by_tma, qk_scale, stride_ot, stride_oh, stride_lt, stride_lh, HP: gl.constexpr, SPLIT: gl.constexpr,
@@ -333,60 +302,38 @@ if ga.gluon is not None:
                 p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
                 acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s,
                                                          not PAIR_ZERO_START)  # fmt: skip
-            if PAIR_TWO_P:
-                if (t1 - 1 - t0) % 2 == 1:  # an odd count: one iteration first
-                    p_op, acc_s, l_c, m_s, alpha_sum = _pv_step(t0, x0, p_op, acc_s, l_c, m_s, alpha_sum, q_smem,
-                                                                k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                                                v_empty, s_zero, r_zero, n_full, pos, offs_n, nk,
-                                                                qk_scale, BLOCK_N, dt, pv_op, row_o, row_r)  # fmt: skip
-                for j in range(t0 + (t1 - 1 - t0) % 2, t1 - 1, 2):
-                    p_b, acc_s, l_c, m_s, alpha_sum = _pv_step(j, x0, p_op, acc_s, l_c, m_s, alpha_sum, q_smem,
-                                                               k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                                               v_empty, s_zero, r_zero, n_full, pos, offs_n, nk,
-                                                               qk_scale, BLOCK_N, dt, pv_op, row_o, row_r)  # fmt: skip
-                    p_op, acc_s, l_c, m_s, alpha_sum = _pv_step(j + 1, x0, p_b, acc_s, l_c, m_s, alpha_sum, q_smem,
-                                                                k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                                                v_empty, s_zero, r_zero, n_full, pos, offs_n, nk,
-                                                                qk_scale, BLOCK_N, dt, pv_op, row_o, row_r)  # fmt: skip
-            else:
-                for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
-                    r = x0 + j
-                    nxt = (r + 1) % SLOTS
-                    mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
-                    s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                                          is_async=True)
-                    mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
-                    if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
-                        r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
-                        s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
-                    else:  # the scores; P @ V may run
-                        s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
-                    mbarrier.arrive(k_empty.index(nxt), count=1)
-                    if PAIR_LATE_V:  # tile j - 1's V slot, whose P @ V the last iteration waited for
-                        mbarrier.arrive(v_empty.index((r + SLOTS - 1) % SLOTS), count=1, pred=j > t0)
-                    s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
-                    m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
-                    if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
-                        acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
-                        if not PAIR_LATE_V:
-                            mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                        if PAIR_COLUMN_SUMS:
-                            l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
-                        else:
-                            l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
-                        alpha_sum = alpha
-                        acc_s = rescaled(acc_s, alpha, row_o)
-                        p_op = gl.convert_layout(p, pv_op)
-                    else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
-                        p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
-                        acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
-                        mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
-                        acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
+            for j in range(t0, t1 - 1):  # tile j's P @ V, tile j + 1's scores and softmax
+                r = x0 + j
+                nxt = (r + 1) % SLOTS
+                mbarrier.wait(k_ready.index(nxt), ((r + 1) // SLOTS) & 1)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(r % SLOTS), acc_s, is_async=True)
+                if PAIR_SUM_WITH_PV:  # the scores; P @ V and the row sum may run
+                    r_tok = warpgroup_mma(p_op, ones_smem, r_zero, use_acc=False, is_async=True)
+                    s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
+                else:  # the scores; P @ V may run
+                    s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
+                mbarrier.arrive(k_empty.index(nxt), count=1)
+                s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
+                m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
+                if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
+                    acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    if PAIR_COLUMN_SUMS:
+                        l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
+                    else:
+                        l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
+                    alpha_sum = alpha
+                    acc_s = rescaled(acc_s, alpha, row_o)
+                    p_op = gl.convert_layout(p, pv_op)
+                else:  # P @ V; tile j + 1's row sum runs while the sum is rescaled and P converted
+                    p_r, rsum = issue_row_sum(p, ones_smem, r_zero, r_op)
+                    acc_s, p_op = warpgroup_mma_wait(1, deps=(acc_s, p_op))
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    acc_s, p_op, l_s = rescale_under_row_sum(acc_s, l_s, alpha, p, p_r, rsum, pv_op, row_o, row_s)
             jl = t1 - 1  # the split's last tile: its P @ V, then the fold
             rl = (x0 + jl) % SLOTS
-            if PAIR_LATE_V:  # the loop's last V slot
-                mbarrier.arrive(v_empty.index((rl + SLOTS - 1) % SLOTS), count=1, pred=jl > t0)
             mbarrier.wait(v_ready.index(rl), ((x0 + jl) // SLOTS) & 1)
             if jl == tail:  # V rows past the sequence: zeros, whatever the next sequence holds
                 if CONSUMERS == 1:
@@ -553,9 +500,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``late_v`` (with ``sum_with_pv``) releases each V slot with the next tile's K slot
-    (``PAIR_LATE_V``); ``two_p`` (with ``column_sums``) runs two key tiles per iteration with their P operands in
-    different registers (``PAIR_TWO_P``)."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -568,8 +513,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    late_v: bool = False
-    two_p: bool = False
 
     @property
     def warps(self) -> int:
@@ -589,9 +532,6 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
-        if (self.late_v and not self.sum_with_pv) or (self.two_p and (not self.column_sums or self.late_v)):
-            raise ValueError("gluon_attention_pair.Build: late_v needs sum_with_pv, two_p needs column_sums and "
-                             "not late_v")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -618,12 +558,10 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
                   ROW_SUM_N=gl.constexpr(build.row_sum_n),
-                  PAIR_LATE_V=gl.constexpr(build.late_v),
-                  PAIR_TWO_P=gl.constexpr(build.two_p),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
-    rows = ga.rebind(_rows, _pv_step=ga.rebind(_pv_step, **consts), **consts)
+    rows = ga.rebind(_rows, **consts)
     consume = ga.rebind(_consume, _rows=rows, **consts)
     produce = ga.rebind(_produce, _item=item, **consts)
     worker = ga.rebind(_worker_consumer, _consume=consume)
