@@ -11,9 +11,9 @@ P @ V's wgmmas): its instructions and most frequent opcodes, the conditional blo
 sees in full (the masking of a diagonal or tail tile), hence the instructions of an unmasked key tile, its
 ``WARPGROUP.DEPBAR`` levels (the products left in flight at each wait), and whether its wait for every product
 (``DEPBAR.LE 0x0``) comes after the softmax's exponentials (``MUFU.EX2``), that is whether the previous tile's P @ V
-runs under the softmax or before it, with the exponentials between each such wait and the wait before it. Counts are
-static: each instruction once per copy of the code. The GPU's timings of the same builds are ``pair_depth_probe.py``'s.
-Output: ``benchmarks/results/pair_sass_sm90.json``.
+runs under the softmax or before it, with the exponentials between each such wait and the wait before it, and its
+partition barriers (``BAR.SYNC``). Counts are static: each instruction once per copy of the code. The GPU's timings of
+the same builds are ``pair_depth_probe.py``'s. Output: ``benchmarks/results/pair_sass_sm90.json``.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def measure(spec: str) -> dict:
             "depbar_levels": [re.search(r"0x[0-9a-f]+", o)[0] for op, o, _ in body if op == "WARPGROUP.DEPBAR.LE"],
             "drain_after_exponentials": wait_after_exponentials(body),
             "exponentials_before_each_drain": exponentials_before_drains(body),
+            "partition_barriers": sum(op.startswith("BAR.SYNC") for op, _, _ in body),
             "top_opcodes": dict(ops.most_common(14)),
         })  # fmt: skip
     return {
