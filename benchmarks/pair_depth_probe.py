@@ -12,10 +12,10 @@ This builds the kernel (:class:`rlexact.ops.gluon_attention_pair.Build`) at othe
 key tiles of ``N`` keys, then with any of the schedules that keep the bits, one letter each in this order: ``S`` issues
 each key tile's row-sum wgmma with its P @ V, ``F`` takes a query tile's first KV split as its state without the fold,
 ``T`` takes each row's maximum as a tree, ``Z`` leaves a KV split's sum unscaled at its first key tile, ``M`` masks each
-score with one comparison, ``W`` runs one consumer partition of twice the warps for both query tiles of an item, ``C``
-(with ``S``) keeps a split's sum per column of an 8-column row-sum product, reduced once per split (``C16``: of a
-16-column product), ``K`` (with ``S``) releases each key tile's K and V slots together once its P @ V is done. It times
-the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
+score with one comparison, ``W`` runs one consumer partition of twice the warps for both query tiles of an item,
+``C`` (with ``S``) keeps a split's sum per column of an 8-column row-sum product, reduced once per split (``C16``: of
+a 16-column product). It
+times the packed forward at each of ``ops_bench.py``'s prefill shapes (Qwen3-1.7B's heads, the same timer as that file's
 ``gluon_kernels``). Checks first, on packed mixed lengths with NaN in one sequence's keys (which no other sequence's row
 may read): a variant at the library's key tile must give the library kernel's bits; one at another key tile changes the
 bit contract (the online softmax runs per tile), so it must instead be deterministic and as close to a float32 reference
@@ -42,13 +42,13 @@ HQ, HKV, D = 16, 8, 128
 PAIR = {"PAIR": True}
 CHECK_LENS = [1, 37, 200, 333, 64, 65, 1100, 2500, 1024, 1025, 9]
 LIBRARY = gluon_attention_pair.LIBRARY_BUILD
-FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16), K in this order (R >= 2, I >= 2, N 64 or 128)"
+FORM = "RxI or RxIxN, then any of S, F, T, Z, M, W, C (or C16) in this order (R >= 2, I >= 2, N 64 or 128)"
 
 
 @functools.cache
 def parse(spec: str) -> gluon_attention_pair.Build:
-    """``RxI[xN][S][F][T][Z][M][W][C[16]][K]`` -> the build; exits on a malformed spec."""
-    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?(K?)", spec)
+    """``RxI[xN][S][F][T][Z][M][W][C[16]]`` -> the build; exits on a malformed spec."""
+    m = re.fullmatch(r"([0-9x]+)(S?)(F?)(T?)(Z?)(M?)(W?)(C?)(16)?", spec)
     if m is None:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}; expected {FORM}")
     minimum = (2, 2) if m[1].count("x") == 1 else (2, 2, 64)
@@ -57,7 +57,7 @@ def parse(spec: str) -> gluon_attention_pair.Build:
         return gluon_attention_pair.Build(ring, items, tile[0] if tile else LIBRARY.tile_n, m[2] == "S", m[3] == "F",
                                           m[4] == "T", m[5] == "Z",
                                           m[6] == "M", m[7] == "W", m[8] == "C",
-                                          8 if m[8] == "C" and m[9] is None else 16, m[10] == "K")  # fmt: skip
+                                          8 if m[8] == "C" and m[9] is None else 16)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"pair_depth_probe: bad variant {spec!r}: {e}") from None
 
@@ -69,7 +69,6 @@ def name(build: gluon_attention_pair.Build) -> str:
     flags = "".join(c for c, o in zip("SFTZMWC", on) if o)
     if build.column_sums and build.row_sum_n == 16:
         flags += "16"
-    flags += "K" * build.one_release
     return f"{build.ring_depth}x{build.item_depth}x{build.tile_n}{flags}"
 
 

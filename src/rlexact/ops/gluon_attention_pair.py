@@ -135,10 +135,6 @@ if ga.gluon is not None:
     its accumulator layout, and takes each row's maximum over the columns once per split instead of once per key tile
     (:func:`kernel`; with ``PAIR_SUM_WITH_PV``). Every column of P against the ones tile is
     the row sum, so each column runs the same ``fma`` chain as the row's sum and ends equal to it."""
-    PAIR_ONE_RELEASE = gl.constexpr(False)
-    """Whether a bound specialization releases a key tile's K and V slots together, on the K slot's barrier, once its
-    P @ V is done (:func:`kernel`; with ``PAIR_SUM_WITH_PV``): one partition barrier and arrive per key tile instead
-    of two."""
     ROW_SUM_N = gl.constexpr(16)
     """Columns of the ones tile, hence of each row-sum product, of a bound specialization (:func:`kernel`)."""
     PAIR_TREE_MAX = gl.constexpr(False)
@@ -229,8 +225,7 @@ if ga.gluon is not None:
                     phase = ((r // SLOTS) & 1) ^ 1  # a fresh barrier counts as released: the first pass does not wait
                     mbarrier.wait(k_empty.index(r % SLOTS), phase)
                     load_rows(k_desc, k_smem, k_ready, r, base, kv_col, SLOTS, TILE_N, kv_bytes)
-                    if not PAIR_ONE_RELEASE:  # else the K barrier released the V slot too
-                        mbarrier.wait(v_empty.index(r % SLOTS), phase)
+                    mbarrier.wait(v_empty.index(r % SLOTS), phase)
                     load_rows(v_desc, v_smem, v_ready, r, base, kv_col, SLOTS, TILE_N, kv_bytes)
                 x0 += n_tiles
                 n += 1
@@ -295,8 +290,7 @@ if ga.gluon is not None:
             r0 = x0 + t0
             mbarrier.wait(k_ready.index(r0 % SLOTS), (r0 // SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_smem.index(r0 % SLOTS).permute((1, 0)), s_zero, use_acc=False)
-            if not PAIR_ONE_RELEASE:
-                mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
+            mbarrier.arrive(k_empty.index(r0 % SLOTS), count=1)
             s = mask_scores(s, t0, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
             m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
             if PAIR_SUM_WITH_PV:  # the tile's row sum is issued with its P @ V
@@ -320,16 +314,12 @@ if ga.gluon is not None:
                     s, acc_s, r_tok, p_op = warpgroup_mma_wait(2, deps=(s_tok, acc_tok, r_tok, p_op))
                 else:  # the scores; P @ V may run
                     s, acc_s, p_op = warpgroup_mma_wait(1, deps=(s_tok, acc_tok, p_op))
-                if not PAIR_ONE_RELEASE:
-                    mbarrier.arrive(k_empty.index(nxt), count=1)
+                mbarrier.arrive(k_empty.index(nxt), count=1)
                 s = mask_scores(s, j + 1, n_full, pos, offs_n, nk, BLOCK_N, PAIR_ONE_BOUND)
                 m_s, alpha, p = tile_softmax(s, m_s, qk_scale, dt, PAIR_TREE_MAX)
                 if PAIR_SUM_WITH_PV:  # tile j's P @ V and row sum
                     acc_s, rsum, p_op = warpgroup_mma_wait(0, deps=(acc_s, r_tok, p_op))
-                    if PAIR_ONE_RELEASE:  # tile j's K and V slots
-                        mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
-                    else:
-                        mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
                     if PAIR_COLUMN_SUMS:
                         l_c = _add_column_sums(l_c, alpha_sum, rsum, row_r)
                     else:
@@ -364,10 +354,7 @@ if ga.gluon is not None:
                     l_s = add_row_sum(l_s, alpha_sum, rsum, row_s)
             else:
                 acc_s = warpgroup_mma(p_op, v_smem.index(rl), acc_s)
-            if PAIR_ONE_RELEASE:
-                mbarrier.arrive(k_empty.index(rl), count=1)
-            else:
-                mbarrier.arrive(v_empty.index(rl), count=1)
+            mbarrier.arrive(v_empty.index(rl), count=1)
             if PAIR_FIRST_FOLD and t0 == 0:  # the fold into the empty state: +0 plus each term, bit for bit
                 m_i, l_i, acc = m_s, l_s + 0.0, acc_s + 0.0
             else:
@@ -424,13 +411,9 @@ if ga.gluon is not None:
             if CONSUMERS == 2:  # one consumer reads every tile
                 for r in range(x0 + n_mine, x0 + n_tiles):
                     mbarrier.wait(k_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    if not PAIR_ONE_RELEASE:
-                        mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
+                    mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
                     mbarrier.wait(v_ready.index(r % SLOTS), (r // SLOTS) & 1)
-                    if PAIR_ONE_RELEASE:
-                        mbarrier.arrive(k_empty.index(r % SLOTS), count=1)
-                    else:
-                        mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
+                    mbarrier.arrive(v_empty.index(r % SLOTS), count=1)
             if n > 0:  # the previous item's output has left its query tile (this item's may still be leaving)
                 if (n_mine > 0) & by_tma:
                     tma.store_wait(1)
@@ -517,8 +500,7 @@ class Build:
     bits) in place of two partitions of ``WARPS`` warps, one per tile: both warp groups run one instruction stream.
     ``column_sums`` (with ``sum_with_pv``) keeps a split's sum per column of the row-sum product and reduces the columns
     once per split (``PAIR_COLUMN_SUMS``); ``row_sum_n`` is that product's width, the ones tile's columns (8 or 16: any
-    column is the row sum). ``one_release`` (with ``sum_with_pv``) releases each key tile's K and V slots together once
-    its P @ V is done (``PAIR_ONE_RELEASE``)."""
+    column is the row sum)."""
 
     ring_depth: int = RING_DEPTH
     item_depth: int = ITEM_DEPTH
@@ -531,7 +513,6 @@ class Build:
     wide: bool = False
     column_sums: bool = False
     row_sum_n: int = 16
-    one_release: bool = False
 
     @property
     def warps(self) -> int:
@@ -551,9 +532,6 @@ class Build:
             raise ValueError(f"gluon_attention_pair.Build: tile_n must be 64 or 128, got {self.tile_n}")
         if self.row_sum_n not in (8, 16):
             raise ValueError(f"gluon_attention_pair.Build: row_sum_n must be 8 or 16, got {self.row_sum_n}")
-        if self.one_release and not self.sum_with_pv:
-            raise ValueError("gluon_attention_pair.Build: one_release needs sum_with_pv (the P @ V waited for in the "
-                             "loop's second wait)")
         if self.column_sums and not self.sum_with_pv:
             raise ValueError("gluon_attention_pair.Build: column_sums needs sum_with_pv (the row sum waited for "
                              "with P @ V)")
@@ -580,7 +558,6 @@ def kernel(hp: int, split: int, bwd_prep: bool, group: int, gathered: bool, buil
                   PAIR_ZERO_START=gl.constexpr(build.zero_start), PAIR_ONE_BOUND=gl.constexpr(build.one_bound),
                   PAIR_COLUMN_SUMS=gl.constexpr(build.column_sums),
                   ROW_SUM_N=gl.constexpr(build.row_sum_n),
-                  PAIR_ONE_RELEASE=gl.constexpr(build.one_release),
                   W=gl.constexpr(build.warps),
                   CONSUMERS=gl.constexpr(build.consumers))  # fmt: skip
     item = ga.rebind(_item, **consts)
