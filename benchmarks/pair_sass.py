@@ -72,23 +72,28 @@ def masked_block(code: list[tuple[str, str, int | None]], first: int, last: int)
     return max(skips, default=0)
 
 
+def drains(op: str, operands: str) -> bool:
+    """Whether an instruction waits for every wgmma in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``)."""
+    return op == "WARPGROUP.DEPBAR.LE" and operands.strip().endswith("0x0")
+
+
 def wait_after_exponentials(body: list[tuple[str, str, int | None]]) -> bool | None:
-    """Whether the loop's wait for every product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) follows its last
-    exponential (``MUFU.EX2``); ``None`` for a loop with no such wait."""
-    drains = [i for i, (op, o, _) in enumerate(body) if op == "WARPGROUP.DEPBAR.LE" and o.strip().endswith("0x0")]
+    """Whether the loop's wait for every product in flight (:func:`drains`) follows its last exponential
+    (``MUFU.EX2``); ``None`` for a loop with no such wait."""
+    waits = [i for i, (op, o, _) in enumerate(body) if drains(op, o)]
     exps = [i for i, (op, _, _) in enumerate(body) if op == "MUFU.EX2"]
-    return drains[0] > exps[-1] if drains and exps else None
+    return waits[0] > exps[-1] if waits and exps else None
 
 
 def exponentials_before_drains(body: list[tuple[str, str, int | None]]) -> list[int]:
-    """For each wait for every product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) in ``body``, the exponentials
-    (``MUFU.EX2``) since the wait before it: how much of a key tile's softmax runs while its products are in flight."""
+    """For each wait for every product in flight (:func:`drains`) in ``body``, the exponentials (``MUFU.EX2``) since
+    the wait before it: how much of a key tile's softmax runs while its products are in flight."""
     counts, n = [], 0
     for op, operands, _ in body:
         if op == "MUFU.EX2":
             n += 1
         elif op == "WARPGROUP.DEPBAR.LE":
-            if operands.strip().endswith("0x0"):
+            if drains(op, operands):
                 counts.append(n)
             n = 0
     return counts
