@@ -423,6 +423,7 @@ def test_gathered_params_is_noop_without_fsdp(qwen):
         ([[1, 97]], {}, {}, "outside the vocabulary"),
         ([[-1, 3]], {}, {}, "outside the vocabulary"),
         (["123"], {}, {}, r"prompt_token_ids\[0\] is text, not token ids: tokenize it first"),
+        ([5, 14, 5], {}, {}, r"prompt_token_ids\[0\] is the token id 5, not a sequence.*\[\[5, \.\.\.\]\] for one"),
         ([[1, 2.5]], {}, {}, r"must contain integer token ids, got 2.5 \(float\)"),
         ([torch.tensor([1.0, 2.0])], {}, {}, r"must contain integer token ids, got 1.0 \(float\)"),
         ([[1] * 250], dict(max_new_tokens=10), {}, "exceeds the model context 256"),

@@ -450,6 +450,7 @@ def _run(cfg: DemoConfig, ckpt: str) -> dict[str, Any]:
         "accuracy_before": round(before["accuracy"], 4),
         "accuracy_after": round(after["accuracy"], 4),
         "eval_samples": before["samples"],
+        "train_reward_window": k,
         "train_reward_first5": round(sum(history.rewards[:k]) / k, 4) if k else None,
         "train_reward_last5": round(sum(history.rewards[-k:]) / k, 4) if k else None,
         "rollout_steps": int(module.rollout_step),
@@ -487,6 +488,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         else f"NOT EXACT: bitwise-equal fraction {s['train_bitwise_equal_frac']:.4f} (kernels="
         f"{s['config']['kernels']}, inject={s['config']['inject']})"
     )
+    k = s["train_reward_window"]
+    steps = "step" if k == 1 else "steps"
     lines = [
         "",
         "=" * 80,
@@ -494,14 +497,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"  reward: {s['reward']}",
         f"  mean reward on {s['eval_samples']} held-out samples (temperature 1):",
         f"    before {s['reward_before']:.3f}  ->  after {s['reward_after']:.3f}   (rise {s['reward_rise']:+.3f})",
-        f"  training batches (reward/mean): first 5 steps {s['train_reward_first5']:.3f}, "
-        f"last 5 steps {s['train_reward_last5']:.3f}",
+        f"  training batches (reward/mean): first {k} {steps} {s['train_reward_first5']:.3f}, "
+        f"last {k} {steps} {s['train_reward_last5']:.3f}",
         "  rollout tokens whose log-prob differed bitwise from the trainer's:",
         f"    {s['train_rollout_tokens_differing']} of {s['train_rollout_tokens']} during training (MismatchProbe), "
         f"{s['eval_tokens_differing']} of {s['eval_tokens']} in the evaluations",
         f"    -> {verdict}",
-        f"  {s['rollout_steps']} GRPO steps in {s['train_seconds']:.0f} s, {s['wall_seconds']:.0f} s in all "
-        f"({s['threads']} CPU threads)",
+        f"  {s['rollout_steps']} GRPO steps in {s['train_seconds']:.1f} s, {s['wall_seconds']:.1f} s in all "
+        f"({s['threads']} CPU thread{'' if s['threads'] == 1 else 's'})",
         f"  TensorBoard logs: tensorboard --logdir {s['tensorboard']}",
         "=" * 80,
     ]

@@ -129,6 +129,11 @@ class Generator:
         out = []
         for i, s in enumerate(seqs):
             not_text(f"{what}[{i}]", s)
+            if not isinstance(s, (list, tuple, torch.Tensor)) and as_index(s) is not None:
+                raise ValueError(
+                    f"{what}[{i}] is the token id {s!r}, not a sequence: {what} is a list of token-id lists, e.g. "
+                    f"[[{s!r}, ...]] for one prompt"
+                )
             toks = s.tolist() if isinstance(s, torch.Tensor) else list(s)
             if len(toks) == 0:
                 raise ValueError(f"{what}[{i}] is empty: every sequence needs at least one token")
