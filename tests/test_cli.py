@@ -1,5 +1,7 @@
 """The ``rlexact`` LightningCLI: the paper recipes parse (nothing loaded), unknown keys and bad values error, a
-placeholder model path errors clearly, and a tiny end-to-end ``fit`` / ``validate`` with class_path callbacks."""
+placeholder model path errors clearly, and a tiny end-to-end ``fit`` / ``validate`` with class_path callbacks;
+``rlexact export``'s user errors in one line (status 2) while internal errors keep their tracebacks, and
+``save_pretrained`` of a module whose model is not built yet."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import yaml
 
 pytest.importorskip("jsonargparse")  # LightningCLI's parser (absent from some GPU images)
 
+from rlexact import RLModule  # noqa: E402
 from rlexact.cli import ConfigError, RLExactCLI, entry, main, previous_last_checkpoint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -297,13 +300,117 @@ def test_validate_without_val_path_names_it(tmp_path: Path) -> None:
         main(["validate", "--config", str(path)])
 
 
-def test_export_errors(tmp_path: Path) -> None:
-    from rlexact.cli import entry
+def tiny_config() -> dict:
+    from models import tiny_rl_config
+    from rlexact.char_tokenizer import build_char_tokenizer
 
-    with pytest.raises(FileNotFoundError, match="checkpoint .*missing.ckpt' does not exist"):
-        entry(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
-    with pytest.raises(ValueError, match="is a folder .*export needs a full checkpoint file"):
-        entry(["export", str(tmp_path), str(tmp_path / "out")])
+    return tiny_rl_config(len(build_char_tokenizer()))
+
+
+def tiny_module(**source: object) -> RLModule:
+    """A tiny RLModule from ``model_config`` (or the model source given); its model is not built yet."""
+    return RLModule(**(source or {"model_config": tiny_config()}), tokenizer="demo-char", reward="arithmetic")
+
+
+def tiny_checkpoint(path: Path, module: RLModule) -> Path:
+    """``module`` (built) as a Lightning checkpoint file: the entries ``load_from_checkpoint`` reads."""
+    import lightning
+    import torch
+
+    module.configure_model()
+    state = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    torch.save({**state, "pytorch-lightning_version": lightning.__version__}, path)
+    return path
+
+
+def export_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``rlexact export ARGS``'s one-line error (status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        entry(["export", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("rlexact: error: "), err
+    return err
+
+
+def test_export_reports_a_bad_path_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "out")
+    missing = tmp_path / "missing.ckpt"
+    err = export_error(capsys, str(missing), out)
+    assert f"FileNotFoundError: checkpoint '{missing}' does not exist; pass a .ckpt file or sharded" in err, err
+    text = tmp_path / "notes.ckpt"
+    text.write_text("Some notes, not a checkpoint\n")
+    err = export_error(capsys, str(text), out)
+    assert f"'{text}' is not a Lightning checkpoint that torch.load(weights_only=True) reads (" in err, err
+    folder = tmp_path / "folder.ckpt"
+    folder.mkdir()
+    err = export_error(capsys, str(folder), out)
+    assert f"'{folder}' is a folder but not a sharded Lightning checkpoint: it has no meta.pt and no .metadata" in err
+    err = export_error(capsys, "--module-class", "no_such_pkg.mod:Name", str(text), out)
+    assert "--module-class 'no_such_pkg.mod:Name' does not import (ModuleNotFoundError" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_model_object_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A module built from a model object: the checkpoint has no model source; the error says how to export it, and
+    that way works."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlexact.export import export_checkpoint
+
+    def model() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config()))
+
+    ckpt = tiny_checkpoint(tmp_path / "object.ckpt", tiny_module(model=model()))
+    err = export_error(capsys, str(ckpt), str(tmp_path / "out"))
+    assert f"'{ckpt}' holds no model source: its module was built from a model object (RLModule(model=...))" in err
+    assert f"rlexact.export.export_checkpoint('{ckpt}', DIR, model=<the model>)" in err, err
+    assert "init_args" not in err  # the fit command's advice does not apply
+    out = export_checkpoint(ckpt, tmp_path / "out", model=model())  # the advice works
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for key, value in torch.load(ckpt, weights_only=True)["state_dict"].items():
+        assert torch.equal(exported[key.removeprefix("model.")], value), key
+
+
+def test_export_keeps_the_traceback_of_an_internal_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RuntimeError raised by rlexact while the module is rebuilt (e.g. a placeholder for an unsaved object) is a
+    user error; one from elsewhere (torch, a bug) keeps its traceback."""
+    from types import SimpleNamespace
+
+    from rlexact.export import save_pretrained
+
+    ckpt = tiny_checkpoint(tmp_path / "tiny.ckpt", tiny_module())
+    unbuilt = SimpleNamespace(model=None, configure_model=None)
+    with monkeypatch.context() as m:
+        m.setattr(RLModule, "tokenizer", property(lambda self: save_pretrained(unbuilt, "-")))  # raises in rlexact
+        err = export_error(capsys, str(ckpt), str(tmp_path / "out"))
+    assert f"cannot load RLModule from '{ckpt}': RuntimeError: the model of this SimpleNamespace is not built" in err
+
+    def internal(self: RLModule) -> None:
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(RLModule, "configure_model", internal)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        entry(["export", str(ckpt), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_save_pretrained_before_the_model_is_built(tmp_path: Path) -> None:
+    from rlexact.export import save_pretrained
+
+    module = tiny_module()
+    with pytest.raises(
+        RuntimeError, match=r"the model of this RLModule is not built yet: call module\.configure_model"
+    ):
+        save_pretrained(module, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match="expected an rlexact.RLModule or a transformers PreTrainedModel, got object"):
+        save_pretrained(object(), tmp_path / "out")
+    module.configure_model()  # the advice works
+    assert (Path(save_pretrained(module, tmp_path / "out")) / "config.json").is_file()
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,18 @@ load with torch's default ``weights_only=True``, and atomic checkpoint writes.
   prompts and ends with other weights;
 - two same-seed runs (in-process and in a new process) end with bitwise-equal weights;
 - the same resume with 2 gloo ranks under FSDP2 (distributed-checkpoint folders): every rank consumes the same prompts
-  and the gathered weights are bitwise equal.
+  and the gathered weights are bitwise equal; ``rlexact.export`` exports such a folder in this process with the
+  gathered weights, bitwise, and the tokenizer (and refuses an incomplete folder in one line).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -150,26 +153,56 @@ def test_atomic_save_replaces_and_rejects_remote_paths(tmp_path: Path) -> None:
         AtomicCheckpointIO().save_checkpoint({}, "s3://bucket/x.ckpt")
 
 
-def test_export_checkpoint_to_transformers_folder(runs: dict[str, dict], tmp_path: Path) -> None:
+def check_export(out: str, saved: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """The exported folder holds exactly ``saved``'s weights (keys ``prefix`` + the transformers names), bitwise, a
+    config without the exactify attention implementation, and the char tokenizer (saved without being passed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlexact.char_tokenizer import build_char_tokenizer
-    from rlexact.export import export_checkpoint
 
-    out = export_checkpoint(runs["step3"]["path"], tmp_path / "hf")
-    model = AutoModelForCausalLM.from_pretrained(out)
-    saved = torch.load(runs["step3"]["path"], weights_only=True)["state_dict"]
-    exported = model.state_dict()
-    for key, value in saved.items():  # "model.<name>" in the Lightning checkpoint
-        assert torch.equal(exported[key.removeprefix("model.")], value), key
-    tok = AutoTokenizer.from_pretrained(out)  # the tokenizer is saved without being passed
-    assert tok.get_vocab() == build_char_tokenizer().get_vocab()
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert {prefix + k for k in exported} == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(exported[key.removeprefix(prefix)], value), key
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == build_char_tokenizer().get_vocab()
     assert "rlexact" not in (Path(out) / "config.json").read_text()
 
 
+def test_export_checkpoint_to_transformers_folder(runs: dict[str, dict], tmp_path: Path) -> None:
+    from rlexact.export import export_checkpoint
+
+    out = export_checkpoint(runs["step3"]["path"], tmp_path / "hf")
+    check_export(out, torch.load(runs["step3"]["path"], weights_only=True)["state_dict"], "model.")
+
+
+def check_sharded_export(folder: Path, weights: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Export a sharded checkpoint folder in this process (no process group) and compare with the gathered weights;
+    negative controls: a folder without meta.pt, and one with a missing shard, are export errors. The temporary
+    checkpoint file is gone either way."""
+    import torch.distributed as dist
+
+    from rlexact.export import ExportError, export_checkpoint
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the export's temporary directory goes
+    check_export(export_checkpoint(folder, tmp_path / "hf"), torch.load(weights, weights_only=True))
+    assert not dist.is_initialized() and not list(scratch.iterdir())
+    no_meta = shutil.copytree(folder, tmp_path / "no_meta.ckpt")
+    (no_meta / "meta.pt").unlink()
+    with pytest.raises(ExportError, match=r"is a folder but not a sharded Lightning checkpoint: it has no meta\.pt"):
+        export_checkpoint(no_meta, tmp_path / "out")
+    no_shard = shutil.copytree(folder, tmp_path / "no_shard.ckpt")
+    next(no_shard.glob("*.distcp")).unlink()
+    with pytest.raises(ExportError, match=r"is not a complete sharded checkpoint: reading its shards fails \(\w+"):
+        export_checkpoint(no_shard, tmp_path / "out")
+    assert not list(scratch.iterdir()) and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
-def test_fsdp2_two_rank_resume_is_exact(tmp_path: Path) -> None:
-    """6 steps vs 3 + resume on 2 gloo ranks (ModelParallelStrategy, sharded distributed checkpoints)."""
+def test_fsdp2_two_rank_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """6 steps vs 3 + resume on 2 gloo ranks (ModelParallelStrategy, sharded distributed checkpoints); the export of
+    the 3-step run's last checkpoint folder (:func:`check_sharded_export`)."""
     procs = {name: spawn(tmp_path / name, steps, ranks=2) for name, steps in (("full", 6), ("part", 3))}
     for name, proc in procs.items():
         finish(proc, tmp_path / name, "result_rank0.json")
@@ -188,3 +221,4 @@ def test_fsdp2_two_rank_resume_is_exact(tmp_path: Path) -> None:
     full_w = torch.load(tmp_path / "full" / "weights.pt", weights_only=True)
     assert bitwise_equal(torch.load(tmp_path / "resumed" / "weights.pt", weights_only=True), full_w)
     assert not bitwise_equal(torch.load(tmp_path / "part" / "weights.pt", weights_only=True), full_w)
+    check_sharded_export(step3, tmp_path / "part" / "weights.pt", tmp_path / "export", monkeypatch)

@@ -9,7 +9,7 @@ Usage::
     rlexact fit --config my_recipe.yaml --print_config             # the resolved configuration, nothing loaded
     rlexact fit --config demo.yaml --ckpt_path runs/demo/version_0/checkpoints/last.ckpt     # resume
     rlexact validate --config my_recipe.yaml --ckpt_path last.ckpt # needs data.init_args.val_path
-    rlexact export last.ckpt exported/                             # checkpoint -> transformers folder + tokenizer
+    rlexact export last.ckpt exported/                             # checkpoint file or folder -> transformers folder
 
 ``--config NAME`` takes a file path or the name of a recipe shipped in the package (``rlexact/configs``:
 ``demo.yaml``, ``grpo_qwen3_1p7b.yaml``, ``reinforce_qwen3_1p7b.yaml``, ``corrections/*.yaml``); a file of that name
@@ -29,6 +29,8 @@ A configuration the classes reject (a missing ``model_path``, a bad setting) or 
 :meth:`rlexact.RLModule.check_trainer` refuses (checked before the run writes anything) raises :class:`ConfigError`
 from :func:`main`, chained to the class's own error; the ``rlexact`` command prints that error in one line and exits
 with status 2 (the status of jsonargparse's parse errors). Errors once the subcommand runs keep their tracebacks.
+``rlexact export`` reports a checkpoint or output it cannot use (:class:`rlexact.export.ExportError`: a missing or
+non-checkpoint path, a module the checkpoint cannot rebuild, ...) the same way; its other errors keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from rlexact.data import PromptDataModule
+from rlexact.export import ExportError
+from rlexact.export import main as export_main
 from rlexact.module import RLModule
 from rlexact.resources import config_path
 
@@ -54,7 +58,7 @@ __all__ = ["ConfigError", "RLExactCLI", "entry", "main", "previous_last_checkpoi
 
 OTHER_COMMANDS = (
     "other commands: 'rlexact demo [--help]' runs the embedded demo; 'rlexact export CKPT DIR' writes a checkpoint "
-    "as a transformers folder"
+    "(file or sharded folder) as a transformers folder"
 )
 """The top-level help's last line: the commands :func:`entry` runs before LightningCLI."""
 
@@ -190,24 +194,23 @@ def _packaged_configs(argv: list[str]) -> list[str]:
 
 def entry(argv: Sequence[str] | None = None) -> None:
     """The ``rlexact`` console script: ``rlexact demo [options]`` runs the embedded demo, ``rlexact export CKPT DIR``
-    writes a transformers folder, anything else goes to :func:`main` (LightningCLI)."""
+    writes a transformers folder, anything else goes to :func:`main` (LightningCLI). A :class:`ConfigError` or an
+    :class:`rlexact.export.ExportError` is printed in one line (``rlexact: error: ...``) with exit status 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["demo"]:
         from rlexact.demo.run import main as demo_main
 
         demo_main(args[1:])
         return
-    if args[:1] == ["export"]:
-        from rlexact.export import main as export_main
-
-        export_main(args[1:])
-        return
-    resolved = _packaged_configs(args)
-    if argv is None:  # from the command line: LightningCLI reads sys.argv itself (it warns when given args as well)
-        sys.argv[1:] = resolved
     try:
+        if args[:1] == ["export"]:
+            export_main(args[1:])
+            return
+        resolved = _packaged_configs(args)
+        if argv is None:  # from the command line: LightningCLI reads sys.argv itself (it warns when given args as well)
+            sys.argv[1:] = resolved
         main(None if argv is None else resolved)
-    except ConfigError as e:
+    except (ConfigError, ExportError) as e:
         print(f"rlexact: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
