@@ -56,6 +56,15 @@ ANSWER_KEY = "answer"
 """The default ``answer_key`` of :class:`PromptDataModule`."""
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""The data file extensions rlexact reads, and the ``datasets`` builder of each."""
+_FILE_TYPES = ", ".join(sorted(_FILE_BUILDERS)[:-1]) + " or " + sorted(_FILE_BUILDERS)[-1]
+
+_SOURCES = (
+    f"prompt data is a {_FILE_TYPES} file, a folder of such files (a split per file name, e.g. train.jsonl and "
+    "test.jsonl), a datasets save_to_disk folder, a packaged file such as 'rlexact://demo/data/train.jsonl' or a "
+    "Hugging Face Hub dataset name"
+)
+"""The prompt sources :func:`load_prompt_rows` reads, as the errors about an unreadable source name them."""
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
@@ -125,42 +134,94 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str | list[dict]], use_chat_t
     return [list(map(int, x)) for x in ids]
 
 
-def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwargs: Any):
-    """Load a ``datasets.Dataset`` from a local file, a local directory or a hub name.
+def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwargs: Any) -> Any:
+    """Load a ``datasets.Dataset`` from a local data file, a local folder or a Hub name (``_SOURCES`` lists them).
 
-    A single local file is one split (``split`` is ignored). A ``save_to_disk`` directory (or ``DatasetDict``) is
-    indexed by ``split``. Anything else goes to ``datasets.load_dataset(path, split=split)``. A malformed ``.jsonl``
-    / ``.json`` file raises ``ValueError`` naming the file and the first bad line. ``~`` is expanded; a missing path
-    that can only be local (a data file's extension, or a leading ``/`` or ``.``) raises ``FileNotFoundError``
-    without a Hub lookup.
+    A single local file is one split (``split`` is ignored). A ``save_to_disk`` folder (or ``DatasetDict``) is
+    indexed by ``split``; a folder of data files and a Hub name go to ``datasets.load_dataset(path, split=split)``.
+    A malformed ``.jsonl`` / ``.json`` file raises ``ValueError`` naming the file and the first bad line. ``~`` is
+    expanded; a missing path that can only be local (a data file's extension, or a leading ``/`` or ``.``) raises
+    ``FileNotFoundError`` without a Hub lookup. A file of another type, a folder without data files or one that
+    ``datasets`` cannot read raise ``ValueError``, and a name that is neither here nor on the Hub raises
+    ``FileNotFoundError``; each names the sources accepted.
     """
     import datasets
 
     problem = missing_local_source(path)
     if problem is not None:
         raise FileNotFoundError(f"data file {problem}")
-    path = os.path.expanduser(resolve(os.fspath(path)))
+    name = os.fspath(path)
+    path = os.path.expanduser(resolve(name))
     if os.path.isfile(path):
-        ext = next((e for e in _FILE_BUILDERS if path.lower().endswith(e)), None)
-        if ext is None:
-            raise ValueError(f"unsupported file type {path!r}; expected one of {sorted(_FILE_BUILDERS)}")
-        try:
-            return datasets.load_dataset(_FILE_BUILDERS[ext], data_files=path, split="train", **load_kwargs)
-        except Exception as e:  # datasets fails in varied ways on empty or malformed files
-            if _file_has_no_rows(path, ext):
-                raise ValueError(f"dataset {path!r} is empty") from e
-            problem = _json_problem(path, ext)
-            if problem is not None:
-                raise ValueError(problem) from e
-            raise
-    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
-        ds = datasets.load_from_disk(path)  # a save_to_disk folder
+        return _load_file(path, load_kwargs)
+    if os.path.isdir(path):
+        return _load_folder(path, split, load_kwargs)
+    try:
+        return datasets.load_dataset(path, split=split, **load_kwargs)
+    except OSError as e:  # datasets' DatasetNotFoundError, or ConnectionError offline
+        raise FileNotFoundError(
+            f"prompt data {name!r} is no file or folder here (looked for {os.path.abspath(path)!r}) and did not load "
+            f"as a Hub dataset ({_first_line(e)}); {_SOURCES} (start a local path with ./ to skip the Hub lookup)"
+        ) from e
+
+
+def _load_file(path: str, load_kwargs: dict[str, Any]) -> Any:
+    """One local data file of a :data:`_FILE_BUILDERS` type as one split."""
+    import datasets
+
+    ext = next((e for e in _FILE_BUILDERS if path.lower().endswith(e)), None)
+    if ext is None:
+        raise ValueError(f"prompt data file {path!r} is not of a type rlexact reads; {_SOURCES}")
+    try:
+        return datasets.load_dataset(_FILE_BUILDERS[ext], data_files=path, split="train", **load_kwargs)
+    except Exception as e:  # datasets fails in varied ways on empty or malformed files
+        if _file_has_no_rows(path, ext):
+            raise ValueError(f"dataset {path!r} is empty") from e
+        problem = _json_problem(path, ext)
+        if problem is not None:
+            raise ValueError(problem) from e
+        raise
+
+
+def _load_folder(path: str, split: str, load_kwargs: dict[str, Any]) -> Any:
+    """Split ``split`` of a ``save_to_disk`` folder, or of a folder of data files (``datasets.load_dataset``)."""
+    import datasets
+
+    if any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
+        ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise ValueError(f"split {split!r} not in {path!r}; available splits: {sorted(ds)}")
             ds = ds[split]
         return ds
-    return datasets.load_dataset(path, split=split, **load_kwargs)
+    if not _holds_data_files(path):
+        raise ValueError(
+            f"prompt data folder {os.path.abspath(path)!r} is neither a datasets save_to_disk folder nor holds "
+            f"{_FILE_TYPES} files; {_SOURCES}"
+        )
+    try:
+        return datasets.load_dataset(path, split=split, **load_kwargs)
+    except (ValueError, OSError) as e:  # no split `split`, data files of several types, ...
+        raise ValueError(
+            f"prompt data folder {os.path.abspath(path)!r} did not load as one dataset of its data files (datasets: "
+            f"{_first_line(e)}); {_SOURCES}"
+        ) from e
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _holds_data_files(folder: str) -> bool:
+    """True if ``folder`` or a folder below it holds a :data:`_FILE_BUILDERS` file, hidden names (``.``, ``__``)
+    aside as ``datasets`` leaves them aside."""
+    for _, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        if any(f.lower().endswith(tuple(_FILE_BUILDERS)) and not f.startswith((".", "__")) for f in files):
+            return True
+    return False
 
 
 def missing_local_source(path: Any) -> str | None:
@@ -433,8 +494,10 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts (and ground-truth answers) for RL rollouts.
 
     Args:
-        path: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, local directory, hub dataset name, or a
-            packaged file such as ``"rlexact://demo/data/train.jsonl"`` (:mod:`rlexact.resources`).
+        path: local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file, local folder of such files (a split per
+            file name) or ``save_to_disk`` folder, hub dataset name, or a packaged file such as
+            ``"rlexact://demo/data/train.jsonl"`` (:mod:`rlexact.resources`); another source raises an error naming
+            these (:func:`load_prompt_rows`).
             A ``datasets.Dataset`` or a list of row dicts is also accepted when constructed in Python.
         tokenizer: the policy's tokenizer (required): a path or hub name for ``AutoTokenizer`` (normally the model
             checkpoint directory, the same value as ``RLModule(model_path=...)``), a tokenizer object, ``"demo"``

@@ -21,7 +21,8 @@ split partials ``(max, sum, acc)`` are folded in ascending split order. Masked k
 and splits past a query's position are exact no-ops.
 
 All accumulation is fp32; outputs are cast to the input dtype once at the end (matmul, norm, silu-mul, attention) or
-stay fp32 (log-probs, logits, lse, entropy).
+stay fp32 (log-probs, logits, lse, entropy). A float64 input is computed the same way, so its results carry fp32
+precision (and fp32's row invariance); torch's default dtype never changes what any op here computes in.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ def _block_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def check_block_product(n: int, k: int, threads: int) -> None:
     """Raise ``RuntimeError`` if this host's BLAS gives a row of a ``[ROW_BLOCK, k] x [k, n]`` block product other
     bits at another place in the block (:data:`PROBE_ROWS`) with ``threads`` torch threads, which would make
-    rollout log-probs differ from the trainer's. Memoized: each shape and thread count is probed once per process."""
+    rollout log-probs differ from the trainer's. The probe multiplies fp32 operands, the dtype :func:`block_linear`
+    multiplies in, whatever torch's default dtype is. Memoized: each shape and thread count is probed once per
+    process."""
     n_probe = max(1, min(n, PROBE_ELEMENTS // max(k, 1)))
     g = torch.Generator().manual_seed(n * 7919 + k)
-    w = torch.randn(n_probe, k, generator=g)
-    x = torch.randn(ROW_BLOCK, k, generator=g)
+    w = torch.randn(n_probe, k, generator=g, dtype=torch.float32)
+    x = torch.randn(ROW_BLOCK, k, generator=g, dtype=torch.float32)
     ref = _block_product(x, w)[0]
     for place in PROBE_ROWS:
         moved = _block_product(torch.roll(x, place, 0), w)[place]

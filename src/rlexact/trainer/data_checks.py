@@ -50,13 +50,24 @@ def check_token_ids(max_token_id: int, vocab_size: int, source: Any) -> None:
 
 def check_prompt_lengths(longest: int, row: int, max_context: int, max_new_tokens: int) -> None:
     """Raise ``ValueError`` if the longest prompt (dataset row ``row``) leaves no room for ``max_new_tokens`` in the
-    context, naming the two ways out."""
+    context of ``max_context`` tokens (:func:`rlexact.trainer.sampling.max_context`), naming the two ways out. When
+    ``max_new_tokens`` alone fills the context (only the model's can be that short: ``RolloutConfig`` refuses such a
+    ``rollout.max_context``), no prompt fits, and the error names ``rollout.max_new_tokens`` as the setting to
+    lower."""
+    if max_new_tokens >= max_context:
+        fits = max_context - longest
+        room = f", which leaves room for the longest prompt (dataset row {row}, {longest} tokens)"
+        hint = f" to at most {fits}{room}" if fits > 0 else ""
+        raise ValueError(
+            f"rollout.max_new_tokens={max_new_tokens} must be below the model's context of {max_context} tokens: a "
+            f"rollout needs at least one prompt token; lower rollout.max_new_tokens{hint}"
+        )
     budget = max_context - max_new_tokens
     if longest > budget:
         raise ValueError(
             f"the longest prompt (dataset row {row}) has {longest} tokens, but a context of {max_context} tokens with "
-            f"rollout.max_new_tokens={max_new_tokens} leaves room for prompts of at most {max(budget, 0)} tokens; "
-            f"set PromptDataModule(max_prompt_length={max(budget, 1)}) to filter longer prompts out, or lower "
+            f"rollout.max_new_tokens={max_new_tokens} leaves room for prompts of at most {budget} tokens; "
+            f"set PromptDataModule(max_prompt_length={budget}) to filter longer prompts out, or lower "
             "rollout.max_new_tokens"
         )
 

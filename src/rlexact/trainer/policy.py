@@ -180,13 +180,23 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def check_precision(trainer: Any) -> None:
-    """Reject a mixed (autocast) Trainer precision: it changes the trainer forward's kernels and breaks exactness."""
+    """Reject a Trainer precision that breaks exactness: a mixed (autocast) one changes the kernels of the trainer
+    forward, and a float64 one (``64``, ``"64"`` or ``"64-true"``) converts the model to a dtype the exact kernels do
+    not support (:data:`rlexact.config.DTYPES` lists those they do). Each error names ``RLModule(dtype=...)``, the
+    setting that chooses the model's dtype instead."""
     precision = str(getattr(trainer, "precision", "32-true"))
     if "mixed" in precision:
         raise ValueError(
             f"Trainer(precision={precision!r}) runs the step under autocast, which changes the kernels of the "
             "trainer forward and breaks rollout/trainer exactness; set RLModule(dtype='bfloat16') (or "
             "fsdp.param_dtype with ModelParallelStrategy) and leave the Trainer precision at '32-true'"
+        )
+    if precision.startswith("64"):
+        supported = ", ".join(repr(name) for name in DTYPES)
+        raise ValueError(
+            f"Trainer(precision={precision!r}) converts the model to float64, which rlexact's exact kernels do not "
+            f"support (they accumulate in float32 and take {supported} parameters); set RLModule(dtype=...) to one "
+            "of those (--model.init_args.dtype on the CLI) and leave the Trainer precision at '32-true'"
         )
 
 

@@ -14,6 +14,7 @@ from rlexact.config import RolloutConfig
 from rlexact.distributed import fsdp_call, gathered_params
 from rlexact.ops.keyed_hash import request_key
 from rlexact.rollout import Completion, Generator, SamplingParams, eos_token_ids
+from rlexact.trainer.data_checks import check_prompt_lengths
 
 __all__ = [
     "ENGINE_COUNTERS",
@@ -110,10 +111,12 @@ def check_prompts(items: Sequence[dict], cfg: RolloutConfig, max_positions: int)
         if not ids:
             raise ValueError(f"prompt {i} (dataset index {item.get('index')}) is empty")
         if len(ids) > budget:
+            if budget < 1:  # no prompt fits: the error names rollout.max_new_tokens
+                check_prompt_lengths(len(ids), item.get("index"), context, cfg.max_new_tokens)
             raise ValueError(
                 f"prompt {i} (dataset index {item.get('index')}) has {len(ids)} tokens; with "
                 f"max_new_tokens={cfg.max_new_tokens} the context of {context} tokens leaves room "
-                f"for prompts of at most {max(budget, 0)} tokens (filter long prompts, e.g. "
+                f"for prompts of at most {budget} tokens (filter long prompts, e.g. "
                 "PromptDataModule(max_prompt_length=...), or lower rollout.max_new_tokens)"
             )
         prompts.append(ids)
