@@ -243,3 +243,13 @@ def test_missing_file_neither_here_nor_on_the_hub(tmp_path, monkeypatch) -> None
     assert message.endswith("(start a local path with ./ to skip the Hub lookup)")
     with pytest.raises(FileNotFoundError, match="'prompts.jsonl' not found .*never looked up on the Hub"):
         PromptDataModule("prompts.jsonl", tokenizer="demo")  # control: a data file's name is never a Hub lookup
+
+
+def test_drop_last_with_fewer_prompts_than_a_batch_is_refused() -> None:
+    """Lightning would end such a fit at once, with status 0 and nothing trained."""
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "4"}]
+    data = PromptDataModule(rows, tokenizer="demo", batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match=r"2 prompts per rank .* fewer than batch_size=4, and drop_last=True"):
+        data.train_dataloader()
+    assert len(PromptDataModule(rows, tokenizer="demo", batch_size=4).train_dataloader()) == 1  # control
+    assert len(PromptDataModule(rows, tokenizer="demo", batch_size=2, drop_last=True).train_dataloader()) == 1

@@ -721,12 +721,19 @@ class PromptDataModule(L.LightningDataModule):
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     def train_dataloader(self) -> ResumableDataLoader:
+        """The resumable, rank-sharded train loader; ``ValueError`` where ``drop_last`` would leave it no batch."""
         if self.train_dataset is None:
             self.setup("fit")
         num_replicas, rank = self._shard()
         sampler = ResumableSampler(
             len(self.train_dataset), seed=self.seed, shuffle=self.shuffle, num_replicas=num_replicas, rank=rank
         )
+        if self.drop_last and len(sampler) < self.batch_size:
+            raise ValueError(
+                f"the training prompts make no batch: {len(sampler)} prompts per rank ({len(self.train_dataset)} over "
+                f"{num_replicas} rank(s)) are fewer than batch_size={self.batch_size}, and drop_last=True drops that "
+                "incomplete batch; lower batch_size or set drop_last=False"
+            )
         return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
