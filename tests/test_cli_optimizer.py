@@ -17,7 +17,8 @@ from test_cli import tiny_yaml
 def _cli(tmp_path: Path, **sections: dict) -> RLModule:
     path = tiny_yaml(tmp_path)
     cfg = yaml.safe_load(path.read_text())
-    cfg["model"]["init_args"]["optim"] = {"lr": 1e-3, "warmup_steps": 4}
+    # optimizer: / lr_scheduler: replace optim's settings (RLModule refuses non-default ones they would ignore)
+    cfg["model"]["init_args"]["optim"] = {} if sections else {"lr": 1e-3, "warmup_steps": 4}
     cfg.update(sections)
     path.write_text(yaml.safe_dump(cfg))
     module = main(["--config", str(path)], run=False).model

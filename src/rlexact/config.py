@@ -151,6 +151,11 @@ class AlgorithmConfig:
     - ``gspo``: the sequence-ratio clipped surrogate (GSPO; use small clips such as 3e-4 / 4e-4).
     - ``reinforce``: ``-A log pi``, exactly one optimizer step per rollout batch (``ppo_epochs=1``, no mini-batches),
       batch-whitened advantages (``estimator="reinforce"``).
+
+    A rollout step can make no optimizer step: when RL callbacks mask or reject every token (each mini-step is then
+    skipped, ``update/skipped_steps``) or dynamic sampling drops every group. ``Trainer(max_steps=...)`` counts
+    optimizer steps, so a run in which that keeps happening would never end; ``max_rollout_steps_without_update``
+    bounds how many such rollout steps may follow one another before the run stops with an error.
     """
 
     objective: Objective = "grpo"
@@ -201,6 +206,11 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop the groups whose rewards are all equal (they carry zero advantage). If every
     group is dropped the rollout step makes no optimizer step (with a warning)."""
+    max_rollout_steps_without_update: int | None = 10
+    """How many rollout steps in a row may make no optimizer step (every token masked or rejected by RL callbacks,
+    or every group dropped by dynamic sampling); one more raises ``RuntimeError``. The count restarts at each rollout
+    step that makes an optimizer step and is saved in checkpoints. None: no limit (the run can then loop without
+    ever reaching ``Trainer(max_steps=...)``)."""
 
     def __post_init__(self) -> None:
         choice("algorithm.objective", self.objective, OBJECTIVES)
@@ -228,6 +238,9 @@ class AlgorithmConfig:
                 f"({self.mini_batch_size}): a micro-batch is a part of a mini-batch; set micro_batch_size <= "
                 "mini_batch_size (or None for the whole mini-batch in one forward)"
             )
+        positive_int(
+            "algorithm.max_rollout_steps_without_update", self.max_rollout_steps_without_update, allow_none=True
+        )
         finite("algorithm.kl_coef", self.kl_coef, low=0.0)
         finite("algorithm.entropy_coef", self.entropy_coef)
         if self.objective == "reinforce":

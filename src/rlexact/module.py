@@ -55,7 +55,7 @@ from rlexact.trainer import optim as optim_stage
 from rlexact.trainer import rewards as reward_stage
 from rlexact.trainer import update as update_stage
 from rlexact.trainer.hooks import call_rl_hook
-from rlexact.trainer.hparams import plain
+from rlexact.trainer.hparams import Unsaved, is_plain, is_unsaved, plain, require, restore, unsaved_marker
 from rlexact.trainer.step_metrics import StageTimer, advantage_metrics
 
 __all__ = ["RLModule"]
@@ -93,15 +93,26 @@ class RLModule(L.LightningModule):
             forward's values, and so every log-prob, are unchanged bitwise.
         optimizer / lr_scheduler: callables ``params -> Optimizer`` / ``optimizer -> scheduler`` (LightningCLI builds
             them from its top-level ``optimizer:`` / ``lr_scheduler:`` sections); None keeps AdamW with ``optim``
-            and its warmup. ``optim.grad_clip`` applies either way; schedulers step once per optimizer step.
+            and its warmup. ``optim.grad_clip`` applies either way; schedulers step once per optimizer step. The
+            ``optim`` fields that a callable replaces (all but ``grad_clip`` for ``optimizer``, ``warmup_steps`` for
+            ``lr_scheduler``) must keep their defaults: ``ValueError`` otherwise, as they would be ignored.
 
     After :meth:`configure_model`, ``self.model`` is the exactified causal LM (set at once when ``model`` is
     given); ``self.ref_model`` is a frozen copy of the initial policy when ``algorithm.kl_coef > 0`` (not in
-    checkpoints, not optimized); ``self.rollout_step`` counts the rollout steps done (see the module docstring).
+    checkpoints, not optimized); ``self.rollout_step`` counts the rollout steps done (see the module docstring) and
+    ``self.rollout_steps_without_update`` the last ones in a row that made no optimizer step (bounded by
+    ``algorithm.max_rollout_steps_without_update``); checkpoints keep both.
 
     The hyperparameters hold plain values only (the configs as dicts, the tokenizer as its resolved source), so a
     checkpoint loads with ``torch.load``'s default ``weights_only=True``: ``RLModule.load_from_checkpoint(path)``
-    and ``Trainer.fit(..., ckpt_path=path)`` work.
+    and ``Trainer.fit(..., ckpt_path=path)`` work. An argument given as an object (a reward object or function, a
+    tokenizer object, an ``optimizer`` / ``lr_scheduler`` callable) is recorded as a marker that describes it
+    (:mod:`rlexact.trainer.hparams`): the checkpoint still loads, and each use of the missing object (scoring,
+    ``configure_optimizers``, the tokenizer) raises ``RuntimeError`` naming it; pass it again with
+    ``RLModule.load_from_checkpoint(path, reward=...)`` (or ``tokenizer=``, ``optimizer=``, ``lr_scheduler=``).
+    Two exceptions record a plain value instead: LightningCLI's ``optimizer:`` / ``lr_scheduler:`` sections (their
+    ``class_path`` and ``init_args``, which ``load_from_checkpoint`` rebuilds) and, at setup, a tokenizer object
+    that agrees with the datamodule's tokenizer given by name (that name).
     """
 
     def __init__(
@@ -127,6 +138,13 @@ class RLModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         model_path = policy.check_model_source(model_path, model, model_config, dtype)
+        # the arguments that may be objects (save_hyperparameters reads them from this frame: they keep the values
+        # given); a marker, recorded as it is, becomes a placeholder that raises where its object would be used
+        given = {"tokenizer": tokenizer, "reward": reward, "optimizer": optimizer, "lr_scheduler": lr_scheduler}
+        objects = {
+            k: v for k, v in given.items() if not (v is None or isinstance(v, (str, os.PathLike)) or is_unsaved(v))
+        }
+        given = {k: restore(k, v) for k, v in given.items()}
         self.rollout_cfg: RolloutConfig = policy.as_config(rollout, RolloutConfig)
         self.algo: AlgorithmConfig = policy.as_config(algorithm, AlgorithmConfig)
         self.optim_cfg: OptimConfig = policy.as_config(optim, OptimConfig)
@@ -148,36 +166,40 @@ class RLModule(L.LightningModule):
         self.dtype_name = dtype
         self.init_seed = int(init_seed)
         self.activation_checkpointing = bool(activation_checkpointing)
-        optim_stage.check_spec("optimizer", optimizer)
-        optim_stage.check_spec("lr_scheduler", lr_scheduler)
-        self.optimizer_spec = optimizer
-        self.lr_scheduler_spec = lr_scheduler
+        self.optimizer_spec = given["optimizer"]
+        self.lr_scheduler_spec = given["lr_scheduler"]
+        optim_stage.check_spec("optimizer", self.optimizer_spec)
+        optim_stage.check_spec("lr_scheduler", self.lr_scheduler_spec)
+        optim_stage.check_ignored_settings(self.optim_cfg, self.optimizer_spec, self.lr_scheduler_spec)
         check_tokenizer_source(tokenizer)  # model_path, its default, is checked above
-        self._tokenizer_arg = tokenizer if tokenizer is not None else model_path
+        self._tokenizer_arg = given["tokenizer"] if tokenizer is not None else model_path
         if self._tokenizer_arg is None:
             raise ValueError("a tokenizer is required when the model is not given by model_path")
-        self._tokenizer = None if isinstance(tokenizer, (str, os.PathLike)) or tokenizer is None else tokenizer
-        self.reward_fn: Callable = resolve_reward(reward, **(reward_kwargs or {}))
+        self._tokenizer = objects.get("tokenizer")
+        self.reward_fn: Callable = given["reward"]
+        if not isinstance(self.reward_fn, Unsaved):
+            self.reward_fn = resolve_reward(reward, **(reward_kwargs or {}))
         self.reward_result: RewardResult | None = None  # of the last compute_rewards call
         self.model: nn.Module | None = None
         self.__dict__["ref_model"] = None
         self.__dict__["_generator"] = None
         self._rope_fp32: dict[str, torch.Tensor] = {}
         self.rollout_step = 0
+        self.rollout_steps_without_update = 0
         self.val_reward = MeanMetric().set_dtype(torch.float64)
         self.val_response_length = MeanMetric().set_dtype(torch.float64)
-        ignore = ["model"]
-        if not isinstance(tokenizer, (str, os.PathLike)) and tokenizer is not None:
-            ignore.append("tokenizer")
-        if not isinstance(reward, str):
-            ignore.append("reward")
-        ignore += [name for name, spec in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if callable(spec)]
-        self.save_hyperparameters(ignore=ignore)
-        # plain values (checkpoints load with weights_only=True) and the tokenizer actually used (model_path by
-        # default) rather than None
+        self.save_hyperparameters(ignore=["model", *objects])  # objects are neither copied nor pickled
+        if objects and "_instantiator" in self.hparams:
+            # LightningCLI gives the hyperparameters as its configuration, in which an object is the plain
+            # class_path / init_args that its instantiator rebuilds in load_from_checkpoint: record those
+            self.save_hyperparameters(*objects)
+        # plain values (checkpoints load with weights_only=True): the configs as dicts, a marker in place of each
+        # object argument, and the tokenizer actually used (model_path by default) rather than None
         configs = {"rollout": self.rollout_cfg, "algorithm": self.algo, "optim": self.optim_cfg, "fsdp": self.fsdp_cfg}
         configs["reward_config"] = self.reward_cfg
         self._record_hparams(**{k: plain(v) for k, v in configs.items()})
+        unsaved = {k: v for k, v in objects.items() if k not in self.hparams or not is_plain(self.hparams[k])}
+        self._record_hparams(**{k: unsaved_marker(v) for k, v in unsaved.items()})
         if isinstance(self._tokenizer_arg, (str, os.PathLike)):
             self._record_hparams(tokenizer=os.fspath(self._tokenizer_arg))
         if model is not None:
@@ -192,9 +214,10 @@ class RLModule(L.LightningModule):
 
     @property
     def tokenizer(self) -> Any:
-        """The tokenizer (loaded from the ``tokenizer`` argument on first use)."""
+        """The tokenizer (loaded from the ``tokenizer`` argument on first use; ``RuntimeError`` for a tokenizer object
+        that the checkpoint the module was loaded from did not hold)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self._tokenizer_arg)
+            self._tokenizer = load_tokenizer(require(self._tokenizer_arg))
         return self._tokenizer
 
     def _setup_model(self, model: nn.Module) -> None:
@@ -239,7 +262,8 @@ class RLModule(L.LightningModule):
         :func:`~rlexact.trainer.policy.check_fsdp_settings`), install
         :class:`rlexact.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO, and
         check that the datamodule's tokenizer agrees with the module's (before Lightning merges their
-        hyperparameters; the same tokenizer under two names is recorded under the data's name)."""
+        hyperparameters; the same tokenizer under two names, or given to the module as an object, is recorded under
+        the data's name, which then loads it from the checkpoint)."""
         self.check_trainer(self.trainer)
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -248,7 +272,7 @@ class RLModule(L.LightningModule):
         if source is None or (isinstance(source, str) and source == self._tokenizer_arg):
             return
         data_checks.same_tokenizer(self._tokenizer_arg, self.tokenizer, source, data.tokenizer)
-        if isinstance(source, (str, os.PathLike)) and isinstance(self.hparams.get("tokenizer"), str):
+        if isinstance(source, (str, os.PathLike)):
             self._record_hparams(tokenizer=os.fspath(source))
 
     def check_trainer(self, trainer: L.Trainer, fitting: bool = False) -> None:
@@ -263,10 +287,10 @@ class RLModule(L.LightningModule):
             policy.check_trainer_options(trainer)
 
     def _record_hparams(self, **values: Any) -> None:
-        """Replace recorded hyperparameters in ``hparams`` and in Lightning's initial copy (which the loggers and the
-        merge with the datamodule's hyperparameters read)."""
+        """Record hyperparameters in ``hparams`` and in Lightning's initial copy (which the loggers and the merge
+        with the datamodule's hyperparameters read)."""
         for hparams in (self.hparams, getattr(self, "_hparams_initial", None) or {}):
-            hparams.update({k: v for k, v in values.items() if k in hparams})
+            hparams.update(values)
 
     @override
     def configure_callbacks(self) -> list[Callback]:
@@ -329,17 +353,25 @@ class RLModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         """The ``optimizer`` / ``lr_scheduler`` arguments when given (LightningCLI's ``optimizer:`` /
         ``lr_scheduler:`` sections), else AdamW(lr, betas, eps, weight_decay) with, when ``warmup_steps > 0``, a
-        linear warmup; schedulers step once per optimizer step (:mod:`rlexact.trainer.optim`)."""
+        linear warmup; schedulers step once per optimizer step (:mod:`rlexact.trainer.optim`). An ``optimizer`` /
+        ``lr_scheduler`` object that the checkpoint the module was loaded from did not hold raises ``RuntimeError``
+        (:mod:`rlexact.trainer.hparams`)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return optim_stage.build_optimizer(params, self.optim_cfg, self.optimizer_spec, self.lr_scheduler_spec)
+        optimizer, lr_scheduler = require(self.optimizer_spec), require(self.lr_scheduler_spec)
+        return optim_stage.build_optimizer(params, self.optim_cfg, optimizer, lr_scheduler)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[_CKPT_KEY] = {"rollout_step": int(self.rollout_step)}
+        checkpoint[_CKPT_KEY] = {
+            "rollout_step": int(self.rollout_step),
+            "rollout_steps_without_update": int(self.rollout_steps_without_update),
+        }
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.rollout_step = int(checkpoint.get(_CKPT_KEY, {}).get("rollout_step", 0))
+        state = checkpoint.get(_CKPT_KEY, {})
+        self.rollout_step = int(state.get("rollout_step", 0))
+        self.rollout_steps_without_update = int(state.get("rollout_steps_without_update", 0))  # older checkpoints: 0
 
     # ------------------------------------------------------------------------------------------------------------
     # helpers
@@ -406,10 +438,11 @@ class RLModule(L.LightningModule):
     @property
     def reward_executor(self) -> RewardExecutor:
         """The process-wide executor of ``reward_fn`` with ``reward_config`` (workers start on first use; a new one if
-        ``reward_fn`` was replaced)."""
+        ``reward_fn`` was replaced). A reward object that the checkpoint the module was loaded from did not hold
+        raises ``RuntimeError`` here, in this process, before any executor could run (or score) it."""
         executor = self.__dict__.get("_reward_executor")
         if executor is None or executor.closed or executor.reward is not self.reward_fn:
-            executor = self.__dict__["_reward_executor"] = shared_executor(self.reward_fn, self.reward_cfg)
+            executor = self.__dict__["_reward_executor"] = shared_executor(require(self.reward_fn), self.reward_cfg)
         return executor
 
     def compute_rewards(self, items: Sequence[dict], completions: list[Completion], n: int) -> torch.Tensor:
@@ -517,7 +550,7 @@ class RLModule(L.LightningModule):
                 f"rollout step {self.rollout_step}: dynamic sampling dropped every group (all rewards equal within "
                 "each group); no optimizer step",
             )
-            self._finish_step(metrics, rl_batch, callbacks, updated=False, timer=timer)
+            self._finish_step(metrics, rl_batch, callbacks, updated=False, stepped=False, timer=timer)
             return None
 
         # (4) old log-probs, trainer / reference log-probs
@@ -537,9 +570,10 @@ class RLModule(L.LightningModule):
             call_rl_hook("on_rl_batch", callbacks, self.trainer if callbacks else None, self, self.model, rl_batch)
 
         # (6) PPO epochs x mini-batches
+        update = update_stage.PPOUpdate(self, self._trainer)
         with timer("update"):
-            metrics.update(update_stage.PPOUpdate(self, self._trainer).run(rl_batch, callbacks))
-        self._finish_step(metrics, rl_batch, callbacks, updated=True, timer=timer)
+            metrics.update(update.run(rl_batch, callbacks))
+        self._finish_step(metrics, rl_batch, callbacks, updated=True, stepped=update.stats.steps > 0, timer=timer)
         return None
 
     def _finish_step(
@@ -549,9 +583,12 @@ class RLModule(L.LightningModule):
         callbacks: list[RLCallback],
         *,
         updated: bool,
+        stepped: bool,
         timer: StageTimer,
     ) -> None:
-        # (7) post-update hooks
+        """(7) The post-update hooks (``updated``: the PPO epochs ran), the step's metrics and counters; raises
+        ``RuntimeError`` when the rollout steps without an optimizer step (``stepped`` False) in a row exceed
+        ``algorithm.max_rollout_steps_without_update``."""
         if updated:
             with timer("callbacks"):
                 call_rl_hook(
@@ -563,6 +600,19 @@ class RLModule(L.LightningModule):
         for k, v in rl_batch.metrics.items():
             metrics.setdefault(k, float(v))
         self._log_step_metrics(metrics)
+        # every rank decides `stepped` alike (the global kept-sequence and loss-token counts), so the count and the
+        # error below are the same on every rank
+        self.rollout_steps_without_update = 0 if stepped else self.rollout_steps_without_update + 1
+        limit = self.algo.max_rollout_steps_without_update
+        if limit is not None and self.rollout_steps_without_update > limit:
+            raise RuntimeError(
+                f"the last {self.rollout_steps_without_update} rollout steps (of {self.rollout_step}) made no "
+                "optimizer step, and Trainer(max_steps=...) counts optimizer steps: the run would not end. Likely "
+                "causes: RL callbacks that mask or reject every token (e.g. RejectionSampling, or another correction "
+                "whose threshold rejects everything), or dynamic sampling dropping every group (all rewards equal "
+                f"within each group: check the reward). The limit is algorithm.max_rollout_steps_without_update="
+                f"{limit}; raise it, or set it to None for no limit"
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # validation

@@ -9,10 +9,15 @@ module's ``optimizer`` / ``lr_scheduler`` arguments. The optimizer is built in `
 
 The update steps the scheduler once per optimizer step (manual optimization: Lightning's ``interval`` /
 ``frequency`` do not apply), so schedules are in optimizer steps.
+
+A choice replaces settings of :class:`~rlexact.config.OptimConfig`: an ``optimizer`` all of them but ``grad_clip``
+(which applies either way), an ``lr_scheduler`` the warmup. :func:`check_ignored_settings` refuses such a setting
+when it differs from its default instead of ignoring it.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -20,7 +25,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from rlexact.config import OptimConfig
 
-__all__ = ["build_optimizer", "check_spec"]
+__all__ = ["build_optimizer", "check_ignored_settings", "check_spec"]
+
+_OPTIMIZER_SETTINGS = tuple(f.name for f in fields(OptimConfig) if f.name != "grad_clip")
+"""The :class:`~rlexact.config.OptimConfig` fields that an ``optimizer`` callable replaces (AdamW's and the warmup)."""
+_SCHEDULER_SETTINGS = ("warmup_steps",)
+"""The :class:`~rlexact.config.OptimConfig` fields that an ``lr_scheduler`` callable replaces."""
 
 
 def check_spec(name: str, spec: Any) -> None:
@@ -31,6 +41,32 @@ def check_spec(name: str, spec: Any) -> None:
             f" e.g. functools.partial(torch.optim.SGD, lr=0.1)) or None; got {spec!r}. On the command line use the "
             f"top-level '{name}:' section with class_path / init_args"
         )
+
+
+def check_ignored_settings(
+    cfg: OptimConfig, optimizer: OptimizerCallable | None, lr_scheduler: LRSchedulerCallable | None
+) -> None:
+    """Raise ``ValueError`` when a field of ``cfg`` that the ``optimizer`` / ``lr_scheduler`` choice replaces differs
+    from its default (it would be ignored), naming the fields, where to set them instead and their defaults."""
+    default = OptimConfig()
+    replaced = _OPTIMIZER_SETTINGS if optimizer is not None else _SCHEDULER_SETTINGS if lr_scheduler is not None else ()
+    changed = [k for k in replaced if getattr(cfg, k) != getattr(default, k)]
+    if not changed:
+        return
+    ignored = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in changed)
+    defaults = ", ".join(f"{k}={getattr(default, k)!r}" for k in changed)
+    if optimizer is not None:
+        raise ValueError(
+            f"RLModule(optimizer=...) builds the optimizer, so optim's {ignored} would be ignored (with optimizer=, "
+            "only optim.grad_clip applies): set the optimizer's settings on the callable (e.g. "
+            "functools.partial(torch.optim.AdamW, lr=...); --optimizer.lr on the command line) and a warmup with "
+            f"lr_scheduler=, and leave these optim fields at their defaults ({defaults})"
+        )
+    raise ValueError(
+        f"RLModule(lr_scheduler=...) replaces optim's warmup, so optim's {ignored} would be ignored: make the warmup "
+        "part of the scheduler (e.g. torch.optim.lr_scheduler.LinearLR(start_factor=...)), and leave "
+        f"optim.warmup_steps at its default ({defaults})"
+    )
 
 
 def build_optimizer(
