@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from rlexact import RLModule
 from rlexact.char_tokenizer import EOS_ID, PAD_ID, VOCAB, build_char_tokenizer
 from rlexact.data import (
     DEMO_TOKENIZER,
@@ -387,6 +388,10 @@ def test_a_name_neither_here_nor_on_the_hub_says_how_to_mark_a_local_path(tmp_pa
         build_model("ckpt/Qwen3-1.7B", None, None, 0)
     with pytest.raises(FileNotFoundError, match=f"tokenizer 'ckpt/tok' {local}"):
         load_tokenizer("ckpt/tok")
+    with pytest.raises(FileNotFoundError, match=rf"^model_path \(the default tokenizer\) 'ckpt/Q' {local}"):
+        _ = RLModule("ckpt/Q").tokenizer  # the tokenizer the user never named comes from model_path
+    with pytest.raises(FileNotFoundError, match=f"^tokenizer 'ckpt/tok' {local}"):
+        _ = RLModule("ckpt/Q", tokenizer="ckpt/tok").tokenizer
     (tmp_path / "ckpt" / "Qwen3-1.7B").mkdir(parents=True)
     with pytest.raises(OSError, match="second line") as info:
         build_model("ckpt/Qwen3-1.7B", None, None, 0)

@@ -67,8 +67,9 @@ _SOURCES = (
 """The prompt sources :func:`load_prompt_rows` reads, as the errors about an unreadable source name them."""
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer object from ``"demo-char"``, a local path / hub name (``AutoTokenizer``), or an existing object."""
+def load_tokenizer(tokenizer: Any, setting: str = "tokenizer") -> Any:
+    """A tokenizer object from ``"demo-char"``, a local path / hub name (``AutoTokenizer``), or an existing object.
+    ``setting`` names where the source was given, in the error for a name that loads from nowhere."""
     if tokenizer is None:
         raise ValueError(
             "a tokenizer is required: pass the model's tokenizer (a path or hub name, e.g. the model checkpoint "
@@ -81,7 +82,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
         from transformers import AutoTokenizer
 
         check_tokenizer_source(name)
-        return load_named(AutoTokenizer.from_pretrained, os.path.expanduser(name), name, "tokenizer")
+        return load_named(AutoTokenizer.from_pretrained, os.path.expanduser(name), name, setting)
     return tokenizer
 
 

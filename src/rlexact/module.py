@@ -173,6 +173,7 @@ class RLModule(L.LightningModule):
         optim_stage.check_ignored_settings(self.optim_cfg, self.optimizer_spec, self.lr_scheduler_spec)
         check_tokenizer_source(tokenizer)  # model_path, its default, is checked above
         self._tokenizer_arg = given["tokenizer"] if tokenizer is not None else model_path
+        self._tokenizer_setting = "tokenizer" if tokenizer is not None else "model_path (the default tokenizer)"
         if self._tokenizer_arg is None:
             raise ValueError("a tokenizer is required when the model is not given by model_path")
         self._tokenizer = objects.get("tokenizer")
@@ -217,7 +218,7 @@ class RLModule(L.LightningModule):
         """The tokenizer (loaded from the ``tokenizer`` argument on first use; ``RuntimeError`` for a tokenizer object
         that the checkpoint the module was loaded from did not hold)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(require(self._tokenizer_arg))
+            self._tokenizer = load_tokenizer(require(self._tokenizer_arg), self._tokenizer_setting)
         return self._tokenizer
 
     def _setup_model(self, model: nn.Module) -> None:
