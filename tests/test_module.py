@@ -51,7 +51,9 @@ def loader(k: int = 4, batch_size: int = 2) -> DataLoader:
     return ResumableDataLoader(prompt_items(k), batch_size=batch_size, sampler=sampler, collate_fn=list)
 
 
-def make_module(dtype: str = "float32", rollout: dict | None = None, algorithm: dict | None = None, **kw) -> RLModule:
+def make_module(
+    dtype: str | None = "float32", rollout: dict | None = None, algorithm: dict | None = None, **kw
+) -> RLModule:
     return RLModule(
         model_config=kw.pop("model_config", tiny_config()),
         tokenizer=TOK,
@@ -132,9 +134,9 @@ def fit(module: RLModule, steps: int, callbacks: list | None = None, data: DataL
 
 
 @pytest.mark.parametrize(
-    ("dtype", "precision"), [("float32", "32-true"), ("bfloat16", "32-true"), ("float32", "bf16-true")]
-)
-def test_exact_mode_first_ministep_ratio_is_one(dtype: str, precision: str) -> None:
+    ("dtype", "precision"), [("float32", "32-true"), ("bfloat16", "32-true"), (None, "bf16-true")]
+)  # bf16-true with no dtype asked for: the Trainer converts the model (with another dtype asked for it is refused)
+def test_exact_mode_first_ministep_ratio_is_one(dtype: str | None, precision: str) -> None:
     module = make_module(dtype, algorithm={"old_logprob_mode": "exact", "clip_low": 0.2, "clip_high": 0.28})
     probe = Inspect()
     trainer, rec = fit(module, 2, [probe], precision=precision)
@@ -494,9 +496,15 @@ def test_inf_reward_names_the_sample() -> None:
         fit(module, 1)
 
 
+def two_rewards(prompts: list[str], completions: list[str], answers: list) -> list[float]:
+    return [1.0, 0.0]
+
+
 def test_reward_count_mismatch() -> None:
-    module = make_module(reward=lambda p, c, a: [1.0, 0.0])
-    with pytest.raises(ValueError, match="got 2 rewards for 6 samples"):
+    """The error names the reward and the batch (in this process, where the reward gets the whole batch)."""
+    module = make_module(reward=two_rewards, reward_config={"workers": 0})
+    match = r"reward two_rewards returned unusable rewards for 2 prompts x 3 samples: got 2 rewards for 6 samples"
+    with pytest.raises(ValueError, match=match):
         fit(module, 1)
 
 

@@ -105,6 +105,18 @@ def test_float64_trainer_precision_is_refused_by_name(precision: str | int) -> N
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "16-true"])
 def test_true_precisions_rlexact_supports_are_accepted(precision: str) -> None:
     check_precision(trainer_with(precision))
+    check_precision(
+        trainer_with(precision), {"32-true": "bfloat16", "bf16-true": "bfloat16", "16-true": "float16"}[precision]
+    )
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", "float32"), ("16-true", "bfloat16")])
+def test_half_precision_against_the_modules_dtype_is_refused(precision: str, dtype: str) -> None:
+    """The Trainer would convert the model away from the dtype the module was asked for, without a word."""
+    with pytest.raises(
+        ValueError, match=rf"precision='{precision}'\) converts the model to .* RLModule\(dtype='{dtype}'\)"
+    ):
+        check_precision(trainer_with(precision), dtype)
 
 
 def test_mixed_precision_keeps_its_autocast_error() -> None:

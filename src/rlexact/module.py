@@ -317,7 +317,7 @@ class RLModule(L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        policy.check_precision(self.trainer)
+        policy.check_precision(self.trainer, self.dtype_name)
         if self.trainer.loggers and self.trainer.log_every_n_steps > 1:
             rank_zero_warn(
                 f"RLModule logs its metrics once per rollout step, and Trainer(log_every_n_steps="

@@ -179,12 +179,21 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.disable_input_require_grads()
 
 
-def check_precision(trainer: Any) -> None:
+def check_precision(trainer: Any, dtype: str | None = None) -> None:
     """Reject a Trainer precision that breaks exactness: a mixed (autocast) one changes the kernels of the trainer
     forward, and a float64 one (``64``, ``"64"`` or ``"64-true"``) converts the model to a dtype the exact kernels do
-    not support (:data:`rlexact.config.DTYPES` lists those they do). Each error names ``RLModule(dtype=...)``, the
-    setting that chooses the model's dtype instead."""
+    not support (:data:`rlexact.config.DTYPES` lists those they do). Also reject a half precision (``"bf16-true"``,
+    ``"16-true"``) that would convert the model away from the ``dtype`` the module was asked for
+    (``RLModule(dtype=...)``; None: no request). Each error names ``RLModule(dtype=...)``, the setting that chooses
+    the model's dtype instead."""
     precision = str(getattr(trainer, "precision", "32-true"))
+    converts = {"bf16-true": "bfloat16", "16-true": "float16"}.get(precision)
+    if converts is not None and dtype is not None and dtype != converts:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) converts the model to {converts}, but RLModule(dtype={dtype!r}) asks "
+            f"for {dtype}: choose the model's dtype with RLModule(dtype=...) alone and leave the Trainer precision "
+            "at '32-true'"
+        )
     if "mixed" in precision:
         raise ValueError(
             f"Trainer(precision={precision!r}) runs the step under autocast, which changes the kernels of the "

@@ -46,7 +46,15 @@ def score_completions(
         spans = [(lo, lo + DECODE_CHUNK) for lo in range(0, len(completions), DECODE_CHUNK)]
         futures = [executor.submit(prompts[lo:hi], decode(lo, hi), answers[lo:hi]) for lo, hi in spans]
         result = RewardResult.concat([f.result() for f in futures])
-    return check_rewards(result.rewards, len(completions)), result
+    try:
+        return check_rewards(result.rewards, len(completions)), result
+    except ValueError as e:
+        reward = executor.reward
+        name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
+        raise ValueError(
+            f"reward {name} returned unusable rewards for {len(items)} prompts x {n} samples: {e} (a reward returns "
+            "one finite number per completion, in the order given)"
+        ) from e
 
 
 def execution_metrics(result: RewardResult, device: torch.device | str | None = None) -> dict[str, float]:
