@@ -265,3 +265,16 @@ def test_drop_last_with_fewer_prompts_than_a_batch_is_refused() -> None:
         data.train_dataloader()
     assert len(PromptDataModule(rows, tokenizer="demo", batch_size=4).train_dataloader()) == 1  # control
     assert len(PromptDataModule(rows, tokenizer="demo", batch_size=2, drop_last=True).train_dataloader()) == 1
+
+
+def test_float64_model_is_refused_and_dtype_converts_it() -> None:
+    """A float64 model would run at float32 precision without a word; ``dtype=`` converts it (control)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlexact.demo.run import checkpoint_path
+
+    with pytest.raises(ValueError, match=r"the model has torch.float64 parameters.*RLModule\(dtype=\.\.\.\)"):
+        RLModule(model=AutoModelForCausalLM.from_pretrained(checkpoint_path()).double(), tokenizer="demo")
+    module = RLModule(model=AutoModelForCausalLM.from_pretrained(checkpoint_path()).double(), tokenizer="demo",
+                      dtype="float32")  # fmt: skip
+    assert module.model.dtype == torch.float32

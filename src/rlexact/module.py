@@ -222,6 +222,7 @@ class RLModule(L.LightningModule):
         return self._tokenizer
 
     def _setup_model(self, model: nn.Module) -> None:
+        policy.check_model_dtype(model)
         if self.algo.kl_coef > 0 and self.ref_model is None:
             self.__dict__["ref_model"] = policy.make_reference(model)
         exactify(model)

@@ -26,6 +26,7 @@ __all__ = [
     "as_config",
     "build_model",
     "check_fsdp_settings",
+    "check_model_dtype",
     "check_model_source",
     "check_precision",
     "check_strategy",
@@ -206,6 +207,20 @@ def check_precision(trainer: Any, dtype: str | None = None) -> None:
             f"Trainer(precision={precision!r}) converts the model to float64, which rlexact's exact kernels do not "
             f"support (they accumulate in float32 and take {supported} parameters); set RLModule(dtype=...) to one "
             "of those (--model.init_args.dtype on the CLI) and leave the Trainer precision at '32-true'"
+        )
+
+
+def check_model_dtype(model: nn.Module) -> None:
+    """Raise ``ValueError`` when a floating-point parameter of ``model`` has a dtype outside
+    :data:`rlexact.config.DTYPES` (float64, say): the exact kernels would compute it in float32 without a word."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype not in names})
+    if bad:
+        supported = ", ".join(repr(name) for name in DTYPES)
+        raise ValueError(
+            f"the model has {' and '.join(bad)} parameters, which rlexact's exact kernels do not compute in (they "
+            f"accumulate in float32 and take {supported} parameters); pass RLModule(dtype=...) with one of those, "
+            "which converts the model, or convert it before"
         )
 
 
