@@ -5,7 +5,6 @@ type."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 
 import lightning as L
@@ -19,7 +18,7 @@ from rlexact.ops import cpu
 from rlexact.trainer.data_checks import check_prompt_lengths
 from rlexact.trainer.policy import check_precision
 from rlexact.trainer.sampling import check_prompts
-from test_module import Inspect, length_reward
+from test_module import Inspect, fit, length_reward
 
 DEMO_DATA = "rlexact://demo/data/train.jsonl"
 
@@ -42,12 +41,13 @@ def demo_fit(steps: int, callbacks: list | None = None, precision: str | int = "
     """``steps`` training steps of the packaged demo checkpoint on four packaged prompts; returns the module."""
     module = RLModule(model_path="demo", reward=length_reward, reward_config={"workers": 0},  # in this process
                       rollout={"n": 2, "max_new_tokens": 4, **rollout})  # fmt: skip
-    data = PromptDataModule(DEMO_DATA, tokenizer="demo", batch_size=2, limit=4)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision=precision, logger=False, callbacks=callbacks,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(val_dataloader|LeafSpec|num_workers).*")
-        trainer.fit(module, data)
+    fit(
+        module,
+        steps,
+        callbacks,
+        PromptDataModule(DEMO_DATA, tokenizer="demo", batch_size=2, limit=4),
+        precision=precision,
+    )
     return module
 
 

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlexact.char_tokenizer import build_char_tokenizer
-from rlexact.resources import load_named, missing_local_path, resolve
+from rlexact.resources import first_line, load_named, missing_local_path, resolve
 
 __all__ = [
     "DEMO_TOKENIZER",
@@ -162,7 +162,7 @@ def load_prompt_rows(path: str | os.PathLike, split: str = "train", **load_kwarg
     except OSError as e:  # datasets' DatasetNotFoundError, or ConnectionError offline
         raise FileNotFoundError(
             f"prompt data {name!r} is no file or folder here (looked for {os.path.abspath(path)!r}) and did not load "
-            f"as a Hub dataset ({_first_line(e)}); {_SOURCES} (start a local path with ./ to skip the Hub lookup)"
+            f"as a Hub dataset ({first_line(e)}); {_SOURCES} (start a local path with ./ to skip the Hub lookup)"
         ) from e
 
 
@@ -205,14 +205,8 @@ def _load_folder(path: str, split: str, load_kwargs: dict[str, Any]) -> Any:
     except (ValueError, OSError) as e:  # no split `split`, data files of several types, ...
         raise ValueError(
             f"prompt data folder {os.path.abspath(path)!r} did not load as one dataset of its data files (datasets: "
-            f"{_first_line(e)}); {_SOURCES}"
+            f"{first_line(e)}); {_SOURCES}"
         ) from e
-
-
-def _first_line(e: Exception) -> str:
-    """The first line of an exception's message (its type name when it has none)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _holds_data_files(folder: str) -> bool:

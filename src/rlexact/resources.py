@@ -23,6 +23,7 @@ __all__ = [
     "SCHEME",
     "checkpoint_path",
     "config_path",
+    "first_line",
     "missing_local_path",
     "load_named",
     "resolve",
@@ -82,6 +83,12 @@ def missing_local_path(path: str | os.PathLike, suffixes: tuple[str, ...] = ()) 
     return name if local and not os.path.exists(name) else None
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when the message is empty)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def load_named(load: Callable[[str], T], path: str, name: str, setting: str) -> T:
     """``load(path)`` (a transformers ``from_pretrained``); where it raises ``OSError`` and nothing is at ``path``,
     ``FileNotFoundError`` instead: ``name`` (the value of ``setting``) names no local folder and did not load as a
@@ -91,7 +98,7 @@ def load_named(load: Callable[[str], T], path: str, name: str, setting: str) -> 
     except OSError as e:
         if os.path.exists(path):
             raise
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise FileNotFoundError(
             f"{setting} {name!r} is not a folder here (looked from {os.getcwd()}) and did not load as a Hub "
             f"repository ({reason}). For a local checkpoint give its absolute path or start it with ./"

@@ -23,6 +23,7 @@ from rlexact.rewards.base import (
     check_batch_lengths,
     check_reward_signature,
     check_rewards,
+    reward_name,
     truncate_at_stop,
 )
 from rlexact.rewards.executor import (
@@ -59,6 +60,7 @@ __all__ = [
     "extract_final_answer",
     "inside_reward_executor",
     "resolve_reward",
+    "reward_name",
     "shared_executor",
     "truncate_at_stop",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "check_batch_lengths",
     "check_reward_signature",
     "check_rewards",
+    "reward_name",
     "truncate_at_stop",
 ]
 
@@ -85,11 +86,15 @@ def check_reward_signature(reward: object) -> None:
     try:
         signature.bind([], [], [])
     except TypeError as e:
-        name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
         raise TypeError(
-            f"reward {name} must take (prompts, completions, answers), three lists; its signature {signature} does "
-            f"not ({e})"
+            f"reward {reward_name(reward)} must take (prompts, completions, answers), three lists; its signature "
+            f"{signature} does not ({e})"
         ) from None
+
+
+def reward_name(reward: Any) -> str:
+    """The name errors give ``reward``: its qualified name (a function or class), else its class's."""
+    return getattr(reward, "__qualname__", None) or type(reward).__qualname__
 
 
 def check_rewards(rewards: Sequence[float] | torch.Tensor, num_samples: int) -> torch.Tensor:

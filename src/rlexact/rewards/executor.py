@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.rewards.base import RewardFn, check_batch_lengths, check_reward_signature
+from rlexact.rewards.base import RewardFn, check_batch_lengths, check_reward_signature, reward_name
 
 __all__ = [
     "ON_ERROR",
@@ -212,7 +212,7 @@ def _bad_value_error(reward: Any, problem: str, index: int, prompt: Any, complet
     """The error for a reward whose value for sample ``index`` is not one number (``problem``): it stops the batch
     whatever ``on_error`` says, which covers rewards that raise, not a reward that returns the wrong thing."""
     return RewardError(
-        f"reward {_reward_name(reward)} {problem} on {_describe_sample(index, prompt, completion)}. A reward returns "
+        f"reward {reward_name(reward)} {problem} on {_describe_sample(index, prompt, completion)}. A reward returns "
         "a sequence of one number per sample, e.g. [1.0, 0.0]",
         index,
     )
@@ -287,10 +287,6 @@ def _worker_main(conn: Connection, payload: bytes) -> None:
                 conn.send(("ok", key, _single_value(out)))
             except _BadValue as e:
                 conn.send(("bad", key, str(e)))
-
-
-def _reward_name(reward: Any) -> str:
-    return getattr(reward, "__qualname__", None) or type(reward).__qualname__
 
 
 def _load_advice(reward: Any) -> str:
@@ -550,7 +546,7 @@ class _Pool:
             return
         text = f"{_describe_sample(i, job.prompts[i], job.completions[i])}: {error}"
         if self.cfg.on_error == "raise":
-            msg = f"reward {_reward_name(self.reward)} raised on {text}"
+            msg = f"reward {reward_name(self.reward)} raised on {text}"
             self.fail(job, RewardError(msg, i, detail))
         else:
             job.errors[i] = text
@@ -575,7 +571,7 @@ class _Pool:
         if self.in_process:
             return
         rank_zero_warn(
-            f"reward {_reward_name(self.reward)} runs in the main process, without a time limit: {why}. "
+            f"reward {reward_name(self.reward)} runs in the main process, without a time limit: {why}. "
             f"{_load_advice(self.reward)}"
         )
         self.in_process = True
@@ -612,7 +608,7 @@ def _score_in_process(
                     failures[i] = f"{_describe_sample(i, p, c)}: {type(e).__name__}: {e}"
                     values.append(cfg.error_value)
                     if cfg.on_error == "raise":
-                        raise RewardError(f"reward {_reward_name(reward)} raised on {failures[i]}", i) from e
+                        raise RewardError(f"reward {reward_name(reward)} raised on {failures[i]}", i) from e
                     continue
                 try:
                     values.append(_single_value(out_i))
@@ -620,7 +616,7 @@ def _score_in_process(
                     raise _bad_value_error(reward, str(e), i, p, c) from None
             if not failures:
                 raise RewardError(
-                    f"reward {_reward_name(reward)} raised on the batch of {len(prompts)} samples but on none of "
+                    f"reward {reward_name(reward)} raised on the batch of {len(prompts)} samples but on none of "
                     f"them alone: {type(batch_error).__name__}: {batch_error}",
                     -1,
                 ) from batch_error
@@ -674,7 +670,7 @@ class RewardExecutor:
                 payload = pickle.dumps(reward)
             except Exception as e:  # any pickling failure means: run in process, and say why
                 rank_zero_warn(
-                    f"reward {_reward_name(reward)} runs in the main process, without a time limit: it cannot be "
+                    f"reward {reward_name(reward)} runs in the main process, without a time limit: it cannot be "
                     f"pickled for a worker process ({type(e).__name__}: {e}). Define it at module level in an "
                     "importable module (or pass 'pkg.module:Name') to run it in worker processes."
                 )
@@ -695,7 +691,7 @@ class RewardExecutor:
         """Start scoring a batch; the future's result is a :class:`RewardResult` (or it raises :class:`RewardError`).
 
         In the main process (:attr:`in_process`) the batch is scored on the calling thread before this returns."""
-        check_batch_lengths(_reward_name(self.reward), prompts, completions, answers)
+        check_batch_lengths(reward_name(self.reward), prompts, completions, answers)
         if self._pool.in_process:
             fut: Future[RewardResult] = Future()
             try:

@@ -180,6 +180,14 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.disable_input_require_grads()
 
 
+_UNSUPPORTED_DTYPE = (
+    "which rlexact's exact kernels do not support (they accumulate in float32 and take "
+    + ", ".join(repr(name) for name in DTYPES)
+    + " parameters)"
+)
+"""The end of the errors about a model dtype outside :data:`rlexact.config.DTYPES`."""
+
+
 def check_precision(trainer: Any, dtype: str | None = None) -> None:
     """Reject a Trainer precision that breaks exactness: a mixed (autocast) one changes the kernels of the trainer
     forward, and a float64 one (``64``, ``"64"`` or ``"64-true"``) converts the model to a dtype the exact kernels do
@@ -202,25 +210,22 @@ def check_precision(trainer: Any, dtype: str | None = None) -> None:
             "fsdp.param_dtype with ModelParallelStrategy) and leave the Trainer precision at '32-true'"
         )
     if precision.startswith("64"):
-        supported = ", ".join(repr(name) for name in DTYPES)
         raise ValueError(
-            f"Trainer(precision={precision!r}) converts the model to float64, which rlexact's exact kernels do not "
-            f"support (they accumulate in float32 and take {supported} parameters); set RLModule(dtype=...) to one "
-            "of those (--model.init_args.dtype on the CLI) and leave the Trainer precision at '32-true'"
+            f"Trainer(precision={precision!r}) converts the model to float64, {_UNSUPPORTED_DTYPE}; set "
+            "RLModule(dtype=...) to one of those (--model.init_args.dtype on the CLI) and leave the Trainer precision "
+            "at '32-true'"
         )
 
 
 def check_model_dtype(model: nn.Module) -> None:
     """Raise ``ValueError`` when a floating-point parameter of ``model`` has a dtype outside
     :data:`rlexact.config.DTYPES` (float64, say): the exact kernels would compute it in float32 without a word."""
-    names = {dtype: name for name, dtype in DTYPES.items()}
-    bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype not in names})
+    supported = DTYPES.values()
+    bad = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype not in supported})
     if bad:
-        supported = ", ".join(repr(name) for name in DTYPES)
         raise ValueError(
-            f"the model has {' and '.join(bad)} parameters, which rlexact's exact kernels do not compute in (they "
-            f"accumulate in float32 and take {supported} parameters); pass RLModule(dtype=...) with one of those, "
-            "which converts the model, or convert it before"
+            f"the model has {' and '.join(bad)} parameters, {_UNSUPPORTED_DTYPE}; pass RLModule(dtype=...) with one "
+            "of those, which converts the model, or convert it before"
         )
 
 

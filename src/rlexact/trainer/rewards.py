@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rlexact.reduction import MetricReducer
-from rlexact.rewards import RewardExecutor, RewardResult, check_rewards
+from rlexact.rewards import RewardExecutor, RewardResult, check_rewards, reward_name
 from rlexact.rollout import Completion
 
 __all__ = ["DECODE_CHUNK", "execution_metrics", "log_reward_examples", "reward_metrics", "score_completions"]
@@ -49,11 +49,9 @@ def score_completions(
     try:
         return check_rewards(result.rewards, len(completions)), result
     except ValueError as e:
-        reward = executor.reward
-        name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
         raise ValueError(
-            f"reward {name} returned unusable rewards for {len(items)} prompts x {n} samples: {e} (a reward returns "
-            "one finite number per completion, in the order given)"
+            f"reward {reward_name(executor.reward)} returned unusable rewards for {len(items)} prompts x {n} samples: "
+            f"{e} (a reward returns one finite number per completion, in the order given)"
         ) from e
 
 
