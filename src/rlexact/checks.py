@@ -1,5 +1,6 @@
-"""Argument checks for the config dataclasses' ``__post_init__`` and for token ids: each raises ``ValueError`` naming
-the field, the value and the rule. Booleans are refused where a number is asked for, and floats where an integer
+"""Argument checks for the config dataclasses' ``__post_init__``, the RL callbacks' constructors and token ids: each
+raises ``ValueError`` naming the field (the callbacks pass ``"<Class>: <argument>"``), the value and the rule.
+Booleans are refused where a number is asked for, floats where an integer is, and strings and numbers where a bool
 is."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 
 __all__ = [
     "as_index",
+    "boolean",
     "choice",
     "finite",
     "flag_message",
     "indices",
     "integer",
+    "metric_prefix",
     "not_a_file",
     "not_text",
     "positive_int",
@@ -32,6 +35,18 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def boolean(name: str, value: Any) -> None:
+    """``value`` is a ``bool`` (not a truthy string or number)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def metric_prefix(name: str, value: Any) -> None:
+    """``value`` is a non-empty ``str`` that does not end with ``/`` (metric names are ``<prefix>/<key>``)."""
+    if not isinstance(value, str) or not value or value.endswith("/"):
+        raise ValueError(f"{name} must be a non-empty str not ending with '/', got {value!r}")
 
 
 def integer(name: str, value: Any, *, low: int | None = None) -> None:

@@ -279,14 +279,18 @@ class RLModule(L.LightningModule):
 
     def check_trainer(self, trainer: L.Trainer, fitting: bool = False) -> None:
         """Raise ``ValueError`` for a Trainer this module cannot run under: its strategy and the FSDP settings' use
-        (:func:`rlexact.trainer.policy.check_strategy`, :func:`~rlexact.trainer.policy.check_fsdp_settings`) and,
-        with ``fitting``, the Trainer options that RLModule replaces
-        (:func:`~rlexact.trainer.policy.check_trainer_options`). Lightning's hooks run these checks; the ``rlexact``
-        command runs them before the run starts, so a refused run leaves no log folder behind."""
+        (:func:`rlexact.trainer.policy.check_strategy`, :func:`~rlexact.trainer.policy.check_fsdp_settings`), with
+        ``fitting`` the Trainer options that RLModule replaces (:func:`~rlexact.trainer.policy.check_trainer_options`),
+        and what each RL callback on the trainer refuses (:meth:`rlexact.callbacks.RLCallback.check`: e.g. TIS with
+        ``old_logprob_mode='bypass'``, a MismatchInjection after a probe, two callbacks logging under one metric
+        prefix). Lightning's hooks run these checks; the ``rlexact`` command runs them before the run starts, so a
+        refused run leaves no log folder behind."""
         policy.check_strategy(trainer.strategy)
         policy.check_fsdp_settings(trainer.strategy, self.fsdp_cfg)
         if fitting:
             policy.check_trainer_options(trainer)
+        for callback in rl_callbacks(trainer):
+            callback.check(trainer, self)
 
     def _record_hparams(self, **values: Any) -> None:
         """Record hyperparameters in ``hparams`` and in Lightning's initial copy (which the loggers and the merge
@@ -388,6 +392,12 @@ class RLModule(L.LightningModule):
         shown = {k: values.pop(k) for k in ("reward/mean", "rollout_step") if k in values}
         self.log_dict(shown, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False, batch_size=1)
         self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+
+    @property
+    def exact_rollout(self) -> bool:
+        """Whether the generator's reported log-probs are the trainer's bit for bit (``rollout.kernels='exact'``,
+        the exactness contract); the RL callbacks read it (:func:`rlexact.callbacks.base.rollout_equals_trainer`)."""
+        return self.rollout_cfg.kernels == "exact"
 
     @property
     def logprob_temperature(self) -> float:

@@ -25,6 +25,11 @@ Order of one training step:
    If no token is left in the loss, the module skips that optimizer step with a warning.
 4. ``on_rl_update_end(trainer, pl_module, batch)`` after the last optimizer step of the rollout (update-direction
    probes can score ``batch`` with the new weights here).
+
+Refusals. :meth:`RLCallback.check` raises ``ValueError`` for a trainer, module and callback list the callback cannot
+run under (e.g. two RL callbacks that would log under the same metric prefix, :meth:`RLCallback.metric_prefixes`).
+``RLCallback.setup`` calls it, and so does :meth:`rlexact.RLModule.check_trainer` for every RL callback on the
+trainer, which the ``rlexact`` command runs before anything is written (a one-line error, exit status 2).
 """
 
 from __future__ import annotations
@@ -51,11 +56,31 @@ def old_logprob_mode(pl_module: Any) -> str | None:
     return None
 
 
+def rollout_equals_trainer(trainer: Trainer | None, pl_module: Any) -> bool:
+    """True when the rollout log-probs the RL callbacks read are known to equal the trainer's bit for bit: the module
+    says its rollout is exact (``pl_module.exact_rollout is True``, see :attr:`rlexact.RLModule.exact_rollout`, or
+    :func:`old_logprob_mode` is ``"exact"``) and no RL callback on ``trainer`` perturbs them
+    (:attr:`RLCallback.perturbs_logprobs`, e.g. a MismatchInjection of scale > 0). Then ``r_corr`` is exactly 1 on
+    every token, so a correction on it changes nothing; ``False`` where the module does not say."""
+    exact = getattr(pl_module, "exact_rollout", None) is True or old_logprob_mode(pl_module) == "exact"
+    callbacks = rl_callbacks(trainer) if trainer is not None else []
+    return exact and not any(cb.perturbs_logprobs for cb in callbacks)
+
+
 class RLCallback(Callback):
     """Base class of RL callbacks; every hook is a no-op by default."""
 
     needs_trainer_logprobs: bool = False
     """Set to True to have ``batch.trainer_logprobs`` (pi_old^train) computed before :meth:`on_rl_batch`."""
+
+    reads_logprobs: bool = True
+    """Whether the hooks read or write the batch's log-probs, ``token_weights`` or ``loss_mask``: True unless the
+    callback reads none of them (:class:`~rlexact.callbacks.SampleLogger`: text, rewards and advantages). A
+    :class:`~rlexact.callbacks.MismatchInjection` must come before every RL callback that does."""
+
+    perturbs_logprobs: bool = False
+    """True when the callback replaces the rollout log-probs by perturbed ones (a MismatchInjection of scale > 0), so
+    that the later callbacks no longer read the trainer's values (:func:`rollout_equals_trainer`)."""
 
     state_fields: tuple[tuple[str, type], ...] = ()
     """``(attribute, type)`` pairs saved by :meth:`state_dict` and restored (cast to the type) by
@@ -75,6 +100,43 @@ class RLCallback(Callback):
             )
         for name, kind in self.state_fields:
             setattr(self, name, kind(state_dict[name]))
+
+    def metric_prefixes(self) -> tuple[str, ...]:
+        """The first components of the names this callback logs (``"tis"`` for ``tis/mean``, ...); ``()`` (the
+        default) for a callback that logs nothing. Two RL callbacks on one Trainer may not share one (:meth:`check`):
+        the loggers would keep only one value of each name."""
+        return ()
+
+    def check(self, trainer: Trainer | None, pl_module: Any) -> None:
+        """Raise ``ValueError``, its message starting with the class name, for a trainer, module and RL-callback list
+        this callback cannot run under. Called by :meth:`setup` and by :meth:`rlexact.RLModule.check_trainer` (the
+        ``rlexact`` command runs it before the run writes anything), so it may run several times: it neither warns
+        nor changes state. The base class refuses a metric prefix shared with another RL callback of ``trainer``
+        (:meth:`metric_prefixes`); a subclass adding refusals calls ``super().check(trainer, pl_module)``."""
+        callbacks = list(trainer.callbacks) if trainer is not None else []
+        if not any(cb is self for cb in callbacks):
+            return
+        mine = set(self.metric_prefixes())
+        for other in rl_callbacks(trainer):
+            shared = sorted(mine & set(other.metric_prefixes())) if other is not self else []
+            if not shared:
+                continue
+            owners = [type(cb).__name__ for cb in (self, other) if isinstance(getattr(cb, "prefix", None), str)]
+            if len(owners) == 2:
+                fix = "give one of them another prefix=..."
+            else:
+                fix = f"give the {owners[0]} another prefix=..." if owners else "keep one of them"
+            raise ValueError(
+                f"{type(self).__name__}: trainer.callbacks[{callbacks.index(self)}] {_describe(self)} and "
+                f"trainer.callbacks[{callbacks.index(other)}] {_describe(other)} would both log metrics under "
+                f"'{shared[0]}/', and the loggers keep only one value of each name: {fix}"
+            )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Runs :meth:`check`. A subclass overriding it calls ``super().setup(trainer, pl_module, stage)`` first and
+        issues its one-time warnings after it."""
+        self.check(trainer, pl_module)
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         """After old log-probs are set, before the update."""
@@ -97,6 +159,14 @@ class RLCallback(Callback):
 def rl_callbacks(trainer: Trainer) -> list[RLCallback]:
     """The trainer's RL callbacks in list order."""
     return [cb for cb in trainer.callbacks if isinstance(cb, RLCallback)]
+
+
+def _describe(cb: RLCallback) -> str:
+    """``Class(prefix='...')`` for a callback with a ``prefix`` argument, else ``Class`` and what it logs under."""
+    prefix = getattr(cb, "prefix", None)
+    if isinstance(prefix, str):
+        return f"{type(cb).__name__}(prefix={prefix!r})"
+    return f"{type(cb).__name__} (logging under {list(cb.metric_prefixes())})"
 
 
 def require_trainer_logprobs(batch: RolloutBatch, who: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ callbacks themselves never fail on empty masks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -30,7 +30,14 @@ from typing_extensions import override
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_scalars
-from rlexact.callbacks.base import RLCallback, old_logprob_mode, require_trainer_logprobs, seqs_with_tokens
+from rlexact.callbacks.base import (
+    RLCallback,
+    old_logprob_mode,
+    require_trainer_logprobs,
+    rollout_equals_trainer,
+    seqs_with_tokens,
+)
+from rlexact.checks import choice, finite, metric_prefix
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -38,6 +45,12 @@ if TYPE_CHECKING:
     from rlexact.batch import RolloutBatch
 
 __all__ = ["RejectionSampling", "TruncatedIS", "correction_callbacks", "require_trainer_logprobs"]
+
+_EXACT_ROLLOUT = (
+    "the rollout log-probs are the trainer's bit for bit in this run (exact rollout kernels or "
+    "old_logprob_mode='exact', and no MismatchInjection)"
+)
+"""The reason of the corrections' warning where :func:`~rlexact.callbacks.base.rollout_equals_trainer` holds."""
 
 _COUNTS = ("rej_tok", "tok", "rej_seq", "seq", "kept", "n")
 """Keys of :class:`RejectionSampling`'s per-rank counts: rejected and response tokens, rejected sequences and
@@ -48,9 +61,11 @@ class TruncatedIS(RLCallback):
     """Truncated importance sampling on ``r_corr``: ``token_weights *= min(r_corr, cap)`` (Yao et al., 2025).
 
     Turns the trainer-referenced PPO ratio ``r_ppo^train`` into (the truncated) ``r_ppo^rollout`` in effect, which
-    is what it is for: ``old_logprob_mode="recompute"`` (pi_old = pi_old^train). In ``exact`` mode the weights are
-    exactly 1; in ``bypass`` mode the ratio is already rollout-referenced and TIS would reweight by ``r_corr`` a
-    second time.
+    is what it is for: ``old_logprob_mode="recompute"`` (pi_old = pi_old^train) with a non-exact rollout. In
+    ``bypass`` mode the ratio is already rollout-referenced and TIS would reweight by ``r_corr`` a second time:
+    :meth:`check` refuses it. Where the rollout log-probs are the trainer's bit for bit (exact kernels and no
+    :class:`~rlexact.callbacks.MismatchInjection`, :func:`~rlexact.callbacks.base.rollout_equals_trainer`) the
+    weights are exactly 1 and ``setup`` warns.
     ``level="token"``: ``w_t = min(r_corr,t, cap)``; ``level="sequence"``: ``w_i = min(prod_t r_corr,t, cap)`` over the
     sequence's response tokens. Weights are detached and *multiply* the existing ``token_weights``.
     Exactly 1.0 everywhere when the rollout and trainer log-probs are bitwise equal.
@@ -61,8 +76,8 @@ class TruncatedIS(RLCallback):
 
     Args:
         level: ``"token"`` or ``"sequence"``.
-        cap: the truncation ``tau`` (``>= 1``; paper ``tau_tok = 2``).
-        prefix: metric prefix; give stacked instances different prefixes.
+        cap: the truncation ``tau``, a finite number ``>= 1`` (paper ``tau_tok = 2``).
+        prefix: metric prefix (a non-empty string not ending with ``/``); stacked instances need different ones.
     """
 
     state_fields = (("steps", int), ("truncated_total", float), ("units_total", float))
@@ -70,6 +85,10 @@ class TruncatedIS(RLCallback):
     needs_trainer_logprobs = True
 
     def __init__(self, level: F.TISLevel = "token", cap: float = 2.0, prefix: str = "tis") -> None:
+        who = type(self).__name__
+        choice(f"{who}: level", level, ("token", "sequence"))
+        finite(f"{who}: cap", cap, low=1.0)
+        metric_prefix(f"{who}: prefix", prefix)
         self.spec = F.TISSpec(level=level, cap=float(cap))
         self.prefix = prefix
         self.steps = 0
@@ -83,18 +102,26 @@ class TruncatedIS(RLCallback):
         return self._generate_state_key(level=self.spec.level, cap=self.spec.cap, prefix=self.prefix)
 
     @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        mode = old_logprob_mode(pl_module)
-        if mode == "bypass":
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return (self.prefix,)
+
+    @override
+    def check(self, trainer: Trainer | None, pl_module: Any) -> None:
+        """Also refuses ``old_logprob_mode='bypass'`` (the ratio would be corrected twice)."""
+        super().check(trainer, pl_module)
+        if old_logprob_mode(pl_module) == "bypass":
             raise ValueError(
                 "TruncatedIS with old_logprob_mode='bypass': the PPO ratio is already referenced to the rollout's "
                 "log-probs, and TIS would reweight by r_corr a second time. Use old_logprob_mode='recompute' with it"
             )
-        if mode == "exact":
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if rollout_equals_trainer(trainer, pl_module):
             rank_zero_warn(
-                "TruncatedIS with old_logprob_mode='exact': unless the rollout log-probs are perturbed "
-                "(MismatchInjection) its weights are exactly 1, at the cost of a trainer forward per step. TIS "
-                "corrects a non-exact rollout: rollout.kernels='native' with old_logprob_mode='recompute'"
+                f"TruncatedIS: {_EXACT_ROLLOUT}, so its weights are exactly 1, at the cost of a trainer forward per "
+                "step. TIS corrects a non-exact rollout: rollout.kernels='native' with old_logprob_mode='recompute'"
             )
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
@@ -134,17 +161,30 @@ class RejectionSampling(RLCallback):
     - ``signal="ppo"``: ``q = r_ppo^rollout = pi_theta / pi_old^rollout``, on every mini-batch in
       ``on_rl_minibatch`` with the current policy's log-probs.
 
-    Logs (``<prefix>`` = ``rejection``): ``rejected_token_frac`` (over response tokens), ``rejected_seq_frac``
-    (sequences that lost a token, over sequences with response tokens) and ``empty_loss_frac`` (1.0 when no token
-    is left in the loss after this callback; the module then skips the update). For ``signal="ppo"`` they are
-    totals over all mini-batches of the rollout step, logged in ``on_rl_update_end``. Reduced across ranks.
+    Logs (``<prefix>`` = ``rejection``): ``rejected_token_frac`` (rejected over scored response tokens),
+    ``rejected_seq_frac`` (sequences that lost a token, over sequences with response tokens) and ``empty_loss_frac``
+    (1.0 when no token is left in the loss after this callback; the module then skips the update). Reduced across
+    ranks. What they count depends on the signal:
+
+    - ``signal="corr"``: each response token and sequence of the rollout step once (one decision per rollout step).
+    - ``signal="ppo"``: token and sequence *visits*: every PPO epoch's mini-batch decides anew (the ratio moves with
+      every optimizer step), so with ``ppo_epochs=3`` each token is scored three times and counts three times in
+      ``rejected_token_frac`` and in the lifetime ``tokens_total`` / ``rejected_tokens_total``, and
+      ``rejected_seq_frac`` is over sequence visits. They are logged once per rollout step, in
+      ``on_rl_update_end``; :attr:`last_minibatch_metrics` keeps each mini-batch's own fractions.
+
+    Where the rollout log-probs are the trainer's bit for bit (exact kernels, no
+    :class:`~rlexact.callbacks.MismatchInjection`), ``signal="corr"`` rejects nothing at the cost of a trainer
+    forward per step, and ``setup`` warns.
 
     Args:
         signal: ``"corr"`` or ``"ppo"``.
         granularity: ``"token"``, ``"sequence_sum"``, ``"sequence_mean"`` or ``"sequence_max"``.
         estimator: ``"k1"`` (signed), ``"k2"`` or ``"k3"``.
-        threshold: drop when the score is strictly greater (paper ``tau_seq = 0.001``).
-        prefix: metric prefix; give stacked instances different prefixes.
+        threshold: drop when the score is strictly greater; a finite number ``>= 0`` for every estimator (a
+            negative one would reject every token whose score is 0, i.e. every token of an exact rollout; paper
+            ``tau_seq = 0.001``).
+        prefix: metric prefix (a non-empty string not ending with ``/``); stacked instances need different ones.
     """
 
     state_fields = (("steps", int), ("rejected_tokens_total", float), ("tokens_total", float), ("empty_steps", int))
@@ -157,6 +197,17 @@ class RejectionSampling(RLCallback):
         threshold: float = 0.001,
         prefix: str = "rejection",
     ) -> None:
+        who = type(self).__name__
+        choice(f"{who}: signal", signal, ("corr", "ppo"))
+        choice(f"{who}: granularity", granularity, ("token", "sequence_sum", "sequence_mean", "sequence_max"))
+        choice(f"{who}: estimator", estimator, ("k1", "k2", "k3"))
+        finite(f"{who}: threshold", threshold)
+        if threshold < 0:
+            raise ValueError(
+                f"{who}: threshold must be >= 0, got {threshold!r}: a negative threshold rejects every token whose "
+                "score is 0, i.e. every token of an exact rollout"
+            )
+        metric_prefix(f"{who}: prefix", prefix)
         self.spec = F.RejectionSpec(signal=signal, granularity=granularity, estimator=estimator, threshold=threshold)
         self.prefix = prefix
         self.needs_trainer_logprobs = signal == "corr"
@@ -176,6 +227,20 @@ class RejectionSampling(RLCallback):
         return self._generate_state_key(
             signal=s.signal, granularity=s.granularity, estimator=s.estimator, threshold=s.threshold, prefix=self.prefix
         )
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return (self.prefix,)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.spec.signal == "corr" and rollout_equals_trainer(trainer, pl_module):
+            rank_zero_warn(
+                f"RejectionSampling(signal='corr'): {_EXACT_ROLLOUT}, so r_corr is exactly 1 and it rejects nothing, "
+                "at the cost of a trainer forward per step. It corrects a non-exact rollout: rollout.kernels='native' "
+                "with old_logprob_mode='recompute'"
+            )
 
     # ------------------------------------------------------------------------------------------------------ hooks
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from typing_extensions import override
 
 from rlexact.callbacks._extra import first_bitwise_mismatch
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
@@ -86,7 +87,7 @@ class ExactnessGuard(RLCallback):
     needs_trainer_logprobs = True
 
     def __init__(self, every_n_steps: int = 1) -> None:
-        positive_int("every_n_steps", every_n_steps)
+        positive_int(f"{type(self).__name__}: every_n_steps", every_n_steps)
         self.every_n_steps = every_n_steps
         self.steps_seen = 0
         self.checks_passed = 0
@@ -95,6 +96,10 @@ class ExactnessGuard(RLCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return ("exactness",)
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         step = self.steps_seen

@@ -1,9 +1,13 @@
 """Synthetic training-inference mismatch: perturb the rollout log-probs so TIM can be studied (and the probes and
 corrections tested and calibrated) on CPU with an exact engine.
 
-**Order.** :class:`MismatchInjection` must be the *first* RL callback in ``trainer.callbacks``: the hooks run in
-list order, and probes/corrections/guards placed before it would see the unperturbed batch. ``setup`` raises a
-``ValueError`` when another RL callback precedes it.
+**Order.** :class:`MismatchInjection` must come before every RL callback in ``trainer.callbacks`` that reads or
+writes the batch's log-probs, token weights or loss mask (:attr:`~rlexact.callbacks.RLCallback.reads_logprobs`,
+True by default; False for :class:`~rlexact.callbacks.SampleLogger`): the hooks run in list order, and
+probes/corrections/guards placed before it would see the unperturbed batch. :meth:`MismatchInjection.check` (run by
+``setup`` and by :meth:`rlexact.RLModule.check_trainer`) raises a ``ValueError`` when one precedes it. On the
+command line, ``--trainer.callbacks+=...`` appends after the recipe's callbacks, so list the injection first in the
+YAML's ``trainer.callbacks`` instead.
 
 What it changes, in ``on_rl_batch`` (never in place -- new tensors are assigned, so aliases of the old tensors, such
 as a ``trainer_logprobs`` that *is* ``rollout_logprobs``, keep the clean values):
@@ -36,10 +40,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from typing_extensions import override
 
 from rlexact.callbacks._extra import InjectionTarget, keyed_normal, perturb_logprobs
 from rlexact.callbacks.aggregation import MetricReducer, global_rank, log_scalars
 from rlexact.callbacks.base import RLCallback, old_logprob_mode, rl_callbacks
+from rlexact.checks import choice, finite, integer
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -66,16 +72,16 @@ class MismatchInjection(RLCallback):
     def __init__(
         self, target: InjectionTarget = "logprobs", scale: float = 0.05, seed: int = 0, old_logprobs: OldFollow = "auto"
     ) -> None:
-        if target not in ("logprobs", "logits"):
-            raise ValueError(f"target must be 'logprobs' or 'logits', got {target!r}")
-        if not (scale >= 0.0 and scale < float("inf")):
-            raise ValueError(f"scale must be finite and >= 0, got {scale}")
-        if old_logprobs not in ("auto", "follow", "keep"):
-            raise ValueError(f"old_logprobs must be 'auto', 'follow' or 'keep', got {old_logprobs!r}")
+        who = type(self).__name__
+        choice(f"{who}: target", target, ("logprobs", "logits"))
+        finite(f"{who}: scale", scale, low=0.0)
+        integer(f"{who}: seed", seed)
+        choice(f"{who}: old_logprobs", old_logprobs, ("auto", "follow", "keep"))
         self.target = target
         self.scale = float(scale)
-        self.seed = int(seed)
+        self.seed = seed
         self.old_logprobs = old_logprobs
+        self.perturbs_logprobs = self.scale > 0
         self.rollout_step = 0
         """Rollout batches perturbed so far; keys the noise (resumable)."""
         self.last_metrics: dict[str, float] = {}
@@ -84,17 +90,29 @@ class MismatchInjection(RLCallback):
     def state_key(self) -> str:
         return self._generate_state_key(target=self.target, scale=self.scale, seed=self.seed)
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        callbacks = rl_callbacks(trainer)
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return ("injection",)
+
+    @override
+    def check(self, trainer: Trainer | None, pl_module: Any) -> None:
+        """Also refuses an RL callback that reads the batch's log-probs, weights or masks
+        (:attr:`~rlexact.callbacks.RLCallback.reads_logprobs`) placed before this one."""
+        super().check(trainer, pl_module)
+        callbacks = rl_callbacks(trainer) if trainer is not None else []
         if self not in callbacks:
             return
         before = [
-            type(cb).__name__ for cb in callbacks[: callbacks.index(self)] if not isinstance(cb, MismatchInjection)
+            type(cb).__name__
+            for cb in callbacks[: callbacks.index(self)]
+            if cb.reads_logprobs and not isinstance(cb, MismatchInjection)
         ]
         if before:
             raise ValueError(
-                f"MismatchInjection must come before every other RL callback in trainer.callbacks (hooks run in list "
-                f"order); found {before} before it"
+                f"{type(self).__name__} must come before every RL callback that reads the batch's log-probs, "
+                f"weights or masks in trainer.callbacks (hooks run in list order); found {before} before it. On the "
+                "command line --trainer.callbacks+=... appends after the recipe's callbacks: list MismatchInjection "
+                "first in the YAML's trainer.callbacks"
             )
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:

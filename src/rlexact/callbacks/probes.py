@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from rlexact.callbacks import functional as F
 from rlexact.callbacks.aggregation import MetricReducer, log_histograms, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs, seqs_with_tokens
 from rlexact.callbacks.routing import RouterDisagreement, RouterRecorder, router_disagreement
-from rlexact.checks import positive_int
+from rlexact.checks import boolean, choice, metric_prefix, positive_int
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -177,10 +178,12 @@ class MismatchProbe(RLCallback):
         argmax: compute ``argmax_flip_rate`` (one or two extra no-grad forwards per rollout step).
         histograms: write TensorBoard histograms (when a ``TensorBoardLogger`` is attached).
         histogram_every_n_steps: histograms on one rollout step in ``n``.
-        log_ministeps: also log each mini-step's contributions.
+        log_ministeps: also log each mini-step's contributions (under ``<prefix>_ministep/``).
         argmax_chunk_tokens: rows of ``[rows, V]`` logits materialized at once for the argmax.
-        prefix: metric prefix.
+        prefix: metric prefix (a non-empty string not ending with ``/``); two probes need different ones.
         router: compute the router mismatch metrics when the policy has MoE layers.
+
+    The flags are bools and the counts positive ints; anything else is a ``ValueError`` naming the argument.
     """
 
     state_fields = (
@@ -202,8 +205,13 @@ class MismatchProbe(RLCallback):
         prefix: str = "mismatch",
         router: bool = True,
     ) -> None:
-        positive_int("histogram_every_n_steps", histogram_every_n_steps)
-        positive_int("argmax_chunk_tokens", argmax_chunk_tokens)
+        who = type(self).__name__
+        flags = {"argmax": argmax, "histograms": histograms, "log_ministeps": log_ministeps, "router": router}
+        for name, flag in flags.items():
+            boolean(f"{who}: {name}", flag)
+        positive_int(f"{who}: histogram_every_n_steps", histogram_every_n_steps)
+        positive_int(f"{who}: argmax_chunk_tokens", argmax_chunk_tokens)
+        metric_prefix(f"{who}: prefix", prefix)
         self.argmax = argmax
         self.histograms = histograms
         self.histogram_every_n_steps = histogram_every_n_steps
@@ -226,6 +234,10 @@ class MismatchProbe(RLCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(prefix=self.prefix)
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return (self.prefix, f"{self.prefix}_ministep") if self.log_ministeps else (self.prefix,)
 
     # ---------------------------------------------------------------------------------------------- rollout step
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
@@ -441,22 +453,27 @@ class UpdateDirectionProbe(RLCallback):
     not see). Note that with MismatchInjection and ``before="rollout"`` the measured misalignment includes the
     injected noise, as it would for an engine whose reported numbers are noisy but whose re-scoring is not.
 
-    Logs ``update_direction/misaligned_frac``, ``unchanged_frac``, ``misaligned_count``, ``num_tokens`` (reduced
-    across ranks) and keeps lifetime counts (``misaligned_total``, ``tokens_total``) in its state.
+    Logs ``<prefix>/misaligned_frac``, ``unchanged_frac``, ``misaligned_count``, ``num_tokens`` (``<prefix>`` =
+    ``update_direction``; reduced across ranks) and keeps lifetime counts (``misaligned_total``, ``tokens_total``)
+    in its state.
 
     Args:
         before: ``"rollout"`` or ``"rescore"``.
         every_n_steps: probe one rollout step in ``n`` (each costs a generator scoring pass).
+        prefix: metric prefix (a non-empty string not ending with ``/``); two probes on one Trainer (e.g. both
+            ``before`` choices) need different ones.
     """
 
     state_fields = (("steps_seen", int), ("misaligned_total", float), ("tokens_total", float))
 
-    def __init__(self, before: str = "rollout", every_n_steps: int = 1) -> None:
-        if before not in ("rollout", "rescore"):
-            raise ValueError(f"before must be 'rollout' or 'rescore', got {before!r}")
-        positive_int("every_n_steps", every_n_steps)
+    def __init__(self, before: str = "rollout", every_n_steps: int = 1, prefix: str = "update_direction") -> None:
+        who = type(self).__name__
+        choice(f"{who}: before", before, ("rollout", "rescore"))
+        positive_int(f"{who}: every_n_steps", every_n_steps)
+        metric_prefix(f"{who}: prefix", prefix)
         self.before = before
         self.every_n_steps = every_n_steps
+        self.prefix = prefix
         self.steps_seen = 0
         self.misaligned_total = 0.0
         self.tokens_total = 0.0
@@ -466,7 +483,14 @@ class UpdateDirectionProbe(RLCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(before=self.before, every_n_steps=self.every_n_steps)
+        """The checkpoint key; the prefix enters it only where it is not the default, so checkpoints written before
+        the probe took a prefix restore its counters."""
+        extra = {} if self.prefix == "update_direction" else {"prefix": self.prefix}
+        return self._generate_state_key(before=self.before, every_n_steps=self.every_n_steps, **extra)
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return (self.prefix,)
 
     def score(self, pl_module: Any, batch: RolloutBatch) -> torch.Tensor:
         """``[T]`` fp32 log-probs of ``batch``'s tokens through the generator's numeric path (current weights), at
@@ -510,14 +534,15 @@ class UpdateDirectionProbe(RLCallback):
         after = self.score(pl_module, batch)
         stats = F.update_direction_stats(before, after, batch.advantages, batch.response_mask)
         n = stats["num_tokens"]
+        p = self.prefix
         red = MetricReducer()
-        red.add_mean("update_direction/misaligned_frac", stats["misaligned_frac"], n)
-        red.add_mean("update_direction/unchanged_frac", stats["unchanged_frac"], n)
-        red.add_sum("update_direction/misaligned_count", round(stats["misaligned_frac"] * n))
-        red.add_sum("update_direction/num_tokens", n)
+        red.add_mean(f"{p}/misaligned_frac", stats["misaligned_frac"], n)
+        red.add_mean(f"{p}/unchanged_frac", stats["unchanged_frac"], n)
+        red.add_sum(f"{p}/misaligned_count", round(stats["misaligned_frac"] * n))
+        red.add_sum(f"{p}/num_tokens", n)
         metrics = red.reduce(after.device)
-        self.misaligned_total += metrics["update_direction/misaligned_count"]
-        self.tokens_total += metrics["update_direction/num_tokens"]
+        self.misaligned_total += metrics[f"{p}/misaligned_count"]
+        self.tokens_total += metrics[f"{p}/num_tokens"]
         self.last_metrics = metrics
         self._before_lp = None
         log_scalars(trainer, pl_module, metrics)

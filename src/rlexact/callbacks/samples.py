@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
+from typing_extensions import override
 
 from rlexact.batch import RolloutBatch
 from rlexact.callbacks.aggregation import logging_step, tensorboard_experiments
@@ -38,13 +39,21 @@ class SampleLogger(RLCallback):
     gathers_params = False
     """It runs no forward: its hook does not make the module gather FSDP2-sharded parameters."""
 
+    reads_logprobs = False
+    """It reads text, rewards and advantages only, so it may come before a MismatchInjection."""
+
     def __init__(self, every_n_steps: int = 10, num_samples: int = 4, max_chars: int = 500) -> None:
-        integer("every_n_steps", every_n_steps, low=0)
-        positive_int("num_samples", num_samples)
-        positive_int("max_chars", max_chars)
+        who = type(self).__name__
+        integer(f"{who}: every_n_steps", every_n_steps, low=0)
+        positive_int(f"{who}: num_samples", num_samples)
+        positive_int(f"{who}: max_chars", max_chars)
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
         self.max_chars = max_chars
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return ("samples",)
 
     def table(self, tokenizer: Any, batch: RolloutBatch) -> str:
         """The markdown table of the first ``num_samples`` sequences of ``batch``."""

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from rlexact.algorithms.aggregation import aggregate_loss
 from rlexact.callbacks import functional as F
@@ -57,7 +58,7 @@ from rlexact.callbacks._extra import InjectionTarget, keyed_normal, perturb_logp
 from rlexact.callbacks.aggregation import dist_ready, log_scalars
 from rlexact.callbacks.base import RLCallback, require_trainer_logprobs
 from rlexact.callbacks.probes import logprob_truncation, policy_model, rollout_temperature
-from rlexact.checks import positive_int
+from rlexact.checks import boolean, choice, finite, integer, metric_prefix, positive_int
 from rlexact.logprobs import Packed, packed_logprobs
 
 if TYPE_CHECKING:
@@ -230,7 +231,10 @@ class ShadowCorrection(RLCallback):
         every_n_steps: probe one rollout step in ``n``.
         all_ministeps: probe every PPO mini-step of a probed rollout step (default: only the first, where
             ``pi_theta == pi_old`` and the comparison is cleanest).
-        prefix: metric prefix.
+        prefix: metric prefix (a non-empty string not ending with ``/``).
+
+    Arguments of the wrong type or out of range raise ``ValueError`` naming them (``TypeError`` for a mapping value
+    that is not a :class:`ShadowSpec`). :meth:`check` refuses a Trainer of more than one process.
     """
 
     state_fields = (("steps_seen", int), ("probes", int))
@@ -248,28 +252,35 @@ class ShadowCorrection(RLCallback):
         all_ministeps: bool = False,
         prefix: str = "shadow",
     ) -> None:
+        who = type(self).__name__
+        if isinstance(corrections, str):
+            raise ValueError(f"{who}: corrections must be a list of names, got the string {corrections!r}")
         if isinstance(corrections, Mapping):
             self.specs = dict(corrections)
         else:
-            self.specs = {name: shadow_spec(name) for name in corrections}
+            try:
+                self.specs = {name: shadow_spec(name) for name in corrections}
+            except ValueError as e:
+                raise ValueError(f"{who}: {e}") from None
         if not self.specs:
-            raise ValueError("ShadowCorrection needs at least one correction")
+            raise ValueError(f"{who}: corrections must name at least one correction")
         for name, spec in self.specs.items():
             if not isinstance(spec, ShadowSpec):
-                raise TypeError(f"correction {name!r} must be a ShadowSpec, got {type(spec).__name__}")
+                raise TypeError(f"{who}: correction {name!r} must be a ShadowSpec, got {type(spec).__name__}")
         if not (callable(mismatch) or mismatch in ("inject", "native")):
-            raise ValueError(f"mismatch must be 'inject', 'native' or a callable, got {mismatch!r}")
-        if target not in ("logits", "logprobs"):
-            raise ValueError(f"target must be 'logits' or 'logprobs', got {target!r}")
-        if not (0.0 <= scale < float("inf")):
-            raise ValueError(f"scale must be finite and >= 0, got {scale}")
-        positive_int("every_n_steps", every_n_steps)
+            raise ValueError(f"{who}: mismatch must be 'inject', 'native' or a callable, got {mismatch!r}")
+        choice(f"{who}: target", target, ("logits", "logprobs"))
+        finite(f"{who}: scale", scale, low=0.0)
+        integer(f"{who}: seed", seed)
+        positive_int(f"{who}: every_n_steps", every_n_steps)
+        boolean(f"{who}: all_ministeps", all_ministeps)
+        metric_prefix(f"{who}: prefix", prefix)
         self.mismatch = mismatch
         self.scale = float(scale)
         self.target = target
-        self.seed = int(seed)
-        self.every_n_steps = int(every_n_steps)
-        self.all_ministeps = bool(all_ministeps)
+        self.seed = seed
+        self.every_n_steps = every_n_steps
+        self.all_ministeps = all_ministeps
         self.prefix = prefix
         self.steps_seen = 0
         """Rollout steps seen so far; keys the injected noise (resumable)."""
@@ -288,6 +299,21 @@ class ShadowCorrection(RLCallback):
     def state_key(self) -> str:
         mismatch = self.mismatch if isinstance(self.mismatch, str) else getattr(self.mismatch, "__name__", "callable")
         return self._generate_state_key(mismatch=mismatch, scale=self.scale, seed=self.seed, prefix=self.prefix)
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return (self.prefix,)
+
+    @override
+    def check(self, trainer: Trainer | None, pl_module: Any) -> None:
+        """Also refuses a Trainer of more than one process (the gradient dot products are not reduced across
+        ranks)."""
+        super().check(trainer, pl_module)
+        if trainer is not None and trainer.world_size > 1:
+            raise ValueError(
+                f"ShadowCorrection runs in one process (its gradient dot products are not reduced across ranks), "
+                f"and this Trainer has {trainer.world_size}: calibrate on a single device"
+            )
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         if dist_ready():

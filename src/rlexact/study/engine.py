@@ -203,6 +203,11 @@ class PerturbedRolloutModule(RLModule):
         self._synced_at: int | None = None
 
     @property
+    def exact_rollout(self) -> bool:
+        """False with a perturbation: the generator then samples and reports the perturbed copy's log-probs."""
+        return self.rollout_weights is None and super().exact_rollout
+
+    @property
     def rollout_copy(self) -> PerturbedCopy | None:
         """The perturbed copy the generator runs on (``None`` without a perturbation or before first use)."""
         return self.__dict__.get("_rollout_copy")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from rlexact.callbacks import UpdateDirectionProbe
 from rlexact.callbacks import functional as F
@@ -77,6 +78,10 @@ class DirectionAgreementProbe(RLCallback):
         self.last_metrics: dict[str, float] = {}
         self._scorer = UpdateDirectionProbe()
         self._trainer_before: torch.Tensor | None = None
+
+    @override
+    def metric_prefixes(self) -> tuple[str, ...]:
+        return ("direction",)
 
     def on_rl_batch(self, trainer: Trainer, pl_module: LightningModule, batch: RolloutBatch) -> None:
         self._trainer_before = require_trainer_logprobs(batch, type(self).__name__).clone()
