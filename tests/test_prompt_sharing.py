@@ -11,7 +11,7 @@ from models import assert_same_completions, assert_trainer_logprobs, prompts_for
 from rlexact.rollout import Generator, SamplingParams
 from rlexact.rollout.block_manager import BlockManager
 from rlexact.rollout.runner import ModelRunner
-from rlexact.rollout.sequence import Sequence
+from rlexact.rollout.sequence import Sequence, Status
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,64 @@ def test_shared_prompts_with_preemption_and_shuffled_pages(qwen) -> None:
     assert gen.stats["preemptions"] > 0 and gen.stats["prompt_forks"] > 0
     roomy = Generator(qwen, block_size=8, share_prompt_blocks=False).generate(prompts, params)
     assert all(o.num_preemptions == 0 for o in roomy)
+    assert_same_completions(outs, roomy)
+    assert_trainer_logprobs(qwen, outs)
+
+
+def _first_token_stops(qwen, prompts, n, monkeypatch=None, **kw):
+    """Greedy ``n`` samples per prompt that all stop at their first token (the stop set is each prompt's greedy
+    first token), with and without prompt sharing; returns both generators and results."""
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+    first = Generator(qwen, share_prompt_blocks=False).generate(prompts, greedy)
+    stop = sorted({o.token_ids[0] for o in first})
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, n=n, stop_token_ids=stop)
+    shared = Generator(qwen, block_size=4, **kw)
+    outs = shared.generate(prompts, params)
+    plain = Generator(qwen, block_size=4, share_prompt_blocks=False, prefix_caching=False, **kw)
+    ref = plain.generate(prompts, params)
+    assert all(o.finish_reason == "stop" and len(o.token_ids) == 1 for o in outs)
+    return shared, outs, ref
+
+
+def test_samples_fork_from_a_sibling_that_stopped_at_its_first_token(qwen) -> None:
+    """A sample that stops at its first token keeps its prompt blocks until its waiting siblings forked from them:
+    the prompt is prefilled once, in one step with the first token, not once per sample in a step each."""
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]]
+    shared, outs, ref = _first_token_stops(qwen, prompts, n=12)
+    assert_same_completions(outs, ref)
+    assert_trainer_logprobs(qwen, outs)
+    assert shared.stats["steps"] == 2 and shared.stats["prompt_forks"] == 11
+    assert shared.stats["prefill_tokens"] == len(prompts[0]) + 11
+
+
+def test_negative_control_siblings_without_a_donor(qwen, monkeypatch) -> None:
+    """Releasing a finished sample's blocks at once (no donor) makes each waiting sibling prefill the prompt again,
+    one step each: the counts above would fail."""
+    from rlexact.rollout.scheduler import Scheduler
+
+    def finish_at_once(self, seq, reason):
+        seq.finish_reason, seq.status = reason, Status.FINISHED
+        self._stop(seq)
+
+    monkeypatch.setattr(Scheduler, "finish", finish_at_once)
+    shared, outs, ref = _first_token_stops(qwen, [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]], n=12)
+    assert_same_completions(outs, ref)
+    assert shared.stats["steps"] == 12 and shared.stats["prompt_forks"] == 0
+
+
+def test_donors_hold_no_row_and_give_way_to_preemption(qwen) -> None:
+    """Donors under two sequence slots (their table rows are given back at once) and a cache of a few blocks (they
+    are released before any running sample is preempted): the same completions as unshared, every block back."""
+    prompts = prompts_for(3, 97, lo=5, hi=12, seed=8)
+    shared, outs, ref = _first_token_stops(qwen, prompts, n=4, max_num_seqs=2)
+    assert_same_completions(outs, ref)
+    assert shared.stats["prompt_forks"] == 3 * 3
+    params = SamplingParams(max_new_tokens=6, seed=5, n=4, stop_token_ids=list(range(0, 97, 11)))
+    tight = Generator(qwen, num_kv_blocks=9, block_size=4, max_num_batched_tokens=20, shuffle_blocks=True)
+    outs = tight.generate(prompts, params)
+    assert tight.stats["preemptions"] > 0 and tight.stats["prompt_forks"] > 0
+    assert any(len(o.token_ids) == 1 for o in outs) and any(len(o.token_ids) > 1 for o in outs)
+    roomy = Generator(qwen, block_size=8, share_prompt_blocks=False).generate(prompts, params)
     assert_same_completions(outs, roomy)
     assert_trainer_logprobs(qwen, outs)
 

@@ -177,10 +177,16 @@ class BlockManager:
                 else:
                     self._free.append(b)
             seq.block_table = []
+        self.release_row(seq)
+        seq.cache_node, seq.cache_blocks = self.ROOT, 0
+
+    def release_row(self, seq: Sequence) -> None:
+        """Give back ``seq``'s table row (if it holds one), keeping its blocks: a finished sequence kept for its
+        siblings to fork from (:meth:`fork` reads its block list, not its row) must not hold a row that a running
+        sequence needs."""
         if seq.row >= 0:
             self._free_rows.append(seq.row)
             seq.row = -1
-        seq.cache_node, seq.cache_blocks = self.ROOT, 0
 
     def check_released(self) -> None:
         """Raise ``RuntimeError`` unless every block and table row is back (call once every sequence is freed). A

@@ -3,7 +3,7 @@ prompt and prefix caching."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from rlexact.rollout.block_manager import BlockManager
@@ -35,7 +35,7 @@ class _Step:
     """A step being built: its sequences and token counts, copies, the token budget left, and the positions taken
     from siblings or the prefix cache (counted once the step is committed)."""
 
-    __slots__ = ("budget", "cached", "copies", "forks", "is_decode", "num_new", "prefill", "seqs", "shared")
+    __slots__ = ("blocked", "budget", "cached", "copies", "forks", "is_decode", "num_new", "prefill", "seqs", "shared")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -45,6 +45,8 @@ class _Step:
         self.prefill = 0
         self.copies: list[tuple[int, int]] = []
         self.cached = self.forks = self.shared = 0
+        self.blocked = False
+        """Whether an admission ended for want of free blocks."""
 
     def add(self, seq: Sequence, n: int) -> None:
         """Feed ``n`` tokens of ``seq`` from its ``num_computed``."""
@@ -75,8 +77,13 @@ class Scheduler:
     ``n`` samples of a request). A waiting sequence holding no cache whose running sibling has its first ``L - 1``
     prompt positions cached forks from it (:meth:`BlockManager.fork`) and starts at ``num_computed = L - 1``: it
     feeds only the last prompt token (a decode-shaped step) and then samples. While a sibling is still prefilling,
-    the sequence is skipped (later waiting sequences may be admitted) instead of prefilling the prompt again. Exact
-    because every kernel is row-invariant: cached K/V of a position do not depend on which sequence computed them.
+    the sequence is skipped (later waiting sequences may be admitted) instead of prefilling the prompt again. A
+    sequence that finishes while siblings still wait (e.g. at its first sampled token) keeps its blocks as a donor
+    until the next admissions have forked from it (:meth:`finish`), so its siblings do not prefill the prompt one at
+    a time. A donor holds no table row and is released once no sibling waits (checked after each admission pass),
+    or at once when its blocks are needed: before any preemption, and when an admission finds too few free blocks.
+    Exact because every kernel is row-invariant: cached K/V of a position do not depend on which sequence computed
+    them.
 
     Prefix caching (``prefix_cache``): at each :meth:`schedule`, the running sequences' full blocks with written K/V
     are recorded (:meth:`BlockManager.register`); a waiting sequence holding no cache that does not fork takes the
@@ -115,11 +122,16 @@ class Scheduler:
         """Positions taken from the prefix cache instead of being computed (prompt and, after a preemption,
         generated tokens)."""
         self._siblings: dict[int, list[Sequence]] = {}
-        """Running sequences by ``prompt_index`` (only with ``share_prompts``)."""
+        """Running sequences and donors by ``prompt_index`` (only with ``share_prompts``)."""
+        self._donors: list[Sequence] = []
+        """Finished sequences still holding their blocks for waiting siblings to fork from (:meth:`finish`)."""
+        self._waiting_prompts: Counter[int] = Counter()
+        """Waiting sequences by ``prompt_index``."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self._waiting_prompts[seq.prompt_index] += 1
 
     @property
     def done(self) -> bool:
@@ -142,6 +154,10 @@ class Scheduler:
 
     def _stop(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and take it out of its sibling group."""
         self.bm.free(seq)
         if self.share_prompts:
             group = self._siblings[seq.prompt_index]
@@ -155,7 +171,18 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self._waiting_prompts[seq.prompt_index] += 1
         self.num_preemptions += 1
+
+    def _release_donors(self, unwaited_only: bool = False) -> None:
+        """Free the blocks of every donor (:meth:`finish`), or only of those no sibling waits for."""
+        kept = []
+        for seq in self._donors:
+            if unwaited_only and self._waiting_prompts[seq.prompt_index] > 0:
+                kept.append(seq)
+            else:
+                self._release(seq)
+        self._donors = kept
 
     def _share_source(self, seq: Sequence) -> Sequence | bool:
         """A running sibling whose cache holds ``seq``'s first ``L - 1`` prompt positions; ``True`` when a sibling is
@@ -206,6 +233,9 @@ class Scheduler:
                 continue
             target = seq.num_computed + n
             while not self.bm.ensure(seq, target):  # returns at once when seq already has the slots
+                if self._donors:
+                    self._release_donors()
+                    continue
                 victim = running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -217,6 +247,10 @@ class Scheduler:
             i += 1
         if not preempted:
             self._admit(step, leading)
+            if step.blocked and self._donors:  # the donors' blocks kept an admission out: free them, admit on
+                self._release_donors()
+                self._admit(step, self._record_running() if self.prefix_cache else None)
+        self._release_donors(unwaited_only=True)
         if not step.seqs:
             raise RuntimeError(
                 "scheduler made no progress: a sequence does not fit the KV cache or the token budget "
@@ -258,11 +292,13 @@ class Scheduler:
             if n and src is not None:
                 copy = bm.fork(src, seq, start)
                 if copy is None:
+                    step.blocked = True
                     break
             # the reserve check also catches a fork or match that took reserved blocks
             if n == 0 or bm.missing(seq, start + n) > bm.num_free - reserve or not bm.ensure(seq, start + n):
                 if src is not None or hit:
                     bm.free(seq)
+                step.blocked = n > 0
                 break
             seq.num_computed = start
             step.cached += hit
@@ -272,6 +308,7 @@ class Scheduler:
                 if copy[0] >= 0:
                     step.copies.append(copy)
             del self.waiting[w]
+            self._waiting_prompts[seq.prompt_index] -= 1
             admitted.append((w, seq))
             self._start(seq)
             step.add(seq, n)
@@ -284,6 +321,7 @@ class Scheduler:
             seq.num_computed = 0
             seq.status = Status.WAITING
             self.waiting.insert(w, seq)
+            self._waiting_prompts[seq.prompt_index] += 1
 
     def _commit(self, step: _Step) -> ScheduledBatch:
         """Count ``step``'s shared and cached positions and forks; return it as a batch."""
@@ -352,6 +390,7 @@ class Scheduler:
         for seq, target in chunks:
             if not self.bm.ensure(seq, target):
                 raise RuntimeError("chain_prefill: a reserved block allocation failed")
+        self._release_donors(unwaited_only=True)
         return self._commit(step)
 
     def chain(self, batch: ScheduledBatch) -> ScheduledBatch | None:
@@ -378,7 +417,20 @@ class Scheduler:
         return ScheduledBatch(seqs, [1] * len(seqs), True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished and release its blocks."""
+        """Mark ``seq`` finished and release its blocks, or, with prompt sharing, keep them as a donor while a
+        sibling waits that could fork from it (its first ``L - 1`` prompt positions are cached): the next admissions
+        fork from the donor instead of one sibling prefilling the prompt again."""
         seq.finish_reason = reason
         seq.status = Status.FINISHED
-        self._stop(seq)
+        donor = (
+            self.share_prompts
+            and self._waiting_prompts[seq.prompt_index] > 0
+            and not seq.score_only
+            and seq.num_computed >= seq.num_prompt_tokens - 1
+        )
+        if not donor:
+            self._stop(seq)
+            return
+        self.running.remove(seq)
+        self.bm.release_row(seq)
+        self._donors.append(seq)
