@@ -270,6 +270,16 @@ def test_gpu_shared_prompts_equal_unshared(qwen):
     assert shared.stats["prefill_tokens"] < plain.stats["prefill_tokens"] / 4
 
 
+def test_gpu_samples_fork_from_a_finished_sibling(qwen):
+    """n = 8 samples, a quarter of the vocabulary stops: samples that stop at their first token stay donors until
+    their waiting siblings forked from them, so every sibling forks; the same completions as without sharing,
+    bitwise, and the trainer's."""
+    prompts = prompts_for(6, 1003, lo=30, hi=300, seed=22)
+    params = SamplingParams(max_new_tokens=16, seed=4, n=8, stop_token_ids=list(range(0, 1003, 4)))
+    shared, _ = reused_and_computed(qwen, prompts, params)
+    assert shared.stats["prompt_forks"] == 6 * 7 and shared.stats["graph_steps"] > 0
+
+
 def test_gpu_prefix_cache_equals_uncached(qwen):
     """Prompts behind a shared 200-token system prefix, n = 4: the prefix is computed about once and the completions
     equal those of a run without prefix caching or sharing, bitwise, and the trainer's."""
