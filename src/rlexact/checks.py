@@ -23,6 +23,7 @@ __all__ = [
     "not_a_file",
     "not_text",
     "positive_int",
+    "temperature_value",
     "token_ids",
 ]
 
@@ -71,6 +72,23 @@ def finite(name: str, value: Any, *, low: float | None = None, low_open: bool = 
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+
+
+MIN_TEMPERATURE = 1.0 / 3.4028234663852886e38
+"""The smallest positive temperature: below it ``1 / temperature`` overflows float32 (the kernels scale the logits by
+it) and every log-prob is NaN."""
+
+
+def temperature_value(name: str, value: Any, *, greedy: bool = False) -> None:
+    """``value`` is a finite temperature ``> 0`` (or ``0``, argmax, where ``greedy``) whose reciprocal float32 holds
+    (at least :data:`MIN_TEMPERATURE`)."""
+    finite(name, value, low=0.0, low_open=not greedy)
+    if 0 < value < MIN_TEMPERATURE:
+        instead = "0 for greedy (argmax) decoding or " if greedy else ""
+        raise ValueError(
+            f"{name} must be at least {MIN_TEMPERATURE:.3g}, got {value!r}: the logits are scaled by 1/{name}, which "
+            f"overflows float32 below it and makes every log-prob NaN; use {instead}a temperature of at least that"
+        )
 
 
 def not_text(name: str, value: Any) -> None:

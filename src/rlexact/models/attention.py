@@ -112,7 +112,8 @@ def _check_positions(position_ids: object, starts: torch.Tensor, b: int, t: int,
     if bool(((got != expected) & (expected >= 0)).any()):
         raise ValueError(
             "position_ids do not restart at 0 after the left padding, so they differ from the unpadded forward; pass "
-            "attention_mask and let transformers derive the positions (as model.generate does: cumsum(mask) - 1)"
+            "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the mask (model.generate derives them "
+            "this way; a plain forward call counts from 0 at the padding)"
         )
 
 

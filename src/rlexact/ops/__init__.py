@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from rlexact.checks import temperature_value
+
 from .autograd import AttentionVarlenFn, GatedMulFn, MatmulFn, QKNormRopeFn, RMSNormFn, TokenLogprobsFn, kernel_impl
 from .backend import Backend, interpreter_enabled, resolve_backend, triton_available
 from .moe import grouped_matmul, moe_experts, moe_router, sigmoid_gate
@@ -352,8 +354,7 @@ def _check_head(hidden: torch.Tensor, w: torch.Tensor, temperature: float) -> No
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     _check_2d_match(hidden, w, "lm head")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature_value("temperature", temperature)
 
 
 def token_logprobs(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlexact.checks import as_index, indices, not_text
+from rlexact.checks import as_index, finite, indices, integer, not_text, temperature_value
 from rlexact.distributed import gathered_params
 from rlexact.models import context_limit, exactify, is_exactified, lm_head_weight, uncompiled, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
@@ -70,8 +70,8 @@ class Generator:
       ``overlapped_steps`` (decode steps launched before the previous one was read back), ``overlapped_eager_steps``
       (prefill steps launched before the previous eager step was read back), ``graph_captures`` (of
       which ``graph_captures_warmed`` ran an eager warm-up and ``graph_captures_ahead`` were recorded during a
-      prefill step), ``cuda_graphs_disabled`` (why graphs were turned off, else None), ``capture_ahead_failed`` (why
-      an early capture failed; the decode step then captured as usual);
+      prefill step), ``cuda_graphs_disabled`` (why graphs were turned off, else None), ``capture_ahead_failed`` (only
+      after an early capture failed: why; the decode step then captured as usual);
     - host seconds: ``setup_s`` (to the first step), ``eager_s`` and its split ``eager_host_s``, ``graph_s`` and the
       per-part split of graph decode steps ``decode_host_s``, ``capture_s`` / ``capture_ahead_s``, ``elapsed_s``,
       ``tokens_per_s``, ``release_s`` (after ``elapsed_s``: freeing the cache, graphs and fused weights).
@@ -226,7 +226,9 @@ class Generator:
         """Sample ``params.n`` completions per prompt.
 
         Args:
-            prompt_token_ids: non-empty list of non-empty token-id lists (ids in ``[0, vocab)``).
+            prompt_token_ids: non-empty list of non-empty token-id lists (ids in ``[0, vocab)``), unpadded: every
+                id is prompt content, a pad id included, so strip a tokenizer's padding (``tok(batch,
+                padding=True)``) first, e.g. with its attention mask.
             params: sampling parameters (default ``SamplingParams()``).
             request_ids: optional keyed-sampler ids, one per sample (``len(prompts) * n``, prompt-major); default
                 ``i * n + j`` for sample ``j`` of prompt ``i``. A request samples the same tokens whatever else is in
@@ -251,8 +253,9 @@ class Generator:
             ``top_k=params.top_k, top_p=params.top_p`` for ``"sampled"``).
 
         Raises:
-            ValueError: empty input, empty prompt, ids outside the vocabulary, ``prompt + max_new_tokens`` beyond the
-                context (checked up front), a KV budget smaller than one sequence, bad ``request_ids``.
+            ValueError: empty input, empty prompt, prompt or stop ids outside the vocabulary, ``prompt +
+                max_new_tokens`` beyond the context (checked up front), a KV budget smaller than one sequence, bad
+                ``request_ids``.
             RuntimeError: a KV block or block-table row still held once every sequence finished (an internal
                 bookkeeping error, :meth:`BlockManager.check_released`), rather than a silently smaller cache.
         """
@@ -260,6 +263,12 @@ class Generator:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompts = self._check_tokens(prompt_token_ids, "prompt_token_ids")
+        outside = [i for i in params.stop_token_ids or () if i >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids has ids {outside} outside the vocabulary [0, {self.vocab_size}): they can never be "
+                "sampled, so generation would not stop at them"
+            )
         n = params.n
         total = len(prompts) * n
         if keys is not None:
@@ -311,12 +320,11 @@ class Generator:
         ``top_k > 0`` or ``top_p < 1``: log-probs of the truncated, renormalized distribution (what ``generate``
         reports with ``logprobs="sampled"``), bitwise equal to ``sequence_logprobs(..., top_k=, top_p=)`` in exact mode.
         """
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
+        temperature_value("temperature", temperature)
+        finite("top_p", top_p, low=0.0, low_open=True)
+        if top_p > 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        integer("top_k", top_k, low=0)
         toks = self._check_tokens(sequences, "sequences")
         seqs = [Sequence(i, t, i, i, 0, score_only=True) for i, t in enumerate(toks)]
         self._check_lengths(seqs)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlexact.checks import as_index, choice, finite, integer, positive_int, token_ids
+from rlexact.checks import as_index, choice, finite, integer, positive_int, temperature_value, token_ids
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 FinishReason = Literal["stop", "length"]
@@ -19,7 +19,8 @@ class SamplingParams:
 
     Attributes:
         max_new_tokens: generated tokens per sample at most (> 0).
-        temperature: softmax temperature (> 0); ``0`` means greedy (argmax, log-probs reported at temperature 1).
+        temperature: softmax temperature (> 0, at least :data:`rlexact.checks.MIN_TEMPERATURE`, below which
+            ``1 / temperature`` overflows float32); ``0`` means greedy (argmax, log-probs reported at temperature 1).
         top_p: nucleus mass in ``(0, 1]``; 1 disables it.
         top_k: keep the ``k`` most likely tokens; 0 disables it.
         seed: base seed of the keyed sampler (an integer of any type, taken modulo ``2**64``); the draw for a token
@@ -45,7 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         positive_int("max_new_tokens", self.max_new_tokens)
-        finite("temperature", self.temperature, low=0.0)
+        temperature_value("temperature", self.temperature, greedy=True)
         finite("top_p", self.top_p, low=0.0, low_open=True)
         if self.top_p > 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -90,6 +91,8 @@ class Completion:
         finish_reason: ``"stop"`` (a stop token was produced) or ``"length"`` (``max_new_tokens`` reached).
         request_id: the keyed-sampler id of this sample.
         prompt_index: index of the prompt in the ``generate`` call.
+        num_preemptions: times the sample was preempted (its KV blocks freed under memory pressure and its prompt and
+            generated tokens recomputed later); the tokens and log-probs do not depend on it.
     """
 
     prompt_token_ids: list[int]
