@@ -10,6 +10,7 @@ import torch
 import rlexact
 from models import tiny_model
 from rlexact.checks import MIN_TEMPERATURE
+from rlexact.config import RolloutConfig
 from rlexact.rollout import Generator, SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79]]
@@ -30,6 +31,8 @@ def test_a_temperature_whose_reciprocal_overflows_is_refused(qwen, temperature: 
         Generator(qwen).score(PROMPTS, temperature=temperature)
     with pytest.raises(ValueError, match="temperature must be at least .* overflows float32"):
         rlexact.sequence_logprobs(qwen, PROMPTS, temperature)
+    with pytest.raises(ValueError, match="rollout.temperature must be at least .* overflows float32"):
+        RolloutConfig(temperature=temperature)
 
 
 def test_the_smallest_temperature_is_greedy_with_finite_logprobs(qwen) -> None:

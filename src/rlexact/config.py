@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.checks import choice, finite, integer, positive_int, token_ids
+from rlexact.checks import choice, finite, integer, positive_int, temperature_value, token_ids
 from rlexact.models.state import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
@@ -78,7 +78,8 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     """Maximum response length in tokens; also the normalizer of ``seq-mean-token-sum-norm``."""
     temperature: float = 1.0
-    """Sampling temperature (> 0). The trainer computes log-probs at the same temperature."""
+    """Sampling temperature (> 0, at least :data:`rlexact.checks.MIN_TEMPERATURE`). The trainer computes log-probs at
+    the same temperature."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 disables it. Which distribution the log-probs describe is ``logprobs``."""
     top_k: int = 0
@@ -110,7 +111,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         positive_int("rollout.n", self.n)
         positive_int("rollout.max_new_tokens", self.max_new_tokens)
-        finite("rollout.temperature", self.temperature, low=0.0, low_open=True)
+        temperature_value("rollout.temperature", self.temperature)
         finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
         if self.top_p > 1.0:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
