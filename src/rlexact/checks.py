@@ -11,11 +11,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 __all__ = [
     "as_index",
     "boolean",
     "choice",
     "finite",
+    "fraction",
     "flag_message",
     "indices",
     "integer",
@@ -23,6 +26,7 @@ __all__ = [
     "not_a_file",
     "not_text",
     "positive_int",
+    "sampling_args",
     "temperature_value",
     "token_ids",
 ]
@@ -74,7 +78,7 @@ def finite(name: str, value: Any, *, low: float | None = None, low_open: bool = 
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
 
 
-MIN_TEMPERATURE = 1.0 / 3.4028234663852886e38
+MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
 """The smallest positive temperature: below it ``1 / temperature`` overflows float32 (the kernels scale the logits by
 it) and every log-prob is NaN."""
 
@@ -89,6 +93,22 @@ def temperature_value(name: str, value: Any, *, greedy: bool = False) -> None:
             f"{name} must be at least {MIN_TEMPERATURE:.3g}, got {value!r}: the logits are scaled by 1/{name}, which "
             f"overflows float32 below it and makes every log-prob NaN; use {instead}a temperature of at least that"
         )
+
+
+def fraction(name: str, value: Any) -> None:
+    """``value`` is a finite number in ``(0, 1]``."""
+    finite(name, value, low=0.0, low_open=True)
+    if value > 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def sampling_args(prefix: str, temperature: Any, top_p: Any, top_k: Any, *, greedy: bool = False) -> None:
+    """The sampling triple that :class:`rlexact.rollout.SamplingParams`, :class:`rlexact.config.RolloutConfig` and
+    ``Generator.score`` take: :func:`temperature_value` (``0`` allowed where ``greedy``), ``top_p`` in ``(0, 1]``,
+    ``top_k`` an int ``>= 0``; the names are ``prefix`` + the argument's."""
+    temperature_value(f"{prefix}temperature", temperature, greedy=greedy)
+    fraction(f"{prefix}top_p", top_p)
+    integer(f"{prefix}top_k", top_k, low=0)
 
 
 def not_text(name: str, value: Any) -> None:

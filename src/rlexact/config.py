@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlexact.checks import choice, finite, integer, positive_int, temperature_value, token_ids
+from rlexact.checks import choice, finite, integer, positive_int, sampling_args, token_ids
 from rlexact.models.state import KERNELS, Kernels
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 from rlexact.rewards.executor import RewardConfig
@@ -111,11 +111,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         positive_int("rollout.n", self.n)
         positive_int("rollout.max_new_tokens", self.max_new_tokens)
-        temperature_value("rollout.temperature", self.temperature)
-        finite("rollout.top_p", self.top_p, low=0.0, low_open=True)
-        if self.top_p > 1.0:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        integer("rollout.top_k", self.top_k, low=0)
+        sampling_args("rollout.", self.temperature, self.top_p, self.top_k)
         integer("rollout.seed", self.seed, low=0)
         choice("rollout.kernels", self.kernels, KERNELS)
         choice("rollout.logprobs", self.logprobs, LOGPROB_MODES)

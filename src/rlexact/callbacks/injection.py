@@ -81,7 +81,6 @@ class MismatchInjection(RLCallback):
         self.scale = float(scale)
         self.seed = seed
         self.old_logprobs = old_logprobs
-        self.perturbs_logprobs = self.scale > 0
         self.rollout_step = 0
         """Rollout batches perturbed so far; keys the noise (resumable)."""
         self.last_metrics: dict[str, float] = {}
@@ -89,6 +88,11 @@ class MismatchInjection(RLCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(target=self.target, scale=self.scale, seed=self.seed)
+
+    @property
+    def perturbs_logprobs(self) -> bool:
+        """Whether it perturbs anything (``scale > 0``)."""
+        return self.scale > 0
 
     @override
     def metric_prefixes(self) -> tuple[str, ...]:

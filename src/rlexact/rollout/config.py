@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from rlexact.checks import choice, finite, indices, integer, positive_int
+from rlexact.checks import choice, fraction, indices, integer, positive_int
 from rlexact.models.state import KERNELS, Kernels
 
 
@@ -102,9 +102,7 @@ class GeneratorConfig:
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a bool, got {value!r}")
-        finite("kv_cache_memory_fraction", self.kv_cache_memory_fraction, low=0.0, low_open=True)
-        if self.kv_cache_memory_fraction > 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        fraction("kv_cache_memory_fraction", self.kv_cache_memory_fraction)
         integer("block_seed", self.block_seed)
         if self.graph_batch_sizes is not None:
             sizes = tuple(sorted(set(indices("graph_batch_sizes", self.graph_batch_sizes, what="batch size"))))

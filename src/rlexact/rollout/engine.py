@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlexact.checks import as_index, finite, indices, integer, not_text, temperature_value
+from rlexact.checks import as_index, indices, not_text, sampling_args
 from rlexact.distributed import gathered_params
 from rlexact.models import context_limit, exactify, is_exactified, lm_head_weight, uncompiled, use_kernels
 from rlexact.models.fusion import FusedProjections, use_fused_projections
@@ -320,11 +320,7 @@ class Generator:
         ``top_k > 0`` or ``top_p < 1``: log-probs of the truncated, renormalized distribution (what ``generate``
         reports with ``logprobs="sampled"``), bitwise equal to ``sequence_logprobs(..., top_k=, top_p=)`` in exact mode.
         """
-        temperature_value("temperature", temperature)
-        finite("top_p", top_p, low=0.0, low_open=True)
-        if top_p > 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        integer("top_k", top_k, low=0)
+        sampling_args("", temperature, top_p, top_k)
         toks = self._check_tokens(sequences, "sequences")
         seqs = [Sequence(i, t, i, i, 0, score_only=True) for i, t in enumerate(toks)]
         self._check_lengths(seqs)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from rlexact.checks import as_index, choice, finite, integer, positive_int, temperature_value, token_ids
+from rlexact.checks import as_index, choice, positive_int, sampling_args, token_ids
 from rlexact.models.truncation import LOGPROB_MODES, LogprobMode
 
 FinishReason = Literal["stop", "length"]
@@ -46,11 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         positive_int("max_new_tokens", self.max_new_tokens)
-        temperature_value("temperature", self.temperature, greedy=True)
-        finite("top_p", self.top_p, low=0.0, low_open=True)
-        if self.top_p > 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        integer("top_k", self.top_k, low=0)
+        sampling_args("", self.temperature, self.top_p, self.top_k, greedy=True)
         seed = None if isinstance(self.seed, bool) else as_index(self.seed)  # numpy / torch integers too
         if seed is None:
             raise ValueError(f"seed must be an int, got {self.seed!r}")

@@ -422,13 +422,7 @@ class Scheduler:
         fork from the donor instead of one sibling prefilling the prompt again."""
         seq.finish_reason = reason
         seq.status = Status.FINISHED
-        donor = (
-            self.share_prompts
-            and self._waiting_prompts[seq.prompt_index] > 0
-            and not seq.score_only
-            and seq.num_computed >= seq.num_prompt_tokens - 1
-        )
-        if not donor:
+        if not (self.share_prompts and self._waiting_prompts[seq.prompt_index] and not seq.score_only):
             self._stop(seq)
             return
         self.running.remove(seq)
